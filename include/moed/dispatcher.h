@@ -1,0 +1,166 @@
+// TokenDispatcher: Megatron-Core's six-step dispatch / combine interface (spec §1), with one
+// implementation per dispatcher (AllGather, AlltoAll, Flex; low-latency has its own API in
+// moed/low_latency.h because its layout differs) and the backward of each step.
+//
+//   MOED_ASSIGN_OR_RETURN(auto d, moed::TokenDispatcher::create(world, config));
+//   MOED_ASSIGN_OR_RETURN(moed::DispatchOutput out, d->dispatch({.hidden = x, .topk = &routing}));
+//   ... experts read out.expert_input, segment j has out.tokens_per_expert[j] rows ...
+//   MOED_ASSIGN_OR_RETURN(moed::CombineOutput y, d->combine({.expert_output = ey, .handle = out.handle}));
+//
+// Results are bitwise identical across dispatchers, backends and EP sizes (spec §3-§4).
+// Every call is collective over the world: all ranks call it, each with its own tokens.
+// Bad input on any rank is an error on every rank (World::agree), never a hang.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "moed/routing.h"
+#include "moed/status.h"
+#include "moed/tensor.h"
+#include "moed/world.h"
+
+namespace moed {
+
+enum class DispatcherKind : uint8_t { kAllGather = 0, kAlltoAll = 1, kFlex = 2, kLowLatency = 3 };
+const char* dispatcher_kind_name(DispatcherKind k);  // "allgather", "alltoall", "flex", "low_latency"
+StatusOr<DispatcherKind> parse_dispatcher_kind(std::string_view name);
+
+// One validated configuration for every dispatcher (DeepEP's Config, Megatron's
+// TransformerConfig moe_* fields). validate() is the single place options are checked.
+struct DispatchConfig {
+  DispatcherKind kind = DispatcherKind::kAlltoAll;
+  int num_experts = 0;
+  int ep_size = 0;   // 0 = world size / etp_size
+  int etp_size = 1;  // expert tensor parallel size P; group rank g = (ep = g / P, p = g % P)
+  LayoutOptions layout;
+  bool weighted_combine = false;  // multiply each expert's term by its prob in combine
+
+  // Flex only (others reject non-default values):
+  int64_t num_worst_tokens = 0;  // > 0: size the output for this many rows up front
+  int num_channels = 0;          // worker threads owning token ranges; 0 = the world's pool
+
+  int effective_ep_size(int world_size) const { return ep_size > 0 ? ep_size : world_size / etp_size; }
+  int num_local_experts(int world_size) const { return num_experts / effective_ep_size(world_size); }
+  // EP * ETP == world size, E % EP == 0, layout options valid, kind-specific options, ...
+  Status validate(int world_size) const;
+};
+
+// What a dispatch produced and what combine and the backward passes need. Dispatchers
+// subclass it to keep their own state (prefix matrices, send layouts); the public fields are
+// the same for all and are what tests and the MoE layer read.
+class DispatchHandle {
+ public:
+  virtual ~DispatchHandle() = default;
+  DispatcherKind kind = DispatcherKind::kAlltoAll;
+  int hidden = 0;
+  DType dtype = DType::kF32;  // payload dtype of the dispatch
+  int num_topk = 0;
+  // Home side (this rank's tokens), after capacity dropping and router padding.
+  RoutingMap routing;
+  // Expert side (rows this rank received), canonical layout of spec §3.
+  int64_t num_rows = 0;
+  std::vector<int64_t> tokens_per_expert;           // [L], padded lengths
+  std::vector<int64_t> tokens_per_expert_unpadded;  // [L]
+  std::vector<int32_t> row_src_rank;                // [num_rows], -1 on padding rows
+  std::vector<int32_t> row_src_token;               // [num_rows], -1 on padding rows
+  std::vector<float> permuted_probs;                // [num_rows], 0 on padding rows
+};
+
+struct DispatchInput {
+  TokenRows hidden;                    // [T, H] f32, bf16, or fp8 with scales; T may be 0
+  const TopkRouting* topk = nullptr;   // exactly one of topk / map
+  const RoutingMap* map = nullptr;
+  // Flex cached mode: same routing as the dispatch that made this handle; skips notify.
+  std::shared_ptr<const DispatchHandle> cached_handle;
+};
+
+struct DispatchOutput {
+  TokenRows expert_input;  // [num_rows, H] canonical layout, payload dtype (+ scales for fp8)
+  std::span<const float> permuted_probs;          // [num_rows] (owned by handle)
+  std::span<const int64_t> tokens_per_expert;     // [L] (owned by handle)
+  std::shared_ptr<const DispatchHandle> handle;
+  std::shared_ptr<void> storage;  // keeps expert_input alive
+  int64_t num_rows() const { return expert_input.x.rows; }
+};
+
+struct CombineInput {
+  TokenRows expert_output;  // [num_rows, H] f32 or bf16, rows as in the dispatch output
+  std::shared_ptr<const DispatchHandle> handle;
+};
+
+struct CombineOutput {
+  Tensor hidden;                     // [T, H], dtype of expert_output
+  std::vector<float> combined_probs; // [T] fp32 sum of each token's kept probs (as DeepEP returns)
+};
+
+// Backward of dispatch: gradients w.r.t. the dispatch outputs, back to the inputs.
+struct DispatchGradInput {
+  TensorView grad_expert_input;             // [num_rows, H] f32 or bf16
+  std::span<const float> grad_permuted_probs;  // [num_rows] or empty
+  std::shared_ptr<const DispatchHandle> handle;
+};
+struct DispatchGrad {
+  Tensor grad_hidden;             // [T, H], dtype of grad_expert_input
+  std::vector<float> grad_probs;  // [T, E] map form (zeros where not routed / no grad given)
+};
+
+// Backward of combine.
+struct CombineGradInput {
+  TensorView grad_hidden;   // [T, H] f32 or bf16
+  TokenRows expert_output;  // the combine's input; needed only when weighted_combine
+  std::shared_ptr<const DispatchHandle> handle;
+};
+struct CombineGrad {
+  Tensor grad_expert_output;      // [num_rows, H], dtype of grad_hidden; zero on padding rows
+  std::vector<float> grad_probs;  // [T, E]; non-zero only when weighted_combine
+};
+
+class TokenDispatcher {
+ public:
+  // Builds the dispatcher named by config.kind (not kLowLatency: see moed/low_latency.h).
+  // Validates config against the world; collective (every rank must call it).
+  static StatusOr<std::unique_ptr<TokenDispatcher>> create(World& world, const DispatchConfig& config);
+  virtual ~TokenDispatcher() = default;
+
+  const DispatchConfig& config() const { return config_; }
+  World& world() const { return *world_; }
+
+  // ---- the six steps (spec §1). State flows from step to step inside the dispatcher, as in
+  // Megatron; one dispatch and one combine may be in progress at a time.
+  virtual Status dispatch_preprocess(const DispatchInput& input) = 0;  // local only
+  // Communicates. async = true may return before the data has moved: wait on the request
+  // before dispatch_postprocess (run the shared expert meanwhile). async = false returns a
+  // completed (possibly null) request.
+  virtual StatusOr<Request> token_dispatch(bool async) = 0;
+  virtual StatusOr<DispatchOutput> dispatch_postprocess() = 0;  // local only
+  virtual Status combine_preprocess(const CombineInput& input) = 0;
+  virtual StatusOr<Request> token_combine(bool async) = 0;
+  virtual StatusOr<CombineOutput> combine_postprocess() = 0;
+
+  // ---- backward, step by step in reverse order (autograd through the six steps).
+  // Backward of dispatch: grad of expert_input -> grad of hidden (an unweighted combine).
+  virtual Status dispatch_postprocess_backward(const DispatchGradInput& grad) = 0;
+  virtual StatusOr<Request> token_dispatch_backward(bool async) = 0;
+  virtual StatusOr<DispatchGrad> dispatch_preprocess_backward() = 0;
+  // Backward of combine: grad of hidden -> grad of expert_output (a dispatch of grad_hidden).
+  virtual Status combine_postprocess_backward(const CombineGradInput& grad) = 0;
+  virtual StatusOr<Request> token_combine_backward(bool async) = 0;
+  virtual StatusOr<CombineGrad> combine_preprocess_backward() = 0;
+
+  // ---- one call each (the three steps in order, synchronous).
+  StatusOr<DispatchOutput> dispatch(const DispatchInput& input);
+  StatusOr<CombineOutput> combine(const CombineInput& input);
+  StatusOr<DispatchGrad> dispatch_backward(const DispatchGradInput& grad);
+  StatusOr<CombineGrad> combine_backward(const CombineGradInput& grad);
+
+ protected:
+  TokenDispatcher(World& world, const DispatchConfig& config) : world_(&world), config_(config) {}
+  World* world_;
+  DispatchConfig config_;
+};
+
+}  // namespace moed

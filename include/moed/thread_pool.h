@@ -1,0 +1,60 @@
+// A small fixed-size thread pool for moed's hot loops.
+//
+// parallel_for splits [0, n) into contiguous ranges, one per worker ("channel" in DeepEP's
+// words), so each worker owns a contiguous range of tokens. The calling thread takes part.
+//
+//   moed::ThreadPool pool(4);
+//   pool.parallel_for(num_tokens, [&](int64_t begin, int64_t end, int worker) { ... });
+//
+// Rank threads in the threads world each get their own pool, so ranks don't contend for one.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace moed {
+
+class ThreadPool {
+ public:
+  // num_threads <= 0 means one per core (std::thread::hardware_concurrency()).
+  explicit ThreadPool(int num_threads = 0);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const { return num_threads_; }
+
+  // Runs fn(begin, end, worker) over a split of [0, n) into at most num_threads() contiguous
+  // ranges (ranges no smaller than min_chunk where possible) and waits for all of them.
+  // Worker w gets the w-th range, so the split is deterministic for a given n.
+  void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn,
+                    int64_t min_chunk = 1);
+
+  // The range worker w of `workers` gets for n items (the same split parallel_for uses).
+  static void split(int64_t n, int workers, int w, int64_t* begin, int64_t* end);
+
+  // The process-wide default pool (one thread per core), created on first use.
+  static ThreadPool& global();
+
+ private:
+  void worker_loop(int index);
+
+  int num_threads_;
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_work_;
+  std::condition_variable cv_done_;
+  const std::function<void(int64_t, int64_t, int)>* job_ = nullptr;
+  int64_t job_n_ = 0;
+  int job_workers_ = 0;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+  std::mutex run_mu_;  // one parallel_for at a time per pool
+};
+
+}  // namespace moed

@@ -1,0 +1,266 @@
+// World: a group of ranks that dispatchers talk across (spec §1, §5).
+//
+// One small virtual byte-level interface, two backends with the same contract:
+//   - threads (the embedded default): R ranks are R threads in one process (moed/threads_world.h);
+//   - MPI: ranks are MPI processes (moed/mpi_world.h).
+// Typed templates at the bottom (all_to_all_v<T>, all_gather<T>, ...) wrap the byte calls.
+//
+// The node structure mirrors a GPU cluster: a node is G ranks that share memory (NVLink on a
+// GPU box); nodes talk over the network (RDMA). G is settable, so one process or one host can
+// emulate several nodes; cross-node traffic then never goes through a shared pointer.
+//
+// Faults: if a rank fails (its function returns an error, throws, or calls abort()), every
+// other rank's pending and later calls return StatusCode::kAborted naming that rank. A call
+// that waits longer than the world's timeout returns kDeadlineExceeded. Nothing waits forever.
+//
+// Sums are deterministic: float32 accumulation from 0 in ascending rank order, so a result
+// never depends on timing or backend.
+//
+//   Status body(moed::World& w) {
+//     std::vector<int> mine = {w.rank()};
+//     MOED_ASSIGN_OR_RETURN(std::vector<int> all, moed::all_gather<int>(w, mine));
+//     ...
+//   }
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moed/status.h"
+#include "moed/thread_pool.h"
+
+namespace moed {
+
+class World;
+
+// Bytes a rank moved, by path. Dispatchers add what they copy through shared pointers
+// themselves (add_shared_bytes); backends count their own collectives and network transfers.
+struct TrafficCounters {
+  uint64_t shared_bytes = 0;   // written or read through node-shared memory / intra-node copies
+  uint64_t network_bytes = 0;  // sent over the network path (between nodes)
+  uint64_t shared_rows = 0;    // token rows, where a dispatcher counts them
+  uint64_t network_rows = 0;
+};
+
+// A non-blocking operation to wait on (network send/recv, an asynchronous dispatch, ...).
+class PendingOp {
+ public:
+  virtual ~PendingOp() = default;
+  // Blocks until done. Returns an error on peer failure or timeout.
+  virtual Status wait() = 0;
+};
+using Request = std::unique_ptr<PendingOp>;
+// Waits for all, returns the first error (still waits for the rest where it can).
+Status wait_all(std::vector<Request>& requests);
+
+// One collective allocation across the ranks of a node: every local rank gets a pointer to
+// every other local rank's segment (DeepEP's NVLink buffers), plus per-pair signals with
+// release/acquire ordering. Created by World::alloc_shared; freed when the last owner drops it
+// (the MPI backend frees collectively in free_shared).
+class SharedBuffer {
+ public:
+  virtual ~SharedBuffer() = default;
+  size_t bytes() const { return bytes_; }
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return int(segments_.size()); }
+  // This rank's segment.
+  void* local() const { return segments_[size_t(local_rank_)]; }
+  // Local rank `lr`'s segment on this node, 64-byte aligned, `bytes()` long.
+  void* peer(int lr) const { return segments_[size_t(lr)]; }
+
+  // Per-pair signals, monotonically increasing counters (one per ordered pair of local ranks).
+  // signal: release-store `value` into the (me -> to) counter, after this rank's writes for
+  // `to` are done. wait_signal: block until the (from -> me) counter is >= value (acquire), or
+  // return an error when a rank has failed or the world's timeout passes.
+  void signal(int to_local_rank, uint64_t value);
+  Status wait_signal(int from_local_rank, uint64_t value);
+
+ protected:
+  SharedBuffer(World* world, size_t bytes, int local_rank, std::vector<void*> segments,
+               std::vector<std::atomic<uint64_t>*> inbox);
+  World* world_;
+  size_t bytes_;
+  int local_rank_;
+  std::vector<void*> segments_;
+  // inbox_[from]: the counter this rank waits on for signals from local rank `from`; the
+  // counter is writable by `from` through its own view (signal() looks up the peer's inbox).
+  std::vector<std::atomic<uint64_t>*> inbox_;
+  std::vector<std::atomic<uint64_t>*> outbox_;  // outbox_[to] = &inbox of `to` for me
+  friend class World;
+};
+
+struct WorldOptions {
+  // Ranks per node (G). 0 = backend default: all ranks (threads), the host (MPI).
+  int ranks_per_node = 0;
+  // How long any call waits for a peer before returning kDeadlineExceeded.
+  std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  // Worker threads per rank for hot loops. 0 = cores / ranks on this host, at least 1.
+  int threads_per_rank = 0;
+};
+
+class World {
+ public:
+  virtual ~World() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int ranks_per_node() const { return ranks_per_node_; }   // G
+  int num_nodes() const { return size_ / ranks_per_node_; }  // N
+  int node() const { return rank_ / ranks_per_node_; }
+  int local_rank() const { return rank_ % ranks_per_node_; }
+  int node_of(int rank) const { return rank / ranks_per_node_; }
+  bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  // "threads" or "mpi".
+  virtual const char* backend_name() const = 0;
+
+  // This rank's worker pool for hot loops.
+  ThreadPool& pool() { return *pool_; }
+
+  // ---- collectives (byte level) ----
+  virtual Status barrier() = 0;
+  virtual Status broadcast_bytes(void* data, size_t bytes, int root) = 0;
+  // Rank r contributes send_bytes; recv receives every rank's bytes back to back, rank order;
+  // recv_bytes[r] must equal rank r's send_bytes (checked: mismatch is an error on all ranks).
+  virtual Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
+                                    std::span<const size_t> recv_bytes) = 0;
+  // send_bytes[d] bytes at send + send_offsets[d] go to rank d; recv_bytes[s] bytes from rank s
+  // land at recv + recv_offsets[s].
+  virtual Status all_to_all_v_bytes(const void* send, std::span<const size_t> send_bytes,
+                                    std::span<const size_t> send_offsets, void* recv,
+                                    std::span<const size_t> recv_bytes,
+                                    std::span<const size_t> recv_offsets) = 0;
+  // Float32 sums, deterministic: acc = 0; for r ascending: acc += x_r.
+  // send holds sum(counts) floats; rank r receives counts[r] sums (block r of every rank).
+  virtual Status reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
+                                      float* recv) = 0;
+  virtual Status all_reduce_f32(const float* send, float* recv, size_t count) = 0;
+
+  // ---- node-shared memory ----
+  // Collective over this rank's node (every local rank calls it with the same bytes).
+  virtual StatusOr<std::shared_ptr<SharedBuffer>> alloc_shared(size_t bytes) = 0;
+
+  // ---- network (point to point between any two ranks; DeepEP's RDMA) ----
+  // Counted as network bytes when the peers are on different nodes, shared bytes otherwise.
+  // The receiver must know the exact size. Messages between one (src, dst, tag) arrive in order.
+  virtual StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) = 0;
+  virtual StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) = 0;
+  Status send(int dst, int tag, const void* data, size_t bytes);
+  Status recv(int src, int tag, void* data, size_t bytes);
+
+  // ---- faults ----
+  // Marks this rank failed with `reason`: every other rank's pending and later calls return
+  // kAborted naming this rank. Threads: returns; the run function reports it. MPI: ends the
+  // job (MPI_Abort) with the message, since a peer process cannot be told otherwise.
+  virtual void abort(const Status& reason) = 0;
+  // The first failure seen (ok() while nobody has failed). Checked by every wait.
+  virtual Status failure() const = 0;
+
+  // A collective decision on input validation: every rank passes its local verdict; all ranks
+  // return the same result: OK, or the lowest failing rank's error prefixed "rank r: ".
+  Status agree(const Status& local);
+
+  // ---- counters ----
+  TrafficCounters& counters() { return counters_; }
+  void reset_counters() { counters_ = TrafficCounters{}; }
+  void add_shared_bytes(uint64_t bytes, uint64_t rows = 0) {
+    counters_.shared_bytes += bytes;
+    counters_.shared_rows += rows;
+  }
+  void add_network_bytes(uint64_t bytes, uint64_t rows = 0) {
+    counters_.network_bytes += bytes;
+    counters_.network_rows += rows;
+  }
+
+ protected:
+  World(int rank, int size, int ranks_per_node, std::chrono::milliseconds timeout,
+        int threads_per_rank);
+  // Builds a SharedBuffer from segments the backend allocated (each starts with a signal area
+  // of `size` uint64 counters; see alloc_shared implementations).
+  std::shared_ptr<SharedBuffer> make_shared_buffer(size_t bytes, std::vector<void*> segments,
+                                                   std::vector<std::atomic<uint64_t>*> inbox,
+                                                   std::vector<std::atomic<uint64_t>*> outbox,
+                                                   std::function<void()> on_free);
+
+  int rank_;
+  int size_;
+  int ranks_per_node_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<ThreadPool> pool_;
+  TrafficCounters counters_;
+};
+
+// ---- typed templates over the byte interface ----
+
+template <typename T>
+Status broadcast(World& w, std::span<T> data, int root) {
+  return w.broadcast_bytes(data.data(), data.size_bytes(), root);
+}
+
+// Same count on every rank: returns size * send.size() elements in rank order.
+template <typename T>
+StatusOr<std::vector<T>> all_gather(World& w, std::span<const T> send) {
+  std::vector<T> out(send.size() * size_t(w.size()));
+  std::vector<size_t> bytes(size_t(w.size()), send.size_bytes());
+  MOED_RETURN_IF_ERROR(w.all_gather_v_bytes(send.data(), send.size_bytes(), out.data(), bytes));
+  return out;
+}
+
+// Varying counts: first gathers the counts, then the data. Returns per-rank vectors.
+template <typename T>
+StatusOr<std::vector<std::vector<T>>> all_gather_v(World& w, std::span<const T> send) {
+  uint64_t n = send.size();
+  MOED_ASSIGN_OR_RETURN(std::vector<uint64_t> counts,
+                        all_gather<uint64_t>(w, std::span<const uint64_t>(&n, 1)));
+  std::vector<size_t> bytes(counts.size());
+  size_t total = 0;
+  for (size_t r = 0; r < counts.size(); ++r) total += (bytes[r] = counts[r] * sizeof(T));
+  std::vector<T> flat(total / sizeof(T));
+  MOED_RETURN_IF_ERROR(w.all_gather_v_bytes(send.data(), send.size_bytes(), flat.data(), bytes));
+  std::vector<std::vector<T>> out(counts.size());
+  size_t off = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    out[r].assign(flat.begin() + off, flat.begin() + off + counts[r]);
+    off += counts[r];
+  }
+  return out;
+}
+
+// send_counts[d] elements (contiguous, in rank order) go to rank d; the receiver must pass
+// matching recv_counts (exchange counts first with all_to_all<uint64_t> if unknown).
+template <typename T>
+Status all_to_all_v(World& w, std::span<const T> send, std::span<const size_t> send_counts,
+                    std::span<T> recv, std::span<const size_t> recv_counts) {
+  const size_t R = size_t(w.size());
+  std::vector<size_t> sb(R), so(R), rb(R), ro(R);
+  size_t s = 0, r = 0;
+  for (size_t i = 0; i < R; ++i) {
+    sb[i] = send_counts[i] * sizeof(T);
+    so[i] = s;
+    s += sb[i];
+    rb[i] = recv_counts[i] * sizeof(T);
+    ro[i] = r;
+    r += rb[i];
+  }
+  return w.all_to_all_v_bytes(send.data(), sb, so, recv.data(), rb, ro);
+}
+
+// Fixed-size all-to-all: send[d * n .. (d+1) * n) goes to rank d.
+template <typename T>
+StatusOr<std::vector<T>> all_to_all(World& w, std::span<const T> send) {
+  const size_t R = size_t(w.size());
+  const size_t n = send.size() / R;
+  std::vector<T> recv(n * R);
+  std::vector<size_t> counts(R, n);
+  MOED_RETURN_IF_ERROR(all_to_all_v<T>(w, send, counts, recv, counts));
+  return recv;
+}
+
+}  // namespace moed

@@ -1,0 +1,70 @@
+#include "moed/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace moed {
+
+namespace {
+void* aligned_alloc_bytes(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  const size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+}  // namespace
+
+Tensor::~Tensor() { std::free(data_); }
+
+Tensor::Tensor(Tensor&& o) noexcept
+    : data_(o.data_), dtype_(o.dtype_), rows_(o.rows_), cols_(o.cols_) {
+  o.data_ = nullptr;
+  o.rows_ = o.cols_ = 0;
+}
+
+Tensor& Tensor::operator=(Tensor&& o) noexcept {
+  if (this != &o) {
+    std::free(data_);
+    data_ = o.data_;
+    dtype_ = o.dtype_;
+    rows_ = o.rows_;
+    cols_ = o.cols_;
+    o.data_ = nullptr;
+    o.rows_ = o.cols_ = 0;
+  }
+  return *this;
+}
+
+Tensor Tensor::empty(DType dtype, int64_t rows, int64_t cols) {
+  MOED_CHECK(rows >= 0 && cols >= 0, "rows = ", rows, ", cols = ", cols);
+  Tensor t;
+  t.dtype_ = dtype;
+  t.rows_ = rows;
+  t.cols_ = cols;
+  t.data_ = aligned_alloc_bytes(t.bytes());
+  return t;
+}
+
+Tensor Tensor::zeros(DType dtype, int64_t rows, int64_t cols) {
+  Tensor t = empty(dtype, rows, cols);
+  if (t.data_) std::memset(t.data_, 0, t.bytes());
+  return t;
+}
+
+Tensor Tensor::copy_of(const TensorView& v) {
+  Tensor t = empty(v.dtype, v.rows, v.cols);
+  for (int64_t i = 0; i < v.rows; ++i) std::memcpy(t.view().row_ptr(i), v.row_ptr(i), v.row_bytes());
+  return t;
+}
+
+bool bitwise_equal(const TensorView& a, const TensorView& b) {
+  if (a.dtype != b.dtype || a.rows != b.rows || a.cols != b.cols) return false;
+  for (int64_t i = 0; i < a.rows; ++i) {
+    if (std::memcmp(a.row_ptr(i), b.row_ptr(i), a.row_bytes()) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace moed
