@@ -1,0 +1,85 @@
+// Dispatcher-independent parts of TokenDispatcher: names, the config's validation, and the
+// one-call dispatch / combine / backward built from the six steps.
+#include "moed/dispatcher.h"
+
+namespace moed {
+
+const char* dispatcher_kind_name(DispatcherKind k) {
+  switch (k) {
+    case DispatcherKind::kAllGather: return "allgather";
+    case DispatcherKind::kAlltoAll: return "alltoall";
+    case DispatcherKind::kFlex: return "flex";
+    case DispatcherKind::kLowLatency: return "low_latency";
+  }
+  return "?";
+}
+
+StatusOr<DispatcherKind> parse_dispatcher_kind(std::string_view name) {
+  if (name == "allgather") return DispatcherKind::kAllGather;
+  if (name == "alltoall") return DispatcherKind::kAlltoAll;
+  if (name == "flex") return DispatcherKind::kFlex;
+  if (name == "low_latency" || name == "low-latency") return DispatcherKind::kLowLatency;
+  return invalid_argument("dispatcher '", name,
+                          "' is not one of allgather, alltoall, flex, low-latency");
+}
+
+Status DispatchConfig::validate(int world_size) const {
+  if (world_size <= 0) return invalid_argument("world size = ", world_size, " must be positive");
+  if (num_experts <= 0) return invalid_argument("num_experts = ", num_experts, " must be positive");
+  if (etp_size <= 0) return invalid_argument("etp_size = ", etp_size, " must be positive");
+  if (ep_size < 0) return invalid_argument("ep_size = ", ep_size, " must be positive (or 0 = auto)");
+  if (world_size % etp_size != 0 && ep_size == 0) {
+    return invalid_argument("etp_size = ", etp_size, " does not divide world size ", world_size);
+  }
+  const int ep = effective_ep_size(world_size);
+  if (ep * etp_size != world_size) {
+    return invalid_argument("ep_size * etp_size = ", ep, " * ", etp_size, " = ", ep * etp_size,
+                            " is not the world size ", world_size);
+  }
+  if (num_experts % ep != 0) {
+    return invalid_argument("num_experts = ", num_experts, " is not divisible by ep_size = ", ep);
+  }
+  MOED_RETURN_IF_ERROR(layout.validate());
+  if (num_worst_tokens < 0) {
+    return invalid_argument("num_worst_tokens = ", num_worst_tokens, " must be >= 0");
+  }
+  if (num_channels < 0) return invalid_argument("num_channels = ", num_channels, " must be >= 0");
+  if (kind != DispatcherKind::kFlex && (num_worst_tokens != 0 || num_channels != 0)) {
+    return invalid_argument("num_worst_tokens and num_channels are Flex options; dispatcher '",
+                            dispatcher_kind_name(kind), "' does not take them");
+  }
+  return ok_status();
+}
+
+namespace {
+Status wait_request(StatusOr<Request> r) {
+  if (!r.ok()) return r.status();
+  return *r ? (*r)->wait() : ok_status();
+}
+}  // namespace
+
+StatusOr<DispatchOutput> TokenDispatcher::dispatch(const DispatchInput& input) {
+  MOED_RETURN_IF_ERROR(dispatch_preprocess(input));
+  MOED_RETURN_IF_ERROR(wait_request(token_dispatch(/*async=*/false)));
+  return dispatch_postprocess();
+}
+
+StatusOr<CombineOutput> TokenDispatcher::combine(const CombineInput& input) {
+  MOED_RETURN_IF_ERROR(combine_preprocess(input));
+  MOED_RETURN_IF_ERROR(wait_request(token_combine(/*async=*/false)));
+  return combine_postprocess();
+}
+
+StatusOr<DispatchGrad> TokenDispatcher::dispatch_backward(const DispatchGradInput& grad) {
+  MOED_RETURN_IF_ERROR(dispatch_postprocess_backward(grad));
+  MOED_RETURN_IF_ERROR(wait_request(token_dispatch_backward(/*async=*/false)));
+  return dispatch_preprocess_backward();
+}
+
+StatusOr<CombineGrad> TokenDispatcher::combine_backward(const CombineGradInput& grad) {
+  MOED_RETURN_IF_ERROR(combine_postprocess_backward(grad));
+  MOED_RETURN_IF_ERROR(wait_request(token_combine_backward(/*async=*/false)));
+  return combine_preprocess_backward();
+}
+
+}  // namespace moed
