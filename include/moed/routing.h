@@ -36,6 +36,7 @@ struct TopkRouting {
 struct RoutingMap {
   int64_t num_tokens = 0;
   int num_experts = 0;
+  int num_topk = 0;  // K of the router that made it (the capacity formula needs it); to_map sets it
   std::vector<uint8_t> routing_map;  // row-major [num_tokens][num_experts]
   std::vector<float> probs;          // row-major [num_tokens][num_experts]; 0 where unrouted
 
