@@ -1,0 +1,70 @@
+// What every dispatcher does first, in one place: check the DispatchInput against the config
+// on every rank (World::agree, so a bad input is everyone's error), turn the routing into the
+// effective map (capacity dropping, router padding), and compute the canonical layout of
+// spec §3 from everybody's per-expert counts.
+//
+//   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(world, config, input));
+//   ... exchange in.tokens_per_expert ([E]) so each rank has counts[s][e] ...
+//   ExpertLayout layout = compute_expert_layout(config, world.size(), world.rank(), counts, caps);
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moed/dispatcher.h"
+
+namespace moed {
+
+struct PreparedInput {
+  int64_t num_tokens = 0;  // T on this rank
+  int hidden = 0;          // H, the same on every rank (checked)
+  DType dtype = DType::kF32;
+  int num_topk = 0;        // K, the same on every rank (checked)
+  RoutingMap effective;    // after dropping and router padding
+  // Rows this rank sends to each global expert (count of routed tokens in `effective`), [E].
+  std::vector<int64_t> tokens_per_expert;
+  // C_s of this rank when capacity_factor is set (else 0).
+  int64_t capacity = 0;
+};
+
+// Local checks (shapes, dtype, fp8 scales present and shaped [T, H/128], exactly one routing
+// form, routing valid for E), then an agreement across ranks that H, dtype and K are equal
+// everywhere (errors name the rank and both values), then the effective routing.
+// Collective: every rank must call it.
+StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfig& config,
+                                               const DispatchInput& input);
+
+// The canonical layout of rank `rank` (spec §3), from counts[s * E + e] (rows source s sends to
+// global expert e) and capacity[s] (C_s; used only with pad_to_capacity).
+struct ExpertLayout {
+  int num_local_experts = 0;  // L
+  int world_size = 0;         // R
+  // [L * R]: where the (local expert j, source s) chunk starts inside the rank's output, how
+  // many rows it occupies (C_s with pad_to_capacity) and how many of those are real tokens.
+  std::vector<int64_t> chunk_offset;
+  std::vector<int64_t> chunk_rows;
+  std::vector<int64_t> chunk_tokens;
+  std::vector<int64_t> segment_offset;              // [L + 1]
+  std::vector<int64_t> tokens_per_expert;           // [L], padded
+  std::vector<int64_t> tokens_per_expert_unpadded;  // [L]
+  int64_t num_rows = 0;
+
+  int64_t offset(int j, int s) const { return chunk_offset[size_t(j) * world_size + s]; }
+  int64_t rows(int j, int s) const { return chunk_rows[size_t(j) * world_size + s]; }
+  int64_t tokens(int j, int s) const { return chunk_tokens[size_t(j) * world_size + s]; }
+};
+
+// Rank g's local experts are ep(g) * L + j (g = (ep, p), ep = g / etp_size).
+ExpertLayout compute_expert_layout(const DispatchConfig& config, int world_size, int rank,
+                                   const std::vector<int64_t>& counts,
+                                   const std::vector<int64_t>& capacity);
+
+// First global expert of rank g and the ep index of expert e.
+inline int first_local_expert(const DispatchConfig& c, int world_size, int rank) {
+  return (rank / c.etp_size) * c.num_local_experts(world_size);
+}
+inline int ep_of_expert(const DispatchConfig& c, int world_size, int e) {
+  return e / c.num_local_experts(world_size);
+}
+
+}  // namespace moed
