@@ -21,6 +21,8 @@
 
 namespace moed {
 
+class ThreadPool;
+
 // Top-k form: topk_idx int32 [T, K] in [-1, E) (-1 = no expert), topk_weights float32 [T, K].
 struct TopkRouting {
   int64_t num_tokens = 0;
@@ -86,8 +88,12 @@ int64_t expert_capacity(int64_t num_tokens, int num_topk, int num_experts, doubl
 
 // Applies capacity dropping then router padding to one source rank's map (spec §3).
 // `num_topk` is K of the routing this map came from (for the capacity formula).
-// Fast, multithreaded path; the reference has its own independent version.
+// Fast, multithreaded path; the reference has its own independent version. Work is split by
+// expert over ThreadPool::global() when the map is large (so don't call it from inside a job
+// of the global pool); the overload below takes the pool to use (nullptr = calling thread).
 StatusOr<RoutingMap> apply_layout_options(const RoutingMap& routing, int num_topk,
                                           const LayoutOptions& options);
+StatusOr<RoutingMap> apply_layout_options(const RoutingMap& routing, int num_topk,
+                                          const LayoutOptions& options, ThreadPool* pool);
 
 }  // namespace moed
