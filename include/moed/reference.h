@@ -12,6 +12,20 @@
 // -ffp-contract=off). The weighted combine backward's grad_prob(s,t,e) = dot(grad_out_s[t],
 // term_e) with term_e as above and the dot accumulated in fp32 over h ascending.
 //
+// Readings the reference settles (where the shared semantics leave a choice):
+// - The effective map routes 0/1 and has prob 0 on every unrouted cell (a raw map's probs on
+//   unrouted cells are ignored); its num_topk is the raw map's.
+// - K for the capacity formula: `num_topk` if > 0, else the (equal) nonzero num_topk the maps
+//   carry; with a capacity_factor it must end up > 0. Without one, K is not used.
+// - Router padding runs after dropping and picks the lowest unrouted tokens, so a token just
+//   dropped from e can be routed to e again, with prob 0. pad_to_capacity with router padding
+//   is an error (a chunk could then exceed C_s).
+// - Router-padded (t, e) are routed like any other: their rows carry x_s[t] with prob 0, they
+//   take part in combine (adding prob 0 * term, or term when unweighted) and get grad_probs.
+// - Expert outputs and gradients are f32 or bf16, the same dtype on every rank, with H columns
+//   (H of the hidden states). grad_pprobs may be empty, and an empty entry reads as zeros for
+//   that rank. expert_output is not read by the unweighted combine backward.
+//
 //   moed::ReferenceProblem p{.num_experts = 8, .ep_size = 2, ...};
 //   p.routing = {map_rank0, map_rank1}; p.num_topk = 2; p.hidden = {x0, x1};
 //   MOED_ASSIGN_OR_RETURN(std::vector<moed::ReferenceRankDispatch> d, moed::reference_dispatch(p));
