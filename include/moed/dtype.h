@@ -26,7 +26,9 @@ inline constexpr int kFp8BlockSize = 128;
 // Largest finite E4M3FN value.
 inline constexpr float kFp8Max = 448.0f;
 
-inline constexpr size_t dtype_size(DType t) { return t == DType::kF32 ? 4 : t == DType::kBF16 ? 2 : 1; }
+inline constexpr size_t dtype_size(DType t) {
+  return t == DType::kF32 ? 4 : t == DType::kBF16 ? 2 : 1;
+}
 const char* dtype_name(DType t);  // "f32", "bf16", "fp8"
 StatusOr<DType> parse_dtype(std::string_view name);
 
@@ -117,5 +119,29 @@ void dequantize_fp8_row(std::span<const fp8_e4m3> q, std::span<const float> scal
 
 // The scale rule on its own, so tests and other paths share its definition.
 float fp8_scale_inv(float amax, bool round_scale);
+
+// Untyped row helpers for the combine / unpermute hot paths. `n` counts elements; the DType
+// says how each row is stored. FP8 here means raw E4M3 values with no block scale (block-scaled
+// rows go through quantize_fp8_row / dequantize_fp8_row). Every element is read as
+// float(x) (exact for all three formats) and written with the scalar rounding above, so the
+// result is the same on every CPU.
+//
+//   moed::convert_row(y_bf16, moed::DType::kBF16, y_f32, moed::DType::kF32, hidden);
+//   moed::accumulate_row_weighted_f32(acc, y_row, moed::DType::kBF16, prob, hidden);
+//   moed::store_row(acc, out_row, moed::DType::kBF16, hidden);  // rounds once
+//
+// dst[i] = src[i] converted to dst_type (a plain copy when the types are equal).
+void convert_row(const void* src, DType src_type, void* dst, DType dst_type, size_t n);
+// acc[i] += float(src[i]).
+void accumulate_row_f32(float* acc, const void* src, DType t, size_t n);
+// acc[i] += w * float(src[i]): the product rounded to fp32, then the sum (never fused).
+void accumulate_row_weighted_f32(float* acc, const void* src, DType t, float w, size_t n);
+// dst[i] = acc[i] rounded once to t.
+void store_row(const float* acc, void* dst, DType t, size_t n);
+
+// The instruction set the row conversions above run on: "avx512", "avx2" or "scalar".
+// Chosen once from the CPU; the environment variable MOED_ISA=scalar|avx2|avx512 can lower
+// it (benchmarks, checking a fallback), never raise it past what the CPU supports.
+const char* row_kernel_isa();
 
 }  // namespace moed

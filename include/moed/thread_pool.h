@@ -11,6 +11,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -31,6 +32,9 @@ class ThreadPool {
   // Runs fn(begin, end, worker) over a split of [0, n) into at most num_threads() contiguous
   // ranges (ranges no smaller than min_chunk where possible) and waits for all of them.
   // Worker w gets the w-th range, so the split is deterministic for a given n.
+  // Called from inside one of this pool's own jobs, it runs fn(0, n, w) inline on that thread
+  // (w: the thread's worker index) instead of waiting on itself. If fn throws, every range
+  // still finishes and the first exception is rethrown to the caller.
   void parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn,
                     int64_t min_chunk = 1);
 
@@ -54,7 +58,8 @@ class ThreadPool {
   uint64_t generation_ = 0;
   int pending_ = 0;
   bool stop_ = false;
-  std::mutex run_mu_;  // one parallel_for at a time per pool
+  std::exception_ptr error_;  // the first exception a worker threw in the current job
+  std::mutex run_mu_;         // one parallel_for at a time per pool
 };
 
 }  // namespace moed

@@ -1,5 +1,6 @@
 #include "moed/tensor.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -39,6 +40,8 @@ Tensor& Tensor::operator=(Tensor&& o) noexcept {
 
 Tensor Tensor::empty(DType dtype, int64_t rows, int64_t cols) {
   MOED_CHECK(rows >= 0 && cols >= 0, "rows = ", rows, ", cols = ", cols);
+  MOED_CHECK(cols == 0 || rows <= INT64_MAX / cols / int64_t(dtype_size(dtype)), "rows = ", rows,
+             ", cols = ", cols, " overflows the byte count");
   Tensor t;
   t.dtype_ = dtype;
   t.rows_ = rows;
@@ -55,12 +58,20 @@ Tensor Tensor::zeros(DType dtype, int64_t rows, int64_t cols) {
 
 Tensor Tensor::copy_of(const TensorView& v) {
   Tensor t = empty(v.dtype, v.rows, v.cols);
-  for (int64_t i = 0; i < v.rows; ++i) std::memcpy(t.view().row_ptr(i), v.row_ptr(i), v.row_bytes());
+  // NOTE: empty views may carry a null data pointer, which memcpy must never see.
+  if (t.bytes() == 0) return t;
+  if (v.contiguous()) {
+    std::memcpy(t.data_, v.data, t.bytes());
+    return t;
+  }
+  for (int64_t i = 0; i < v.rows; ++i)
+    std::memcpy(t.view().row_ptr(i), v.row_ptr(i), v.row_bytes());
   return t;
 }
 
 bool bitwise_equal(const TensorView& a, const TensorView& b) {
   if (a.dtype != b.dtype || a.rows != b.rows || a.cols != b.cols) return false;
+  if (a.empty()) return true;
   for (int64_t i = 0; i < a.rows; ++i) {
     if (std::memcmp(a.row_ptr(i), b.row_ptr(i), a.row_bytes()) != 0) return false;
   }

@@ -1,8 +1,30 @@
 #include "moed/thread_pool.h"
 
 #include <algorithm>
+#include <exception>
 
 namespace moed {
+
+namespace {
+// The pool whose job this thread is running (as caller or worker), and its worker index.
+// NOTE: a parallel_for on that same pool from inside its own job would wait for itself
+// (run_mu_ is held and every worker is busy), so it runs inline instead.
+thread_local const ThreadPool* t_current_pool = nullptr;
+thread_local int t_current_worker = 0;
+
+struct ScopedCurrent {
+  const ThreadPool* saved_pool = t_current_pool;
+  int saved_worker = t_current_worker;
+  ScopedCurrent(const ThreadPool* pool, int worker) {
+    t_current_pool = pool;
+    t_current_worker = worker;
+  }
+  ~ScopedCurrent() {
+    t_current_pool = saved_pool;
+    t_current_worker = saved_worker;
+  }
+};
+}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) num_threads = int(std::max(1u, std::thread::hardware_concurrency()));
@@ -29,8 +51,15 @@ void ThreadPool::split(int64_t n, int workers, int w, int64_t* begin, int64_t* e
 void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t, int)>& fn,
                               int64_t min_chunk) {
   if (n <= 0) return;
+  if (t_current_pool == this) {
+    // Nested on this pool: one range on this thread, under its own worker index so per-worker
+    // scratch stays private to one thread.
+    fn(0, n, t_current_worker);
+    return;
+  }
   min_chunk = std::max<int64_t>(1, min_chunk);
   const int workers = int(std::min<int64_t>(num_threads_, std::max<int64_t>(1, n / min_chunk)));
+  ScopedCurrent current(this, 0);
   if (workers == 1) {
     fn(0, n, 0);
     return;
@@ -42,18 +71,31 @@ void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64
     job_n_ = n;
     job_workers_ = workers;
     pending_ = workers - 1;
+    error_ = nullptr;
     ++generation_;
   }
   cv_work_.notify_all();
   int64_t b, e;
   split(n, workers, 0, &b, &e);
-  fn(b, e, 0);
+  std::exception_ptr caller_error;
+  // NOTE: the workers hold a pointer to fn, so even when fn throws here the caller waits for
+  // them before leaving.
+  try {
+    fn(b, e, 0);
+  } catch (...) {
+    caller_error = std::current_exception();
+  }
   std::unique_lock<std::mutex> lock(mu_);
   cv_done_.wait(lock, [&] { return pending_ == 0; });
   job_ = nullptr;
+  std::exception_ptr error = caller_error ? caller_error : error_;
+  error_ = nullptr;
+  lock.unlock();
+  if (error) std::rethrow_exception(error);
 }
 
 void ThreadPool::worker_loop(int index) {
+  ScopedCurrent current(this, index);
   uint64_t seen = 0;
   for (;;) {
     const std::function<void(int64_t, int64_t, int)>* job;
@@ -71,8 +113,14 @@ void ThreadPool::worker_loop(int index) {
     if (index < workers) {
       int64_t b, e;
       split(n, workers, index, &b, &e);
-      (*job)(b, e, index);
+      std::exception_ptr error;
+      try {
+        (*job)(b, e, index);
+      } catch (...) {
+        error = std::current_exception();
+      }
       std::lock_guard<std::mutex> lock(mu_);
+      if (error && !error_) error_ = error;
       if (--pending_ == 0) cv_done_.notify_all();
     }
   }

@@ -1,0 +1,105 @@
+// AVX-512 row kernels (16 lanes, AVX512F only); the algorithms are in dtype_simd.h.
+//
+// NOTE: no AVX512-BF16 here: VCVTNEPS2BF16 flushes subnormal inputs to zero, so it is not
+// bit-equal to float_to_bf16; the integer rounding in dtype_simd.h is.
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype_kernels.h"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+// NOTE: GCC 12's avx512fintrin.h trips -Wmaybe-uninitialized on its own _mm512_undefined_*.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+#include "core/dtype_simd.h"
+
+namespace moed::internal {
+namespace {
+
+struct Avx512 {
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+  static constexpr int kWidth = 16;
+
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static I load_u16(const uint16_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static I load_u8(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  // Truncating narrows (VPMOVDW / VPMOVDB); lanes hold values < 2^16 / < 2^8.
+  static void store_u16(uint16_t* p, I v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v));
+  }
+  static void store_u8(uint8_t* p, I v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  }
+
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
+  static F addf(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mulf(F a, F b) { return _mm512_mul_ps(a, b); }
+  // vmaxps returns its second operand when either is NaN.
+  static F maxf(F a, F b) { return _mm512_max_ps(a, b); }
+  static F absf(F a) { return castf(and_(casti(a), set1i(0x7fffffff))); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
+  template <int k>
+  static I srli(I a) {
+    return _mm512_srli_epi32(a, k);
+  }
+  template <int k>
+  static I slli(I a) {
+    return _mm512_slli_epi32(a, k);
+  }
+  static I min(I a, I b) { return _mm512_min_epi32(a, b); }
+  // Signed compare; every caller compares values in [0, 2^31).
+  static M gt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  // mask_blend(k, a, b) takes b where k is set.
+  static I select(M m, I if_true, I if_false) {
+    return _mm512_mask_blend_epi32(m, if_false, if_true);
+  }
+  static F castf(I a) { return _mm512_castsi512_ps(a); }
+  static I casti(F a) { return _mm512_castps_si512(a); }
+  static F cvtf(I a) { return _mm512_cvtepi32_ps(a); }
+  static float hmaxf(F v) {
+    alignas(64) float lanes[kWidth];
+    _mm512_store_ps(lanes, v);
+    float m = lanes[0];
+    for (int i = 1; i < kWidth; ++i) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+  }
+};
+
+constexpr RowKernels kAvx512 = Simd<Avx512>::table("avx512");
+
+}  // namespace
+}  // namespace moed::internal
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+#endif
+
+namespace moed::internal {
+
+const RowKernels* avx512_kernels() {
+  return __builtin_cpu_supports("avx512f") ? &kAvx512 : nullptr;
+}
+
+}  // namespace moed::internal

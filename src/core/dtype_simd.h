@@ -1,0 +1,219 @@
+// The vector row kernels, written once over an instruction-set traits class V (Avx2 in
+// dtype_avx2.cc, Avx512 in dtype_avx512.cc). Include it only from those files, after their
+// target pragma, and include every other header (this one's includes too) *before* that
+// pragma: everything defined here has internal linkage, so no copy compiled for one ISA can
+// be picked by the linker for another, while inline functions from other headers keep the
+// baseline ISA. For the same reason nothing here calls a template from another header.
+//
+// Each conversion is the integer form of the scalar one in moed/dtype.h, lane by lane, so the
+// results are equal bit for bit; tails shorter than a vector go to the scalar table.
+//
+// V provides: F / I / M (float vector, int32 vector, lane mask), kWidth, and
+//   loadf storef load_u16 load_u8 store_u16 store_u8 set1f set1i
+//   addf mulf maxf absf add sub and_ or_ srli<k> slli<k> min gt select castf casti cvtf
+//   hmaxf (horizontal max of non-NaN lanes).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/dtype_kernels.h"
+
+namespace moed::internal {
+namespace {
+
+template <class V>
+struct Simd {
+  using F = typename V::F;
+  using I = typename V::I;
+
+  // bf16 -> f32: the bits shifted into the high half.
+  static F decode_bf16(I u16) { return V::castf(V::template slli<16>(u16)); }
+
+  // f32 -> bf16 (float_to_bf16): round to nearest even; NaN keeps its sign, gets the quiet bit.
+  static I encode_bf16(F x) {
+    const I u = V::casti(x);
+    const I hi = V::template srli<16>(u);
+    const I rounded =
+        V::template srli<16>(V::add(u, V::add(V::set1i(0x7fff), V::and_(hi, V::set1i(1)))));
+    const I quiet = V::or_(hi, V::set1i(0x40));
+    const auto is_nan = V::gt(V::and_(u, V::set1i(0x7fffffff)), V::set1i(0x7f800000));
+    return V::select(is_nan, quiet, rounded);
+  }
+
+  // E4M3FN -> f32 (fp8_e4m3_to_float).
+  static F decode_fp8(I b) {
+    const I sign = V::template slli<24>(V::and_(b, V::set1i(0x80)));
+    const I a = V::and_(b, V::set1i(0x7f));
+    // Normal: exponent rebiased 7 -> 127 is + (120 << 23) on the shifted bits.
+    const I normal = V::add(V::template slli<20>(a), V::set1i(120 << 23));
+    // Subnormal (exponent 0, so a is the mantissa): man * 2^-9, as the scalar path computes.
+    const I subnormal = V::casti(V::mulf(V::cvtf(a), V::set1f(1.0f / 512.0f)));
+    I mag = V::select(V::gt(V::set1i(8), a), subnormal, normal);
+    mag = V::select(V::gt(a, V::set1i(0x7e)), V::set1i(0x7fc00000), mag);
+    return V::castf(V::or_(mag, sign));
+  }
+
+  // f32 -> E4M3FN (float_to_fp8_e4m3): nearest even, saturating at 448, NaN -> 0x7f | sign.
+  static I encode_fp8(F x) {
+    const I u = V::casti(x);
+    const I sign = V::and_(V::template srli<24>(u), V::set1i(0x80));
+    const I a = V::and_(u, V::set1i(0x7fffffff));
+    // Below 2^-6: adding 2^14 (ulp 2^-9) lets the fp32 adder round at the subnormal step.
+    const I magic = V::set1i(0x46800000);  // 16384.0f
+    const I subnormal = V::sub(V::casti(V::addf(V::castf(a), V::castf(magic))), magic);
+    // Normal: exponent and 3 mantissa bits are the top bits after rounding the dropped 20;
+    // (t >> 20) - (120 << 3) rebiases the exponent in place.
+    const I lsb = V::and_(V::template srli<20>(a), V::set1i(1));
+    const I t = V::add(a, V::add(V::set1i(0x7ffff), lsb));
+    const I normal = V::min(V::sub(V::template srli<20>(t), V::set1i(120 << 3)), V::set1i(0x7e));
+    I r = V::select(V::gt(V::set1i(0x3c800000), a), subnormal, normal);
+    r = V::select(V::gt(a, V::set1i(0x43dfffff)), V::set1i(0x7e), r);  // >= 448, inf
+    r = V::select(V::gt(a, V::set1i(0x7f800000)), V::set1i(0x7f), r);  // NaN
+    return V::or_(r, sign);
+  }
+
+  template <DType T>
+  static F load(const void* p, size_t i) {
+    if constexpr (T == DType::kF32) return V::loadf(static_cast<const float*>(p) + i);
+    if constexpr (T == DType::kBF16)
+      return decode_bf16(V::load_u16(static_cast<const uint16_t*>(p) + i));
+    if constexpr (T == DType::kFP8)
+      return decode_fp8(V::load_u8(static_cast<const uint8_t*>(p) + i));
+  }
+
+  template <DType T>
+  static void store(void* p, size_t i, F v) {
+    if constexpr (T == DType::kF32) V::storef(static_cast<float*>(p) + i, v);
+    if constexpr (T == DType::kBF16) V::store_u16(static_cast<uint16_t*>(p) + i, encode_bf16(v));
+    if constexpr (T == DType::kFP8) V::store_u8(static_cast<uint8_t*>(p) + i, encode_fp8(v));
+  }
+
+  // Elements [done, n) go to the scalar table.
+  static size_t vector_end(size_t n) { return n - n % V::kWidth; }
+
+  template <DType S, DType D>
+  static void convert_typed(const void* src, void* dst, size_t n) {
+    const size_t end = vector_end(n);
+    for (size_t i = 0; i < end; i += V::kWidth) store<D>(dst, i, load<S>(src, i));
+    scalar_kernels().convert(static_cast<const char*>(src) + end * dtype_size(S), S,
+                             static_cast<char*>(dst) + end * dtype_size(D), D, n - end);
+  }
+
+  template <DType S>
+  static void convert_from(const void* src, void* dst, DType dt, size_t n) {
+    switch (dt) {
+      case DType::kF32:
+        return convert_typed<S, DType::kF32>(src, dst, n);
+      case DType::kBF16:
+        return convert_typed<S, DType::kBF16>(src, dst, n);
+      case DType::kFP8:
+        return convert_typed<S, DType::kFP8>(src, dst, n);
+    }
+  }
+
+  static void convert(const void* src, DType st, void* dst, DType dt, size_t n) {
+    if (st == dt) return scalar_kernels().convert(src, st, dst, dt, n);  // a copy
+    switch (st) {
+      case DType::kF32:
+        return convert_from<DType::kF32>(src, dst, dt, n);
+      case DType::kBF16:
+        return convert_from<DType::kBF16>(src, dst, dt, n);
+      case DType::kFP8:
+        return convert_from<DType::kFP8>(src, dst, dt, n);
+    }
+  }
+
+  template <DType S>
+  static void accumulate_typed(float* acc, const void* src, size_t n) {
+    const size_t end = vector_end(n);
+    for (size_t i = 0; i < end; i += V::kWidth) {
+      V::storef(acc + i, V::addf(V::loadf(acc + i), load<S>(src, i)));
+    }
+    scalar_kernels().accumulate(acc + end, static_cast<const char*>(src) + end * dtype_size(S), S,
+                                n - end);
+  }
+
+  static void accumulate(float* acc, const void* src, DType t, size_t n) {
+    switch (t) {
+      case DType::kF32:
+        return accumulate_typed<DType::kF32>(acc, src, n);
+      case DType::kBF16:
+        return accumulate_typed<DType::kBF16>(acc, src, n);
+      case DType::kFP8:
+        return accumulate_typed<DType::kFP8>(acc, src, n);
+    }
+  }
+
+  template <DType S>
+  static void accumulate_weighted_typed(float* acc, const void* src, float w, size_t n) {
+    const F wv = V::set1f(w);
+    const size_t end = vector_end(n);
+    for (size_t i = 0; i < end; i += V::kWidth) {
+      // NOTE: a separate multiply and add (never an FMA), as the scalar path rounds twice.
+      V::storef(acc + i, V::addf(V::loadf(acc + i), V::mulf(wv, load<S>(src, i))));
+    }
+    scalar_kernels().accumulate_weighted(
+        acc + end, static_cast<const char*>(src) + end * dtype_size(S), S, w, n - end);
+  }
+
+  static void accumulate_weighted(float* acc, const void* src, DType t, float w, size_t n) {
+    switch (t) {
+      case DType::kF32:
+        return accumulate_weighted_typed<DType::kF32>(acc, src, w, n);
+      case DType::kBF16:
+        return accumulate_weighted_typed<DType::kBF16>(acc, src, w, n);
+      case DType::kFP8:
+        return accumulate_weighted_typed<DType::kFP8>(acc, src, w, n);
+    }
+  }
+
+  static void store_row(const float* acc, void* dst, DType t, size_t n) {
+    convert(acc, DType::kF32, dst, t, n);
+  }
+
+  template <DType S>
+  static void quantize_fp8_typed(const void* x, bool round_scale, fp8_e4m3* out, float* scales_inv,
+                                 size_t n) {
+    static_assert(kFp8BlockSize % V::kWidth == 0);
+    for (size_t b = 0; b < n / kFp8BlockSize; ++b) {
+      const size_t base = b * kFp8BlockSize;
+      F vmax = V::set1f(0.0f);
+      // maxf(v, acc) returns acc when v is NaN: NaN inputs do not take part, as in scalar.
+      for (int i = 0; i < kFp8BlockSize; i += V::kWidth) {
+        vmax = V::maxf(V::absf(load<S>(x, base + i)), vmax);
+      }
+      const F scale = V::set1f(fp8_block_scale(V::hmaxf(vmax), round_scale, &scales_inv[b]));
+      for (int i = 0; i < kFp8BlockSize; i += V::kWidth) {
+        V::store_u8(reinterpret_cast<uint8_t*>(out) + base + i,
+                    encode_fp8(V::mulf(load<S>(x, base + i), scale)));
+      }
+    }
+  }
+
+  static void quantize_fp8(const void* x, DType t, bool round_scale, fp8_e4m3* out,
+                           float* scales_inv, size_t n) {
+    // dtype.cc passes f32 or bf16 only.
+    if (t == DType::kBF16)
+      return quantize_fp8_typed<DType::kBF16>(x, round_scale, out, scales_inv, n);
+    quantize_fp8_typed<DType::kF32>(x, round_scale, out, scales_inv, n);
+  }
+
+  static void dequantize_fp8(const fp8_e4m3* q, const float* scales_inv, float* out, size_t n) {
+    for (size_t b = 0; b < n / kFp8BlockSize; ++b) {
+      const size_t base = b * kFp8BlockSize;
+      const F s = V::set1f(scales_inv[b]);
+      for (int i = 0; i < kFp8BlockSize; i += V::kWidth) {
+        V::storef(out + base + i, V::mulf(load<DType::kFP8>(q, base + i), s));
+      }
+    }
+  }
+
+  static constexpr RowKernels table(const char* isa) {
+    return RowKernels{isa,       convert,      accumulate,    accumulate_weighted,
+                      store_row, quantize_fp8, dequantize_fp8};
+  }
+};
+
+}  // namespace
+}  // namespace moed::internal
