@@ -1,0 +1,256 @@
+// Flex internals shared by the phase files: the topology, what notify learns (the same on
+// every rank), the handle (home-side send plan, forwarder plan, expert-side layout), the
+// node-shared regions and the two engines every step is built from:
+//   - push (dispatch, and the backward of combine): home rows written straight into their
+//     canonical rows on the expert ranks; remote nodes through one forwarder each;
+//   - pull (combine, and the backward of dispatch): each home token's expert terms read back
+//     and folded in the fixed order of spec §4; remote nodes send per-expert terms.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dispatch/prepare.h"
+#include "moed/dispatcher.h"
+#include "moed/flex.h"
+#include "moed/world.h"
+
+namespace moed::flex {
+
+// Rank arithmetic. With several nodes an expert's P ranks must sit in one node (G % P == 0,
+// checked at creation), so "the node of expert e" is well defined.
+struct Topology {
+  int num_ranks = 0;          // R
+  int ranks_per_node = 0;     // G
+  int num_nodes = 0;          // N
+  int etp_size = 1;           // P
+  int num_experts = 0;        // E
+  int num_local_experts = 0;  // L
+  int rank = 0;
+  int node = 0;
+  int local_rank = 0;
+
+  static Topology of(const World& world, const DispatchConfig& config);
+  int ep_of_expert(int e) const { return e / num_local_experts; }
+  int first_rank_of_expert(int e) const { return ep_of_expert(e) * etp_size; }
+  int node_of_rank(int g) const { return g / ranks_per_node; }
+  int node_of_expert(int e) const { return node_of_rank(first_rank_of_expert(e)); }
+  // The rank of `node` with this rank's local index: where this rank's tokens for `node` go.
+  int forwarder_on(int n) const { return n * ranks_per_node + local_rank; }
+};
+
+// The effective routing as token -> experts lists (experts ascending).
+struct TokenRoutes {
+  std::vector<int64_t> begin;  // [T + 1]
+  std::vector<int32_t> expert;
+  std::vector<float> prob;
+  int64_t num_tokens() const { return int64_t(begin.size()) - 1; }
+};
+TokenRoutes make_token_routes(const RoutingMap& map, ThreadPool& pool);
+
+// What notify exchanges: every rank's counts, so every rank can compute every rank's
+// canonical layout and every message size without asking again.
+struct GlobalInfo {
+  int num_ranks = 0;
+  int num_experts = 0;
+  int num_nodes = 0;
+  std::vector<int64_t> num_tokens;       // [R]
+  std::vector<int64_t> capacity;         // [R] C_s (0 without capacity_factor)
+  std::vector<int64_t> counts;           // [R * E] rows source s sends to expert e
+  std::vector<int64_t> tokens_per_node;  // [R * N] tokens of s that node m needs
+  std::vector<ExpertLayout> layouts;     // [EP] canonical layout of the ranks of each ep
+  std::vector<int64_t> exact_rows;       // [R] rows of each rank's canonical layout
+
+  int64_t count(int s, int e) const { return counts[size_t(s) * num_experts + e]; }
+  int64_t node_tokens(int s, int m) const { return tokens_per_node[size_t(s) * num_nodes + m]; }
+  // (token, expert) pairs of source s whose expert lives on node m.
+  int64_t node_entries(const Topology& topo, int s, int m) const;
+};
+
+// Home side: the channel split and the per-channel prefix matrices (DeepEP's
+// channel_prefix_matrix), so each channel writes disjoint rows with no sort.
+struct SendPlan {
+  int num_channels = 0;
+  std::vector<int64_t> channel_begin;  // [C + 1] token ranges
+  std::vector<int64_t> expert_prefix;  // [C * E] rows for e in earlier channels
+  std::vector<int64_t> node_tokens;    // [(C + 1) * N] prefix of tokens needing node m
+  std::vector<int64_t> node_entries;   // [(C + 1) * N] prefix of (t, e on m) pairs
+};
+
+// Forwarder side: what one remote source sent this rank to place into its node.
+struct ForwardPlan {
+  int src = 0;
+  int64_t num_tokens = 0;
+  int64_t num_entries = 0;
+  std::vector<int32_t> src_token;     // [n]
+  std::vector<int64_t> entry_begin;   // [n + 1]
+  std::vector<int32_t> entry_expert;  // [q]
+  std::vector<float> entry_prob;      // [q]
+  std::vector<int64_t> entry_row;     // [q] canonical row on every rank of the expert
+};
+
+// The wire format of one dispatch message (source -> forwarder): headers, then the expert
+// entries, then the payload rows, then the fp8 scales.
+struct MessageHeader {
+  int32_t src_token;
+  int32_t num_entries;
+  uint64_t rank_mask;  // local ranks of the destination node that need the token
+};
+struct MessageEntry {
+  int32_t expert;
+  float prob;
+};
+static_assert(sizeof(MessageHeader) == 16 && sizeof(MessageEntry) == 8);
+struct MessageLayout {
+  size_t entries_off = 0, payload_off = 0, scales_off = 0, bytes = 0;
+  static MessageLayout of(int64_t tokens, int64_t entries, size_t row_bytes, size_t scale_bytes);
+};
+
+class FlexHandle final : public DispatchHandle {
+ public:
+  uint64_t dispatcher_id = 0;
+  Topology topo;
+  std::shared_ptr<const GlobalInfo> global;
+  TokenRoutes routes;
+  SendPlan send;
+  std::vector<ForwardPlan> forward;  // one per other node (sources with my local index)
+  int64_t exact_rows = 0;            // rows before num_worst_tokens padding
+  int64_t worst_rows = 0;            // num_rows of every rank's output (max with worst)
+
+  // Row of (source s, local expert j) chunk on the ranks of expert e's ep.
+  const ExpertLayout& layout_of_expert(int e) const {
+    return global->layouts[size_t(topo.ep_of_expert(e))];
+  }
+};
+
+// Sections of a push target segment (the dispatch output, or the combine-backward rows).
+struct PushLayout {
+  int64_t cap_rows = 0;
+  size_t row_bytes = 0, scale_bytes = 0;
+  bool meta = false;  // probs and source indices travel too (forward dispatch)
+  size_t scales_off = 0, prob_off = 0, src_rank_off = 0, src_token_off = 0, bytes = 0;
+  static PushLayout of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, bool meta);
+};
+
+// A node-shared region that grows collectively. Every local rank computes the same `bytes`
+// from the same global counts, so growth needs no extra agreement.
+class Region {
+ public:
+  Status ensure(World& world, size_t bytes);
+  const std::shared_ptr<SharedBuffer>& buffer() const { return buffer_; }
+  char* local() const { return static_cast<char*>(buffer_->local()); }
+  char* peer(int lr) const { return static_cast<char*>(buffer_->peer(lr)); }
+
+ private:
+  std::shared_ptr<SharedBuffer> buffer_;
+};
+
+// Per-pair completion signals with an epoch (one counter per ordered pair of local ranks).
+// NOTE: each op starts with a collective (notify or an agreement), so every rank has left
+// the previous op before anyone writes into its memory; the signals then only order the
+// writes (or publications) of this op, pair by pair, with no global barrier.
+class Signals {
+ public:
+  Status init(World& world);
+  void signal_all(uint64_t epoch);
+  Status wait_all(uint64_t epoch);
+  // A small per-rank board in node-shared memory for publishing addresses (threads world).
+  void* board(int lr) const { return buffer_->peer(lr); }
+
+ private:
+  std::shared_ptr<SharedBuffer> buffer_;
+};
+
+// ---- row kernels (vectorised where the CPU allows; bit-identical to scalar) ----
+// acc[i] = acc[i] + (0 + float(src[i]))     (weighted: acc[i] + w * (0 + float(src[i])))
+void add_term_raw(float* acc, const void* src, DType dt, bool weighted, float w, int64_t n);
+// term[i] = term[i] + float(src[i])
+void accumulate_raw(float* term, const void* src, DType dt, int64_t n);
+// acc[i] = acc[i] + term[i]   (weighted: acc[i] + w * term[i])
+void add_term_f32(float* acc, const float* term, bool weighted, float w, int64_t n);
+// dst = round(w * float(src)) in dt
+void scale_row(void* dst, const void* src, DType dt, float w, int64_t n);
+// f32 acc -> dt (bf16: round to nearest even)
+void store_row(void* dst, const float* acc, DType dt, int64_t n);
+// d = 0; for h ascending: d += float(g[h]) * term[h]
+float dot_row(const void* g, DType dt, const float* term, int64_t n);
+
+// ---- engines ----
+struct DispatchContext {
+  World* world;
+  const DispatchConfig* config;
+  const FlexHandle* handle;  // forwarder plans may be filled in by the push (uncached mode)
+  std::vector<ForwardPlan>* forward_out = nullptr;  // non-null: scan headers into these
+};
+
+// What the push writes: home rows (x with scales, or grad_out) into a target region.
+struct PushSpec {
+  TokenRows rows;
+  bool scale_by_prob = false;  // combine backward with weighted combine
+  Region* target = nullptr;
+  PushLayout layout;
+};
+// Local node: each channel writes its tokens' rows into the local ranks' segments; the
+// owner zeroes its own padding rows. Adds shared bytes/rows to the world's counters.
+void push_local(const DispatchContext& ctx, const PushSpec& spec);
+void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec);
+// One output row written by a forwarder (same format as the local path).
+void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
+                         const void* scales, bool scale_by_prob, DType dt, int64_t hidden,
+                         float prob, int32_t src_rank, int32_t src_token);
+// Remote nodes, in two halves so the local copies overlap the network: start posts the
+// receives of the forwarder role and packs and sends this rank's tokens (one message per
+// remote node); finish waits for the messages, places the forwarded rows into the local
+// ranks' segments (filling ctx.forward_out from the headers in uncached mode) and waits for
+// the sends.
+struct RemoteOps {
+  std::vector<std::vector<char>> send_buffers;  // [N]
+  std::vector<std::vector<char>> recv_buffers;  // [N]
+  std::vector<Request> sends, recvs;            // recvs[m]: from the source on node m
+};
+StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec& spec, int tag);
+Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, RemoteOps& ops);
+
+// Pull sources: each local rank's rows in the dispatch layout (f32 or bf16) and an optional
+// per-row scalar (grad of permuted_probs), readable by every local rank.
+struct PullSource {
+  const char* rows = nullptr;
+  size_t row_stride_bytes = 0;
+  const float* scalars = nullptr;  // may be null
+};
+enum class PullMode { kCombine, kDispatchBackward, kProbGrad };
+struct PullSpec {
+  PullMode mode = PullMode::kCombine;
+  DType dtype = DType::kF32;        // of the source rows
+  std::vector<PullSource> sources;  // [G]
+  bool weighted = false;            // kCombine
+  bool with_scalars = false;        // kDispatchBackward with grad_permuted_probs
+  TensorView out;                   // kCombine / kDispatchBackward: [T, H] in dtype
+  TensorView grad_out;              // kProbGrad: home gradient [T, H]
+  float* out_probs = nullptr;       // [T, E] (kDispatchBackward, kProbGrad)
+};
+// Forwarder role: terms of the remote homes' tokens from this node, one message per home.
+// Home role: receive those, fold each token's terms in ascending expert order.
+Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag);
+
+// The network half of pull: the home role's receives (one per remote node) and the
+// forwarder role's terms, packed from the local sources and sent to each remote home.
+struct PullRemote {
+  std::vector<std::vector<char>> recv_buffers;  // [N]: pieces from node m, in entry order
+  std::vector<std::vector<char>> send_buffers;
+  std::vector<Request> recvs, sends;
+  size_t piece_bytes = 0;  // a raw row (P = 1) or an fp32 term (P > 1)
+};
+StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpec& spec, int tag);
+
+// Phase 2, notify: the one count exchange (collective), then every rank's layout, the send
+// plan and the handle. Errors (num_worst_tokens exceeded) are the same on every rank.
+StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig& config,
+                                             PreparedInput input, uint64_t dispatcher_id);
+
+size_t dtype_row_bytes(DType dt, int64_t hidden);
+size_t scale_row_bytes(DType dt, int64_t hidden);
+
+}  // namespace moed::flex

@@ -1,0 +1,82 @@
+// Flex combine across nodes (spec §5.5, the reverse of the two hops): the forwarder of node
+// m for home rank s reads, over shared memory, the terms of s's tokens from the ranks of m
+// and sends them to s in one message (one network transfer per (token, node)).
+//
+// NOTE: fp32 addition is not associative, and spec §4 folds acc = 0; acc += w_e * term_e
+// over the experts in ascending order at the home rank. A node's partial sum over its own
+// experts would change that order (it starts from 0, not from the home's running sum), so
+// the forwarder ships per-expert terms instead: with ETP (P > 1) it reduces the P partial
+// outputs of each expert inside the node (term_e = 0 + sum over p ascending, exactly the
+// reference's term), a P-fold reduction of network bytes; with P = 1 the term is the raw
+// row in its own dtype (no widening to fp32). The home rank then folds all terms in order.
+#include <cstring>
+
+#include "dispatch/flex/flex_internal.h"
+
+namespace moed::flex {
+
+StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpec& spec, int tag) {
+  const FlexHandle& h = *ctx.handle;
+  const Topology& topo = h.topo;
+  const int N = topo.num_nodes, P = topo.etp_size, C = h.send.num_channels;
+  const int64_t H = h.hidden;
+  PullRemote r;
+  r.piece_bytes = P == 1 ? dtype_row_bytes(spec.dtype, H) : size_t(H) * sizeof(float);
+  const size_t scalar_bytes = spec.with_scalars ? sizeof(float) : 0;
+  r.recv_buffers.resize(size_t(N));
+  r.send_buffers.resize(size_t(N));
+  for (int m = 0; m < N; ++m) {
+    if (m == topo.node) continue;
+    const int64_t q = h.send.node_entries[size_t(C) * N + m];
+    if (q == 0) continue;
+    r.recv_buffers[size_t(m)].resize(size_t(q) * (r.piece_bytes + scalar_bytes));
+    MOED_ASSIGN_OR_RETURN(
+        Request req, ctx.world->irecv(topo.forwarder_on(m), tag, r.recv_buffers[size_t(m)].data(),
+                                      r.recv_buffers[size_t(m)].size()));
+    r.recvs.push_back(std::move(req));
+  }
+  uint64_t rows_read = 0;
+  for (const ForwardPlan& f : h.forward) {
+    if (f.num_entries == 0) continue;
+    const int m = topo.node_of_rank(f.src);
+    std::vector<char>& buf = r.send_buffers[size_t(m)];
+    buf.resize(size_t(f.num_entries) * (r.piece_bytes + scalar_bytes));
+    char* scalars_out = buf.data() + size_t(f.num_entries) * r.piece_bytes;
+    ctx.world->pool().parallel_for(
+        f.num_entries,
+        [&](int64_t b, int64_t e, int) {
+          for (int64_t k = b; k < e; ++k) {
+            const int ex = f.entry_expert[size_t(k)];
+            const int64_t row = f.entry_row[size_t(k)];
+            char* piece = buf.data() + size_t(k) * r.piece_bytes;
+            float s = 0.0f;
+            if (P == 1) {
+              const PullSource& src =
+                  spec.sources[size_t(topo.first_rank_of_expert(ex) % topo.ranks_per_node)];
+              std::memcpy(piece, src.rows + size_t(row) * src.row_stride_bytes, r.piece_bytes);
+              if (spec.with_scalars) s = s + src.scalars[row];
+            } else {
+              float* term = reinterpret_cast<float*>(piece);
+              std::memset(term, 0, r.piece_bytes);
+              for (int p = 0; p < P; ++p) {
+                const PullSource& src =
+                    spec.sources[size_t((topo.first_rank_of_expert(ex) + p) % topo.ranks_per_node)];
+                accumulate_raw(term, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype, H);
+                if (spec.with_scalars) s = s + src.scalars[row];
+              }
+            }
+            if (spec.with_scalars)
+              std::memcpy(scalars_out + size_t(k) * sizeof(float), &s, sizeof(s));
+          }
+        },
+        16);
+    rows_read += uint64_t(f.num_entries) * uint64_t(P);
+    MOED_ASSIGN_OR_RETURN(Request req, ctx.world->isend(f.src, tag, buf.data(), buf.size()));
+    ctx.world->add_network_bytes(0, uint64_t(f.num_entries));
+    r.sends.push_back(std::move(req));
+  }
+  ctx.world->add_shared_bytes(rows_read * dtype_row_bytes(spec.dtype, H), rows_read);
+  return r;
+}
+
+}  // namespace moed::flex

@@ -1,0 +1,200 @@
+// Flex phase 3 across nodes (spec §5.5): a token needed on a remote node crosses the network
+// once, to the rank of that node with the sender's local index (the forwarder), with a header
+// (source token, mask of the node's ranks that need it, its experts there and their probs).
+// The forwarder places it over shared memory into each needed rank's canonical row.
+//
+// NOTE: the forwarder learns a token's rows from a running count per expert over the
+// source's headers, which arrive in token order: every token of source s for an expert of
+// node m goes through the same forwarder, so the count is the token's index in its chunk.
+#include <cstring>
+
+#include "dispatch/flex/flex_internal.h"
+
+namespace moed::flex {
+
+namespace {
+
+uint64_t rank_mask_of(const Topology& topo, int expert, uint64_t mask) {
+  for (int p = 0; p < topo.etp_size; ++p) {
+    mask |= uint64_t(1) << ((topo.first_rank_of_expert(expert) + p) % topo.ranks_per_node);
+  }
+  return mask;
+}
+
+// Scans one source's headers into a forward plan (uncached mode).
+ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t n, int64_t q) {
+  const Topology& topo = h.topo;
+  ForwardPlan f;
+  f.src = src;
+  f.num_tokens = n;
+  f.num_entries = q;
+  f.src_token.resize(size_t(n));
+  f.entry_begin.resize(size_t(n) + 1);
+  f.entry_expert.resize(size_t(q));
+  f.entry_prob.resize(size_t(q));
+  f.entry_row.resize(size_t(q));
+  const MessageLayout ml = MessageLayout::of(n, q, 0, 0);
+  const auto* headers = reinterpret_cast<const MessageHeader*>(msg);
+  const auto* entries = reinterpret_cast<const MessageEntry*>(msg + ml.entries_off);
+  std::vector<int64_t> run(size_t(topo.num_experts), 0);
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    MessageHeader hd;
+    std::memcpy(&hd, &headers[i], sizeof(hd));
+    f.src_token[size_t(i)] = hd.src_token;
+    f.entry_begin[size_t(i)] = k;
+    uint64_t mask = 0;
+    for (int32_t x = 0; x < hd.num_entries; ++x, ++k) {
+      MessageEntry en;
+      std::memcpy(&en, &entries[k], sizeof(en));
+      f.entry_expert[size_t(k)] = en.expert;
+      f.entry_prob[size_t(k)] = en.prob;
+      f.entry_row[size_t(k)] =
+          h.layout_of_expert(en.expert).offset(en.expert % topo.num_local_experts, src) +
+          run[size_t(en.expert)]++;
+      mask = rank_mask_of(topo, en.expert, mask);
+    }
+    MOED_CHECK(mask == hd.rank_mask, "forwarded token ", hd.src_token, " from rank ", src,
+               ": header mask ", hd.rank_mask, " != ", mask);
+  }
+  MOED_CHECK(k == q, "forwarder saw ", k, " entries from rank ", src, ", expected ", q);
+  f.entry_begin[size_t(n)] = k;
+  return f;
+}
+
+}  // namespace
+
+StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec& spec, int tag) {
+  const FlexHandle& h = *ctx.handle;
+  const Topology& topo = h.topo;
+  const SendPlan& plan = h.send;
+  const int N = topo.num_nodes, C = plan.num_channels;
+  const PushLayout& l = spec.layout;
+  RemoteOps ops;
+  ops.send_buffers.resize(size_t(N));
+  ops.recv_buffers.resize(size_t(N));
+  // Receives of the forwarder role first, so no sender waits on an unposted receive.
+  for (int m = 0; m < N; ++m) {
+    if (m == topo.node) continue;
+    const int src = topo.forwarder_on(m);
+    const int64_t n = h.global->node_tokens(src, topo.node);
+    if (n == 0) continue;
+    const int64_t q = h.global->node_entries(topo, src, topo.node);
+    ops.recv_buffers[size_t(m)].resize(MessageLayout::of(n, q, l.row_bytes, l.scale_bytes).bytes);
+    MOED_ASSIGN_OR_RETURN(Request r, ctx.world->irecv(src, tag, ops.recv_buffers[size_t(m)].data(),
+                                                      ops.recv_buffers[size_t(m)].size()));
+    ops.recvs.push_back(std::move(r));
+  }
+  std::vector<MessageLayout> layouts(static_cast<size_t>(N));
+  for (int m = 0; m < N; ++m) {
+    if (m == topo.node) continue;
+    layouts[size_t(m)] =
+        MessageLayout::of(plan.node_tokens[size_t(C) * N + m], plan.node_entries[size_t(C) * N + m],
+                          l.row_bytes, l.scale_bytes);
+    ops.send_buffers[size_t(m)].resize(layouts[size_t(m)].bytes);
+  }
+  // Pack: channel c's tokens for node m go at the channel's prefix in m's message.
+  ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+    std::vector<int64_t> tok(static_cast<size_t>(N)), ent(static_cast<size_t>(N));
+    std::vector<int32_t> count(static_cast<size_t>(N));
+    std::vector<uint64_t> mask(static_cast<size_t>(N));
+    for (int64_t c = cb; c < ce; ++c) {
+      for (int m = 0; m < N; ++m) {
+        tok[size_t(m)] = plan.node_tokens[size_t(c) * N + m];
+        ent[size_t(m)] = plan.node_entries[size_t(c) * N + m];
+      }
+      for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
+        std::fill(count.begin(), count.end(), 0);
+        std::fill(mask.begin(), mask.end(), 0);
+        for (int64_t k = h.routes.begin[size_t(t)]; k < h.routes.begin[size_t(t) + 1]; ++k) {
+          const int e = h.routes.expert[size_t(k)];
+          const int m = topo.node_of_expert(e);
+          if (m == topo.node) continue;
+          const MessageEntry en{e, h.routes.prob[size_t(k)]};
+          std::memcpy(ops.send_buffers[size_t(m)].data() + layouts[size_t(m)].entries_off +
+                          size_t(ent[size_t(m)] + count[size_t(m)]) * sizeof(MessageEntry),
+                      &en, sizeof(en));
+          ++count[size_t(m)];
+          mask[size_t(m)] = rank_mask_of(topo, e, mask[size_t(m)]);
+        }
+        for (int m = 0; m < N; ++m) {
+          if (count[size_t(m)] == 0) continue;
+          char* msg = ops.send_buffers[size_t(m)].data();
+          const MessageLayout& ml = layouts[size_t(m)];
+          const MessageHeader hd{int32_t(t), count[size_t(m)], mask[size_t(m)]};
+          const size_t i = size_t(tok[size_t(m)]);
+          std::memcpy(msg + i * sizeof(MessageHeader), &hd, sizeof(hd));
+          std::memcpy(msg + ml.payload_off + i * l.row_bytes, spec.rows.x.row_ptr(t), l.row_bytes);
+          if (l.scale_bytes) {
+            std::memcpy(msg + ml.scales_off + i * l.scale_bytes, spec.rows.scales.row_ptr(t),
+                        l.scale_bytes);
+          }
+          ++tok[size_t(m)];
+          ent[size_t(m)] += count[size_t(m)];
+        }
+      }
+    }
+  });
+  for (int m = 0; m < N; ++m) {
+    if (m == topo.node || plan.node_tokens[size_t(C) * N + m] == 0) continue;
+    MOED_ASSIGN_OR_RETURN(
+        Request r, ctx.world->isend(topo.forwarder_on(m), tag, ops.send_buffers[size_t(m)].data(),
+                                    ops.send_buffers[size_t(m)].size()));
+    ctx.world->add_network_bytes(0, uint64_t(plan.node_tokens[size_t(C) * N + m]));
+    ops.sends.push_back(std::move(r));
+  }
+  return ops;
+}
+
+Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, RemoteOps& ops) {
+  const FlexHandle& h = *ctx.handle;
+  const Topology& topo = h.topo;
+  const PushLayout& l = spec.layout;
+  const int N = topo.num_nodes, P = topo.etp_size;
+  MOED_RETURN_IF_ERROR(wait_all(ops.recvs));
+  if (ctx.forward_out) ctx.forward_out->clear();
+  uint64_t rows = 0;
+  for (int m = 0; m < N; ++m) {
+    if (m == topo.node) continue;
+    const int src = topo.forwarder_on(m);
+    const int64_t n = h.global->node_tokens(src, topo.node);
+    const int64_t q = h.global->node_entries(topo, src, topo.node);
+    const char* msg = ops.recv_buffers[size_t(m)].data();
+    const ForwardPlan* f = nullptr;
+    if (ctx.forward_out) {
+      ctx.forward_out->push_back(scan_headers(h, src, msg, n, q));
+      f = &ctx.forward_out->back();
+    } else {
+      for (const ForwardPlan& p : h.forward) {
+        if (p.src == src) f = &p;
+      }
+      MOED_CHECK(f != nullptr && f->num_tokens == n, "no forward plan for rank ", src);
+    }
+    if (n == 0) continue;
+    const MessageLayout ml = MessageLayout::of(n, q, l.row_bytes, l.scale_bytes);
+    ctx.world->pool().parallel_for(
+        n,
+        [&](int64_t b, int64_t e, int) {
+          for (int64_t i = b; i < e; ++i) {
+            const char* payload = msg + ml.payload_off + size_t(i) * l.row_bytes;
+            const char* scales =
+                l.scale_bytes ? msg + ml.scales_off + size_t(i) * l.scale_bytes : nullptr;
+            for (int64_t k = f->entry_begin[size_t(i)]; k < f->entry_begin[size_t(i) + 1]; ++k) {
+              const int ex = f->entry_expert[size_t(k)];
+              for (int p = 0; p < P; ++p) {
+                const int lr = (topo.first_rank_of_expert(ex) + p) % topo.ranks_per_node;
+                write_forwarded_row(spec.target->peer(lr), l, f->entry_row[size_t(k)], payload,
+                                    scales, spec.scale_by_prob, spec.rows.x.dtype, spec.rows.x.cols,
+                                    f->entry_prob[size_t(k)], src, f->src_token[size_t(i)]);
+              }
+            }
+          }
+        },
+        16);
+    rows += uint64_t(q) * uint64_t(P);
+  }
+  ctx.world->add_shared_bytes(rows * (l.row_bytes + l.scale_bytes + (l.meta ? 12 : 0)), rows);
+  return wait_all(ops.sends);
+}
+
+}  // namespace moed::flex

@@ -1,0 +1,107 @@
+// Flex combine (spec §5.4) and the backward of dispatch: each home rank reads its tokens'
+// contributions from the expert ranks' rows (node-shared memory inside the node, the
+// forwarders' per-expert terms from other nodes) and folds them in the fixed order of spec
+// §4: one read per contribution, one write per token, fp32 accumulation from 0.
+#include <cstring>
+
+#include "dispatch/flex/flex_internal.h"
+
+namespace moed::flex {
+
+Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
+  const FlexHandle& h = *ctx.handle;
+  const Topology& topo = h.topo;
+  const SendPlan& plan = h.send;
+  const int E = topo.num_experts, L = topo.num_local_experts, P = topo.etp_size;
+  const int N = topo.num_nodes, C = plan.num_channels;
+  const int64_t H = h.hidden;
+  MOED_ASSIGN_OR_RETURN(PullRemote remote, pull_remote_start(ctx, spec, tag));
+  MOED_RETURN_IF_ERROR(wait_all(remote.recvs));
+  const size_t scalar_off_unit = remote.piece_bytes;
+  std::vector<uint64_t> rows_read(size_t(C), 0);
+  ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+    std::vector<int64_t> run(static_cast<size_t>(E)), cursor(static_cast<size_t>(N));
+    std::vector<float> acc(static_cast<size_t>(H)), term(static_cast<size_t>(H));
+    for (int64_t c = cb; c < ce; ++c) {
+      std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
+                run.begin());
+      for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_entries[size_t(c) * N + m];
+      uint64_t read = 0;
+      for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t k = h.routes.begin[size_t(t)]; k < h.routes.begin[size_t(t) + 1]; ++k) {
+          const int e = h.routes.expert[size_t(k)];
+          const float prob = h.routes.prob[size_t(k)];
+          const int64_t row = h.layout_of_expert(e).offset(e % L, topo.rank) + run[size_t(e)]++;
+          const int m = topo.node_of_expert(e);
+          // The term of expert e: raw rows (P = 1, or P partials to sum) or an fp32 term.
+          const void* raw = nullptr;
+          const float* f32_term = nullptr;
+          float scalar = 0.0f;
+          if (m == topo.node) {
+            const int first = topo.first_rank_of_expert(e);
+            if (P == 1) {
+              const PullSource& src = spec.sources[size_t(first % topo.ranks_per_node)];
+              raw = src.rows + size_t(row) * src.row_stride_bytes;
+              if (spec.with_scalars) scalar = scalar + src.scalars[row];
+            } else {
+              std::fill(term.begin(), term.end(), 0.0f);
+              for (int p = 0; p < P; ++p) {
+                const PullSource& src = spec.sources[size_t((first + p) % topo.ranks_per_node)];
+                accumulate_raw(term.data(), src.rows + size_t(row) * src.row_stride_bytes,
+                               spec.dtype, H);
+                if (spec.with_scalars) scalar = scalar + src.scalars[row];
+              }
+              f32_term = term.data();
+            }
+            read += uint64_t(P);
+          } else {
+            const std::vector<char>& msg = remote.recv_buffers[size_t(m)];
+            const int64_t i = cursor[size_t(m)]++;
+            const char* piece = msg.data() + size_t(i) * remote.piece_bytes;
+            if (P == 1) {
+              raw = piece;
+            } else {
+              f32_term = reinterpret_cast<const float*>(piece);
+            }
+            if (spec.with_scalars) {
+              const int64_t q = plan.node_entries[size_t(C) * N + m];
+              std::memcpy(&scalar, msg.data() + size_t(q) * scalar_off_unit + size_t(i) * 4, 4);
+            }
+          }
+          switch (spec.mode) {
+            case PullMode::kCombine:
+            case PullMode::kDispatchBackward:
+              if (raw) {
+                add_term_raw(acc.data(), raw, spec.dtype, spec.weighted, prob, H);
+              } else {
+                add_term_f32(acc.data(), f32_term, spec.weighted, prob, H);
+              }
+              if (spec.mode == PullMode::kDispatchBackward) {
+                spec.out_probs[size_t(t) * E + e] = scalar;
+              }
+              break;
+            case PullMode::kProbGrad:
+              if (raw) {
+                std::fill(term.begin(), term.end(), 0.0f);
+                accumulate_raw(term.data(), raw, spec.dtype, H);
+                f32_term = term.data();
+              }
+              spec.out_probs[size_t(t) * E + e] =
+                  dot_row(spec.grad_out.row_ptr(t), spec.grad_out.dtype, f32_term, H);
+              break;
+          }
+        }
+        if (spec.mode != PullMode::kProbGrad)
+          store_row(spec.out.row_ptr(t), acc.data(), spec.out.dtype, H);
+      }
+      rows_read[size_t(c)] = read;
+    }
+  });
+  uint64_t rows = 0;
+  for (uint64_t r : rows_read) rows += r;
+  ctx.world->add_shared_bytes(rows * dtype_row_bytes(spec.dtype, H), rows);
+  return wait_all(remote.sends);
+}
+
+}  // namespace moed::flex

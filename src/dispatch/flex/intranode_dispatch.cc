@@ -1,0 +1,118 @@
+// Flex phase 3, dispatch inside a node (spec §5.3): every channel (a worker owning a
+// contiguous token range) copies its tokens straight into their canonical rows in the
+// receiving ranks' node-shared segments. The row of (token t, expert e) is the chunk offset
+// from the rank prefix matrix plus the channel's prefix plus a running count, so channels
+// never collide and the expert-major order of spec §3 needs no sort and no staging copy.
+#include <cstring>
+
+#include "dispatch/flex/flex_internal.h"
+
+namespace moed::flex {
+
+namespace {
+
+// One output row: payload (copied, or scaled by the prob for the combine backward), its
+// scales, and in the forward dispatch the prob and source.
+inline void write_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
+                      const void* scales, bool scale_by_prob, DType dt, int64_t hidden, float prob,
+                      int32_t src_rank, int32_t src_token) {
+  char* dst = segment + size_t(row) * l.row_bytes;
+  if (scale_by_prob) {
+    scale_row(dst, payload, dt, prob, hidden);
+  } else {
+    std::memcpy(dst, payload, l.row_bytes);
+  }
+  if (l.scale_bytes) {
+    std::memcpy(segment + l.scales_off + size_t(row) * l.scale_bytes, scales, l.scale_bytes);
+  }
+  if (l.meta) {
+    reinterpret_cast<float*>(segment + l.prob_off)[row] = prob;
+    reinterpret_cast<int32_t*>(segment + l.src_rank_off)[row] = src_rank;
+    reinterpret_cast<int32_t*>(segment + l.src_token_off)[row] = src_token;
+  }
+}
+
+}  // namespace
+
+void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
+                         const void* scales, bool scale_by_prob, DType dt, int64_t hidden,
+                         float prob, int32_t src_rank, int32_t src_token) {
+  write_row(segment, l, row, payload, scales, scale_by_prob, dt, hidden, prob, src_rank, src_token);
+}
+
+void push_local(const DispatchContext& ctx, const PushSpec& spec) {
+  const FlexHandle& h = *ctx.handle;
+  const Topology& topo = h.topo;
+  const SendPlan& plan = h.send;
+  const int E = topo.num_experts, L = topo.num_local_experts, P = topo.etp_size;
+  const int C = plan.num_channels;
+  const PushLayout& l = spec.layout;
+  const size_t row_total = l.row_bytes + l.scale_bytes + (l.meta ? 12 : 0);
+  std::vector<uint64_t> rows_written(size_t(C), 0);
+  ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+    std::vector<int64_t> run(static_cast<size_t>(E));
+    for (int64_t c = cb; c < ce; ++c) {
+      std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
+                run.begin());
+      uint64_t written = 0;
+      for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
+        const void* payload = spec.rows.x.row_ptr(t);
+        const void* scales = l.scale_bytes ? spec.rows.scales.row_ptr(t) : nullptr;
+        for (int64_t k = h.routes.begin[size_t(t)]; k < h.routes.begin[size_t(t) + 1]; ++k) {
+          const int e = h.routes.expert[size_t(k)];
+          const int64_t row = h.layout_of_expert(e).offset(e % L, topo.rank) + run[size_t(e)]++;
+          if (topo.node_of_expert(e) != topo.node) continue;  // the forwarder places it
+          const float prob = h.routes.prob[size_t(k)];
+          for (int p = 0; p < P; ++p) {
+            const int lr = (topo.first_rank_of_expert(e) + p) % topo.ranks_per_node;
+            write_row(spec.target->peer(lr), l, row, payload, scales, spec.scale_by_prob,
+                      spec.rows.x.dtype, spec.rows.x.cols, prob, topo.rank, int32_t(t));
+            ++written;
+          }
+        }
+      }
+      rows_written[size_t(c)] = written;
+    }
+  });
+  uint64_t rows = 0;
+  for (uint64_t r : rows_written) rows += r;
+  ctx.world->add_shared_bytes(rows * row_total, rows);
+}
+
+void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec) {
+  const FlexHandle& h = *ctx.handle;
+  const ExpertLayout& my = h.global->layouts[size_t(h.topo.rank / h.topo.etp_size)];
+  const PushLayout& l = spec.layout;
+  // Padding ranges: the tail of each (expert, source) chunk, the alignment tail of each
+  // segment, and the num_worst_tokens tail.
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int j = 0; j < my.num_local_experts; ++j) {
+    int64_t end = my.segment_offset[size_t(j)];
+    for (int s = 0; s < my.world_size; ++s) {
+      if (my.rows(j, s) > my.tokens(j, s)) {
+        ranges.emplace_back(my.offset(j, s) + my.tokens(j, s), my.offset(j, s) + my.rows(j, s));
+      }
+      end = my.offset(j, s) + my.rows(j, s);
+    }
+    if (my.segment_offset[size_t(j) + 1] > end)
+      ranges.emplace_back(end, my.segment_offset[size_t(j) + 1]);
+  }
+  if (h.worst_rows > h.exact_rows) ranges.emplace_back(h.exact_rows, h.worst_rows);
+  char* seg = spec.target->local();
+  ctx.world->pool().parallel_for(int64_t(ranges.size()), [&](int64_t b, int64_t e, int) {
+    for (int64_t i = b; i < e; ++i) {
+      const auto [lo, hi] = ranges[size_t(i)];
+      const size_t n = size_t(hi - lo);
+      std::memset(seg + size_t(lo) * l.row_bytes, 0, n * l.row_bytes);
+      if (l.scale_bytes)
+        std::memset(seg + l.scales_off + size_t(lo) * l.scale_bytes, 0, n * l.scale_bytes);
+      if (l.meta) {
+        std::memset(seg + l.prob_off + size_t(lo) * 4, 0, n * 4);
+        std::memset(seg + l.src_rank_off + size_t(lo) * 4, 0xff, n * 4);  // -1
+        std::memset(seg + l.src_token_off + size_t(lo) * 4, 0xff, n * 4);
+      }
+    }
+  });
+}
+
+}  // namespace moed::flex

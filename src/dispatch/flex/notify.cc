@@ -1,0 +1,144 @@
+// Flex phase 2, notify (spec §5.2): one all-gather of every rank's counts. From it every
+// rank computes the canonical layout of every rank (rank prefix matrix: where each source's
+// chunk starts inside each expert segment), its own channel prefix matrices (where each of
+// its channels starts inside each chunk and inside each node's message), and the size of
+// every message it will send or receive. Nothing else is exchanged before the data moves.
+#include <algorithm>
+
+#include "dispatch/flex/flex_internal.h"
+
+namespace moed::flex {
+
+namespace {
+
+SendPlan make_send_plan(const Topology& topo, const TokenRoutes& routes, int num_channels,
+                        ThreadPool& pool) {
+  const int64_t T = routes.num_tokens();
+  const int C = num_channels, E = topo.num_experts, N = topo.num_nodes;
+  SendPlan plan;
+  plan.num_channels = C;
+  plan.channel_begin.resize(size_t(C) + 1);
+  for (int c = 0; c < C; ++c) {
+    int64_t b, e;
+    ThreadPool::split(T, C, c, &b, &e);
+    plan.channel_begin[size_t(c)] = b;
+    plan.channel_begin[size_t(c) + 1] = e;
+  }
+  // Per-channel counts first (disjoint rows of the matrices), then exclusive prefixes.
+  std::vector<int64_t> expert_count(size_t(C) * E, 0);
+  std::vector<int64_t> node_tokens(size_t(C) * N, 0), node_entries(size_t(C) * N, 0);
+  pool.parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+    std::vector<uint8_t> seen(static_cast<size_t>(N));
+    for (int64_t c = cb; c < ce; ++c) {
+      int64_t* ec = &expert_count[size_t(c) * E];
+      int64_t* nt = &node_tokens[size_t(c) * N];
+      int64_t* ne = &node_entries[size_t(c) * N];
+      for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
+        std::fill(seen.begin(), seen.end(), 0);
+        for (int64_t k = routes.begin[size_t(t)]; k < routes.begin[size_t(t) + 1]; ++k) {
+          const int e = routes.expert[size_t(k)];
+          const int m = topo.node_of_expert(e);
+          ++ec[e];
+          ++ne[m];
+          if (!seen[size_t(m)]) {
+            seen[size_t(m)] = 1;
+            ++nt[m];
+          }
+        }
+      }
+    }
+  });
+  plan.expert_prefix.assign(size_t(C) * E, 0);
+  for (int c = 1; c < C; ++c) {
+    for (int e = 0; e < E; ++e) {
+      plan.expert_prefix[size_t(c) * E + e] =
+          plan.expert_prefix[size_t(c - 1) * E + e] + expert_count[size_t(c - 1) * E + e];
+    }
+  }
+  plan.node_tokens.assign(size_t(C + 1) * N, 0);
+  plan.node_entries.assign(size_t(C + 1) * N, 0);
+  for (int c = 0; c < C; ++c) {
+    for (int m = 0; m < N; ++m) {
+      plan.node_tokens[size_t(c + 1) * N + m] =
+          plan.node_tokens[size_t(c) * N + m] + node_tokens[size_t(c) * N + m];
+      plan.node_entries[size_t(c + 1) * N + m] =
+          plan.node_entries[size_t(c) * N + m] + node_entries[size_t(c) * N + m];
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig& config,
+                                             PreparedInput input, uint64_t dispatcher_id) {
+  const Topology topo = Topology::of(world, config);
+  const int R = topo.num_ranks, E = topo.num_experts, N = topo.num_nodes;
+  auto h = std::make_shared<FlexHandle>();
+  h->dispatcher_id = dispatcher_id;
+  h->topo = topo;
+  h->routes = make_token_routes(input.effective, world.pool());
+  const int C = config.num_channels > 0 ? config.num_channels : world.pool().num_threads();
+  h->send = make_send_plan(topo, h->routes, C, world.pool());
+
+  // The one exchange: [T, C_s, counts[E], tokens_per_node[N]] from every rank.
+  const size_t width = 2 + size_t(E) + size_t(N);
+  std::vector<int64_t> mine(width);
+  mine[0] = input.num_tokens;
+  mine[1] = input.capacity;
+  std::copy(input.tokens_per_expert.begin(), input.tokens_per_expert.end(), mine.begin() + 2);
+  for (int m = 0; m < N; ++m) mine[2 + size_t(E) + m] = h->send.node_tokens[size_t(C) * N + m];
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
+
+  auto g = std::make_shared<GlobalInfo>();
+  g->num_ranks = R;
+  g->num_experts = E;
+  g->num_nodes = N;
+  g->num_tokens.resize(size_t(R));
+  g->capacity.resize(size_t(R));
+  g->counts.resize(size_t(R) * E);
+  g->tokens_per_node.resize(size_t(R) * N);
+  for (int s = 0; s < R; ++s) {
+    const int64_t* row = &all[size_t(s) * width];
+    g->num_tokens[size_t(s)] = row[0];
+    g->capacity[size_t(s)] = row[1];
+    std::copy(row + 2, row + 2 + E, g->counts.begin() + size_t(s) * E);
+    std::copy(row + 2 + E, row + 2 + E + N, g->tokens_per_node.begin() + size_t(s) * N);
+  }
+  const int ep = R / topo.etp_size;
+  for (int i = 0; i < ep; ++i) {
+    g->layouts.push_back(
+        compute_expert_layout(config, R, i * topo.etp_size, g->counts, g->capacity));
+  }
+  g->exact_rows.resize(size_t(R));
+  for (int r = 0; r < R; ++r)
+    g->exact_rows[size_t(r)] = g->layouts[size_t(r / topo.etp_size)].num_rows;
+
+  // Every rank sees the same table, so this error is the same on every rank.
+  if (config.num_worst_tokens > 0) {
+    for (int r = 0; r < R; ++r) {
+      if (g->exact_rows[size_t(r)] > config.num_worst_tokens) {
+        return invalid_argument("num_worst_tokens = ", config.num_worst_tokens,
+                                " is smaller than the ", g->exact_rows[size_t(r)], " rows rank ", r,
+                                " receives");
+      }
+    }
+  }
+
+  const ExpertLayout& my = g->layouts[size_t(topo.rank / topo.etp_size)];
+  h->kind = DispatcherKind::kFlex;
+  h->hidden = input.hidden;
+  h->dtype = input.dtype;
+  h->num_topk = input.num_topk;
+  h->exact_rows = my.num_rows;
+  h->worst_rows = config.num_worst_tokens > 0 ? config.num_worst_tokens : my.num_rows;
+  h->num_rows = h->worst_rows;
+  h->tokens_per_expert = my.tokens_per_expert;
+  h->tokens_per_expert_unpadded = my.tokens_per_expert_unpadded;
+  h->routing = std::move(input.effective);
+  h->global = std::move(g);
+  return h;
+}
+
+}  // namespace moed::flex
