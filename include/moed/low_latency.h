@@ -1,0 +1,144 @@
+// Low-latency dispatch and combine for decoding (spec §6; DeepEP's low_latency_dispatch /
+// low_latency_combine).
+//
+// A LowLatencyBuffer holds, on every rank, fixed receive slots [L][R][max_tokens_per_rank]
+// for dispatch and [E][max_tokens_per_rank] for combine, in node-shared memory, twice (two
+// halves, so two dispatches and two combines can be in flight). There is no count exchange:
+// every sender writes its rows straight into the receiver's slots (or sends them over the
+// network to another node) and then publishes each (source, expert) count with release
+// ordering. The receiver packs the rows of each expert by source rank ascending, then token
+// ascending, so the result is deterministic (DeepEP's atomic slot order is not).
+//
+//   MOED_ASSIGN_OR_RETURN(auto buffer, moed::LowLatencyBuffer::create(world, 128, 7168, 256));
+//   MOED_ASSIGN_OR_RETURN(moed::LowLatencyDispatchOutput d, buffer->low_latency_dispatch(
+//       {.x = x, .topk = &routing, .use_fp8 = true, .return_recv_hook = true}));
+//   ... overlap other work: the send phase has returned ...
+//   MOED_RETURN_IF_ERROR(d.hook->wait());  // receive; d's views are now valid
+//   ... experts read d.recv_x rows [j * d.rows_per_expert, + d.recv_count[j]) ...
+//   MOED_ASSIGN_OR_RETURN(moed::LowLatencyCombineOutput c, buffer->low_latency_combine(
+//       {.x = expert_out, .topk = &routing, .handle = d.handle}));
+//   // c.combined_x [T, H] bf16 = sum over the token's experts e ascending of w_e * y_e
+//
+// Every call is collective over the world (all ranks call it, in the same order); bad input on
+// any rank is an error on every rank (World::agree), never a hang.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "moed/routing.h"
+#include "moed/status.h"
+#include "moed/tensor.h"
+#include "moed/world.h"
+
+namespace moed {
+
+// Bytes of node-shared memory one rank's LowLatencyBuffer needs (both halves; DeepEP's
+// get_low_latency_rdma_size_hint). Per half: dispatch slots [E * M] rows of hidden bf16
+// (FP8 rows and their scales fit in the same layout), scales, source indices and counts;
+// combine slots [E * M] rows of hidden bf16.
+size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,
+                                 int num_experts);
+
+// Where the rows of one source rank sit inside an expert's packed rows.
+struct LowLatencyRange {
+  int32_t begin = 0;
+  int32_t count = 0;
+};
+
+// What combine needs from its dispatch. Filled when the dispatch's receive completes.
+struct LowLatencyHandle {
+  uint64_t buffer_id = 0;         // the LowLatencyBuffer that made it
+  int64_t num_tokens = 0;         // T on this rank
+  int num_topk = 0;               // K
+  bool received = false;          // the dispatch's receive has completed
+  std::vector<int32_t> topk_idx;  // [T, K], as dispatched
+  // Home side: position of (t, k) inside its (this rank, expert) chunk (-1 when unrouted);
+  // tokens this rank sent to each global expert.
+  std::vector<int32_t> slot;        // [T, K]
+  std::vector<int32_t> send_count;  // [E]
+  // Expert side: the packed (begin, count) of every (local expert, source rank) chunk.
+  std::vector<LowLatencyRange> layout_range;  // [L, R]
+};
+
+struct LowLatencyDispatchInput {
+  TensorView x;                       // [T, H] bf16, T <= max_tokens_per_rank (T may be 0)
+  const TopkRouting* topk = nullptr;  // topk_idx [T, K] in [-1, E); weights are not read
+  bool use_fp8 = false;               // cast to FP8 E4M3 on the sending side, per 128 channels
+  bool round_scale = false;           // FP8 scales rounded up to powers of two (UE8M0)
+  bool return_recv_hook = false;      // return after the send phase; hook->wait() receives
+};
+
+// Views into the buffer's current dispatch half: valid until the dispatch after next (the one
+// that reuses this half) is called. With return_recv_hook their contents are valid only after
+// hook->wait().
+struct LowLatencyDispatchOutput {
+  int num_local_experts = 0;    // L
+  int64_t rows_per_expert = 0;  // R * max_tokens_per_rank
+  // recv_x: [L * R * M, H] bf16 or fp8; expert j's rows start at j * rows_per_expert and the
+  // first recv_count[j] are valid. recv_scales: [L * R * M, H / 128] f32 (fp8 only).
+  TokenRows recv;
+  std::span<const int32_t> recv_count;            // [L]
+  std::span<const int32_t> src_info;              // [L * R * M] source token index of each row
+  std::span<const LowLatencyRange> layout_range;  // [L * R]: rows of source s in expert j
+  std::shared_ptr<const LowLatencyHandle> handle;
+  Request hook;  // non-null with return_recv_hook
+
+  TensorView expert_x(int j) const {
+    return recv.x.slice_rows(j * rows_per_expert, rows_per_expert);
+  }
+};
+
+struct LowLatencyCombineInput {
+  // Expert outputs bf16 [L * R * M, H] in the dispatch's layout (rows past recv_count[j] are
+  // not read). NOTE: rows bound for other nodes are sent from here, so x must stay valid and
+  // unchanged until the combine has completed (the hook has run).
+  TensorView x;
+  const TopkRouting* topk = nullptr;  // the dispatch's topk_idx and the topk_weights
+  std::shared_ptr<const LowLatencyHandle> handle;
+  bool return_recv_hook = false;
+};
+
+struct LowLatencyCombineOutput {
+  // [T, H] bf16: for each token, fp32 acc = 0; for its experts e ascending: acc += w_e * y_e;
+  // rounded once. Tokens with no expert are 0. Valid after hook->wait() with a hook.
+  Tensor combined_x;
+  Request hook;  // non-null with return_recv_hook
+};
+
+class LowLatencyBuffer {
+ public:
+  // Collective. max_tokens_per_rank (M), hidden (H) and num_experts (E) must be the same on
+  // every rank and E a multiple of the world size (one expert-parallel group, EP = R).
+  static StatusOr<std::unique_ptr<LowLatencyBuffer>> create(World& world,
+                                                            int64_t max_tokens_per_rank, int hidden,
+                                                            int num_experts);
+  ~LowLatencyBuffer();
+  LowLatencyBuffer(const LowLatencyBuffer&) = delete;
+  LowLatencyBuffer& operator=(const LowLatencyBuffer&) = delete;
+
+  // Collective. Sends each token's row to the ranks of its experts (in-node: a copy into the
+  // receiver's slots; other nodes: the network), then receives (now, or in the hook).
+  StatusOr<LowLatencyDispatchOutput> low_latency_dispatch(const LowLatencyDispatchInput& input);
+  // Collective. Sends every received row's expert output back to its home rank, then
+  // receives and reduces (now, or in the hook).
+  StatusOr<LowLatencyCombineOutput> low_latency_combine(const LowLatencyCombineInput& input);
+
+  World& world() const;
+  int64_t max_tokens_per_rank() const;
+  int hidden() const;
+  int num_experts() const;
+  int num_local_experts() const;
+  size_t bytes() const;  // node-shared bytes of this rank
+
+  struct State;  // internal (src/dispatch/low_latency)
+
+ private:
+  explicit LowLatencyBuffer(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace moed

@@ -1,0 +1,246 @@
+// low_latency_combine: the send phase returns every received row's expert output to its home
+// rank's combine slot [e][i] (in-node: a copy into the home's segment; other nodes: one
+// message per (expert, home) chunk, whose size both sides know from the dispatch), then
+// signals. The receive phase reduces each token over its experts in ascending expert id.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "dispatch/low_latency/state.h"
+
+namespace moed {
+
+namespace {
+
+using low_latency::CombineHalf;
+using low_latency::message_tag;
+using low_latency::MessageKind;
+using low_latency::SegmentLayout;
+
+Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineInput& in) {
+  const SegmentLayout& lay = st.layout;
+  const TensorView& x = in.x;
+  const int64_t rows = int64_t(lay.num_local_experts) * lay.rows_per_expert();
+  if (x.dtype != DType::kBF16) {
+    return invalid_argument("low_latency_combine: x must be bf16; got ", dtype_name(x.dtype));
+  }
+  if (x.rows != rows || x.cols != lay.hidden) {
+    return invalid_argument("low_latency_combine: x is [", x.rows, ", ", x.cols, "]; expected [",
+                            rows, ", ", lay.hidden,
+                            "] (num_local_experts * num_ranks * "
+                            "max_tokens_per_rank, hidden)");
+  }
+  if (x.row_stride < x.cols) {
+    return invalid_argument("low_latency_combine: x row_stride = ", x.row_stride,
+                            " < hidden = ", x.cols);
+  }
+  if (x.data == nullptr) return invalid_argument("low_latency_combine: x.data is null");
+  if (!in.handle) return invalid_argument("low_latency_combine: handle is null");
+  const LowLatencyHandle& h = *in.handle;
+  if (h.buffer_id != st.id) {
+    return invalid_argument("low_latency_combine: the handle comes from another LowLatencyBuffer");
+  }
+  if (!h.received) {
+    return failed_precondition(
+        "low_latency_combine: the dispatch of this handle has not been "
+        "received yet; call its hook first");
+  }
+  if (in.topk == nullptr) return invalid_argument("low_latency_combine: topk is null");
+  const TopkRouting& r = *in.topk;
+  if (r.num_tokens != h.num_tokens || r.num_topk != h.num_topk) {
+    return invalid_argument("low_latency_combine: topk is [", r.num_tokens, ", ", r.num_topk,
+                            "] but the dispatch had [", h.num_tokens, ", ", h.num_topk, "]");
+  }
+  if (r.topk_idx != h.topk_idx) {
+    return invalid_argument("low_latency_combine: topk_idx differs from the dispatch's");
+  }
+  if (r.topk_weights.size() != r.topk_idx.size()) {
+    return invalid_argument("low_latency_combine: topk_weights has ", r.topk_weights.size(),
+                            " entries, expected ", r.num_tokens, " x ", r.num_topk);
+  }
+  for (int64_t t = 0; t < r.num_tokens; ++t) {
+    for (int k = 0; k < r.num_topk; ++k) {
+      const float wt = r.weight(t, k);
+      if (r.idx(t, k) >= 0 && (std::isnan(wt) || wt < 0)) {
+        return invalid_argument("topk_weights[", t, "][", k, "] = ", wt, " must be a number >= 0");
+      }
+    }
+  }
+  if (st.combine_half[st.combines % 2].pending) {
+    return failed_precondition(
+        "low_latency_combine: two combines are already in flight; call "
+        "the hook of combine #",
+        st.combines - 2, " first");
+  }
+  return ok_status();
+}
+
+// Receive phase of combine `seq` from `half`: out[t] = sum over t's experts e ascending of
+// w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own.
+Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& handle,
+                       const TopkRouting& routing, int half, uint64_t seq, TensorView out) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  CombineHalf& ch = st.combine_half[half];
+  const int R = lay.num_ranks, me = w.rank(), H = lay.hidden, K = handle.num_topk;
+  ch.pending = false;
+  Status status;
+  for (int s = 0; s < R && status.ok(); ++s) {
+    if (s != me && w.same_node(s, me)) status = st.shared->wait_signal(st.local_of(s), seq);
+  }
+  Status net = wait_all(ch.requests);
+  ch.requests.clear();
+  MOED_RETURN_IF_ERROR(status);
+  MOED_RETURN_IF_ERROR(net);
+
+  const auto* y = reinterpret_cast<const bf16*>(st.local() + lay.combine_y[half]);
+  w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
+    std::vector<float> acc(static_cast<size_t>(H));
+    struct Term {
+      int32_t e;
+      int32_t slot;
+      float weight;
+    };
+    std::vector<Term> terms;
+    for (int64_t t = t0; t < t1; ++t) {
+      terms.clear();
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = handle.topk_idx[size_t(t) * K + k];
+        if (e >= 0) terms.push_back({e, handle.slot[size_t(t) * K + k], routing.weight(t, k)});
+      }
+      std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) { return a.e < b.e; });
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (const Term& term : terms) {
+        const bf16* row = y + (size_t(term.e) * size_t(lay.max_tokens) + size_t(term.slot)) * H;
+        const float wt = term.weight;
+        for (int h = 0; h < H; ++h) acc[size_t(h)] += wt * bf16_to_float(row[h]);
+      }
+      convert_f32_to_bf16(acc, std::span<bf16>(out.row<bf16>(t), size_t(H)));
+    }
+  });
+  return ok_status();
+}
+
+}  // namespace
+
+StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
+    const LowLatencyCombineInput& in) {
+  State& st = *state_;
+  World& w = *st.world;
+  MOED_RETURN_IF_ERROR(w.agree(check_combine(st, in)));
+  // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
+  // entered this combine, so it has reduced the combine two back out of this half.
+
+  const SegmentLayout& lay = st.layout;
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
+  const size_t row_bytes = size_t(H) * sizeof(bf16);
+  const uint64_t seq = ++st.seq;
+  const int half = int(st.combines++ % 2);
+  CombineHalf& ch = st.combine_half[half];
+  ch.pending = true;
+  const LowLatencyHandle& handle = *in.handle;
+
+  // Home side: receives from other nodes go straight into this rank's combine slots; both
+  // sides know each chunk's size, so they are posted now and move while the caller works.
+  Status status;
+  std::byte* mine = st.local() + lay.combine_y[half];
+  for (int e = 0; e < lay.num_experts && status.ok(); ++e) {
+    const int d = e / L;
+    const int32_t n = handle.send_count[size_t(e)];
+    if (w.same_node(d, me) || n == 0) continue;
+    auto r = w.irecv(d, message_tag(seq, MessageKind::kCombineData),
+                     mine + size_t(e) * size_t(lay.max_tokens) * row_bytes, size_t(n) * row_bytes);
+    if (!r.ok()) {
+      status = r.status();
+      break;
+    }
+    ch.requests.push_back(std::move(r).value());
+  }
+
+  // Expert side: chunk (j, s) = rows [begin, begin + count) of expert j, for home s's slots
+  // [e = me * L + j][0, count).
+  const TensorView& x = in.x;
+  const bool strided = !x.contiguous();
+  if (strided) {
+    size_t staged = 0;
+    for (int j = 0; j < L; ++j) {
+      for (int s = 0; s < R; ++s) {
+        if (!w.same_node(s, me)) staged += size_t(handle.layout_range[size_t(j) * R + s].count);
+      }
+    }
+    ch.net_send.resize(staged * row_bytes);
+  }
+  std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
+  w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int worker) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int j = int(c / R), s = int(c % R);
+      const LowLatencyRange range = handle.layout_range[size_t(c)];
+      if (range.count == 0 || !w.same_node(s, me)) continue;
+      const int e = me * L + j;
+      std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
+                      size_t(e) * size_t(lay.max_tokens) * row_bytes;
+      const int64_t from = int64_t(j) * lay.rows_per_expert() + range.begin;
+      if (!strided) {
+        std::memcpy(to, x.row_ptr(from), size_t(range.count) * row_bytes);
+      } else {
+        for (int32_t i = 0; i < range.count; ++i) {
+          std::memcpy(to + size_t(i) * row_bytes, x.row_ptr(from + i), row_bytes);
+        }
+      }
+      shared_rows[size_t(worker)] += uint64_t(range.count);
+    }
+  });
+  uint64_t rows_in_node = 0;
+  for (uint64_t n : shared_rows) rows_in_node += n;
+  w.add_shared_bytes(rows_in_node * row_bytes, rows_in_node);
+  for (int s = 0; s < R; ++s) {
+    if (s != me && w.same_node(s, me)) st.shared->signal(st.local_of(s), seq);
+  }
+  // Other nodes: one message per non-empty chunk, in ascending expert order for each home,
+  // which is the order the home posted its receives in.
+  size_t staged = 0;
+  for (int s = 0; s < R && status.ok(); ++s) {
+    if (w.same_node(s, me)) continue;
+    for (int j = 0; j < L; ++j) {
+      const LowLatencyRange range = handle.layout_range[size_t(j) * R + s];
+      if (range.count == 0) continue;
+      const int64_t from = int64_t(j) * lay.rows_per_expert() + range.begin;
+      const void* data = x.row_ptr(from);
+      if (strided) {
+        std::byte* stage = ch.net_send.data() + staged * row_bytes;
+        for (int32_t i = 0; i < range.count; ++i) {
+          std::memcpy(stage + size_t(i) * row_bytes, x.row_ptr(from + i), row_bytes);
+        }
+        data = stage;
+        staged += size_t(range.count);
+      }
+      auto r = w.isend(s, message_tag(seq, MessageKind::kCombineData), data,
+                       size_t(range.count) * row_bytes);
+      if (!r.ok()) {
+        status = r.status();
+        break;
+      }
+      ch.requests.push_back(std::move(r).value());
+    }
+  }
+  if (!status.ok()) {
+    ch.pending = false;
+    return status;
+  }
+
+  LowLatencyCombineOutput out;
+  out.combined_x = Tensor::empty(DType::kBF16, handle.num_tokens, H);
+  // The receive reads the weights later (hook mode), so it keeps its own copy of the routing.
+  auto receive = [state = state_, handle = in.handle, routing = *in.topk, half, seq,
+                  view = out.combined_x.view()] {
+    return receive_combine(*state, *handle, routing, half, seq, view);
+  };
+  if (in.return_recv_hook) {
+    out.hook = low_latency::make_hook(std::move(receive));
+  } else {
+    MOED_RETURN_IF_ERROR(receive());
+  }
+  return out;
+}
+
+}  // namespace moed

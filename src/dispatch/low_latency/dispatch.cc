@@ -1,0 +1,396 @@
+// low_latency_dispatch: the send phase writes every (token, expert) row straight into the
+// receiver's fixed slot (j, s, i) in node-shared memory, or stages it for one network message
+// per (source, destination) pair; then publishes each (source, expert) count with release
+// ordering and signals the receiver. The receive phase waits for every source, packs each
+// expert's rows (source ascending, token ascending) and fills recv_count and layout_range.
+#include <algorithm>
+#include <cstring>
+
+#include "dispatch/low_latency/state.h"
+
+namespace moed {
+
+namespace {
+
+using low_latency::DispatchHalf;
+using low_latency::message_tag;
+using low_latency::MessageKind;
+using low_latency::SegmentLayout;
+
+Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in) {
+  const SegmentLayout& lay = st.layout;
+  const TensorView& x = in.x;
+  if (x.dtype != DType::kBF16) {
+    return invalid_argument("low_latency_dispatch: x must be bf16; got ", dtype_name(x.dtype));
+  }
+  if (x.cols != lay.hidden) {
+    return invalid_argument("low_latency_dispatch: x has hidden = ", x.cols,
+                            " but the buffer was made for hidden = ", lay.hidden);
+  }
+  if (x.rows < 0 || x.rows > lay.max_tokens) {
+    return invalid_argument("low_latency_dispatch: x has ", x.rows,
+                            " rows > max_tokens_per_rank = ", lay.max_tokens);
+  }
+  if (x.row_stride < x.cols) {
+    return invalid_argument("low_latency_dispatch: x row_stride = ", x.row_stride,
+                            " < hidden = ", x.cols);
+  }
+  if (x.rows > 0 && x.data == nullptr)
+    return invalid_argument("low_latency_dispatch: x.data is null");
+  if (in.use_fp8 && lay.hidden % kFp8BlockSize != 0) {
+    return invalid_argument("low_latency_dispatch: use_fp8 needs hidden to be a multiple of ",
+                            kFp8BlockSize, "; hidden = ", lay.hidden);
+  }
+  if (in.topk == nullptr) return invalid_argument("low_latency_dispatch: topk is null");
+  const TopkRouting& r = *in.topk;
+  if (r.num_tokens != x.rows) {
+    return invalid_argument("low_latency_dispatch: topk_idx has ", r.num_tokens,
+                            " tokens but x has ", x.rows, " rows");
+  }
+  if (r.num_topk <= 0) {
+    return invalid_argument("low_latency_dispatch: num_topk = ", r.num_topk, " must be positive");
+  }
+  if (r.topk_idx.size() != size_t(r.num_tokens) * size_t(r.num_topk)) {
+    return invalid_argument("low_latency_dispatch: topk_idx has ", r.topk_idx.size(),
+                            " entries, expected ", r.num_tokens, " x ", r.num_topk);
+  }
+  const int E = lay.num_experts;
+  for (int64_t t = 0; t < r.num_tokens; ++t) {
+    for (int k = 0; k < r.num_topk; ++k) {
+      const int32_t e = r.idx(t, k);
+      if (e < -1 || e >= E) {
+        return invalid_argument("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ", E, ")");
+      }
+      for (int k2 = 0; k2 < k && e >= 0; ++k2) {
+        if (r.idx(t, k2) == e) {
+          return invalid_argument("topk_idx[", t, "] repeats expert ", e, " (at ", k2, " and ", k,
+                                  ")");
+        }
+      }
+    }
+  }
+  const DispatchHalf& half = st.dispatch_half[st.dispatches % 2];
+  if (half.pending) {
+    return failed_precondition(
+        "low_latency_dispatch: two dispatches are already in flight; "
+        "call the hook of dispatch #",
+        st.dispatches - 2, " first");
+  }
+  return ok_status();
+}
+
+// Receive phase of dispatch `seq` into `half`.
+Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, int half,
+                        uint64_t seq, bool fp8) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  DispatchHalf& dh = st.dispatch_half[half];
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank();
+  const size_t payload = fp8 ? size_t(lay.hidden) : size_t(lay.hidden) * sizeof(bf16);
+  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
+  const size_t row_bytes = sizeof(int32_t) + payload + scale_bytes;
+  // Whatever happens below, this half is no longer in flight.
+  dh.pending = false;
+
+  // Counts of every (local expert j, source s): in-node sources published them in this rank's
+  // segment before their signal; other nodes sent them as a header.
+  Status status = wait_all(dh.header_requests);
+  std::vector<int32_t> count(size_t(L) * R, 0);
+  for (int s = 0; s < R && status.ok(); ++s) {
+    if (!w.same_node(s, me)) {
+      for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = dh.recv_header[size_t(s) * L + j];
+      continue;
+    }
+    if (s != me) {
+      status = st.shared->wait_signal(st.local_of(s), seq);
+      if (!status.ok()) break;
+    }
+    const std::atomic<uint64_t>* c = st.counts(w.local_rank(), half);
+    for (int j = 0; j < L; ++j) {
+      const uint64_t v = c[size_t(j) * R + s].load(std::memory_order_acquire);
+      MOED_CHECK(v >> 32 == (seq & 0xffffffffu), "count of (expert ", j, ", source ", s,
+                 ") carries sequence ", v >> 32, ", expected ", seq);
+      count[size_t(j) * R + s] = int32_t(v & 0xffffffffu);
+    }
+  }
+
+  // Rows from other nodes: one message per source, its size known from the header.
+  std::vector<size_t> block(size_t(R), 0);
+  std::vector<Request> data_requests;
+  if (status.ok()) {
+    size_t total = 0;
+    for (int s = 0; s < R; ++s) {
+      if (w.same_node(s, me)) continue;
+      block[size_t(s)] = total;
+      int64_t n = 0;
+      for (int j = 0; j < L; ++j) n += count[size_t(j) * R + s];
+      total += (size_t(n) * row_bytes + 63) / 64 * 64;
+    }
+    dh.net_recv.resize(total);
+    for (int s = 0; s < R && status.ok(); ++s) {
+      if (w.same_node(s, me)) continue;
+      int64_t n = 0;
+      for (int j = 0; j < L; ++j) n += count[size_t(j) * R + s];
+      if (n == 0) continue;
+      auto r = w.irecv(s, message_tag(seq, MessageKind::kDispatchData),
+                       dh.net_recv.data() + block[size_t(s)], size_t(n) * row_bytes);
+      if (!r.ok()) {
+        status = r.status();
+        break;
+      }
+      data_requests.push_back(std::move(r).value());
+    }
+  }
+  // NOTE: post the data receives before waiting on this rank's own sends: a send completes
+  // only once its receiver has posted the matching receive.
+  Status recv_status = wait_all(data_requests);
+  Status send_status = wait_all(dh.send_requests);
+  dh.header_requests.clear();
+  dh.send_requests.clear();
+  MOED_RETURN_IF_ERROR(status);
+  MOED_RETURN_IF_ERROR(recv_status);
+  MOED_RETURN_IF_ERROR(send_status);
+
+  // Packed layout: expert j's rows from source s start at begin(j, s) = rows of sources < s.
+  for (int j = 0; j < L; ++j) {
+    int32_t begin = 0;
+    for (int s = 0; s < R; ++s) {
+      const int32_t c = count[size_t(j) * R + s];
+      dh.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
+      begin += c;
+    }
+    dh.recv_count[size_t(j)] = begin;
+  }
+
+  // NOTE: packing in place is safe in ascending s: chunk s moves down to begin(j, s) <= s * M,
+  // and ends at or below (s + 1) * M, where the unmoved chunks of higher sources begin.
+  std::byte* seg = st.local();
+  std::byte* xs = seg + lay.dispatch_x[half];
+  std::byte* scales = seg + lay.dispatch_scales[half];
+  auto* src = reinterpret_cast<int32_t*>(seg + lay.dispatch_src[half]);
+  w.pool().parallel_for(L, [&](int64_t j0, int64_t j1, int) {
+    for (int j = int(j0); j < int(j1); ++j) {
+      std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
+      for (int s = 0; s < R; ++s) {
+        if (w.same_node(s, me)) continue;
+        for (int j2 = 0; j2 < j; ++j2) net_row[size_t(s)] += count[size_t(j2) * R + s];
+      }
+      for (int s = 0; s < R; ++s) {
+        const LowLatencyRange range = dh.layout_range[size_t(j) * R + s];
+        if (range.count == 0) continue;
+        const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
+        const size_t n = size_t(range.count);
+        if (w.same_node(s, me)) {
+          const int64_t from = lay.fixed_row(j, s, 0);
+          if (from == to) continue;
+          std::memmove(xs + size_t(to) * payload, xs + size_t(from) * payload, n * payload);
+          std::memmove(scales + size_t(to) * scale_bytes, scales + size_t(from) * scale_bytes,
+                       n * scale_bytes);
+          std::memmove(src + to, src + from, n * sizeof(int32_t));
+        } else {
+          // Message of source s: [token index x rows][payload x rows][scales x rows].
+          int64_t rows = 0;
+          for (int j2 = 0; j2 < L; ++j2) rows += count[size_t(j2) * R + s];
+          const std::byte* m = dh.net_recv.data() + block[size_t(s)];
+          const size_t first = size_t(net_row[size_t(s)]);
+          std::memcpy(src + to, m + first * sizeof(int32_t), n * sizeof(int32_t));
+          m += size_t(rows) * sizeof(int32_t);
+          std::memcpy(xs + size_t(to) * payload, m + first * payload, n * payload);
+          m += size_t(rows) * payload;
+          std::memcpy(scales + size_t(to) * scale_bytes, m + first * scale_bytes, n * scale_bytes);
+        }
+      }
+    }
+  });
+
+  handle.layout_range = dh.layout_range;
+  handle.received = true;
+  return ok_status();
+}
+
+}  // namespace
+
+StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
+    const LowLatencyDispatchInput& in) {
+  State& st = *state_;
+  World& w = *st.world;
+  MOED_RETURN_IF_ERROR(w.agree(check_dispatch(st, in)));
+  // NOTE: the agreement above is also the double-buffer handshake: once it returns, every
+  // receiver has entered this dispatch, so it has received (hooked) the dispatch two back and
+  // its views of this half are released; senders may overwrite the half.
+
+  const SegmentLayout& lay = st.layout;
+  const int R = lay.num_ranks, E = lay.num_experts, L = lay.num_local_experts, me = w.rank();
+  const int H = lay.hidden;
+  const bool fp8 = in.use_fp8;
+  const uint64_t seq = ++st.seq;
+  const int half = int(st.dispatches++ % 2);
+  DispatchHalf& dh = st.dispatch_half[half];
+  dh.pending = true;
+
+  const TopkRouting& routing = *in.topk;
+  const int64_t T = in.x.rows;
+  const int K = routing.num_topk;
+  auto handle = std::make_shared<LowLatencyHandle>();
+  handle->buffer_id = st.id;
+  handle->num_tokens = T;
+  handle->num_topk = K;
+  handle->topk_idx = routing.topk_idx;
+  handle->slot.assign(size_t(T) * K, -1);
+  handle->send_count.assign(size_t(E), 0);
+  // Each (t, e) gets the next slot of its (this rank, e) chunk in token order, which is what
+  // makes the receiver's rows token-ascending without any sort.
+  for (int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = routing.idx(t, k);
+      if (e >= 0) handle->slot[size_t(t) * K + k] = handle->send_count[size_t(e)]++;
+    }
+  }
+
+  const size_t payload = fp8 ? size_t(H) : size_t(H) * sizeof(bf16);
+  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
+  const size_t row_bytes = sizeof(int32_t) + payload + scale_bytes;
+  if (fp8) {
+    // Cast each token once; every destination gets a copy of the same bytes.
+    dh.fp8_rows.resize(size_t(T) * (payload + scale_bytes));
+    w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+      for (int64_t t = t0; t < t1; ++t) {
+        std::byte* row = dh.fp8_rows.data() + size_t(t) * (payload + scale_bytes);
+        quantize_fp8_row(
+            std::span<const bf16>(in.x.row<bf16>(t), size_t(H)), in.round_scale,
+            std::span<fp8_e4m3>(reinterpret_cast<fp8_e4m3*>(row), size_t(H)),
+            std::span<float>(reinterpret_cast<float*>(row + payload), size_t(lay.num_scales)));
+      }
+    });
+  }
+
+  // Network staging: one message per remote destination d, rows ordered by (j, i), laid out
+  // as [token index x rows][payload x rows][scales x rows].
+  std::vector<size_t> block(size_t(R), 0);
+  std::vector<int64_t> block_rows(size_t(R), 0);
+  std::vector<int64_t> chunk_row(size_t(E), 0);  // row of (d, j) chunk inside d's message
+  size_t net_total = 0;
+  for (int d = 0; d < R; ++d) {
+    if (w.same_node(d, me)) continue;
+    block[size_t(d)] = net_total;
+    for (int j = 0; j < L; ++j) {
+      chunk_row[size_t(d) * L + j] = block_rows[size_t(d)];
+      block_rows[size_t(d)] += handle->send_count[size_t(d) * L + j];
+    }
+    net_total += (size_t(block_rows[size_t(d)]) * row_bytes + 63) / 64 * 64;
+  }
+  dh.net_send.resize(net_total);
+
+  std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
+  w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * (payload + scale_bytes)
+                                 : static_cast<const std::byte*>(in.x.row_ptr(t));
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = routing.idx(t, k);
+        if (e < 0) continue;
+        const int d = e / L, j = e % L;
+        const int64_t i = handle->slot[size_t(t) * K + k];
+        if (w.same_node(d, me)) {
+          std::byte* seg = st.segment(st.local_of(d));
+          const int64_t r = lay.fixed_row(j, me, i);
+          std::memcpy(seg + lay.dispatch_x[half] + size_t(r) * payload, row, payload);
+          std::memcpy(seg + lay.dispatch_scales[half] + size_t(r) * scale_bytes, row + payload,
+                      scale_bytes);
+          const int32_t token = int32_t(t);
+          std::memcpy(seg + lay.dispatch_src[half] + size_t(r) * sizeof(int32_t), &token,
+                      sizeof(token));
+          ++shared_rows[size_t(worker)];
+        } else {
+          std::byte* m = dh.net_send.data() + block[size_t(d)];
+          const size_t rows = size_t(block_rows[size_t(d)]);
+          const size_t at = size_t(chunk_row[size_t(e)] + i);
+          const int32_t token = int32_t(t);
+          std::memcpy(m + at * sizeof(int32_t), &token, sizeof(token));
+          m += rows * sizeof(int32_t);
+          std::memcpy(m + at * payload, row, payload);
+          m += rows * payload;
+          std::memcpy(m + at * scale_bytes, row + payload, scale_bytes);
+        }
+      }
+    }
+  });
+  uint64_t rows_in_node = 0;
+  for (uint64_t n : shared_rows) rows_in_node += n;
+  w.add_shared_bytes(rows_in_node * (payload + scale_bytes), rows_in_node);
+
+  // Publish: every (me, expert) count, zero included (there is no notify), after its rows.
+  for (int d = 0; d < R; ++d) {
+    if (!w.same_node(d, me)) continue;
+    std::atomic<uint64_t>* c = st.counts(st.local_of(d), half);
+    for (int j = 0; j < L; ++j) {
+      const uint64_t v =
+          ((seq & 0xffffffffu) << 32) | uint64_t(handle->send_count[size_t(d) * L + j]);
+      c[size_t(j) * R + me].store(v, std::memory_order_release);
+    }
+    if (d != me) st.shared->signal(st.local_of(d), seq);
+  }
+  // Other nodes: a header of L counts, then the rows, to every remote rank; receive headers.
+  Status status;
+  for (int d = 0; d < R && status.ok(); ++d) {
+    if (w.same_node(d, me)) continue;
+    int32_t* header = dh.send_header.data() + size_t(d) * L;
+    for (int j = 0; j < L; ++j) header[j] = handle->send_count[size_t(d) * L + j];
+    auto h = w.isend(d, message_tag(seq, MessageKind::kDispatchHeader), header,
+                     size_t(L) * sizeof(int32_t));
+    if (!h.ok()) {
+      status = h.status();
+      break;
+    }
+    dh.send_requests.push_back(std::move(h).value());
+    if (block_rows[size_t(d)] > 0) {
+      auto r =
+          w.isend(d, message_tag(seq, MessageKind::kDispatchData),
+                  dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * row_bytes);
+      if (!r.ok()) {
+        status = r.status();
+        break;
+      }
+      dh.send_requests.push_back(std::move(r).value());
+    }
+    auto rh = w.irecv(d, message_tag(seq, MessageKind::kDispatchHeader),
+                      dh.recv_header.data() + size_t(d) * L, size_t(L) * sizeof(int32_t));
+    if (!rh.ok()) {
+      status = rh.status();
+      break;
+    }
+    dh.header_requests.push_back(std::move(rh).value());
+  }
+  if (!status.ok()) {
+    dh.pending = false;
+    return status;
+  }
+
+  LowLatencyDispatchOutput out;
+  out.num_local_experts = L;
+  out.rows_per_expert = lay.rows_per_expert();
+  std::byte* seg = st.local();
+  const int64_t rows = int64_t(L) * lay.rows_per_expert();
+  out.recv.x = TensorView(seg + lay.dispatch_x[half], fp8 ? DType::kFP8 : DType::kBF16, rows, H);
+  if (fp8) {
+    out.recv.scales =
+        TensorView(seg + lay.dispatch_scales[half], DType::kF32, rows, lay.num_scales);
+  }
+  out.recv_count = std::span<const int32_t>(dh.recv_count);
+  out.src_info = std::span<const int32_t>(
+      reinterpret_cast<const int32_t*>(seg + lay.dispatch_src[half]), size_t(rows));
+  out.layout_range = std::span<const LowLatencyRange>(dh.layout_range);
+  out.handle = handle;
+
+  auto receive = [state = state_, handle, half, seq, fp8] {
+    return receive_dispatch(*state, *handle, half, seq, fp8);
+  };
+  if (in.return_recv_hook) {
+    out.hook = low_latency::make_hook(std::move(receive));
+  } else {
+    MOED_RETURN_IF_ERROR(receive());
+  }
+  return out;
+}
+
+}  // namespace moed

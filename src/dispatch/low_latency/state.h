@@ -1,0 +1,113 @@
+// Internal state of a LowLatencyBuffer, shared by its phase files:
+//   buffer.cc    creation, the segment layout, the size hint, the receive hook
+//   dispatch.cc  low_latency_dispatch: send phase (slot writes / network) and receive phase
+//   combine.cc   low_latency_combine: send phase and the reducing receive phase
+//
+// Segment of every rank (node-shared, `SegmentLayout`), per half h in {0, 1}:
+//   counts[h][j][s]  uint64, (op sequence << 32) | rows, release-stored by source s after its
+//                    rows for local expert j
+//   dispatch_x[h]    [L][R][M] fixed slots (j, s, i) of H bf16 (or H fp8 bytes); the receive
+//                    phase packs expert j's rows in place to j * R * M + begin(j, s) + i
+//   dispatch_scales[h], dispatch_src[h]: the same rows' FP8 scales and source token indices
+//   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "moed/low_latency.h"
+#include "moed/world.h"
+
+namespace moed {
+
+namespace low_latency {
+
+// Network tags: one per (op sequence mod 16, message kind), so the messages of the (at most
+// four) operations in flight never match each other's receives.
+enum class MessageKind : int { kDispatchHeader = 0, kDispatchData = 1, kCombineData = 2 };
+inline int message_tag(uint64_t seq, MessageKind kind) {
+  constexpr int kTagBase = 0x5100;
+  return kTagBase + int(seq % 16) * 4 + int(kind);
+}
+
+struct SegmentLayout {
+  int64_t max_tokens = 0;     // M
+  int hidden = 0;             // H
+  int num_ranks = 0;          // R
+  int num_experts = 0;        // E
+  int num_local_experts = 0;  // L
+  int num_scales = 0;         // H / 128 (0 when H is not a multiple of 128: no FP8)
+  size_t counts[2] = {0, 0};
+  size_t dispatch_x[2] = {0, 0};
+  size_t dispatch_scales[2] = {0, 0};
+  size_t dispatch_src[2] = {0, 0};
+  size_t combine_y[2] = {0, 0};
+  size_t total = 0;
+
+  static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts);
+  int64_t slots() const { return int64_t(num_experts) * max_tokens; }  // rows per region
+  int64_t fixed_row(int j, int s, int64_t i) const {
+    return (int64_t(j) * num_ranks + s) * max_tokens + i;
+  }
+  int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
+};
+
+// Where a dispatch half's outputs live (the views handed out point here or into the segment).
+struct DispatchHalf {
+  bool pending = false;                       // send phase done, receive not yet
+  std::vector<int32_t> recv_count;            // [L]
+  std::vector<LowLatencyRange> layout_range;  // [L * R]
+  // Network: headers from every source (counts per local expert), the rows received from
+  // other nodes, and what this rank sends to other nodes (kept until the receive completes).
+  std::vector<int32_t> recv_header;  // [R * L]
+  std::vector<std::byte> net_recv;
+  std::vector<int32_t> send_header;  // [R * L]
+  std::vector<std::byte> net_send;
+  std::vector<Request> header_requests;  // header receives of this op
+  std::vector<Request> send_requests;    // this op's sends
+  std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
+};
+
+struct CombineHalf {
+  bool pending = false;
+  std::vector<std::byte> net_send;  // staged rows when the expert output is strided
+  std::vector<Request> requests;
+};
+
+}  // namespace low_latency
+
+struct LowLatencyBuffer::State {
+  World* world = nullptr;
+  uint64_t id = 0;
+  low_latency::SegmentLayout layout;
+  std::shared_ptr<SharedBuffer> shared;
+  // Every rank runs the same sequence of calls, so these agree across ranks.
+  uint64_t seq = 0;  // operations started (dispatch and combine), 1-based tags
+  uint64_t dispatches = 0;
+  uint64_t combines = 0;
+  low_latency::DispatchHalf dispatch_half[2];
+  low_latency::CombineHalf combine_half[2];
+
+  std::byte* segment(int local_rank) const {
+    return static_cast<std::byte*>(shared->peer(local_rank));
+  }
+  std::byte* local() const { return static_cast<std::byte*>(shared->local()); }
+  std::atomic<uint64_t>* counts(int local_rank, int half) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.counts[half]);
+  }
+  int local_of(int rank) const { return rank % world->ranks_per_node(); }
+};
+
+namespace low_latency {
+
+// A receive phase to run once: by wait() (the hook), or at destruction if never waited on, so
+// the buffer's halves and the peers' signals stay in step.
+Request make_hook(std::function<Status()> receive);
+
+}  // namespace low_latency
+
+}  // namespace moed
