@@ -1,0 +1,226 @@
+#include "dispatch/allgather/allgather.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "dispatch/row_exchange.h"
+
+namespace moed {
+
+namespace {
+
+// The AllGather handle also keeps how this rank picked its rows out of the gathered tokens,
+// for the combine backward (which all-gathers grad_out and picks the same rows).
+class AllGatherHandle final : public ExchangeHandle {
+ public:
+  PermuteLayout expert;                 // over the gathered tokens; sorted_indices are global
+  std::vector<int64_t> source_offsets;  // [R + 1] first gathered token of each source
+};
+
+// all_gather_v of `rows[s]` rows of row_bytes each; a strided view is packed first.
+Status gather_rows(World& w, const TensorView& mine, std::span<const int64_t> rows, void* recv) {
+  Tensor packed;
+  const void* send = mine.data;
+  if (!mine.contiguous() && mine.rows > 0) {
+    packed = Tensor::copy_of(mine);
+    send = packed.data();
+  }
+  std::vector<size_t> bytes(rows.size());
+  for (size_t s = 0; s < rows.size(); ++s) bytes[s] = size_t(rows[s]) * mine.row_bytes();
+  return w.all_gather_v_bytes(send, size_t(mine.rows) * mine.row_bytes(), recv, bytes);
+}
+
+class AllGatherDispatcher final : public RowExchangeDispatcher {
+ public:
+  AllGatherDispatcher(World& world, const DispatchConfig& config)
+      : RowExchangeDispatcher(world, config) {}
+
+  Status dispatch_preprocess(const DispatchInput& input) override;
+  StatusOr<Request> token_dispatch(bool async) override;
+  StatusOr<DispatchOutput> dispatch_postprocess() override;
+
+  Status combine_postprocess_backward(const CombineGradInput& grad) override;
+  StatusOr<Request> token_combine_backward(bool async) override;
+  StatusOr<CombineGrad> combine_preprocess_backward() override;
+
+ private:
+  struct DispatchState {
+    std::shared_ptr<AllGatherHandle> handle;
+    GlobalCounts counts;
+    TokenRows hidden;  // the caller's tokens, valid until token_dispatch returns
+    TokenTensor gathered;
+    RoutingMap gathered_map;
+    int stage = 0;  // 0 idle, 1 prepared, 2 gathered
+  };
+  struct CombineGradRows {
+    std::shared_ptr<const AllGatherHandle> handle;
+    UnpermuteGrad home;  // weighted: grad_row_probs in home order
+    Tensor gathered;     // every rank's grad_out
+    int stage = 0;       // 0 idle, 1 started, 2 gathered
+  };
+
+  DispatchState d_;
+  CombineGradRows cg_;
+};
+
+// ---- dispatch ----
+
+Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
+  d_ = DispatchState{};
+  MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
+  MOED_ASSIGN_OR_RETURN(d_.counts, exchange_counts(*world_, config_, in));
+  auto h = std::make_shared<AllGatherHandle>();
+  MOED_ASSIGN_OR_RETURN(h->plan, make_row_exchange_plan(config_, *world_, d_.counts, in.effective));
+  h->kind = config_.kind;
+  h->hidden = in.hidden;
+  h->dtype = in.dtype;
+  h->num_topk = in.num_topk;
+  h->routing = std::move(in.effective);
+  h->num_rows = h->plan.layout.num_rows;
+  h->tokens_per_expert = h->plan.layout.tokens_per_expert;
+  h->tokens_per_expert_unpadded = h->plan.layout.tokens_per_expert_unpadded;
+  h->source_offsets.assign(1, 0);
+  for (int64_t t : d_.counts.num_tokens) h->source_offsets.push_back(h->source_offsets.back() + t);
+  d_.hidden = input.hidden;
+  d_.handle = std::move(h);
+  d_.stage = 1;
+  return ok_status();
+}
+
+StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
+  if (d_.stage != 1) return failed_precondition("token_dispatch before dispatch_preprocess");
+  const AllGatherHandle& h = *d_.handle;
+  const int E = config_.num_experts;
+  const std::span<const int64_t> T = d_.counts.num_tokens;
+  const int64_t N = h.source_offsets.back();
+  d_.gathered.x = Tensor::empty(h.dtype, N, h.hidden);
+  MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.x, T, d_.gathered.x.data()));
+  if (h.dtype == DType::kFP8) {
+    d_.gathered.scales = Tensor::empty(DType::kF32, N, h.hidden / kFp8BlockSize);
+    MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.scales, T, d_.gathered.scales.data()));
+  }
+  // The effective routing (after dropping and router padding) of every source, map form.
+  RoutingMap& g = d_.gathered_map;
+  g.num_tokens = N;
+  g.num_experts = E;
+  g.num_topk = h.num_topk;
+  g.routing_map.resize(size_t(N) * E);
+  g.probs.resize(size_t(N) * E);
+  const RoutingMap& mine = h.routing;
+  MOED_RETURN_IF_ERROR(gather_rows(
+      *world_,
+      TensorView(const_cast<uint8_t*>(mine.routing_map.data()), DType::kFP8, mine.num_tokens, E), T,
+      g.routing_map.data()));
+  MOED_RETURN_IF_ERROR(gather_rows(
+      *world_, TensorView(const_cast<float*>(mine.probs.data()), DType::kF32, mine.num_tokens, E),
+      T, g.probs.data()));
+  d_.hidden = TokenRows{};
+  d_.stage = 2;
+  return Request();
+}
+
+StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
+  if (d_.stage != 2) return failed_precondition("dispatch_postprocess before token_dispatch");
+  AllGatherHandle& h = *d_.handle;
+  const int R = world_->size();
+  const int first = first_local_expert(config_, R, world_->rank());
+  PermuteOptions o;
+  o.expert_begin = first;
+  o.expert_end = first + config_.num_local_experts(R);
+  o.expert_alignment = config_.layout.expert_alignment;
+  o.source_offsets = h.source_offsets;
+  if (config_.layout.pad_to_capacity) o.source_capacities = d_.counts.capacity;
+  MOED_ASSIGN_OR_RETURN(h.expert, make_permute_layout(d_.gathered_map, o, world_->pool()));
+  MOED_CHECK(h.expert.num_rows == h.num_rows, "gathered layout has ", h.expert.num_rows,
+             " rows; the counts gave ", h.num_rows);
+  auto storage = std::make_shared<TokenTensor>();
+  MOED_ASSIGN_OR_RETURN(*storage, permute_rows(d_.gathered.rows(), h.expert, world_->pool()));
+  h.permuted_probs = h.expert.permuted_probs;
+  h.row_src_rank.assign(size_t(h.num_rows), -1);
+  h.row_src_token.assign(size_t(h.num_rows), -1);
+  for (int64_t i = 0; i < h.num_rows; ++i) {
+    const int32_t g = h.expert.sorted_indices[size_t(i)];
+    if (g < 0) continue;
+    const int s = int(std::upper_bound(h.source_offsets.begin(), h.source_offsets.end(), g) -
+                      h.source_offsets.begin()) -
+                  1;
+    h.row_src_rank[size_t(i)] = s;
+    h.row_src_token[size_t(i)] = int32_t(g - h.source_offsets[size_t(s)]);
+  }
+  DispatchOutput out;
+  out.expert_input = storage->rows();
+  out.permuted_probs = h.permuted_probs;
+  out.tokens_per_expert = h.tokens_per_expert;
+  out.handle = d_.handle;
+  out.storage = storage;
+  d_ = DispatchState{};
+  return out;
+}
+
+// ---- combine backward: all-gather grad_out; each rank picks (and weights) its own rows ----
+
+Status AllGatherDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
+  cg_ = CombineGradRows{};
+  MOED_RETURN_IF_ERROR(start_combine_backward(grad));
+  cg_.handle = std::static_pointer_cast<const AllGatherHandle>(combine_grad_.handle);
+  cg_.stage = 1;
+  return ok_status();
+}
+
+StatusOr<Request> AllGatherDispatcher::token_combine_backward(bool async) {
+  if (cg_.stage != 1) {
+    return failed_precondition("token_combine_backward before combine_postprocess_backward");
+  }
+  const AllGatherHandle& h = *cg_.handle;
+  std::vector<int64_t> T(size_t(world_->size()));
+  for (size_t s = 0; s < T.size(); ++s) T[s] = h.source_offsets[s + 1] - h.source_offsets[s];
+  cg_.gathered = Tensor::empty(combine_grad_.grad_out.dtype, h.source_offsets.back(), h.hidden);
+  MOED_RETURN_IF_ERROR(gather_rows(*world_, combine_grad_.grad_out, T, cg_.gathered.data()));
+  // NOTE: grad_probs = dot(grad_out, term_e) needs the fp32 terms (the P partials summed), so
+  // when weighted the expert outputs also go home, as in the combine; the home-order rows it
+  // computes besides are not used here (the expert ranks build theirs from the gather).
+  if (config_.weighted_combine) {
+    MOED_ASSIGN_OR_RETURN(cg_.home, home_combine_backward());
+    cg_.home.grad_rows = Tensor();
+  }
+  cg_.stage = 2;
+  return Request();
+}
+
+StatusOr<CombineGrad> AllGatherDispatcher::combine_preprocess_backward() {
+  if (cg_.stage != 2) {
+    return failed_precondition("combine_preprocess_backward before token_combine_backward");
+  }
+  const AllGatherHandle& h = *cg_.handle;
+  const bool weighted = config_.weighted_combine;
+  CombineGrad out;
+  MOED_ASSIGN_OR_RETURN(
+      UnpermuteGrad rows,
+      unpermute_backward(
+          cg_.gathered, h.expert.sorted_indices,
+          weighted ? std::span<const float>(h.expert.permuted_probs) : std::span<const float>(),
+          weighted ? combine_grad_.expert_output : TensorView(), world_->pool()));
+  out.grad_expert_output = std::move(rows.grad_rows);
+  if (weighted) {
+    MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(h.plan.home, cg_.home.grad_row_probs));
+  } else {
+    out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
+  }
+  cg_ = CombineGradRows{};
+  combine_grad_ = CombineGradState{};
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<TokenDispatcher>> make_allgather_dispatcher(World& world,
+                                                                     const DispatchConfig& config) {
+  // Collective like TokenDispatcher::create, which also checks, so that calling the factory
+  // directly is as safe.
+  MOED_RETURN_IF_ERROR(world.agree(config.validate(world.size())));
+  DispatchConfig c = config;
+  c.kind = DispatcherKind::kAllGather;
+  return std::unique_ptr<TokenDispatcher>(new AllGatherDispatcher(world, c));
+}
+
+}  // namespace moed

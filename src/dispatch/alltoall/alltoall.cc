@@ -1,0 +1,210 @@
+#include "dispatch/alltoall/alltoall.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "dispatch/row_exchange.h"
+
+namespace moed {
+
+namespace {
+
+class AlltoAllDispatcher final : public RowExchangeDispatcher {
+ public:
+  AlltoAllDispatcher(World& world, const DispatchConfig& config)
+      : RowExchangeDispatcher(world, config) {}
+
+  Status dispatch_preprocess(const DispatchInput& input) override;
+  StatusOr<Request> token_dispatch(bool async) override;
+  StatusOr<DispatchOutput> dispatch_postprocess() override;
+
+  Status combine_postprocess_backward(const CombineGradInput& grad) override;
+  StatusOr<Request> token_combine_backward(bool async) override;
+  StatusOr<CombineGrad> combine_preprocess_backward() override;
+
+ private:
+  struct DispatchState {
+    std::shared_ptr<ExchangeHandle> handle;
+    TokenTensor permuted;  // home order: this rank's rows, expert-major
+    TokenTensor received;  // source-major chunks (s, j)
+    std::vector<float> received_probs;
+    std::vector<int32_t> received_tokens;
+    int stage = 0;  // 0 idle, 1 permuted, 2 received
+  };
+  struct CombineGradRows {
+    UnpermuteGrad home;  // rows in home order (+ grad_row_probs when weighted)
+    Tensor received;     // source-major chunks on the expert side
+    int stage = 0;       // 0 idle, 1 started, 2 home rows ready, 3 received
+  };
+
+  DispatchState d_;
+  CombineGradRows cg_;
+};
+
+// ---- dispatch ----
+
+Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
+  d_ = DispatchState{};
+  MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
+  // NOTE: the counts travel even with pad_to_capacity, where Megatron's fixed C_s splits need
+  // none: only real rows cross the wire here (the padding is made on arrival) and the
+  // receiver needs every chunk's token count to place them; it is one all_gather of E + 2
+  // integers per rank, done in preprocess as Megatron does.
+  MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, in));
+  auto h = std::make_shared<ExchangeHandle>();
+  MOED_ASSIGN_OR_RETURN(h->plan, make_row_exchange_plan(config_, *world_, counts, in.effective));
+  h->kind = config_.kind;
+  h->hidden = in.hidden;
+  h->dtype = in.dtype;
+  h->num_topk = in.num_topk;
+  h->routing = std::move(in.effective);
+  h->num_rows = h->plan.layout.num_rows;
+  h->tokens_per_expert = h->plan.layout.tokens_per_expert;
+  h->tokens_per_expert_unpadded = h->plan.layout.tokens_per_expert_unpadded;
+  // Permute by global expert: destination d's rows are the contiguous block of ep(d)'s experts.
+  MOED_ASSIGN_OR_RETURN(d_.permuted, permute_rows(input.hidden, h->plan.home, world_->pool()));
+  d_.handle = std::move(h);
+  d_.stage = 1;
+  return ok_status();
+}
+
+StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
+  if (d_.stage != 1) return failed_precondition("token_dispatch before dispatch_preprocess");
+  const ExchangeHandle& h = *d_.handle;
+  const RowExchangePlan& plan = h.plan;
+  int64_t n = 0;
+  for (int64_t r : plan.rows_of_source) n += r;
+  // NOTE: with ETP every rank (ep, p) gets the block of ep's experts straight from the source
+  // (the same send offset for all P of them) instead of Megatron's all-to-all over EP then
+  // all-gather over ETP: one collective, the same rows on every p.
+  auto move = [&](const void* send, void* recv, size_t row_bytes) {
+    return exchange_rows(*world_, send, plan.home_rows_of_rank, plan.home_offset_of_rank, recv,
+                         plan.rows_of_source, row_bytes);
+  };
+  d_.received.x = Tensor::empty(h.dtype, n, h.hidden);
+  MOED_RETURN_IF_ERROR(
+      move(d_.permuted.x.data(), d_.received.x.data(), d_.received.x.view().row_bytes()));
+  if (h.dtype == DType::kFP8) {
+    d_.received.scales = Tensor::empty(DType::kF32, n, h.hidden / kFp8BlockSize);
+    MOED_RETURN_IF_ERROR(move(d_.permuted.scales.data(), d_.received.scales.data(),
+                              d_.received.scales.view().row_bytes()));
+  }
+  d_.received_probs.resize(size_t(n));
+  MOED_RETURN_IF_ERROR(
+      move(plan.home.permuted_probs.data(), d_.received_probs.data(), sizeof(float)));
+  d_.received_tokens.resize(size_t(n));
+  MOED_RETURN_IF_ERROR(
+      move(plan.home.sorted_indices.data(), d_.received_tokens.data(), sizeof(int32_t)));
+  d_.permuted = TokenTensor{};
+  d_.stage = 2;
+  return Request();
+}
+
+StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
+  if (d_.stage != 2) return failed_precondition("dispatch_postprocess before token_dispatch");
+  ExchangeHandle& h = *d_.handle;
+  const RowExchangePlan& plan = h.plan;
+  auto storage = std::make_shared<TokenTensor>();
+  storage->x = Tensor::empty(h.dtype, h.num_rows, h.hidden);
+  if (h.dtype == DType::kFP8) {
+    storage->scales = Tensor::empty(DType::kF32, h.num_rows, h.hidden / kFp8BlockSize);
+  }
+  // Source-major (s, j) chunks to expert-major (j, s) at their canonical offsets; the gaps are
+  // the pad_to_capacity and expert_alignment padding, zeroed.
+  MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(d_.received.rows(), plan.chunk_sizes,
+                                                plan.chunk_order, storage->rows(),
+                                                plan.chunk_offsets, world_->pool()));
+  const int R = plan.world_size, L = plan.num_local_experts;
+  h.permuted_probs.assign(size_t(h.num_rows), 0.0f);
+  h.row_src_rank.assign(size_t(h.num_rows), -1);
+  h.row_src_token.assign(size_t(h.num_rows), -1);
+  int64_t src = 0;
+  for (int s = 0; s < R; ++s) {
+    for (int j = 0; j < L; ++j) {
+      const int64_t dst = plan.layout.offset(j, s);
+      for (int64_t k = 0; k < plan.layout.tokens(j, s); ++k, ++src) {
+        h.permuted_probs[size_t(dst + k)] = d_.received_probs[size_t(src)];
+        h.row_src_rank[size_t(dst + k)] = s;
+        h.row_src_token[size_t(dst + k)] = d_.received_tokens[size_t(src)];
+      }
+    }
+  }
+  DispatchOutput out;
+  out.expert_input = storage->rows();
+  out.permuted_probs = h.permuted_probs;
+  out.tokens_per_expert = h.tokens_per_expert;
+  out.handle = d_.handle;
+  out.storage = storage;
+  d_ = DispatchState{};
+  return out;
+}
+
+// ---- combine backward: a dispatch of grad_out (times the prob when weighted) ----
+
+Status AlltoAllDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
+  cg_ = CombineGradRows{};
+  MOED_RETURN_IF_ERROR(start_combine_backward(grad));
+  cg_.stage = 1;
+  if (!config_.weighted_combine) {
+    // Local: the home rows are grad_out permuted; no expert output needed.
+    MOED_ASSIGN_OR_RETURN(cg_.home, home_combine_backward());
+    cg_.stage = 2;
+  }
+  return ok_status();
+}
+
+StatusOr<Request> AlltoAllDispatcher::token_combine_backward(bool async) {
+  if (cg_.stage == 1) {
+    // Weighted: the expert outputs come home first (grad_row_probs needs their fp32 terms).
+    MOED_ASSIGN_OR_RETURN(cg_.home, home_combine_backward());
+    cg_.stage = 2;
+  }
+  if (cg_.stage != 2) {
+    return failed_precondition("token_combine_backward before combine_postprocess_backward");
+  }
+  const RowExchangePlan& plan = combine_grad_.handle->plan;
+  int64_t n = 0;
+  for (int64_t r : plan.rows_of_source) n += r;
+  cg_.received = Tensor::empty(cg_.home.grad_rows.dtype(), n, cg_.home.grad_rows.cols());
+  MOED_RETURN_IF_ERROR(exchange_rows(*world_, cg_.home.grad_rows.data(), plan.home_rows_of_rank,
+                                     plan.home_offset_of_rank, cg_.received.data(),
+                                     plan.rows_of_source, cg_.received.view().row_bytes()));
+  cg_.home.grad_rows = Tensor();
+  cg_.stage = 3;
+  return Request();
+}
+
+StatusOr<CombineGrad> AlltoAllDispatcher::combine_preprocess_backward() {
+  if (cg_.stage != 3) {
+    return failed_precondition("combine_preprocess_backward before token_combine_backward");
+  }
+  const ExchangeHandle& h = *combine_grad_.handle;
+  const RowExchangePlan& plan = h.plan;
+  CombineGrad out;
+  out.grad_expert_output = Tensor::empty(cg_.received.dtype(), h.num_rows, h.hidden);
+  MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(
+      TokenRows{cg_.received.view(), TensorView()}, plan.chunk_sizes, plan.chunk_order,
+      TokenRows{out.grad_expert_output.view(), TensorView()}, plan.chunk_offsets, world_->pool()));
+  if (config_.weighted_combine) {
+    MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(plan.home, cg_.home.grad_row_probs));
+  } else {
+    out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
+  }
+  cg_ = CombineGradRows{};
+  combine_grad_ = CombineGradState{};
+  return out;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<TokenDispatcher>> make_alltoall_dispatcher(World& world,
+                                                                    const DispatchConfig& config) {
+  // Collective like TokenDispatcher::create, which also checks, so that calling the factory
+  // directly is as safe.
+  MOED_RETURN_IF_ERROR(world.agree(config.validate(world.size())));
+  DispatchConfig c = config;
+  c.kind = DispatcherKind::kAlltoAll;
+  return std::unique_ptr<TokenDispatcher>(new AlltoAllDispatcher(world, c));
+}
+
+}  // namespace moed

@@ -1,0 +1,397 @@
+#include "dispatch/row_exchange.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace moed {
+
+namespace {
+
+// One value per row seen as a [n, 1] f32 tensor, so the row functions move it like a payload.
+TokenRows value_rows(std::span<const float> v) {
+  return TokenRows{TensorView(const_cast<float*>(v.data()), DType::kF32, int64_t(v.size()), 1),
+                   TensorView()};
+}
+
+std::vector<int64_t> prefix(std::span<const int64_t> n) {
+  std::vector<int64_t> off(n.size() + 1, 0);
+  for (size_t i = 0; i < n.size(); ++i) off[i + 1] = off[i] + n[i];
+  return off;
+}
+
+}  // namespace
+
+Status agree_step(World& world, const Status& local) { return world.agree(local); }
+
+StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,
+                                       const PreparedInput& input) {
+  const int R = world.size(), E = config.num_experts;
+  std::vector<int64_t> mine(input.tokens_per_expert);
+  mine.push_back(input.num_tokens);
+  mine.push_back(input.capacity);
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
+  GlobalCounts c;
+  c.counts.resize(size_t(R) * E);
+  c.num_tokens.resize(size_t(R));
+  c.capacity.resize(size_t(R));
+  for (int s = 0; s < R; ++s) {
+    const int64_t* row = &all[size_t(s) * (E + 2)];
+    std::copy(row, row + E, c.counts.begin() + size_t(s) * E);
+    c.num_tokens[size_t(s)] = row[E];
+    c.capacity[size_t(s)] = row[E + 1];
+  }
+  return c;
+}
+
+StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, World& world,
+                                                 const GlobalCounts& counts,
+                                                 const RoutingMap& effective) {
+  const int R = world.size(), L = config.num_local_experts(R), P = config.etp_size;
+  RowExchangePlan plan;
+  plan.world_size = R;
+  plan.num_local_experts = L;
+  plan.etp_size = P;
+  plan.layout = compute_expert_layout(config, R, world.rank(), counts.counts, counts.capacity);
+  plan.chunk_sizes.resize(size_t(R) * L);
+  plan.chunk_order.resize(size_t(L) * R);
+  plan.chunk_offsets.resize(size_t(L) * R);
+  plan.rows_of_source.assign(size_t(R), 0);
+  for (int j = 0; j < L; ++j) {
+    for (int s = 0; s < R; ++s) {
+      const int64_t n = plan.layout.tokens(j, s);
+      plan.chunk_sizes[size_t(s) * L + j] = n;
+      plan.chunk_order[size_t(j) * R + s] = s * L + j;
+      plan.chunk_offsets[size_t(j) * R + s] = plan.layout.offset(j, s);
+      plan.rows_of_source[size_t(s)] += n;
+    }
+  }
+  MOED_ASSIGN_OR_RETURN(plan.home, make_permute_layout(effective, PermuteOptions{}, world.pool()));
+  plan.home_rows_of_rank.resize(size_t(R));
+  plan.home_offset_of_rank.resize(size_t(R));
+  for (int g = 0; g < R; ++g) {
+    const int first = (g / P) * L;
+    int64_t n = 0;
+    for (int j = 0; j < L; ++j) n += plan.home.tokens_per_expert_unpadded[size_t(first + j)];
+    plan.home_rows_of_rank[size_t(g)] = n;
+    plan.home_offset_of_rank[size_t(g)] = plan.home.expert_offsets[size_t(first)];
+  }
+  return plan;
+}
+
+Status exchange_rows(World& world, const void* send, std::span<const int64_t> send_rows,
+                     std::span<const int64_t> send_offsets, void* recv,
+                     std::span<const int64_t> recv_rows, size_t row_bytes) {
+  const size_t R = size_t(world.size());
+  std::vector<size_t> sb(R), so(R), rb(R), ro(R);
+  size_t r = 0;
+  for (size_t i = 0; i < R; ++i) {
+    sb[i] = size_t(send_rows[i]) * row_bytes;
+    so[i] = size_t(send_offsets[i]) * row_bytes;
+    rb[i] = size_t(recv_rows[i]) * row_bytes;
+    ro[i] = r;
+    r += rb[i];
+  }
+  return world.all_to_all_v_bytes(send, sb, so, recv, rb, ro);
+}
+
+// ---- checks ----
+
+StatusOr<std::shared_ptr<const ExchangeHandle>> RowExchangeDispatcher::check_handle(
+    const std::shared_ptr<const DispatchHandle>& handle, const char* step) const {
+  if (!handle) return invalid_argument(step, ": the dispatch handle is null");
+  if (handle->kind != config_.kind) {
+    return invalid_argument(step, ": the handle comes from a '", dispatcher_kind_name(handle->kind),
+                            "' dispatch; this dispatcher is '", dispatcher_kind_name(config_.kind),
+                            "'");
+  }
+  auto h = std::dynamic_pointer_cast<const ExchangeHandle>(handle);
+  if (!h || h->plan.world_size != world_->size()) {
+    return invalid_argument(step, ": the handle was not made by a dispatcher of this world");
+  }
+  return h;
+}
+
+Status RowExchangeDispatcher::check_expert_rows(const char* what, const TensorView& rows,
+                                                const DispatchHandle& handle) {
+  if (rows.dtype != DType::kF32 && rows.dtype != DType::kBF16) {
+    return invalid_argument(what, " is ", dtype_name(rows.dtype),
+                            "; expert outputs and "
+                            "gradients must be f32 or bf16");
+  }
+  if (rows.rows != handle.num_rows || rows.cols != handle.hidden) {
+    return invalid_argument(what, " is [", rows.rows, ", ", rows.cols,
+                            "] but the dispatch gave "
+                            "this rank [",
+                            handle.num_rows, ", ", handle.hidden, "]");
+  }
+  if (rows.row_stride < rows.cols) {
+    return invalid_argument(what, " row_stride = ", rows.row_stride, " < hidden = ", rows.cols);
+  }
+  if (rows.rows > 0 && rows.data == nullptr) return invalid_argument(what, ".data is null");
+  return ok_status();
+}
+
+// ---- the return path ----
+
+Status RowExchangeDispatcher::pack_return(ReturnState& st,
+                                          std::shared_ptr<const ExchangeHandle> handle,
+                                          const TensorView& rows, std::span<const float> values) {
+  st = ReturnState{};
+  st.handle = std::move(handle);
+  const RowExchangePlan& plan = st.handle->plan;
+  int64_t n = 0;
+  for (int64_t r : plan.rows_of_source) n += r;
+  // NOTE: sorting back is the backward of the dispatch's sort_chunks_by_idxs: chunk (j, s) of
+  // the canonical layout returns to source-major place s * L + j; padding rows stay behind.
+  st.packed = Tensor::empty(rows.dtype, n, rows.cols);
+  MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_backward_into(
+      TokenRows{rows, TensorView()}, plan.chunk_sizes, plan.chunk_order,
+      TokenRows{st.packed.view(), TensorView()}, plan.chunk_offsets, world_->pool()));
+  st.has_values = !values.empty();
+  if (st.has_values) {
+    st.packed_values.resize(size_t(n));
+    MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_backward_into(
+        value_rows(values), plan.chunk_sizes, plan.chunk_order, value_rows(st.packed_values),
+        plan.chunk_offsets, world_->pool()));
+  }
+  st.stage = 1;
+  return ok_status();
+}
+
+Status RowExchangeDispatcher::send_return(ReturnState& st) {
+  if (st.stage != 1) return failed_precondition("the return exchange runs after its preprocess");
+  const RowExchangePlan& plan = st.handle->plan;
+  const std::vector<int64_t> send_off = prefix(plan.rows_of_source);
+  int64_t n = 0;
+  for (int64_t r : plan.home_rows_of_rank) n += r;
+  st.received = Tensor::empty(st.packed.dtype(), n, st.packed.cols());
+  MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed.data(), plan.rows_of_source, send_off,
+                                     st.received.data(), plan.home_rows_of_rank,
+                                     st.packed.view().row_bytes()));
+  if (st.has_values) {
+    st.received_values.resize(size_t(n));
+    MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed_values.data(), plan.rows_of_source,
+                                       send_off, st.received_values.data(), plan.home_rows_of_rank,
+                                       sizeof(float)));
+  }
+  st.packed = Tensor();
+  st.stage = 2;
+  return ok_status();
+}
+
+// NOTE: rows arrive rank-major, [g][j][t] with g = ep * P + p; home order is [ep][j][t]. With
+// P = 1 the two are the same and the received rows are already the terms: unpermute's
+// `acc += prob * float(y)` equals spec §4's `acc += prob * (0 + float(y))` bit for bit (the
+// two differ only for y = -0, where acc, which starts at +0, is unchanged either way).
+Tensor RowExchangeDispatcher::sum_partials(const ReturnState& st) const {
+  const RowExchangePlan& plan = st.handle->plan;
+  const int P = plan.etp_size, R = plan.world_size;
+  if (P == 1) return Tensor();
+  const int64_t H = st.received.cols();
+  const std::vector<int64_t> recv_off = prefix(plan.home_rows_of_rank);
+  Tensor out = Tensor::empty(DType::kF32, plan.home.num_rows, H);
+  const bool bf = st.received.dtype() == DType::kBF16;
+  world_->pool().parallel_for(
+      plan.home.num_rows,
+      [&](int64_t begin, int64_t end, int) {
+        for (int g0 = 0; g0 < R; g0 += P) {
+          const int64_t lo = std::max(begin, plan.home_offset_of_rank[size_t(g0)]);
+          const int64_t hi = std::min(
+              end, plan.home_offset_of_rank[size_t(g0)] + plan.home_rows_of_rank[size_t(g0)]);
+          for (int64_t i = lo; i < hi; ++i) {
+            float* acc = out.row<float>(i);
+            std::fill(acc, acc + H, 0.0f);
+            const int64_t k = i - plan.home_offset_of_rank[size_t(g0)];
+            for (int p = 0; p < P; ++p) {
+              const int64_t r = recv_off[size_t(g0 + p)] + k;
+              if (bf) {
+                const bf16* y = st.received.row<bf16>(r);
+                for (int64_t h = 0; h < H; ++h) acc[h] += bf16_to_float(y[h]);
+              } else {
+                const float* y = st.received.row<float>(r);
+                for (int64_t h = 0; h < H; ++h) acc[h] += y[h];
+              }
+            }
+          }
+        }
+      },
+      /*min_chunk=*/16);
+  return out;
+}
+
+std::vector<float> RowExchangeDispatcher::sum_partial_values(const ReturnState& st) const {
+  const RowExchangePlan& plan = st.handle->plan;
+  const int P = plan.etp_size, R = plan.world_size;
+  if (P == 1) return st.received_values;
+  const std::vector<int64_t> recv_off = prefix(plan.home_rows_of_rank);
+  std::vector<float> out(size_t(plan.home.num_rows), 0.0f);
+  for (int g0 = 0; g0 < R; g0 += P) {
+    for (int64_t k = 0; k < plan.home_rows_of_rank[size_t(g0)]; ++k) {
+      float acc = 0.0f;
+      for (int p = 0; p < P; ++p) acc += st.received_values[size_t(recv_off[size_t(g0 + p)] + k)];
+      out[size_t(plan.home_offset_of_rank[size_t(g0)] + k)] = acc;
+    }
+  }
+  return out;
+}
+
+TensorView RowExchangeDispatcher::terms(const ReturnState& st, const Tensor& summed) const {
+  return st.handle->plan.etp_size == 1 ? st.received.view() : summed.view();
+}
+
+namespace {
+
+// Home-side reduction of the terms in spec §4's order, rounded once to `dtype`.
+StatusOr<Tensor> reduce_home(const PermuteLayout& home, const TensorView& terms,
+                             std::span<const float> probs, DType dtype, ThreadPool& pool) {
+  MOED_ASSIGN_OR_RETURN(Tensor out,
+                        unpermute(terms, home.sorted_indices, home.num_tokens, probs, pool));
+  if (out.dtype() == dtype) return out;
+  // fp32 terms (P > 1) and a bf16 output: the fp32 accumulator, rounded once here.
+  Tensor b = Tensor::empty(dtype, out.rows(), out.cols());
+  pool.parallel_for(out.rows(), [&](int64_t begin, int64_t end, int) {
+    for (int64_t t = begin; t < end; ++t) {
+      convert_f32_to_bf16(std::span<const float>(out.row<float>(t), size_t(out.cols())),
+                          std::span<bf16>(b.row<bf16>(t), size_t(out.cols())));
+    }
+  });
+  return b;
+}
+
+}  // namespace
+
+// ---- combine ----
+
+Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
+  auto h = check_handle(input.handle, "combine");
+  Status local =
+      h.ok() ? check_expert_rows("expert_output", input.expert_output.x, **h) : h.status();
+  MOED_RETURN_IF_ERROR(agree_step(*world_, local));
+  return pack_return(combine_, *h, input.expert_output.x, {});
+}
+
+StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
+  MOED_RETURN_IF_ERROR(send_return(combine_));
+  return Request();
+}
+
+StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
+  if (combine_.stage != 2) return failed_precondition("combine_postprocess before token_combine");
+  const ExchangeHandle& h = *combine_.handle;
+  const Tensor summed = sum_partials(combine_);
+  std::span<const float> probs;
+  if (config_.weighted_combine) probs = h.plan.home.permuted_probs;
+  CombineOutput out;
+  MOED_ASSIGN_OR_RETURN(out.hidden, reduce_home(h.plan.home, terms(combine_, summed), probs,
+                                                combine_.received.dtype(), world_->pool()));
+  const RoutingMap& m = h.routing;
+  out.combined_probs.assign(size_t(m.num_tokens), 0.0f);
+  for (int64_t t = 0; t < m.num_tokens; ++t) {
+    float acc = 0.0f;
+    for (int e = 0; e < m.num_experts; ++e) {
+      if (m.routed(t, e)) acc += m.prob(t, e);
+    }
+    out.combined_probs[size_t(t)] = acc;
+  }
+  combine_ = ReturnState{};
+  return out;
+}
+
+// ---- dispatch backward: an unweighted combine of the row gradients ----
+
+Status RowExchangeDispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) {
+  auto h = check_handle(grad.handle, "dispatch backward");
+  Status local =
+      h.ok() ? check_expert_rows("grad_expert_input", grad.grad_expert_input, **h) : h.status();
+  if (local.ok() && !grad.grad_permuted_probs.empty() &&
+      int64_t(grad.grad_permuted_probs.size()) != (*h)->num_rows) {
+    local = invalid_argument("grad_permuted_probs has ", grad.grad_permuted_probs.size(),
+                             " values but the dispatch gave this rank ", (*h)->num_rows, " rows");
+  }
+  MOED_RETURN_IF_ERROR(agree_step(*world_, local));
+  // NOTE: the values always travel (zeros when none were given), so every rank takes part in
+  // the same exchanges whether or not its caller passed grad_permuted_probs.
+  grad_pprobs_.assign(size_t((*h)->num_rows), 0.0f);
+  std::copy(grad.grad_permuted_probs.begin(), grad.grad_permuted_probs.end(), grad_pprobs_.begin());
+  MOED_RETURN_IF_ERROR(pack_return(dispatch_grad_, *h, grad.grad_expert_input, grad_pprobs_));
+  dispatch_grad_.has_values = true;
+  dispatch_grad_.packed_values.resize(size_t(dispatch_grad_.packed.rows()), 0.0f);
+  return ok_status();
+}
+
+StatusOr<Request> RowExchangeDispatcher::token_dispatch_backward(bool async) {
+  MOED_RETURN_IF_ERROR(send_return(dispatch_grad_));
+  return Request();
+}
+
+StatusOr<DispatchGrad> RowExchangeDispatcher::dispatch_preprocess_backward() {
+  if (dispatch_grad_.stage != 2) {
+    return failed_precondition("dispatch_preprocess_backward before token_dispatch_backward");
+  }
+  const ExchangeHandle& h = *dispatch_grad_.handle;
+  const Tensor summed = sum_partials(dispatch_grad_);
+  DispatchGrad out;
+  MOED_ASSIGN_OR_RETURN(out.grad_hidden,
+                        reduce_home(h.plan.home, terms(dispatch_grad_, summed), {},
+                                    dispatch_grad_.received.dtype(), world_->pool()));
+  const std::vector<float> values = sum_partial_values(dispatch_grad_);
+  MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(h.plan.home, values));
+  dispatch_grad_ = ReturnState{};
+  grad_pprobs_.clear();
+  return out;
+}
+
+// ---- combine backward, shared half ----
+
+Status RowExchangeDispatcher::start_combine_backward(const CombineGradInput& grad) {
+  auto h = check_handle(grad.handle, "combine backward");
+  Status local = h.ok() ? ok_status() : h.status();
+  if (local.ok()) {
+    const DispatchHandle& d = **h;
+    const TensorView& g = grad.grad_hidden;
+    if (g.dtype != DType::kF32 && g.dtype != DType::kBF16) {
+      local = invalid_argument("grad_hidden is ", dtype_name(g.dtype), "; must be f32 or bf16");
+    } else if (g.rows != d.routing.num_tokens || g.cols != d.hidden) {
+      local = invalid_argument("grad_hidden is [", g.rows, ", ", g.cols, "] but this rank has [",
+                               d.routing.num_tokens, ", ", d.hidden, "] tokens");
+    } else if (g.row_stride < g.cols || (g.rows > 0 && g.data == nullptr)) {
+      local = invalid_argument("grad_hidden has row_stride ", g.row_stride, " < ", g.cols,
+                               " or null data");
+    } else if (config_.weighted_combine) {
+      local = check_expert_rows("expert_output (needed by the weighted combine backward)",
+                                grad.expert_output.x, d);
+    }
+  }
+  MOED_RETURN_IF_ERROR(agree_step(*world_, local));
+  combine_grad_ = CombineGradState{};
+  combine_grad_.handle = *h;
+  combine_grad_.grad_out = grad.grad_hidden;
+  if (config_.weighted_combine) {
+    combine_grad_.expert_output = grad.expert_output.x;
+    MOED_RETURN_IF_ERROR(pack_return(combine_grad_.y, *h, grad.expert_output.x, {}));
+  }
+  combine_grad_.stage = 1;
+  return ok_status();
+}
+
+StatusOr<UnpermuteGrad> RowExchangeDispatcher::home_combine_backward() {
+  if (combine_grad_.stage != 1) {
+    return failed_precondition("token_combine_backward before combine_postprocess_backward");
+  }
+  const RowExchangePlan& plan = combine_grad_.handle->plan;
+  if (!config_.weighted_combine) {
+    return unpermute_backward(combine_grad_.grad_out, plan.home.sorted_indices, {}, TensorView(),
+                              world_->pool());
+  }
+  MOED_RETURN_IF_ERROR(send_return(combine_grad_.y));
+  const Tensor summed = sum_partials(combine_grad_.y);
+  MOED_ASSIGN_OR_RETURN(
+      UnpermuteGrad g,
+      unpermute_backward(combine_grad_.grad_out, plan.home.sorted_indices, plan.home.permuted_probs,
+                         terms(combine_grad_.y, summed), world_->pool()));
+  combine_grad_.y = ReturnState{};
+  return g;
+}
+
+}  // namespace moed

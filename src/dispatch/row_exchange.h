@@ -1,0 +1,146 @@
+// Row exchange: the parts the AllGather and AlltoAll dispatchers share.
+//
+// Both learn the per-(source, expert) counts once per dispatch (exchange_counts) and describe,
+// in a RowExchangePlan, how rows move between two orders:
+//   - the expert side: this rank's canonical layout (spec §3), chunks (local expert j, source s)
+//     expert-major with padding;
+//   - the home side: this rank's own tokens permuted expert-major over all E experts, no
+//     padding (Megatron's permute of the effective map), so the rows for the experts of one
+//     ep index are contiguous.
+// The AlltoAll dispatch moves rows home side -> expert side; the combine of both dispatchers
+// (and the backward of their dispatch) moves them back, expert side -> home side, through
+// RowExchangeDispatcher, which implements those six steps once for both.
+//
+// NOTE: the combine sends each rank's per-(token, expert) rows to the token's home rank (one
+// all_to_all_v; with ETP every p sends its partial) and sums there: the P partials first
+// (fp32 from 0, p ascending), then the experts ascending (unpermute). A reduce-scatter of
+// per-rank partial sums would group the terms differently (((a+b)+(c+d)) != (((a+b)+c)+d))
+// and break spec §4's bitwise promise, so neither dispatcher uses one.
+//
+//   MOED_ASSIGN_OR_RETURN(GlobalCounts c, exchange_counts(world, config, prepared));
+//   MOED_ASSIGN_OR_RETURN(RowExchangePlan plan,
+//                         make_row_exchange_plan(config, world, c, prepared.effective));
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "dispatch/prepare.h"
+#include "moed/dispatcher.h"
+#include "moed/permute.h"
+
+namespace moed {
+
+// What every rank learns about every other in one all_gather.
+struct GlobalCounts {
+  std::vector<int64_t> counts;      // [R * E] rows source s sends to global expert e
+  std::vector<int64_t> num_tokens;  // [R] T_s
+  std::vector<int64_t> capacity;    // [R] C_s (0 without capacity_factor)
+};
+// Collective.
+StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,
+                                       const PreparedInput& input);
+
+struct RowExchangePlan {
+  int world_size = 0;
+  int num_local_experts = 0;  // L
+  int etp_size = 1;           // P
+  // Expert side.
+  ExpertLayout layout;                  // canonical layout of this rank
+  std::vector<int64_t> chunk_sizes;     // [R * L] tokens of chunk (s, j), source-major
+  std::vector<int32_t> chunk_order;     // [L * R] canonical chunk (j, s) = chunk s * L + j
+  std::vector<int64_t> chunk_offsets;   // [L * R] first row of canonical chunk (j, s)
+  std::vector<int64_t> rows_of_source;  // [R] rows this rank holds for source s (sum over j)
+  // Home side.
+  PermuteLayout home;                        // this rank's tokens, expert-major, E experts
+  std::vector<int64_t> home_rows_of_rank;    // [R] home rows for the experts of ep(g)
+  std::vector<int64_t> home_offset_of_rank;  // [R] where those rows start in `home`
+};
+StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, World& world,
+                                                 const GlobalCounts& counts,
+                                                 const RoutingMap& effective);
+
+// all_to_all_v of whole rows: send_rows[d] rows at row send_offsets[d] go to rank d (offsets
+// may repeat: the same rows to several ranks); rank s's rows land packed in rank order.
+Status exchange_rows(World& world, const void* send, std::span<const int64_t> send_rows,
+                     std::span<const int64_t> send_offsets, void* recv,
+                     std::span<const int64_t> recv_rows, size_t row_bytes);
+
+// The handle of both dispatchers: the public fields plus the plan.
+class ExchangeHandle : public DispatchHandle {
+ public:
+  RowExchangePlan plan;
+};
+
+// Combine, the dispatch backward and the home half of the combine backward, written once for
+// the dispatchers whose expert outputs go home through a RowExchangePlan.
+class RowExchangeDispatcher : public TokenDispatcher {
+ public:
+  Status combine_preprocess(const CombineInput& input) override;
+  StatusOr<Request> token_combine(bool async) override;
+  StatusOr<CombineOutput> combine_postprocess() override;
+
+  Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
+  StatusOr<Request> token_dispatch_backward(bool async) override;
+  StatusOr<DispatchGrad> dispatch_preprocess_backward() override;
+
+ protected:
+  RowExchangeDispatcher(World& world, const DispatchConfig& config)
+      : TokenDispatcher(world, config) {}
+
+  // Expert rows on their way home: packed source-major (padding dropped), sent, received.
+  struct ReturnState {
+    std::shared_ptr<const ExchangeHandle> handle;
+    Tensor packed;
+    std::vector<float> packed_values;
+    Tensor received;                     // [sum of home_rows_of_rank, H], rank-major
+    std::vector<float> received_values;  // when values were sent
+    bool has_values = false;
+    int stage = 0;  // 0 idle, 1 packed, 2 received
+  };
+  // Local: sorts rows (canonical layout of handle) back source-major, without padding.
+  Status pack_return(ReturnState& st, std::shared_ptr<const ExchangeHandle> handle,
+                     const TensorView& rows, std::span<const float> values);
+  Status send_return(ReturnState& st);
+  // fp32 terms of spec §4 in home order (0 + partials in p order): [home.num_rows, H] f32.
+  // With P = 1 returns an empty tensor: the received rows are the terms (see .cc).
+  Tensor sum_partials(const ReturnState& st) const;
+  std::vector<float> sum_partial_values(const ReturnState& st) const;
+  // The received rows as the fp32-equivalent terms: sum_partials when P > 1, else `received`.
+  TensorView terms(const ReturnState& st, const Tensor& summed) const;
+
+  // Checks a handle given to a later step (non-null, made by this kind of dispatcher).
+  StatusOr<std::shared_ptr<const ExchangeHandle>> check_handle(
+      const std::shared_ptr<const DispatchHandle>& handle, const char* step) const;
+  // Checks rows shaped like the handle's expert side (f32 / bf16).
+  static Status check_expert_rows(const char* what, const TensorView& rows,
+                                  const DispatchHandle& handle);
+
+  // Combine backward, shared half. start_combine_backward checks the input (agreed on every
+  // rank), keeps the views, and when weighted packs the expert outputs for their trip home.
+  // home_combine_backward (collective when weighted: the expert outputs go home so the fp32
+  // terms of spec §4 can be dotted with grad_out there) returns, in home order, the rows every
+  // expert rank must receive (grad_out, or round(prob * grad_out) when weighted) and, when
+  // weighted, grad_row_probs.
+  struct CombineGradState {
+    std::shared_ptr<const ExchangeHandle> handle;
+    TensorView grad_out;       // [T, H], caller-owned until combine_preprocess_backward
+    TensorView expert_output;  // when weighted
+    ReturnState y;
+    int stage = 0;
+  };
+  Status start_combine_backward(const CombineGradInput& grad);
+  StatusOr<UnpermuteGrad> home_combine_backward();
+
+  ReturnState combine_;
+  ReturnState dispatch_grad_;
+  std::vector<float> grad_pprobs_;
+  CombineGradState combine_grad_;
+};
+
+// Collective input check for a step: local verdict, agreed on every rank.
+Status agree_step(World& world, const Status& local);
+
+}  // namespace moed

@@ -1,0 +1,167 @@
+// Bad input: every rank gets the same clear error (code and message naming the value), and
+// nothing hangs, for both dispatchers on both worlds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "dispatch/allgather/allgather.h"
+#include "dispatch/alltoall/alltoall.h"
+#include "support/world_test.h"
+
+namespace moed {
+namespace {
+
+using testing::Backend;
+
+struct Kind {
+  DispatcherKind kind;
+  StatusOr<std::unique_ptr<TokenDispatcher>> (*make)(World&, const DispatchConfig&);
+};
+
+class DispatchErrors : public ::testing::TestWithParam<std::tuple<Backend, int>> {
+ protected:
+  Kind kind() const {
+    return std::get<1>(GetParam()) == 0
+               ? Kind{DispatcherKind::kAllGather, make_allgather_dispatcher}
+               : Kind{DispatcherKind::kAlltoAll, make_alltoall_dispatcher};
+  }
+  Backend backend() const { return std::get<0>(GetParam()); }
+  DispatchConfig config(int num_experts) const {
+    DispatchConfig c;
+    c.kind = kind().kind;
+    c.num_experts = num_experts;
+    return c;
+  }
+};
+
+// OK when `got` is `code` with `message` (exactly), else an error saying what came instead.
+Status expect_error(const Status& got, StatusCode code, const std::string& message) {
+  if (got.code() == code && got.message() == message) return ok_status();
+  return internal_error("expected ", status_code_name(code), ": ", message, "\n got ",
+                        got.to_string());
+}
+
+DispatchInput input_of(const Tensor& x, const TopkRouting* topk, const RoutingMap* map = nullptr) {
+  DispatchInput in;
+  in.hidden = TokenRows{x.view(), TensorView()};
+  in.topk = topk;
+  in.map = map;
+  return in;
+}
+
+TopkRouting simple_topk(int64_t T, int K, int E, int shift) {
+  TopkRouting r;
+  r.num_tokens = T;
+  r.num_topk = K;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      r.topk_idx.push_back(int32_t((t + k + shift) % E));
+      r.topk_weights.push_back(0.5f);
+    }
+  }
+  return r;
+}
+
+TEST_P(DispatchErrors, RoutingOutsideNumExpertsOnOneRank) {
+  Status s = testing::run_world(backend(), 4, 0, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(8)));
+    Tensor x = Tensor::zeros(DType::kF32, 3, 128);
+    TopkRouting r = simple_topk(3, 2, 8, w.rank());
+    if (w.rank() == 2) r.topk_idx[2] = 8;  // token 1, k = 0
+    auto out = d->dispatch(input_of(x, &r));
+    return expect_error(out.status(), StatusCode::kInvalidArgument,
+                        "rank 2: topk_idx[1][0] = 8 is outside [-1, 8)");
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(DispatchErrors, RoutingMapWithOtherNumExperts) {
+  Status s = testing::run_world(backend(), 2, 0, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(8)));
+    Tensor x = Tensor::zeros(DType::kBF16, 2, 128);
+    RoutingMap m = to_map(simple_topk(2, 1, 4, 0), 4);
+    auto out = d->dispatch(input_of(x, nullptr, &m));
+    return expect_error(out.status(), StatusCode::kInvalidArgument,
+                        "rank 0: routing map has num_experts = 4, expected 8");
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(DispatchErrors, EpTimesEtpIsNotTheWorldSize) {
+  Status s = testing::run_world(backend(), 4, 0, [&](World& w) -> Status {
+    DispatchConfig c = config(8);
+    c.ep_size = 3;
+    auto d = kind().make(w, c);
+    MOED_RETURN_IF_ERROR(expect_error(d.status(), StatusCode::kInvalidArgument,
+                                      "rank 0: ep_size * etp_size = 3 * 1 = 3 is not the world "
+                                      "size 4"));
+    c.ep_size = 0;
+    c.etp_size = 3;
+    return expect_error(kind().make(w, c).status(), StatusCode::kInvalidArgument,
+                        "rank 0: etp_size = 3 does not divide world size 4");
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(DispatchErrors, HiddenSizeDiffersAcrossRanks) {
+  Status s = testing::run_world(backend(), 3, 0, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(6)));
+    const int H = w.rank() == 1 ? 256 : 128;
+    const int64_t T = w.rank() == 2 ? 0 : 2;
+    Tensor x = Tensor::zeros(DType::kF32, T, H);
+    TopkRouting r = simple_topk(T, 2, 6, 0);
+    auto out = d->dispatch(input_of(x, &r));
+    return expect_error(out.status(), StatusCode::kInvalidArgument,
+                        "hidden = 128 on rank 0 but 256 on rank 1");
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(DispatchErrors, NanProbOnOneRank) {
+  Status s = testing::run_world(backend(), 4, 0, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(4)));
+    Tensor x = Tensor::zeros(DType::kF32, 2, 128);
+    TopkRouting r = simple_topk(2, 1, 4, w.rank());
+    if (w.rank() == 3) r.topk_weights[1] = std::numeric_limits<float>::quiet_NaN();
+    auto out = d->dispatch(input_of(x, &r));
+    return expect_error(out.status(), StatusCode::kInvalidArgument,
+                        "rank 3: topk_weights[1][0] = nan is not a valid prob");
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(DispatchErrors, CombineRowsDisagreeWithTheDispatchOnOneRank) {
+  Status s = testing::run_world(backend(), 2, 0, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(2)));
+    Tensor x = Tensor::zeros(DType::kF32, 3, 128);
+    TopkRouting r = simple_topk(3, 1, 2, 0);  // tokens 0, 2 -> expert 0; token 1 -> expert 1
+    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input_of(x, &r)));
+    const int64_t rows = out.num_rows() + (w.rank() == 1 ? 1 : 0);
+    Tensor y = Tensor::zeros(DType::kF32, rows, 128);
+    auto c = d->combine(CombineInput{TokenRows{y.view(), TensorView()}, out.handle});
+    MOED_RETURN_IF_ERROR(expect_error(c.status(), StatusCode::kInvalidArgument,
+                                      "rank 1: expert_output is [3, 128] but the dispatch gave "
+                                      "this rank [2, 128]"));
+    // fp8 expert outputs are refused on every rank too.
+    Tensor y8 = Tensor::zeros(DType::kFP8, out.num_rows(), 128);
+    auto c8 = d->combine(CombineInput{TokenRows{y8.view(), TensorView()}, out.handle});
+    return expect_error(c8.status(), StatusCode::kInvalidArgument,
+                        "rank 0: expert_output is fp8; expert outputs and gradients must be f32 "
+                        "or bf16");
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, int>>& info) {
+  return std::string(testing::backend_name(std::get<0>(info.param))) +
+         (std::get<1>(info.param) == 0 ? "_allgather" : "_alltoall");
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, DispatchErrors,
+                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
+                                            ::testing::Values(0, 1)),
+                         param_name);
+
+}  // namespace
+}  // namespace moed
