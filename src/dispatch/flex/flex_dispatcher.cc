@@ -10,6 +10,7 @@
 // Combine reads the expert outputs where they are: in the threads world every rank's memory
 // is node-shared, so they are read in place; in the MPI world they are copied into a shared
 // region first (counted), unless the experts wrote them into flex_expert_output_buffer().
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -199,19 +200,30 @@ class FlexDispatcher final : public TokenDispatcher {
 
   StatusOr<Request> token_dispatch_backward(bool async) override {
     return run(async, &db_op_, [this] {
-      MOED_RETURN_IF_ERROR(agree_on(db_local_,
-                                    {int64_t(db_rows_.dtype), db_pprobs_.empty() ? 0 : 1},
-                                    {"grad_expert_input dtype", "grad_permuted_probs given"}));
+      MOED_RETURN_IF_ERROR(
+          agree_on(db_local_, {int64_t(db_rows_.dtype)}, {"grad_expert_input dtype"}));
+      // NOTE: a rank with no rows passes no grad_permuted_probs even when the others do, so
+      // the prob gradients flow when any rank gives them (missing ones count as zeros).
+      const int32_t given = db_pprobs_.empty() ? 0 : 1;
+      MOED_ASSIGN_OR_RETURN(std::vector<int32_t> all_given,
+                            all_gather<int32_t>(*world_, std::span<const int32_t>(&given, 1)));
+      const bool with_scalars = std::find(all_given.begin(), all_given.end(), 1) != all_given.end();
       const FlexHandle& h = *db_handle_;
+      std::vector<float> zeros;
+      std::span<const float> scalars = db_pprobs_;
+      if (with_scalars && scalars.empty()) {
+        zeros.assign(size_t(h.num_rows), 0.0f);
+        scalars = zeros;
+      }
       db_out_ = Tensor::empty(db_rows_.dtype, h.routes.num_tokens(), h.hidden);
       db_probs_.assign(size_t(h.routes.num_tokens()) * topo_.num_experts, 0.0f);
       PullSpec spec;
       spec.mode = PullMode::kDispatchBackward;
       spec.dtype = db_rows_.dtype;
-      spec.with_scalars = !db_pprobs_.empty();
+      spec.with_scalars = with_scalars;
       spec.out = db_out_.view();
       spec.out_probs = db_probs_.data();
-      return pull_step(h, db_rows_, db_pprobs_, spec, kTagDispatchBackward);
+      return pull_step(h, db_rows_, scalars, spec, kTagDispatchBackward);
     });
   }
 
@@ -427,10 +439,11 @@ class FlexDispatcher final : public TokenDispatcher {
         std::memcpy(&spec.sources[size_t(lr)], signals_.board(lr), sizeof(PullSource));
       } else {
         const char* seg = pull_region_.peer(lr);
-        spec.sources[size_t(lr)] = {seg, rows.row_bytes(),
-                                    scalars.empty() ? nullptr
-                                                    : reinterpret_cast<const float*>(
-                                                          seg + pull_scalars_off(h, rows.dtype))};
+        spec.sources[size_t(lr)] = {
+            seg, rows.row_bytes(),
+            !spec.with_scalars
+                ? nullptr
+                : reinterpret_cast<const float*>(seg + pull_scalars_off(h, rows.dtype))};
       }
     }
     DispatchContext ctx{world_, &config_, &h, nullptr};
