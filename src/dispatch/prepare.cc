@@ -77,9 +77,19 @@ StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfi
     }
   }
 
-  RoutingMap raw = input.topk ? to_map(*input.topk, config.num_experts) : RoutingMap{};
-  const RoutingMap& source = input.topk ? raw : *input.map;
-  MOED_ASSIGN_OR_RETURN(p.effective, apply_layout_options(source, p.num_topk, config.layout));
+  const bool reshapes = config.layout.capacity_factor || config.layout.router_padding_multiple > 0;
+  if (input.topk) {
+    p.effective = to_map(*input.topk, config.num_experts);
+  } else if (!reshapes) {
+    p.effective = *input.map;
+  }
+  if (reshapes) {
+    // NOTE: the rank's own pool, never the global one: rank threads of the threads world would
+    // otherwise queue behind each other on one pool.
+    const RoutingMap& source = input.topk ? p.effective : *input.map;
+    MOED_ASSIGN_OR_RETURN(p.effective, apply_layout_options(source, p.num_topk, config.layout,
+                                                            &world.pool()));
+  }
   if (config.layout.capacity_factor) {
     p.capacity = expert_capacity(p.num_tokens, p.num_topk, config.num_experts,
                                  *config.layout.capacity_factor);
