@@ -50,6 +50,8 @@ struct TrafficCounters {
 };
 
 // A non-blocking operation to wait on (network send/recv, an asynchronous dispatch, ...).
+// Dropping a network request before wait() cancels it where it is still unmatched (as with
+// MPI, every send and receive should be waited on).
 class PendingOp {
  public:
   virtual ~PendingOp() = default;
@@ -111,7 +113,7 @@ class World {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  int ranks_per_node() const { return ranks_per_node_; }   // G
+  int ranks_per_node() const { return ranks_per_node_; }     // G
   int num_nodes() const { return size_ / ranks_per_node_; }  // N
   int node() const { return rank_ / ranks_per_node_; }
   int local_rank() const { return rank_ % ranks_per_node_; }
@@ -182,8 +184,9 @@ class World {
  protected:
   World(int rank, int size, int ranks_per_node, std::chrono::milliseconds timeout,
         int threads_per_rank);
-  // Builds a SharedBuffer from segments the backend allocated (each starts with a signal area
-  // of `size` uint64 counters; see alloc_shared implementations).
+  // Builds a SharedBuffer from the segments the backend allocated: segments[lr] is local rank
+  // lr's data (64-byte aligned), inbox[from] the (from -> me) counter, outbox[to] the
+  // (me -> to) counter; on_free runs when the last owner on this rank drops the buffer.
   std::shared_ptr<SharedBuffer> make_shared_buffer(size_t bytes, std::vector<void*> segments,
                                                    std::vector<std::atomic<uint64_t>*> inbox,
                                                    std::vector<std::atomic<uint64_t>*> outbox,

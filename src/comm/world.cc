@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <thread>
 
+#include "comm/wait.h"
+
 namespace moed {
 
 Status wait_all(std::vector<Request>& requests) {
@@ -33,6 +35,69 @@ Status World::send(int dst, int tag, const void* data, size_t bytes) {
 Status World::recv(int src, int tag, void* data, size_t bytes) {
   MOED_ASSIGN_OR_RETURN(Request r, irecv(src, tag, data, bytes));
   return r ? r->wait() : ok_status();
+}
+
+SharedBuffer::SharedBuffer(World* world, size_t bytes, int local_rank, std::vector<void*> segments,
+                           std::vector<std::atomic<uint64_t>*> inbox)
+    : world_(world),
+      bytes_(bytes),
+      local_rank_(local_rank),
+      segments_(std::move(segments)),
+      inbox_(std::move(inbox)) {}
+
+void SharedBuffer::signal(int to_local_rank, uint64_t value) {
+  MOED_CHECK(to_local_rank >= 0 && to_local_rank < local_size(), "to_local_rank = ", to_local_rank,
+             " is outside [0, ", local_size(), ")");
+  // NOTE: release, so every write this rank made for `to` before signalling is visible to
+  // `to` once its acquire load sees the value.
+  outbox_[size_t(to_local_rank)]->store(value, std::memory_order_release);
+}
+
+Status SharedBuffer::wait_signal(int from_local_rank, uint64_t value) {
+  if (from_local_rank < 0 || from_local_rank >= local_size()) {
+    return invalid_argument("wait_signal: from_local_rank = ", from_local_rank, " is outside [0, ",
+                            local_size(), ")");
+  }
+  const std::atomic<uint64_t>* counter = inbox_[size_t(from_local_rank)];
+  return internal::poll_until(
+      *world_, [&] { return counter->load(std::memory_order_acquire) >= value; },
+      [&] {
+        return str_cat("rank ", world_->rank(), " waiting for signal >= ", value,
+                       " from local rank ", from_local_rank, " (rank ",
+                       world_->node() * world_->ranks_per_node() + from_local_rank, "), at ",
+                       counter->load(std::memory_order_relaxed));
+      });
+}
+
+namespace {
+// The SharedBuffer World hands out: runs the backend's release hook when dropped.
+class OwnedSharedBuffer final : public SharedBuffer {
+ public:
+  OwnedSharedBuffer(World* world, size_t bytes, int local_rank, std::vector<void*> segments,
+                    std::vector<std::atomic<uint64_t>*> inbox,
+                    std::vector<std::atomic<uint64_t>*> outbox, std::function<void()> on_free)
+      : SharedBuffer(world, bytes, local_rank, std::move(segments), std::move(inbox)),
+        on_free_(std::move(on_free)) {
+    outbox_ = std::move(outbox);
+  }
+  ~OwnedSharedBuffer() override {
+    if (on_free_) on_free_();
+  }
+
+ private:
+  std::function<void()> on_free_;
+};
+}  // namespace
+
+std::shared_ptr<SharedBuffer> World::make_shared_buffer(size_t bytes, std::vector<void*> segments,
+                                                        std::vector<std::atomic<uint64_t>*> inbox,
+                                                        std::vector<std::atomic<uint64_t>*> outbox,
+                                                        std::function<void()> on_free) {
+  MOED_CHECK(segments.size() == size_t(ranks_per_node_) && inbox.size() == segments.size() &&
+             outbox.size() == segments.size());
+  return std::make_shared<OwnedSharedBuffer>(this, bytes, local_rank(), std::move(segments),
+                                             std::move(inbox), std::move(outbox),
+                                             std::move(on_free));
 }
 
 Status World::agree(const Status& local) {

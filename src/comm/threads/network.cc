@@ -1,0 +1,149 @@
+// Threads backend point-to-point: a rendezvous. Whichever side posts second finds the
+// other's operation in the destination's mailbox and copies sender -> receiver once (the
+// threads stand-in for an RDMA write or read), then completes both.
+#include <cstring>
+
+#include "comm/threads/threads_world.h"
+#include "comm/wait.h"
+
+namespace moed::threads {
+namespace {
+
+void complete(P2pOp& send, P2pOp& recv) {
+  Status error;
+  if (send.bytes != recv.bytes) {
+    error = invalid_argument("rank ", recv.dst, " receives ", recv.bytes, " bytes from rank ",
+                             send.src, " with tag ", send.tag, ", which sends ", send.bytes);
+  } else if (send.bytes > 0) {
+    std::memcpy(recv.recv, send.send, send.bytes);
+  }
+  send.error = error;
+  recv.error = error;
+  send.state.store(P2pOp::kDone, std::memory_order_release);
+  recv.state.store(P2pOp::kDone, std::memory_order_release);
+}
+
+// Takes the oldest op in `queue` from `src` with `tag`, or returns null.
+std::shared_ptr<P2pOp> take(std::deque<std::shared_ptr<P2pOp>>& queue, int src, int tag) {
+  for (auto it = queue.begin(); it != queue.end(); ++it) {
+    if ((*it)->src == src && (*it)->tag == tag) {
+      std::shared_ptr<P2pOp> op = std::move(*it);
+      queue.erase(it);
+      op->state.store(P2pOp::kMatched, std::memory_order_relaxed);
+      return op;
+    }
+  }
+  return nullptr;
+}
+
+class ThreadsRequest final : public PendingOp {
+ public:
+  ThreadsRequest(ThreadsWorld* world, std::shared_ptr<P2pOp> op, bool is_recv)
+      : world_(world), op_(std::move(op)), is_recv_(is_recv) {}
+  ~ThreadsRequest() override { cancel(); }
+
+  Status wait() override {
+    if (waited_) return op_->error;
+    if (cancelled_) return failed_precondition("wait() on a request that already failed");
+    Status s = internal::poll_until(
+        *world_, [&] { return op_->state.load(std::memory_order_acquire) == P2pOp::kDone; },
+        [&] {
+          return is_recv_ ? str_cat("rank ", op_->dst, " receiving ", op_->bytes,
+                                    " bytes from rank ", op_->src, " with tag ", op_->tag)
+                          : str_cat("rank ", op_->src, " sending ", op_->bytes, " bytes to rank ",
+                                    op_->dst, " with tag ", op_->tag);
+        });
+    if (!s.ok()) {
+      // A message that never arrives must not be copied into (or out of) the caller's
+      // buffer later, after the caller has moved on.
+      cancel();
+      return s;
+    }
+    waited_ = true;
+    return op_->error;
+  }
+
+ private:
+  // Removes a still-unmatched op from its mailbox, or waits out a copy in progress.
+  void cancel() {
+    if (cancelled_ || op_->state.load(std::memory_order_acquire) == P2pOp::kDone) return;
+    Mailbox& box = world_->context().mailboxes[size_t(op_->dst)];
+    {
+      // NOTE: take() marks an op kMatched under this lock, so kPosted here means it is
+      // still queued.
+      std::lock_guard<std::mutex> lock(box.mu);
+      if (op_->state.load(std::memory_order_relaxed) == P2pOp::kPosted) {
+        auto& queue = is_recv_ ? box.recvs : box.sends;
+        for (auto it = queue.begin(); it != queue.end(); ++it) {
+          if (it->get() == op_.get()) {
+            queue.erase(it);
+            break;
+          }
+        }
+        cancelled_ = true;
+        return;
+      }
+    }
+    // Matched: the other side is copying right now; that ends without waiting on anyone.
+    while (op_->state.load(std::memory_order_acquire) != P2pOp::kDone) internal::cpu_relax();
+  }
+
+  ThreadsWorld* world_;
+  std::shared_ptr<P2pOp> op_;
+  bool is_recv_;
+  bool waited_ = false;
+  bool cancelled_ = false;
+};
+
+}  // namespace
+
+StatusOr<Request> ThreadsWorld::isend(int dst, int tag, const void* data, size_t bytes) {
+  MOED_RETURN_IF_ERROR(failure());
+  if (dst < 0 || dst >= size_) {
+    return invalid_argument("isend: dst = ", dst, " is outside [0, ", size_, ")");
+  }
+  if (tag < 0) return invalid_argument("isend: tag = ", tag, " must be >= 0");
+  if (data == nullptr && bytes > 0) return invalid_argument("isend: data is null");
+  auto op = std::make_shared<P2pOp>();
+  op->src = rank_;
+  op->dst = dst;
+  op->tag = tag;
+  op->send = data;
+  op->bytes = bytes;
+  count_send(dst, bytes);
+  std::shared_ptr<P2pOp> peer;
+  {
+    Mailbox& box = ctx_->mailboxes[size_t(dst)];
+    std::lock_guard<std::mutex> lock(box.mu);
+    peer = take(box.recvs, rank_, tag);
+    if (!peer) box.sends.push_back(op);
+  }
+  if (peer) complete(*op, *peer);
+  return Request(std::make_unique<ThreadsRequest>(this, std::move(op), false));
+}
+
+StatusOr<Request> ThreadsWorld::irecv(int src, int tag, void* data, size_t bytes) {
+  MOED_RETURN_IF_ERROR(failure());
+  if (src < 0 || src >= size_) {
+    return invalid_argument("irecv: src = ", src, " is outside [0, ", size_, ")");
+  }
+  if (tag < 0) return invalid_argument("irecv: tag = ", tag, " must be >= 0");
+  if (data == nullptr && bytes > 0) return invalid_argument("irecv: data is null");
+  auto op = std::make_shared<P2pOp>();
+  op->src = src;
+  op->dst = rank_;
+  op->tag = tag;
+  op->recv = data;
+  op->bytes = bytes;
+  std::shared_ptr<P2pOp> peer;
+  {
+    Mailbox& box = ctx_->mailboxes[size_t(rank_)];
+    std::lock_guard<std::mutex> lock(box.mu);
+    peer = take(box.sends, src, tag);
+    if (!peer) box.recvs.push_back(op);
+  }
+  if (peer) complete(*peer, *op);
+  return Request(std::make_unique<ThreadsRequest>(this, std::move(op), true));
+}
+
+}  // namespace moed::threads

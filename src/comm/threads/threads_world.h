@@ -1,0 +1,154 @@
+// Internal: the threads backend's shared state (one Context per run_threads call) and its
+// World. The files beside this one each implement one part, with the same names as mpi/:
+//   threads_world.cc   run_threads, failure state, barrier
+//   collectives.cc     broadcast, all_gather_v, all_to_all_v, reduce_scatter_v, all_reduce
+//   network.cc         isend / irecv (rendezvous, one copy)
+//   shared_memory.cc   alloc_shared (node-shared segments and signals)
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moed/world.h"
+
+namespace moed::threads {
+
+enum class Op : int {
+  kBarrier,
+  kBroadcast,
+  kAllGatherV,
+  kAllToAllV,
+  kReduceScatterV,
+  kAllReduce,
+};
+const char* op_name(Op op);
+
+// What a rank brings to a collective. Published before the first internal barrier and read
+// by the other ranks between the two barriers (the second keeps it alive while they read).
+struct Slot {
+  Op op = Op::kBarrier;
+  const void* send = nullptr;
+  size_t send_bytes = 0;  // broadcast / all_gather_v bytes; f32 counts for all_reduce
+  std::span<const size_t> send_sizes, send_offsets, recv_sizes, recv_offsets;
+  void* recv = nullptr;
+  int root = 0;
+};
+
+// One posted isend or irecv. The thread that posts second copies (sender -> receiver) and
+// completes both, so every byte is copied once.
+struct P2pOp {
+  enum State : int { kPosted, kMatched, kDone };
+  int src = 0, dst = 0, tag = 0;
+  const void* send = nullptr;
+  void* recv = nullptr;
+  size_t bytes = 0;
+  std::atomic<int> state{kPosted};
+  Status error;  // written before state becomes kDone (release)
+};
+
+// Unmatched operations addressed to one rank, in posting order (FIFO per (src, dst, tag)).
+struct Mailbox {
+  std::mutex mu;
+  std::deque<std::shared_ptr<P2pOp>> sends;
+  std::deque<std::shared_ptr<P2pOp>> recvs;
+};
+
+// A counter on its own cache line, so signals between different pairs don't false-share.
+struct alignas(64) PaddedCounter {
+  std::atomic<uint64_t> value{0};
+};
+
+// One alloc_shared call on one node: each local rank allocates its own segment and inbox and
+// publishes them; the last SharedBuffer dropped frees them all.
+struct SharedAlloc {
+  explicit SharedAlloc(int local_size);
+  ~SharedAlloc();
+  std::vector<size_t> requested;        // under NodeShared::mu
+  std::vector<void*> segments;          // under NodeShared::mu
+  std::vector<PaddedCounter*> inboxes;  // inboxes[lr][from], under NodeShared::mu
+  std::atomic<int> joined{0};
+  int taken = 0;  // under NodeShared::mu
+};
+
+struct NodeShared {
+  std::mutex mu;
+  std::map<uint64_t, std::shared_ptr<SharedAlloc>> pending;  // by per-rank call number
+};
+
+class Context {
+ public:
+  Context(int size, int ranks_per_node);
+
+  // Records the first failure; later ones are ignored. Every wait sees it.
+  void fail(int rank, const Status& reason);
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  Status failure() const;  // kAborted "rank r failed: <message>", or OK
+  int failed_rank() const;
+
+  const int size;
+  const int ranks_per_node;
+  std::vector<Slot> slots;
+  // Sense-reversing barrier: arrivals count up to size, the last one bumps generation.
+  std::atomic<int> arrived{0};
+  std::atomic<uint64_t> generation{0};
+  std::unique_ptr<std::atomic<uint64_t>[]> entered;  // barriers entered per rank (diagnostics)
+  std::vector<Mailbox> mailboxes;
+  std::vector<NodeShared> nodes;
+
+ private:
+  std::atomic<bool> failed_{false};
+  mutable std::mutex fail_mu_;
+  Status failure_;
+  int failed_rank_ = -1;
+};
+
+class ThreadsWorld final : public World {
+ public:
+  ThreadsWorld(Context* ctx, int rank, std::chrono::milliseconds timeout, int threads_per_rank);
+
+  const char* backend_name() const override { return "threads"; }
+  Status barrier() override;
+  Status broadcast_bytes(void* data, size_t bytes, int root) override;
+  Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
+                            std::span<const size_t> recv_bytes) override;
+  Status all_to_all_v_bytes(const void* send, std::span<const size_t> send_bytes,
+                            std::span<const size_t> send_offsets, void* recv,
+                            std::span<const size_t> recv_bytes,
+                            std::span<const size_t> recv_offsets) override;
+  Status reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
+                              float* recv) override;
+  Status all_reduce_f32(const float* send, float* recv, size_t count) override;
+  StatusOr<std::shared_ptr<SharedBuffer>> alloc_shared(size_t bytes) override;
+  StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) override;
+  StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
+  void abort(const Status& reason) override;
+  Status failure() const override { return ctx_->failure(); }
+
+  Context& context() { return *ctx_; }
+  // Counts `bytes` this rank sends to `dst`: nothing to itself, shared within a node,
+  // network between nodes (the rule every collective and isend follows).
+  void count_send(int dst, uint64_t bytes);
+  // A wait that timed out leaves the collective state half-updated, so it fails the world.
+  Status fail_on_timeout(const Status& s);
+
+ private:
+  // Runs one collective: publish `mine`, barrier, check (the same verdict on every rank,
+  // computed from all slots), work() if OK, barrier. Returns the check's verdict.
+  template <typename Check, typename Work>
+  Status collective(const Slot& mine, Check&& check, Work&& work);
+  Status internal_barrier(Op op);
+
+  Context* ctx_;
+  uint64_t barriers_entered_ = 0;
+  uint64_t allocs_ = 0;
+};
+
+}  // namespace moed::threads

@@ -1,0 +1,52 @@
+// The one way moed's backends wait: poll a condition with back-off, checking the world's
+// failure state and its timeout, so that no wait outlives a failed peer or the deadline.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "moed/status.h"
+#include "moed/world.h"
+
+namespace moed::internal {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Polls done() until it returns true. Returns world.failure() as soon as a rank has failed,
+// or kDeadlineExceeded "<what()>: waited N ms" once world.timeout() has passed.
+// NOTE: ranks often outnumber cores (8 ranks on 2 cores in CI), so the loop spins only
+// briefly, then yields, then sleeps: a spinning waiter must not starve the rank it waits for.
+template <typename Done, typename What>
+Status poll_until(const World& world, Done&& done, What&& what) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto deadline = start + world.timeout();
+  for (int i = 0;; ++i) {
+    if (done()) return ok_status();
+    if (i < 64) {
+      cpu_relax();
+      continue;
+    }
+    Status failure = world.failure();
+    if (!failure.ok()) return failure;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      if (done()) return ok_status();
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start);
+      return deadline_exceeded(what(), ": waited ", waited.count(), " ms (timeout ",
+                               world.timeout().count(), " ms)");
+    }
+    if (i < 2048) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(i < 8192 ? 20 : 200));
+    }
+  }
+}
+
+}  // namespace moed::internal

@@ -1,0 +1,105 @@
+// run_world and backends() for both test binaries: compiled once without MPI (threads test
+// binary) and once with MOED_WORLD_TEST_MPI (the MPI test binary started by mpiexec).
+#include "support/world_test.h"
+
+#include <exception>
+
+#include "moed/threads_world.h"
+#ifdef MOED_WORLD_TEST_MPI
+#include <mpi.h>
+
+#include "moed/mpi_world.h"
+#endif
+
+namespace moed::testing {
+
+const char* backend_name(Backend b) { return b == Backend::kThreads ? "threads" : "mpi"; }
+
+#ifndef MOED_WORLD_TEST_MPI
+
+std::vector<Backend> backends() { return {Backend::kThreads}; }
+
+Status run_world(Backend b, int ranks, int ranks_per_node,
+                 const std::function<Status(World&)>& body, WorldOptions opts) {
+  if (b != Backend::kThreads) {
+    return unimplemented("run_world: the MPI world runs only in an MPI test binary");
+  }
+  opts.ranks_per_node = ranks_per_node;
+  return run_threads(ranks, opts, body);
+}
+
+#else
+
+std::vector<Backend> backends() { return {Backend::kMpi}; }
+
+namespace {
+
+// The same rule as run_threads: the lowest rank's error that is not the kAborted echo of
+// another rank's failure, else the lowest error; returned identically on every process.
+Status combine(const Status& local, MPI_Comm comm) {
+  int size = 0, me = 0;
+  MPI_Comm_size(comm, &size);
+  MPI_Comm_rank(comm, &me);
+  int code = int(local.code());
+  std::vector<int> codes(size_t(size), 0);
+  MPI_Allgather(&code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm);
+  int pick = -1;
+  for (int r = 0; r < size && pick < 0; ++r) {
+    if (codes[size_t(r)] != 0 && codes[size_t(r)] != int(StatusCode::kAborted)) pick = r;
+  }
+  for (int r = 0; r < size && pick < 0; ++r) {
+    if (codes[size_t(r)] != 0) pick = r;
+  }
+  if (pick < 0) return ok_status();
+  std::string msg = me == pick ? local.message() : std::string();
+  uint64_t len = msg.size();
+  MPI_Bcast(&len, 1, MPI_UINT64_T, pick, comm);
+  msg.resize(len);
+  MPI_Bcast(msg.data(), int(len), MPI_CHAR, pick, comm);
+  return Status(StatusCode(codes[size_t(pick)]), msg);
+}
+
+}  // namespace
+
+Status run_world(Backend b, int ranks, int ranks_per_node,
+                 const std::function<Status(World&)>& body, WorldOptions opts) {
+  if (b != Backend::kMpi) {
+    return unimplemented("run_world: this MPI test binary runs only the MPI world");
+  }
+  int size = 0, me = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (ranks < 1 || ranks > size) {
+    return invalid_argument("run_world: ranks = ", ranks, " needs 1..", size,
+                            " processes; mpiexec started ", size);
+  }
+  opts.ranks_per_node = ranks_per_node;
+  MPI_Comm sub = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, me < ranks ? 0 : MPI_UNDEFINED, me, &sub);
+  Status local;
+  if (sub != MPI_COMM_NULL) {
+    {
+      StatusOr<std::unique_ptr<World> > world = make_mpi_world(sub, opts);
+      if (!world.ok()) {
+        local = world.status();
+      } else {
+        try {
+          local = body(**world);
+        } catch (const std::exception& e) {
+          local = internal_error("rank ", me, " threw: ", e.what());
+        } catch (...) {
+          local = internal_error("rank ", me, " threw an exception that is not a std::exception");
+        }
+        // Tell the other ranks, so their pending calls return kAborted instead of waiting
+        // for the timeout.
+        if (!local.ok()) mpi_world_fail(**world, local);
+      }
+    }
+    MPI_Comm_free(&sub);
+  }
+  return combine(local, MPI_COMM_WORLD);
+}
+
+#endif
+
+}  // namespace moed::testing
