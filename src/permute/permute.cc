@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "permute/checks.h"
+#include "permute/row_kernels.h"
 
 namespace moed {
 
@@ -28,20 +29,30 @@ Status permute_rows_into(const TokenRows& tokens, const PermuteLayout& layout, c
   const size_t row_bytes = tokens.x.row_bytes();
   const size_t scale_bytes = fp8 ? tokens.scales.row_bytes() : 0;
   const int32_t* idx = layout.sorted_indices.data();
+  // NOTE: a large output goes around the caches (as a large memcpy does); a small one stays
+  // in them for the experts that read it next.
+  const bool stream =
+      size_t(layout.num_rows) * row_bytes >= permute_internal::kStreamThresholdBytes;
+  const auto copy = stream ? permute_internal::stream_copy
+                           : +[](void* d, const void* s, size_t n) { std::memcpy(d, s, n); };
   // NOTE: rows of several KB each; 16 rows per chunk keeps tiny problems on one thread.
   pool.parallel_for(
       layout.num_rows,
       [&](int64_t b, int64_t e, int) {
         for (int64_t r = b; r < e; ++r) {
           const int32_t t = idx[r];
+          if (r + 1 < e && idx[r + 1] >= 0) {
+            permute_internal::prefetch_row(tokens.x.row_ptr(idx[r + 1]), row_bytes);
+          }
           if (t >= 0) {
-            std::memcpy(out.x.row_ptr(r), tokens.x.row_ptr(t), row_bytes);
+            copy(out.x.row_ptr(r), tokens.x.row_ptr(t), row_bytes);
             if (fp8) std::memcpy(out.scales.row_ptr(r), tokens.scales.row_ptr(t), scale_bytes);
           } else {
             std::memset(out.x.row_ptr(r), 0, row_bytes);
             if (fp8) std::memset(out.scales.row_ptr(r), 0, scale_bytes);  // 0.0f
           }
         }
+        if (stream) permute_internal::stream_fence();
       },
       16);
   return ok_status();

@@ -7,6 +7,7 @@
 // area provides them; until then they live here, private to src/permute.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "moed/dtype.h"
@@ -32,6 +33,20 @@ struct RowKernels {
   void (*scale_f32)(float* out, const float* g, float p, int64_t n);
   void (*scale_bf16)(bf16* out, const bf16* g, float p, int64_t n);
 };
+
+// Copies `bytes` with non-temporal stores (no read-for-ownership of the destination, which a
+// plain memcpy of a row pays and a large memcpy avoids): for outputs much larger than the
+// caches. Call stream_fence() before the data is handed to another thread.
+void stream_copy(void* dst, const void* src, size_t bytes);
+void stream_fence();
+// Asks for a row about to be read (rows land at random places, so the hardware prefetchers,
+// which stop at page boundaries, find them late).
+inline void prefetch_row(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+// Outputs at least this large are written with stream_copy.
+inline constexpr size_t kStreamThresholdBytes = size_t(8) << 20;
 
 // The best kernels this CPU runs ("avx512", "avx2" or "portable" in name()).
 const RowKernels& row_kernels();

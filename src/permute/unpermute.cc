@@ -22,8 +22,10 @@ using permute_internal::RowKernels;
 
 namespace {
 
-// Accumulator block: 2048 floats = 8 KB, beside the rows streaming through L1.
-constexpr int64_t kBlock = 2048;
+// Accumulator block: 8192 floats = 32 KB (a whole row for the standard shapes, so each
+// input row is read as one long stream the hardware prefetchers follow; the accumulator
+// stays in L1 / L2).
+constexpr int64_t kBlock = 8192;
 
 Status check_indices(std::span<const int32_t> sorted_indices, int64_t num_tokens) {
   for (size_t i = 0; i < sorted_indices.size(); ++i) {
@@ -37,8 +39,9 @@ Status check_indices(std::span<const int32_t> sorted_indices, int64_t num_tokens
 }
 
 // One token: out = round(fp32 0 + sum over its rows in order of (p *) float(row)).
+// stream: write the output row around the caches (through `tmp`, one block of the output).
 void reduce_token(const RowKernels& k, const TensorView& rows, const int64_t* list, int64_t count,
-                  const float* probs, void* out_row, float* acc) {
+                  const float* probs, void* out_row, float* acc, bool stream, bf16* tmp) {
   const int64_t H = rows.cols;
   const bool bf = rows.dtype == DType::kBF16;
   if (count == 0) {
@@ -65,8 +68,13 @@ void reduce_token(const RowKernels& k, const TensorView& rows, const int64_t* li
         }
       }
     }
-    if (bf) {
+    if (bf && stream) {
+      k.store_bf16(tmp, acc, n);
+      permute_internal::stream_copy(static_cast<bf16*>(out_row) + hb, tmp, size_t(n) * 2);
+    } else if (bf) {
       k.store_bf16(static_cast<bf16*>(out_row) + hb, acc, n);
+    } else if (stream) {
+      permute_internal::stream_copy(static_cast<float*>(out_row) + hb, acc, size_t(n) * 4);
     } else {
       std::memcpy(static_cast<float*>(out_row) + hb, acc, size_t(n) * 4);
     }
@@ -145,6 +153,7 @@ Status unpermute_into(const TensorView& rows, std::span<const int32_t> sorted_in
   const RowKernels& k = row_kernels();
   const int32_t* idx = sorted_indices.data();
   const float* p = probs.empty() ? nullptr : probs.data();
+  const bool stream = size_t(T) * out.row_bytes() >= permute_internal::kStreamThresholdBytes;
   pool.parallel_for(T, [&](int64_t tb, int64_t te, int) {
     // This worker's tokens' rows, grouped by token, each group in row order (counting sort).
     std::vector<int64_t> start(size_t(te - tb) + 1, 0);
@@ -157,12 +166,15 @@ Status unpermute_into(const TensorView& rows, std::span<const int32_t> sorted_in
     for (int64_t i = 0; i < N; ++i) {
       if (idx[i] >= tb && idx[i] < te) list[size_t(fill[size_t(idx[i] - tb)]++)] = i;
     }
-    std::vector<float> acc(size_t(std::min(kBlock, std::max<int64_t>(rows.cols, 1))));
+    const size_t block = size_t(std::min(kBlock, std::max<int64_t>(rows.cols, 1)));
+    std::vector<float> acc(block);
+    std::vector<bf16> tmp(stream ? block : 0);
     for (int64_t t = tb; t < te; ++t) {
       const size_t j = size_t(t - tb);
       reduce_token(k, rows, list.data() + start[j], start[j + 1] - start[j], p, out.row_ptr(t),
-                   acc.data());
+                   acc.data(), stream, tmp.data());
     }
+    if (stream) permute_internal::stream_fence();
   });
   return ok_status();
 }
