@@ -66,5 +66,201 @@ TEST(FlexLayout, MatchesBruteForce) {
   EXPECT_EQ(get_dispatch_layout(bad, 16, 8, 3).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A two-node problem (R = 4, G = 2) from the harness's generator, with the reference.
+struct Problem {
+  testing::DispatchCase c;
+  testing::CaseInput in;
+  ReferenceProblem ref;
+};
+
+Problem make_problem(DType dtype, int ranks, int ranks_per_node, int num_experts, int num_topk) {
+  Problem p;
+  p.c.ranks = ranks;
+  p.c.ranks_per_node = ranks_per_node;
+  p.c.num_experts = num_experts;
+  p.c.num_topk = num_topk;
+  p.c.dtype = dtype;
+  p.c.hidden = 256;
+  p.c.tokens.resize(size_t(ranks));
+  for (int r = 0; r < ranks; ++r) p.c.tokens[size_t(r)] = (r * 7 + 3) % 13;
+  p.c.tokens[1] = 0;
+  p.c.seed = 99;
+  p.in = testing::make_case_input(p.c);
+  p.ref.num_experts = num_experts;
+  p.ref.ep_size = ranks;
+  p.ref.num_topk = num_topk;
+  p.ref.routing = p.in.map;
+  for (const TokenTensor& t : p.in.hidden) p.ref.hidden.push_back(t.rows());
+  return p;
+}
+
+Status expect(bool ok, const std::string& what) { return ok ? ok_status() : internal_error(what); }
+
+class FlexFeatures : public ::testing::TestWithParam<Backend> {};
+
+// num_worst_tokens: the exact result, then zero rows; cached mode (also async) equals the
+// uncached dispatch; combine from the shared expert-output buffer equals the reference.
+TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
+  const Problem p = make_problem(DType::kBF16, 4, 2, 8, 3);
+  constexpr int64_t kWorst = 64;
+  Status s = testing::run_world(GetParam(), 4, 2, [&](World& w) -> Status {
+    const int r = w.rank();
+    DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 8};
+    cfg.num_worst_tokens = kWorst;
+    MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
+    MOED_ASSIGN_OR_RETURN(auto want, reference_dispatch(p.ref));
+    const ReferenceRankDispatch& ref = want[size_t(r)];
+    const int64_t exact = ref.expert_input.x.rows();
+
+    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    MOED_RETURN_IF_ERROR(d->dispatch_preprocess(input));
+    MOED_ASSIGN_OR_RETURN(Request req, d->token_dispatch(/*async=*/true));
+    MOED_RETURN_IF_ERROR(req->wait());
+    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch_postprocess());
+    MOED_RETURN_IF_ERROR(expect(out.num_rows() == kWorst, "rows != num_worst_tokens"));
+    MOED_RETURN_IF_ERROR(
+        expect(bitwise_equal(out.expert_input.x.slice_rows(0, exact), ref.expert_input.x.view()),
+               str_cat("rank ", r, ": exact rows differ")));
+    const Tensor zeros = Tensor::zeros(DType::kBF16, kWorst - exact, 256);
+    MOED_RETURN_IF_ERROR(
+        expect(bitwise_equal(out.expert_input.x.slice_rows(exact, kWorst - exact), zeros.view()),
+               str_cat("rank ", r, ": padding rows are not zero")));
+    MOED_RETURN_IF_ERROR(expect(out.handle->tokens_per_expert == ref.tokens_per_expert,
+                                "tokens_per_expert changed by num_worst_tokens"));
+    for (int64_t i = exact; i < kWorst; ++i) {
+      MOED_RETURN_IF_ERROR(
+          expect(out.handle->row_src_rank[size_t(i)] == -1 && out.permuted_probs[size_t(i)] == 0.0f,
+                 "padding row metadata"));
+    }
+    const Tensor first = Tensor::copy_of(out.expert_input.x);
+
+    // Cached mode: same rows, same handle, no notify.
+    DispatchInput cached{.hidden = input.hidden, .cached_handle = out.handle};
+    MOED_ASSIGN_OR_RETURN(DispatchOutput again, d->dispatch(cached));
+    MOED_RETURN_IF_ERROR(expect(bitwise_equal(again.expert_input.x, first.view()),
+                                str_cat("rank ", r, ": cached dispatch differs")));
+
+    // Experts write y = 2 * x straight into the shared combine buffer.
+    MOED_ASSIGN_OR_RETURN(TensorView y, flex_expert_output_buffer(*d, *out.handle, DType::kF32));
+    for (int64_t i = 0; i < kWorst; ++i) {
+      for (int64_t h = 0; h < 256; ++h) {
+        y.row<float>(i)[h] = 2.0f * bf16_to_float(first.row<bf16>(i)[h]);
+      }
+    }
+    MOED_ASSIGN_OR_RETURN(Request creq,
+                          (d->combine_preprocess({.expert_output = {y, {}}, .handle = out.handle}),
+                           d->token_combine(/*async=*/true)));
+    MOED_RETURN_IF_ERROR(creq->wait());
+    MOED_ASSIGN_OR_RETURN(CombineOutput got, d->combine_postprocess());
+    std::vector<Tensor> ys;
+    std::vector<TensorView> views;
+    for (int q = 0; q < 4; ++q) {
+      const TensorView x = want[size_t(q)].expert_input.x.view();
+      ys.push_back(Tensor::empty(DType::kF32, x.rows, 256));
+      for (int64_t i = 0; i < x.rows; ++i) {
+        for (int64_t h = 0; h < 256; ++h)
+          ys.back().row<float>(i)[h] = 2.0f * bf16_to_float(x.row<bf16>(i)[h]);
+      }
+      views.push_back(ys.back().view());
+    }
+    MOED_ASSIGN_OR_RETURN(std::vector<Tensor> combined, reference_combine(p.ref, views));
+    return expect(bitwise_equal(got.hidden.view(), combined[size_t(r)].view()),
+                  str_cat("rank ", r, ": combine differs"));
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(FlexFeatures, NumWorstTokensTooSmallIsEveryonesError) {
+  const Problem p = make_problem(DType::kF32, 4, 2, 8, 3);
+  Status s = testing::run_world(GetParam(), 4, 2, [&](World& w) -> Status {
+    DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 8};
+    cfg.num_worst_tokens = 2;
+    MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
+    auto out = d->dispatch(
+        {.hidden = p.in.hidden[size_t(w.rank())].rows(), .topk = &p.in.topk[size_t(w.rank())]});
+    if (out.ok()) return internal_error("dispatch accepted num_worst_tokens = 2");
+    return expect(out.status().code() == StatusCode::kInvalidArgument &&
+                      out.status().message().find("num_worst_tokens = 2") != std::string::npos,
+                  out.status().to_string());
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+// Network bytes of a dispatch = sum over tokens of (remote nodes it routes to) x
+// (payload + scales + 16-byte header + 8 bytes per expert entry on that node).
+TEST_P(FlexFeatures, NetworkBytesMatchAnalyticCount) {
+  const Problem p = make_problem(DType::kFP8, 8, 2, 16, 4);
+  Status s = testing::run_world(GetParam(), 8, 2, [&](World& w) -> Status {
+    const int r = w.rank(), G = 2, L = 2;
+    DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 16};
+    MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
+    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input));
+    // What cached mode's agreement costs on its own (one all-gather and one agree).
+    w.reset_counters();
+    const int32_t one = 1;
+    MOED_RETURN_IF_ERROR(all_gather<int32_t>(w, std::span<const int32_t>(&one, 1)).status());
+    MOED_RETURN_IF_ERROR(w.agree(ok_status()));
+    const uint64_t overhead = w.counters().network_bytes;
+    w.reset_counters();
+    MOED_ASSIGN_OR_RETURN(DispatchOutput again,
+                          d->dispatch({.hidden = input.hidden, .cached_handle = out.handle}));
+    const uint64_t got = w.counters().network_bytes - overhead;
+    const RoutingMap& map = p.in.map[size_t(r)];
+    uint64_t want = 0, rows = 0;
+    for (int64_t t = 0; t < map.num_tokens; ++t) {
+      std::vector<int> entries(4, 0);
+      for (int e = 0; e < 16; ++e) {
+        if (map.routed(t, e)) ++entries[size_t(e / L / G)];
+      }
+      for (int m = 0; m < 4; ++m) {
+        if (m == w.node() || entries[size_t(m)] == 0) continue;
+        want += 256 + 2 * 4 + 16 + 8 * uint64_t(entries[size_t(m)]);
+        ++rows;
+      }
+    }
+    MOED_RETURN_IF_ERROR(expect(want > 0 || map.num_tokens == 0, "no cross-node traffic"));
+    MOED_RETURN_IF_ERROR(
+        expect(got == want, str_cat("rank ", r, ": network bytes ", got, " != analytic ", want)));
+    return expect(w.counters().network_rows == rows,
+                  str_cat("rank ", r, ": network rows ", w.counters().network_rows, " != ", rows));
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(FlexFeatures, BadInputIsEveryonesError) {
+  const Problem p = make_problem(DType::kF32, 4, 2, 8, 3);
+  Status s = testing::run_world(GetParam(), 4, 2, [&](World& w) -> Status {
+    const int r = w.rank();
+    DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 8};
+    MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
+    TopkRouting topk = p.in.topk[size_t(r)];
+    if (r == 2) topk.topk_idx[0] = 300;
+    auto bad = d->dispatch({.hidden = p.in.hidden[size_t(r)].rows(), .topk = &topk});
+    MOED_RETURN_IF_ERROR(expect(!bad.ok() &&
+                                    bad.status().message().find("rank 2") != std::string::npos &&
+                                    bad.status().message().find("300") != std::string::npos,
+                                str_cat("bad topk: ", bad.status().to_string())));
+    // The dispatcher still works afterwards.
+    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch({.hidden = p.in.hidden[size_t(r)].rows(),
+                                                           .topk = &p.in.topk[size_t(r)]}));
+    // A combine with the wrong row count on rank 1 fails on every rank.
+    Tensor y = Tensor::zeros(DType::kF32, out.num_rows() + (r == 1 ? 1 : 0), 256);
+    auto c = d->combine({.expert_output = {y.view(), {}}, .handle = out.handle});
+    MOED_RETURN_IF_ERROR(expect(!c.ok() && c.status().message().find("rank 1") != std::string::npos,
+                                str_cat("bad combine: ", c.status().to_string())));
+    // Cached mode on one rank only.
+    DispatchInput in{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    if (r == 3) in.cached_handle = out.handle;
+    auto mixed = d->dispatch(in);
+    return expect(!mixed.ok() && mixed.status().message().find("cached") != std::string::npos,
+                  str_cat("mixed cached mode: ", mixed.status().to_string()));
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, FlexFeatures, ::testing::ValuesIn(testing::backends()),
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
+
 }  // namespace
 }  // namespace moed
