@@ -1,0 +1,338 @@
+// moed bench low-latency: low-latency dispatch and combine (spec §6) at one shape, bf16 and
+// FP8, one call and the send / receive halves (through the hook) timed separately, beside
+// Flex's normal mode at the same shape and the memory-copy bound, all in one run.
+//
+//   moed bench low-latency --shape decode --ranks 8 --world threads --json
+//
+// A multi-rank time is the maximum over ranks of one iteration (every rank starts after a
+// barrier); figures are medians over iterations. Bandwidth counts the rows every rank received
+// (aggregate) times their payload bytes (spec §7).
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "bench/common.h"
+#include "moed/dispatcher.h"
+#include "moed/low_latency.h"
+#include "moed/threads_world.h"
+#include "tools/moed/registry.h"
+
+namespace moed::bench {
+namespace {
+
+struct Args {
+  std::string shape = "decode";
+  std::string world = "threads";
+  int ranks = 8;
+  int ranks_per_node = 0;
+  int iters = 20;
+  bool json = false;
+};
+
+[[noreturn]] void fail(const Status& s) {
+  std::fprintf(stderr, "moed bench low-latency: %s\n", s.to_string().c_str());
+  throw CLI::RuntimeError(1);
+}
+
+// One figure as the ranks measured it: the per-iteration maximum over ranks, then the median.
+struct Figure {
+  std::string dispatcher, phase, dtype;
+  double seconds = 0;
+  int64_t rows = 0;            // rows received, summed over ranks
+  size_t row_bytes = 0;        // payload bytes per row
+  uint64_t network_bytes = 0;  // per iteration, summed over ranks
+  bool verified = false;
+};
+
+using Clock = std::chrono::steady_clock;
+
+// Times `fn` on every rank after a barrier; returns the slowest rank's seconds.
+StatusOr<double> time_max(World& w, const std::function<Status()>& fn) {
+  MOED_RETURN_IF_ERROR(w.barrier());
+  const auto a = Clock::now();
+  MOED_RETURN_IF_ERROR(fn());
+  const double mine = std::chrono::duration<double>(Clock::now() - a).count();
+  MOED_ASSIGN_OR_RETURN(std::vector<double> all,
+                        all_gather<double>(w, std::span<const double>(&mine, 1)));
+  return *std::max_element(all.begin(), all.end());
+}
+
+// Sum over ranks of a per-rank count.
+StatusOr<int64_t> sum_ranks(World& w, int64_t v) {
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(w, std::span<const int64_t>(&v, 1)));
+  int64_t s = 0;
+  for (int64_t x : all) s += x;
+  return s;
+}
+
+// What combine(dispatch(x)) with unit weights and the dispatched rows as expert outputs must
+// give: fp32 acc = 0; acc += x once per routed expert; rounded to bf16 once.
+bool round_trip_ok(const Tensor& x, const TopkRouting& r, const TensorView& out) {
+  const int64_t H = x.cols();
+  std::vector<float> acc(static_cast<size_t>(H));
+  for (int64_t t = 0; t < x.rows(); ++t) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int k = 0; k < r.num_topk; ++k) {
+      if (r.idx(t, k) < 0) continue;
+      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += bf16_to_float(x.row<bf16>(t)[h]);
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      if (float_to_bf16(acc[size_t(h)]).bits != out.row<bf16>(t)[h].bits) return false;
+    }
+  }
+  return true;
+}
+
+Tensor make_tokens(int rank, int64_t T, int H) {
+  std::mt19937 rng(1234u + uint32_t(rank));
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  Tensor x = Tensor::empty(DType::kBF16, T, H);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int h = 0; h < H; ++h) x.row<bf16>(t)[h] = float_to_bf16(u(rng));
+  }
+  return x;
+}
+
+// Every received FP8 row and its scales equal quantize_fp8_row of the source token's row.
+bool fp8_rows_ok(const LowLatencyDispatchOutput& d, int ranks, int64_t T, int H) {
+  std::vector<Tensor> xs;
+  for (int s = 0; s < ranks; ++s) xs.push_back(make_tokens(s, T, H));
+  const int S = H / kFp8BlockSize;
+  std::vector<fp8_e4m3> q(static_cast<size_t>(H));
+  std::vector<float> scales(static_cast<size_t>(S));
+  for (int j = 0; j < d.num_local_experts; ++j) {
+    for (int s = 0; s < ranks; ++s) {
+      const LowLatencyRange range = d.layout_range[size_t(j) * ranks + s];
+      for (int32_t i = 0; i < range.count; ++i) {
+        const int64_t row = j * d.rows_per_expert + range.begin + i;
+        const int32_t t = d.src_info[size_t(row)];
+        if (t < 0 || t >= T) return false;
+        quantize_fp8_row(std::span<const bf16>(xs[size_t(s)].row<bf16>(t), size_t(H)), false, q,
+                         scales);
+        if (std::memcmp(d.recv.x.row_ptr(row), q.data(), size_t(H)) != 0 ||
+            std::memcmp(d.recv.scales.row_ptr(row), scales.data(), size_t(S) * 4) != 0) {
+          return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figures) {
+  const int R = w.size(), E = s.num_experts, K = s.num_topk, H = s.hidden;
+  const int64_t T = s.num_tokens;
+  // Inputs: random bf16 rows (any rank can rebuild any other's, to check FP8 rows); each
+  // token picks K distinct experts uniformly; unit weights.
+  Tensor x = make_tokens(w.rank(), T, H);
+  std::mt19937 rng(5678u + uint32_t(w.rank()));
+  TopkRouting topk;
+  topk.num_tokens = T;
+  topk.num_topk = K;
+  std::vector<int32_t> experts(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) experts[size_t(e)] = e;
+  for (int64_t t = 0; t < T; ++t) {
+    std::shuffle(experts.begin(), experts.end(), rng);
+    for (int k = 0; k < K; ++k) {
+      topk.topk_idx.push_back(experts[size_t(k)]);
+      topk.topk_weights.push_back(1.0f);
+    }
+  }
+
+  MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, T, H, E));
+  const bool root = w.rank() == 0;
+  auto add = [&](Figure f, std::vector<double> times, int64_t rows, uint64_t net) {
+    f.seconds = median(std::move(times));
+    f.rows = rows;
+    f.network_bytes = net;
+    if (root) figures->push_back(std::move(f));
+  };
+  auto network_delta = [&](const std::function<Status()>& fn) -> StatusOr<uint64_t> {
+    const uint64_t before = w.counters().network_bytes;
+    MOED_RETURN_IF_ERROR(fn());
+    MOED_ASSIGN_OR_RETURN(const int64_t n,
+                          sum_ranks(w, int64_t(w.counters().network_bytes - before)));
+    return uint64_t(n);
+  };
+
+  for (const bool fp8 : {false, true}) {
+    const size_t row_bytes = fp8 ? size_t(H) + size_t(H / kFp8BlockSize) * 4 : size_t(H) * 2;
+    const char* dtype = fp8 ? "fp8" : "bf16";
+    LowLatencyDispatchOutput d;
+    auto dispatch = [&](bool hook) -> Status {
+      MOED_ASSIGN_OR_RETURN(
+          d, buffer->low_latency_dispatch(
+                 {.x = x.view(), .topk = &topk, .use_fp8 = fp8, .return_recv_hook = hook}));
+      return ok_status();
+    };
+    MOED_ASSIGN_OR_RETURN(uint64_t net, network_delta([&] { return dispatch(false); }));
+    int64_t mine = 0;
+    for (int32_t c : d.recv_count) mine += c;
+    MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
+    std::vector<double> one, send, recv;
+    for (int i = 0; i < iters; ++i) {
+      MOED_ASSIGN_OR_RETURN(double t1, time_max(w, [&] { return dispatch(false); }));
+      one.push_back(t1);
+      MOED_ASSIGN_OR_RETURN(double ts, time_max(w, [&] { return dispatch(true); }));
+      MOED_ASSIGN_OR_RETURN(double tr, time_max(w, [&] { return d.hook->wait(); }));
+      send.push_back(ts);
+      recv.push_back(tr);
+    }
+    const bool rows_ok = !fp8 || fp8_rows_ok(d, R, T, H);
+    MOED_ASSIGN_OR_RETURN(const int64_t bad_rows, sum_ranks(w, rows_ok ? 0 : 1));
+    for (auto [phase, times] : {std::pair{"dispatch", &one}, std::pair{"dispatch_send", &send},
+                                std::pair{"dispatch_recv", &recv}}) {
+      Figure f{"low_latency", phase, dtype, 0, 0, row_bytes};
+      f.verified = bad_rows == 0;  // bf16: set below from the round trip
+      add(f, *times, rows, net);
+    }
+    if (fp8) continue;
+
+    // Combine of the bf16 dispatch: the received rows are the expert outputs.
+    Tensor y = Tensor::copy_of(d.recv.x);
+    std::shared_ptr<const LowLatencyHandle> handle = d.handle;
+    LowLatencyCombineOutput c;
+    auto combine = [&](bool hook) -> Status {
+      MOED_ASSIGN_OR_RETURN(
+          c, buffer->low_latency_combine(
+                 {.x = y.view(), .topk = &topk, .handle = handle, .return_recv_hook = hook}));
+      return ok_status();
+    };
+    MOED_ASSIGN_OR_RETURN(uint64_t cnet, network_delta([&] { return combine(false); }));
+    const bool ok = round_trip_ok(x, topk, c.combined_x.view());
+    MOED_ASSIGN_OR_RETURN(const int64_t bad, sum_ranks(w, ok ? 0 : 1));
+    std::vector<double> cone, csend, crecv;
+    for (int i = 0; i < iters; ++i) {
+      MOED_ASSIGN_OR_RETURN(double t1, time_max(w, [&] { return combine(false); }));
+      cone.push_back(t1);
+      MOED_ASSIGN_OR_RETURN(double ts, time_max(w, [&] { return combine(true); }));
+      MOED_ASSIGN_OR_RETURN(double tr, time_max(w, [&] { return c.hook->wait(); }));
+      csend.push_back(ts);
+      crecv.push_back(tr);
+    }
+    for (auto [phase, times] : {std::pair{"combine", &cone}, std::pair{"combine_send", &csend},
+                                std::pair{"combine_recv", &crecv}}) {
+      Figure f{"low_latency", phase, "bf16", 0, 0, size_t(H) * 2};
+      f.verified = bad == 0;
+      add(f, *times, rows, cnet);
+    }
+    if (root) {
+      for (Figure& f : *figures) {
+        if (f.dispatcher == "low_latency" && f.dtype == "bf16") f.verified = bad == 0;
+      }
+    }
+  }
+
+  // Flex normal mode at the same shape, one call each (dispatch includes its notify).
+  DispatchConfig config;
+  config.kind = DispatcherKind::kFlex;
+  config.num_experts = E;
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> flex, TokenDispatcher::create(w, config));
+  DispatchOutput fd;
+  DispatchInput flex_input;
+  flex_input.hidden = TokenRows{x.view(), {}};
+  flex_input.topk = &topk;
+  auto flex_dispatch = [&]() -> Status {
+    MOED_ASSIGN_OR_RETURN(fd, flex->dispatch(flex_input));
+    return ok_status();
+  };
+  MOED_ASSIGN_OR_RETURN(uint64_t fnet, network_delta(flex_dispatch));
+  MOED_ASSIGN_OR_RETURN(const int64_t frows, sum_ranks(w, fd.num_rows()));
+  CombineOutput fc;
+  auto flex_combine = [&]() -> Status {
+    MOED_ASSIGN_OR_RETURN(fc,
+                          flex->combine({.expert_output = fd.expert_input, .handle = fd.handle}));
+    return ok_status();
+  };
+  MOED_ASSIGN_OR_RETURN(uint64_t fcnet, network_delta(flex_combine));
+  MOED_ASSIGN_OR_RETURN(const int64_t fbad,
+                        sum_ranks(w, round_trip_ok(x, topk, fc.hidden.view()) ? 0 : 1));
+  std::vector<double> fdt, fct;
+  for (int i = 0; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(double a, time_max(w, flex_dispatch));
+    MOED_ASSIGN_OR_RETURN(double b, time_max(w, flex_combine));
+    fdt.push_back(a);
+    fct.push_back(b);
+  }
+  Figure fdf{"flex", "dispatch", "bf16", 0, 0, size_t(H) * 2};
+  fdf.verified = fbad == 0;
+  add(fdf, fdt, frows, fnet);
+  Figure fcf{"flex", "combine", "bf16", 0, 0, size_t(H) * 2};
+  fcf.verified = fbad == 0;
+  add(fcf, fct, frows, fcnet);
+  return ok_status();
+}
+
+void run(const Args& a) {
+  StatusOr<Shape> found = find_shape(a.shape);
+  if (!found.ok()) fail(found.status());
+  Shape s = *found;
+  s.num_experts = experts_for_ranks(s.num_experts, a.ranks);
+  if (a.world != "threads") {
+    // NOTE: the MPI world's public entry point (moed/mpi_world.h) is not in the tree yet.
+    fail(unimplemented("--world ", a.world, ": only the threads world can run this bench so far"));
+  }
+  WorldOptions opts;
+  opts.ranks_per_node = a.ranks_per_node;
+  std::vector<Figure> figures;
+  Status st =
+      run_threads(a.ranks, opts, [&](World& w) { return run_rank(w, s, a.iters, &figures); });
+  if (!st.ok()) fail(st);
+
+  const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  Report report(a.json);
+  for (const Figure& f : figures) {
+    const size_t bytes = size_t(f.rows) * f.row_bytes;
+    report.add({{"suite", "low_latency"},
+                {"shape", s.name},
+                {"world", a.world},
+                {"ranks", a.ranks},
+                {"ranks_per_node", a.ranks_per_node == 0 ? a.ranks : a.ranks_per_node},
+                {"num_tokens", s.num_tokens},
+                {"hidden", s.hidden},
+                {"num_experts", s.num_experts},
+                {"num_topk", s.num_topk},
+                {"dispatcher", f.dispatcher},
+                {"phase", f.phase},
+                {"dtype", f.dtype},
+                {"threads", threads},
+                {"iters", a.iters},
+                {"rows", f.rows},
+                {"bytes", bytes},
+                {"seconds", f.seconds},
+                {"microseconds", f.seconds * 1e6},
+                {"network_bytes", f.network_bytes},
+                {"copy_gbps", measure_copy_gbps(bytes, threads)},
+                {"verified", f.verified}});
+  }
+  report.finish();
+}
+
+void setup(CLI::App& bench) {
+  auto args = std::make_shared<Args>();
+  CLI::App* c = bench.add_subcommand(
+      "low-latency", "low-latency dispatch / combine (bf16, fp8, send and receive halves) vs Flex");
+  c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
+  c->add_option("--world", args->world, "threads | mpi")->capture_default_str();
+  c->add_option("--ranks", args->ranks, "ranks in the world")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--ranks-per-node", args->ranks_per_node, "ranks per node G (0 = all on one)")
+      ->capture_default_str();
+  c->add_option("--iters", args->iters, "timed iterations (median reported)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_flag("--json", args->json, "print the records as a JSON array");
+  c->callback([args] { run(*args); });
+}
+
+}  // namespace
+
+MOED_CLI_COMMAND("bench", setup);
+
+}  // namespace moed::bench
