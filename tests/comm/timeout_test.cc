@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <vector>
 
 #include "moed/world.h"
 #include "support/world_test.h"
@@ -32,6 +33,25 @@ TEST_P(TimeoutTest, ReceiveFromSilentRankTimesOut) {
       << s.message();
   // Not a timing assertion on speed: only that the wait ended (well before the default 300 s).
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(120));
+}
+
+// A rank whose body fails before a collective: the others' pending collective returns
+// kAborted naming it (threads: the shared failure state; MPI: the failure message run_world
+// sends), and the result is that rank's error.
+TEST_P(TimeoutTest, RankFailingBeforeACollectiveAbortsTheOthers) {
+  for (int failing : {0, 2}) {
+    Status s = run_world(GetParam(), 4, 2, [&](World& w) -> Status {
+      if (w.rank() == failing) return invalid_argument("bad input on ", failing);
+      std::vector<float> x(1000, 1.0f), y(1000);
+      Status st = w.all_reduce_f32(x.data(), y.data(), x.size());
+      const std::string want = str_cat("rank ", failing, " failed: bad input on ", failing);
+      if (st.code() != StatusCode::kAborted || st.message() != want) {
+        return internal_error("rank ", w.rank(), " got ", st.to_string());
+      }
+      return st;
+    });
+    EXPECT_EQ(s, invalid_argument("bad input on ", failing));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, TimeoutTest, ::testing::ValuesIn(moed::testing::backends()),

@@ -1,0 +1,44 @@
+// The MPI world: ranks are MPI processes (OpenMPI), with the same contract as the threads
+// world (moed/world.h).
+//
+// Nodes: by default the ranks of one host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)); set
+// options.ranks_per_node (G) to split a host into several emulated nodes. Node-shared
+// memory is an MPI shared window (MPI_Win_allocate_shared); the network is MPI
+// point-to-point; collectives are MPI non-blocking collectives polled against the timeout,
+// with fp32 sums done locally in ascending rank order (never MPI_SUM, whose order MPI does
+// not fix).
+//
+//   MPI_Init(&argc, &argv);
+//   {
+//     MOED_ASSIGN_OR_RETURN(std::unique_ptr<moed::World> w,
+//                           moed::make_mpi_world(MPI_COMM_WORLD, moed::WorldOptions{}));
+//     ... w->all_reduce_f32(...) ...
+//   }  // drop the world (and its shared buffers) before MPI_Finalize
+//   MPI_Finalize();
+//
+// Limits: one message, or one rank's part of a collective, is at most INT_MAX bytes (an
+// error otherwise). MPI calls come only from the thread that made the world; other threads
+// (pool workers) may wait on shared-memory signals, which need no MPI. After a failure or a
+// timeout the world is unusable: pending MPI operations are abandoned.
+#pragma once
+
+#include <mpi.h>
+
+#include <memory>
+
+#include "moed/status.h"
+#include "moed/world.h"
+
+namespace moed {
+
+// Collective over comm (which it duplicates; comm may be freed afterwards). Errors (bad G,
+// ranks of one node not on one host, a bad timeout) are the same on every rank.
+StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOptions& options);
+
+// Marks this rank of an MPI world failed without ending the job: the reason is sent to every
+// other rank, whose pending and later calls return kAborted "rank r failed: <message>".
+// (World::abort, by contrast, prints the message and calls MPI_Abort.) No-op for a world
+// that is not an MPI world.
+void mpi_world_fail(World& world, const Status& reason);
+
+}  // namespace moed

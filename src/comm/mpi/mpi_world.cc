@@ -1,0 +1,272 @@
+// The MPI backend: make_mpi_world (nodes from the host split, G overridable), the failure
+// channel that tells the other ranks about a failed rank, abort, and request polling.
+#include "comm/mpi/mpi_world.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+
+#include "comm/wait.h"
+
+namespace moed {
+namespace mpi {
+namespace {
+
+constexpr int kFaultTag = 1;
+constexpr size_t kFaultBytes = 4096;  // code (int32) + message, truncated to fit
+
+// Blocking agreement used only while constructing the world (there is no world to poll yet):
+// every rank returns the lowest failing rank's error.
+Status agree_blocking(const Status& local, MPI_Comm comm) {
+  int size = 0, me = 0;
+  MPI_Comm_size(comm, &size);
+  MPI_Comm_rank(comm, &me);
+  int code = int(local.code());
+  std::vector<int> codes(static_cast<size_t>(size));
+  MPI_Allgather(&code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm);
+  for (int r = 0; r < size; ++r) {
+    if (codes[size_t(r)] == 0) continue;
+    std::string msg = me == r ? local.message() : std::string();
+    int len = int(msg.size());
+    MPI_Bcast(&len, 1, MPI_INT, r, comm);
+    msg.resize(size_t(len));
+    MPI_Bcast(msg.data(), len, MPI_CHAR, r, comm);
+    return Status(StatusCode(codes[size_t(r)]), msg);
+  }
+  return ok_status();
+}
+
+}  // namespace
+
+Status check(int rc, const char* call) {
+  if (rc == MPI_SUCCESS) return ok_status();
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  return internal_error(call, ": ", std::string(text, size_t(len)));
+}
+
+MpiWorld::MpiWorld(MPI_Comm comm, MPI_Comm node_comm, int rank, int size, int ranks_per_node,
+                   std::chrono::milliseconds timeout, int threads_per_rank)
+    : World(rank, size, ranks_per_node, timeout, threads_per_rank),
+      comm_(comm),
+      node_comm_(node_comm),
+      owner_(std::this_thread::get_id()),
+      fault_buffer_(kFaultBytes) {
+  MPI_Comm_dup(comm_, &fault_comm_);
+  MPI_Comm_set_errhandler(fault_comm_, MPI_ERRORS_RETURN);
+  void* ub = nullptr;
+  int has_ub = 0;
+  MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &has_ub);
+  if (has_ub && ub != nullptr) tag_ub_ = *static_cast<int*>(ub);
+  MPI_Irecv(fault_buffer_.data(), int(kFaultBytes), MPI_CHAR, MPI_ANY_SOURCE, kFaultTag,
+            fault_comm_, &fault_request_);
+}
+
+MpiWorld::~MpiWorld() {
+  // NOTE: freeing a communicator with unmatched messages lets them leak into the next one
+  // that reuses its id (OpenMPI 4 crashes in ob1's add_comm). So receive every failure
+  // message addressed to this rank first: one all-to-all says how many there are.
+  std::vector<int> sent(static_cast<size_t>(size_), fault_sends_.empty() ? 0 : 1);
+  sent[size_t(rank_)] = 0;
+  std::vector<int> incoming(static_cast<size_t>(size_));
+  MPI_Alltoall(sent.data(), 1, MPI_INT, incoming.data(), 1, MPI_INT, fault_comm_);
+  int pending = 0;
+  for (int n : incoming) pending += n;
+  if (fault_request_ != MPI_REQUEST_NULL) {
+    if (pending > 0) {
+      MPI_Wait(&fault_request_, MPI_STATUS_IGNORE);
+    } else {
+      MPI_Cancel(&fault_request_);
+      MPI_Wait(&fault_request_, MPI_STATUS_IGNORE);
+    }
+    if (pending > 0) --pending;
+  } else if (pending > 0) {
+    --pending;  // the one failure() already took
+  }
+  for (; pending > 0; --pending) {
+    MPI_Recv(fault_buffer_.data(), int(kFaultBytes), MPI_CHAR, MPI_ANY_SOURCE, kFaultTag,
+             fault_comm_, MPI_STATUS_IGNORE);
+  }
+  MPI_Waitall(int(fault_sends_.size()), fault_sends_.data(), MPI_STATUSES_IGNORE);
+  MPI_Comm_free(&fault_comm_);
+  MPI_Comm_free(&node_comm_);
+  MPI_Comm_free(&comm_);
+}
+
+void MpiWorld::record_failure(int rank, const Status& reason) const {
+  std::lock_guard<std::mutex> lock(fail_mu_);
+  if (failed_.load(std::memory_order_relaxed)) return;
+  failure_ = aborted("rank ", rank, " failed: ", reason.message());
+  failed_.store(true, std::memory_order_release);
+}
+
+Status MpiWorld::failure() const {
+  // NOTE: only the owning thread touches MPI; pool workers waiting on shared-memory signals
+  // see a failure once the owner has noticed it.
+  if (!failed_.load(std::memory_order_acquire) && std::this_thread::get_id() == owner_ &&
+      fault_request_ != MPI_REQUEST_NULL) {
+    int flag = 0;
+    MPI_Status st;
+    // NOTE: MPI_Test's status.MPI_ERROR is undefined for a single request; use its result.
+    const int rc = MPI_Test(&fault_request_, &flag, &st);
+    if (rc == MPI_SUCCESS && flag) {
+      int32_t code = 0;
+      std::memcpy(&code, fault_buffer_.data(), sizeof(code));
+      int len = 0;
+      MPI_Get_count(&st, MPI_CHAR, &len);
+      std::string msg(fault_buffer_.data() + sizeof(code),
+                      size_t(std::max(0, len - int(sizeof(code)))));
+      record_failure(st.MPI_SOURCE, Status(StatusCode(code), msg));
+    }
+  }
+  if (!failed_.load(std::memory_order_acquire)) return ok_status();
+  std::lock_guard<std::mutex> lock(fail_mu_);
+  return failure_;
+}
+
+void MpiWorld::fail(const Status& reason) {
+  if (failed_.load(std::memory_order_acquire)) return;  // a failure seen first is the cause
+  record_failure(rank_, reason);
+  int32_t code = int32_t(reason.ok() ? StatusCode::kAborted : reason.code());
+  fault_message_.assign(reinterpret_cast<const char*>(&code), sizeof(code));
+  fault_message_ += reason.message().substr(0, kFaultBytes - sizeof(code));
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MPI_Request req;
+    if (MPI_Isend(fault_message_.data(), int(fault_message_.size()), MPI_CHAR, r, kFaultTag,
+                  fault_comm_, &req) == MPI_SUCCESS) {
+      fault_sends_.push_back(req);
+    }
+  }
+}
+
+void MpiWorld::abort(const Status& reason) {
+  std::fprintf(stderr, "moed: rank %d failed: %s\n", rank_, reason.message().c_str());
+  std::fflush(stderr);
+  MPI_Abort(comm_, 1);
+}
+
+void MpiWorld::count_send(int dst, uint64_t bytes) {
+  if (dst == rank_ || bytes == 0) return;
+  if (same_node(dst, rank_)) {
+    counters_.shared_bytes += bytes;
+  } else {
+    counters_.network_bytes += bytes;
+  }
+}
+
+Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& what) {
+  MPI_Status st;
+  int rc = MPI_SUCCESS;
+  Status s = internal::poll_until(
+      *this,
+      [&] {
+        int flag = 0;
+        rc = MPI_Test(request, &flag, &st);
+        return rc != MPI_SUCCESS || flag != 0;
+      },
+      what);
+  if (s.ok()) s = check(rc, "MPI_Test");
+  if (!s.ok()) {
+    // The collective or message can't complete as a whole any more: fail this rank's world
+    // so later calls return at once (and the other ranks hear of it).
+    if (s.code() != StatusCode::kAborted) fail(s);
+  }
+  return s;
+}
+
+Status MpiWorld::agree_verdict(const Status& local, const char* op) {
+  int code = int(local.code());
+  std::vector<int> codes(static_cast<size_t>(size_));
+  MPI_Request req;
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Iallgather(&code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm_, &req), "MPI_Iallgather"));
+  auto what = [&] { return str_cat("rank ", rank_, " in ", op, " (checking arguments)"); };
+  MOED_RETURN_IF_ERROR(wait(&req, what));
+  int bad = -1;
+  for (int r = 0; r < size_ && bad < 0; ++r) {
+    if (codes[size_t(r)] != 0) bad = r;
+  }
+  if (bad < 0) return ok_status();
+  std::string msg = bad == rank_ ? local.message() : std::string();
+  int len = int(msg.size());
+  MOED_RETURN_IF_ERROR(check(MPI_Ibcast(&len, 1, MPI_INT, bad, comm_, &req), "MPI_Ibcast"));
+  MOED_RETURN_IF_ERROR(wait(&req, what));
+  msg.resize(size_t(len));
+  MOED_RETURN_IF_ERROR(
+      check(MPI_Ibcast(msg.data(), len, MPI_CHAR, bad, comm_, &req), "MPI_Ibcast"));
+  MOED_RETURN_IF_ERROR(wait(&req, what));
+  return Status(StatusCode(codes[size_t(bad)]), msg);
+}
+
+}  // namespace mpi
+
+StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOptions& options) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) return failed_precondition("make_mpi_world: MPI is not initialised");
+  if (comm == MPI_COMM_NULL) return invalid_argument("make_mpi_world: comm is MPI_COMM_NULL");
+  MPI_Comm world_comm = MPI_COMM_NULL;
+  MOED_RETURN_IF_ERROR(mpi::check(MPI_Comm_dup(comm, &world_comm), "MPI_Comm_dup"));
+  MPI_Comm_set_errhandler(world_comm, MPI_ERRORS_RETURN);
+  int size = 0, rank = 0;
+  MPI_Comm_size(world_comm, &size);
+  MPI_Comm_rank(world_comm, &rank);
+
+  // The host: the ranks that can share memory with this one.
+  MPI_Comm host = MPI_COMM_NULL;
+  MPI_Comm_split_type(world_comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host);
+  int host_size = 0;
+  MPI_Comm_size(host, &host_size);
+  const int g = options.ranks_per_node == 0 ? host_size : options.ranks_per_node;
+
+  Status local;
+  if (options.timeout.count() <= 0) {
+    local = invalid_argument("timeout = ", options.timeout.count(), " ms must be > 0");
+  } else if (options.threads_per_rank < 0) {
+    local = invalid_argument("threads_per_rank = ", options.threads_per_rank, " must be >= 0");
+  } else if (g < 1 || size % g != 0) {
+    local = invalid_argument("ranks_per_node = ", g, " must divide the world size ", size);
+  } else if (host_size % g != 0) {
+    local = invalid_argument("ranks_per_node = ", g, " must divide the ", host_size,
+                             " ranks on rank ", rank, "'s host");
+  } else {
+    // Node n is ranks [n*G, (n+1)*G): they must all be on this rank's host.
+    MPI_Group world_group, host_group;
+    MPI_Comm_group(world_comm, &world_group);
+    MPI_Comm_group(host, &host_group);
+    std::vector<int> node_ranks(static_cast<size_t>(g)), in_host(static_cast<size_t>(g));
+    for (int i = 0; i < g; ++i) node_ranks[size_t(i)] = rank / g * g + i;
+    MPI_Group_translate_ranks(world_group, g, node_ranks.data(), host_group, in_host.data());
+    for (int i = 0; i < g && local.ok(); ++i) {
+      if (in_host[size_t(i)] == MPI_UNDEFINED) {
+        local = invalid_argument("ranks_per_node = ", g, ": rank ", node_ranks[size_t(i)],
+                                 " of node ", rank / g, " is not on the same host as rank ", rank);
+      }
+    }
+    MPI_Group_free(&world_group);
+    MPI_Group_free(&host_group);
+  }
+  MPI_Comm_free(&host);
+  Status verdict = mpi::agree_blocking(local, world_comm);
+  if (!verdict.ok()) {
+    MPI_Comm_free(&world_comm);
+    return verdict;
+  }
+  MPI_Comm node_comm = MPI_COMM_NULL;
+  MPI_Comm_split(world_comm, rank / g, rank, &node_comm);
+  MPI_Comm_set_errhandler(node_comm, MPI_ERRORS_RETURN);
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads =
+      options.threads_per_rank > 0 ? options.threads_per_rank : std::max(1, cores / host_size);
+  return std::unique_ptr<World>(std::make_unique<mpi::MpiWorld>(world_comm, node_comm, rank, size,
+                                                                g, options.timeout, threads));
+}
+
+void mpi_world_fail(World& world, const Status& reason) {
+  if (auto* w = dynamic_cast<mpi::MpiWorld*>(&world)) w->fail(reason);
+}
+
+}  // namespace moed

@@ -1,0 +1,79 @@
+// Internal: the MPI backend's World. The files beside this one each implement one part, with
+// the same names as threads/:
+//   mpi_world.cc       make_mpi_world (nodes), failure channel, abort, request polling
+//   collectives.cc     barrier, broadcast, all_gather_v, all_to_all_v, reduce_scatter_v, all_reduce
+//   network.cc         isend / irecv (MPI point-to-point)
+//   shared_memory.cc   alloc_shared (MPI shared windows, signals in the window)
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moed/mpi_world.h"
+#include "moed/world.h"
+
+namespace moed::mpi {
+
+// "MPI_Isend: <MPI's error string>" as kInternal, or OK for MPI_SUCCESS.
+Status check(int rc, const char* call);
+
+class MpiWorld final : public World {
+ public:
+  MpiWorld(MPI_Comm comm, MPI_Comm node_comm, int rank, int size, int ranks_per_node,
+           std::chrono::milliseconds timeout, int threads_per_rank);
+  ~MpiWorld() override;
+
+  const char* backend_name() const override { return "mpi"; }
+  Status barrier() override;
+  Status broadcast_bytes(void* data, size_t bytes, int root) override;
+  Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
+                            std::span<const size_t> recv_bytes) override;
+  Status all_to_all_v_bytes(const void* send, std::span<const size_t> send_bytes,
+                            std::span<const size_t> send_offsets, void* recv,
+                            std::span<const size_t> recv_bytes,
+                            std::span<const size_t> recv_offsets) override;
+  Status reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
+                              float* recv) override;
+  Status all_reduce_f32(const float* send, float* recv, size_t count) override;
+  StatusOr<std::shared_ptr<SharedBuffer>> alloc_shared(size_t bytes) override;
+  StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) override;
+  StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
+  void abort(const Status& reason) override;
+  Status failure() const override;
+
+  // Sends `reason` to every other rank (mpi_world_fail).
+  void fail(const Status& reason);
+  // Waits for `request` (MPI_Test polled against failure() and the timeout). On an error
+  // the request is abandoned and this rank's world is marked failed.
+  Status wait(MPI_Request* request, const std::function<std::string()>& what);
+  void count_send(int dst, uint64_t bytes);
+  MPI_Comm comm() const { return comm_; }
+  int tag_ub() const { return tag_ub_; }
+
+ private:
+  // Every rank learns every rank's `local` verdict; returns the lowest failing rank's error
+  // (same on every rank), so input checks never leave a rank waiting in the real call.
+  Status agree_verdict(const Status& local, const char* op);
+  void record_failure(int rank, const Status& reason) const;
+
+  MPI_Comm comm_;
+  MPI_Comm node_comm_;
+  MPI_Comm fault_comm_ = MPI_COMM_NULL;
+  int tag_ub_ = 32767;
+  std::thread::id owner_;
+  // Failure channel: one receive posted for the first failure message from any rank.
+  mutable MPI_Request fault_request_ = MPI_REQUEST_NULL;
+  mutable std::vector<char> fault_buffer_;
+  std::vector<MPI_Request> fault_sends_;
+  std::string fault_message_;
+  mutable std::atomic<bool> failed_{false};
+  mutable std::mutex fail_mu_;
+  mutable Status failure_;
+};
+
+}  // namespace moed::mpi
