@@ -1,7 +1,7 @@
 # Third-party libraries of the MoE layer: the BLAS its expert GEMMs run on.
 #
-# OpenBLAS (Debian libopenblas-dev): cblas_sgemm for f32 and cblas_sbgemm for bf16 (bf16
-# inputs, fp32 accumulation and output). Found through its CMake package when present, else
+# OpenBLAS (Debian libopenblas-dev): cblas_sgemm, for f32 and for bf16 operands widened to
+# f32 (Debian builds OpenBLAS without cblas_sbgemm). Found through its CMake package when present, else
 # by name, so a plain Debian install is enough.
 function(moed_link_deps target)
   get_target_property(type ${target} TYPE)

@@ -1,5 +1,5 @@
-// GEMMs for the MoE layer on OpenBLAS: f32 (cblas_sgemm) and bf16 inputs with fp32
-// accumulation (cblas_sbgemm), always writing fp32.
+// GEMMs for the MoE layer on OpenBLAS (cblas_sgemm): f32, or bf16 operands widened exactly to
+// f32 (bf16 storage, fp32 products and accumulation), always writing fp32.
 //
 // NOTE: a call's result per element must not depend on how many threads run it, so that the
 // layer is bitwise reproducible across ranks, worlds and pools. OpenBLAS runs single-threaded
