@@ -7,12 +7,17 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 scripts/setup.sh
 (cd build && ctest --output-on-failure -j "$jobs")
+echo "== .npy header parser under libFuzzer (20 s) =="
+tests/io/fuzz/run.sh 20
 
 if [ "${MOED_QUICK:-0}" != 1 ]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer =="
-  MOED_BUILD_DIR=build-asan scripts/setup.sh -DMOED_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  # -O1 keeps sanitizer builds quick to compile on small machines and still inlines enough.
+  MOED_BUILD_DIR=build-asan scripts/setup.sh -DMOED_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug \
+    -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1"
   (cd build-asan && ASAN_OPTIONS=detect_leaks=0 ctest --output-on-failure -j "$jobs" -LE no_asan)
   echo "== ThreadSanitizer (threads world) =="
-  MOED_BUILD_DIR=build-tsan scripts/setup.sh -DMOED_TSAN=ON -DMOED_WITH_MPI=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  MOED_BUILD_DIR=build-tsan scripts/setup.sh -DMOED_TSAN=ON -DMOED_WITH_MPI=OFF -DCMAKE_BUILD_TYPE=Debug \
+    -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1"
   (cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j "$jobs" -L tsan)
 fi
