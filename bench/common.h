@@ -16,6 +16,7 @@
 
 #include "moed/status.h"
 #include "moed/thread_pool.h"
+#include "moed/world.h"
 
 namespace moed::bench {
 
@@ -58,5 +59,16 @@ class Report {
   bool json_;
   std::vector<nlohmann::json> records_;
 };
+
+// ---- choosing a world (shared by `moed run` and `moed bench`) ----
+// True when this process was started by mpirun / mpiexec (OpenMPI or a PMI launcher).
+bool launched_by_mpirun();
+// The number of processes mpirun started (an error when not under mpirun).
+StatusOr<int> mpi_world_size();
+// Runs body on `ranks` ranks of the world named "threads" or "mpi" (under mpirun `ranks` is
+// the job's size) and returns the root-cause error, the same on every rank. *my_rank is 0 for
+// the threads world (the process speaks for all ranks) and the process's rank under MPI.
+Status run_in_world(const std::string& world, int ranks, const WorldOptions& options,
+                    const std::function<Status(World&)>& body, int* my_rank);
 
 }  // namespace moed::bench

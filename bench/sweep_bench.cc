@@ -1,0 +1,428 @@
+// moed bench (no subcommand): the one sweep, nccl-tests style. Every dispatcher x world x
+// rank count x shape, dispatch and combine timed separately (low-latency too), each verified
+// bit for bit against moed's reference and printed beside the memory-copy bound measured in
+// the same run (spec §7), then a one-screen summary.
+//
+//   moed bench                                  # threads world, ranks 2 and 4, tiny and mixtral
+//   moed bench --shapes tiny,dsv3 --ranks 2,4,8 --dispatchers flex,low-latency --json
+//   mpirun -np 4 moed bench                     # the MPI world, 4 ranks
+//
+// A multi-rank time is the slowest rank's, per iteration (every rank starts after a barrier);
+// figures are medians over iterations. Bandwidth is aggregate: rows received over all ranks
+// times the bf16 row bytes, divided by the time (DeepEP's count; combine sends the same rows
+// back). Combine's expert outputs are the dispatched rows themselves.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "bench/common.h"
+#include "moed/dispatcher.h"
+#include "moed/low_latency.h"
+#include "moed/reference.h"
+#include "tools/moed/registry.h"
+
+namespace moed::bench {
+namespace {
+
+struct SweepArgs {
+  std::vector<std::string> shapes = {"tiny", "mixtral"};
+  std::vector<int> ranks = {2, 4};
+  std::vector<std::string> dispatchers = {"allgather", "alltoall", "flex", "low-latency"};
+  std::string world;  // "" = mpi under mpirun, else threads
+  int ranks_per_node = 0;
+  int iters = 5;
+  bool json = false;
+};
+
+[[noreturn]] void fail(const Status& s) {
+  std::fprintf(stderr, "moed bench: %s\n", s.to_string().c_str());
+  throw CLI::RuntimeError(1);
+}
+
+using Clock = std::chrono::steady_clock;
+constexpr double kLowLatencyBudgetBytes = 2e9;
+
+StatusOr<double> time_max(World& w, const std::function<Status()>& fn) {
+  MOED_RETURN_IF_ERROR(w.barrier());
+  const auto a = Clock::now();
+  MOED_RETURN_IF_ERROR(fn());
+  const double mine = std::chrono::duration<double>(Clock::now() - a).count();
+  MOED_ASSIGN_OR_RETURN(std::vector<double> all,
+                        all_gather<double>(w, std::span<const double>(&mine, 1)));
+  return *std::max_element(all.begin(), all.end());
+}
+
+StatusOr<int64_t> sum_ranks(World& w, int64_t v) {
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(w, std::span<const int64_t>(&v, 1)));
+  int64_t s = 0;
+  for (int64_t x : all) s += x;
+  return s;
+}
+
+// One rank's input: bf16 rows, K distinct experts per token, random probs (seeded by rank).
+struct RankInput {
+  Tensor x;
+  TopkRouting topk;
+  RoutingMap map;
+};
+
+RankInput make_input(const Shape& s, int rank) {
+  RankInput in;
+  std::mt19937 rng(977u + uint32_t(rank));
+  in.x = Tensor::empty(DType::kBF16, s.num_tokens, s.hidden);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), p(0.05f, 1.0f);
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    for (int h = 0; h < s.hidden; ++h) in.x.row<bf16>(t)[h] = float_to_bf16(u(rng));
+  }
+  in.topk.num_tokens = s.num_tokens;
+  in.topk.num_topk = s.num_topk;
+  std::vector<int32_t> experts(static_cast<size_t>(s.num_experts));
+  for (int64_t t = 0; t < s.num_tokens; ++t) {
+    for (int e = 0; e < s.num_experts; ++e) experts[size_t(e)] = e;
+    for (int k = 0; k < s.num_topk; ++k) {
+      std::swap(experts[size_t(k)], experts[size_t(k) + rng() % size_t(s.num_experts - k)]);
+      in.topk.topk_idx.push_back(experts[size_t(k)]);
+      in.topk.topk_weights.push_back(p(rng));
+    }
+  }
+  in.map = to_map(in.topk, s.num_experts);
+  return in;
+}
+
+struct Figure {
+  std::string dispatcher, phase;
+  double seconds = 0;
+  int64_t rows = 0;
+  uint64_t network_bytes = 0, shared_bytes = 0;
+  bool verified = false;
+};
+
+struct Ref {
+  std::vector<ReferenceRankDispatch> dispatch;
+  std::vector<Tensor> combine;           // unweighted (normal dispatchers)
+  std::vector<Tensor> weighted_combine;  // low-latency's combine weighs by the probs
+};
+
+StatusOr<Ref> make_reference(const Shape& s, int R, const std::vector<RankInput>& in) {
+  ReferenceProblem p;
+  p.num_experts = s.num_experts;
+  p.ep_size = R;
+  p.num_topk = s.num_topk;
+  for (const RankInput& r : in) {
+    p.routing.push_back(r.map);
+    p.hidden.push_back(TokenRows{r.x.view(), {}});
+  }
+  Ref ref;
+  MOED_ASSIGN_OR_RETURN(ref.dispatch, reference_dispatch(p));
+  std::vector<TensorView> y;
+  for (const auto& d : ref.dispatch) y.push_back(d.expert_input.x.view());
+  MOED_ASSIGN_OR_RETURN(ref.combine, reference_combine(p, y));
+  p.weighted_combine = true;
+  MOED_ASSIGN_OR_RETURN(ref.weighted_combine, reference_combine(p, y));
+  return ref;
+}
+
+// Times `fn` iters times; counts traffic of one call first.
+struct Timed {
+  std::vector<double> t;
+  uint64_t net = 0, shm = 0;
+};
+StatusOr<Timed> measure(World& w, int iters, const std::function<Status()>& fn) {
+  Timed r;
+  const TrafficCounters before = w.counters();
+  MOED_RETURN_IF_ERROR(fn());
+  MOED_ASSIGN_OR_RETURN(int64_t net,
+                        sum_ranks(w, int64_t(w.counters().network_bytes - before.network_bytes)));
+  MOED_ASSIGN_OR_RETURN(int64_t shm,
+                        sum_ranks(w, int64_t(w.counters().shared_bytes - before.shared_bytes)));
+  r.net = uint64_t(net);
+  r.shm = uint64_t(shm);
+  for (int i = 0; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(double t, time_max(w, fn));
+    r.t.push_back(t);
+  }
+  return r;
+}
+
+Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput& in,
+                  const Ref& ref, int iters, std::vector<Figure>* out) {
+  DispatchConfig config;
+  config.kind = kind;
+  config.num_experts = s.num_experts;
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, config));
+  DispatchOutput dd;
+  auto dispatch = [&]() -> Status {
+    MOED_ASSIGN_OR_RETURN(dd, d->dispatch({.hidden = TokenRows{in.x.view(), {}},
+                                           .topk = &in.topk,
+                                           .map = nullptr,
+                                           .cached_handle = nullptr}));
+    return ok_status();
+  };
+  MOED_ASSIGN_OR_RETURN(Timed td, measure(w, iters, dispatch));
+  const ReferenceRankDispatch& rd = ref.dispatch[size_t(w.rank())];
+  bool ok = bitwise_equal(dd.expert_input.x, rd.expert_input.x.view()) &&
+            std::equal(dd.tokens_per_expert.begin(), dd.tokens_per_expert.end(),
+                       rd.tokens_per_expert.begin(), rd.tokens_per_expert.end()) &&
+            std::equal(dd.permuted_probs.begin(), dd.permuted_probs.end(),
+                       rd.permuted_probs.begin(), rd.permuted_probs.end());
+  MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, dd.num_rows()));
+  MOED_ASSIGN_OR_RETURN(const int64_t dbad, sum_ranks(w, ok ? 0 : 1));
+  CombineOutput cc;
+  auto combine = [&]() -> Status {
+    MOED_ASSIGN_OR_RETURN(cc, d->combine({.expert_output = dd.expert_input, .handle = dd.handle}));
+    return ok_status();
+  };
+  MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, combine));
+  MOED_ASSIGN_OR_RETURN(
+      const int64_t cbad,
+      sum_ranks(w, bitwise_equal(cc.hidden, ref.combine[size_t(w.rank())]) ? 0 : 1));
+  if (w.rank() == 0) {
+    const char* name = dispatcher_kind_name(kind);
+    out->push_back({name, "dispatch", median(td.t), rows, td.net, td.shm, dbad == 0});
+    out->push_back({name, "combine", median(tc.t), rows, tc.net, tc.shm, cbad == 0});
+  }
+  return ok_status();
+}
+
+Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref& ref, int iters,
+                       std::vector<Figure>* out) {
+  MOED_ASSIGN_OR_RETURN(auto buffer,
+                        LowLatencyBuffer::create(w, s.num_tokens, s.hidden, s.num_experts));
+  LowLatencyDispatchOutput d;
+  auto dispatch = [&]() -> Status {
+    MOED_ASSIGN_OR_RETURN(d, buffer->low_latency_dispatch({.x = in.x.view(), .topk = &in.topk}));
+    return ok_status();
+  };
+  MOED_ASSIGN_OR_RETURN(Timed td, measure(w, iters, dispatch));
+  // Expert j's received rows against the reference segment j.
+  const ReferenceRankDispatch& rd = ref.dispatch[size_t(w.rank())];
+  bool ok = true;
+  int64_t mine = 0, row = 0;
+  for (int j = 0; j < d.num_local_experts; ++j) {
+    const int64_t n = d.recv_count[size_t(j)];
+    ok = ok && n == rd.tokens_per_expert[size_t(j)] &&
+         bitwise_equal(d.recv.x.slice_rows(j * d.rows_per_expert, n),
+                       rd.expert_input.x.view().slice_rows(row, n));
+    mine += n;
+    row += n;
+  }
+  MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
+  MOED_ASSIGN_OR_RETURN(const int64_t dbad, sum_ranks(w, ok ? 0 : 1));
+  Tensor y = Tensor::copy_of(d.recv.x);
+  std::shared_ptr<const LowLatencyHandle> handle = d.handle;
+  LowLatencyCombineOutput c;
+  auto combine = [&]() -> Status {
+    MOED_ASSIGN_OR_RETURN(
+        c, buffer->low_latency_combine({.x = y.view(), .topk = &in.topk, .handle = handle}));
+    return ok_status();
+  };
+  MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, combine));
+  MOED_ASSIGN_OR_RETURN(
+      const int64_t cbad,
+      sum_ranks(w, bitwise_equal(c.combined_x, ref.weighted_combine[size_t(w.rank())]) ? 0 : 1));
+  if (w.rank() == 0) {
+    out->push_back({"low_latency", "dispatch", median(td.t), rows, td.net, td.shm, dbad == 0});
+    out->push_back({"low_latency", "combine", median(tc.t), rows, tc.net, tc.shm, cbad == 0});
+  }
+  return ok_status();
+}
+
+struct SummaryRow {
+  std::string world, shape, dispatcher;
+  int ranks = 0;
+  double dispatch_gbps = 0, combine_gbps = 0, copy_gbps = 0;  // copy: the dispatch bytes'
+  double dispatch_ratio = 0, combine_ratio = 0;
+  double dispatch_us = 0, combine_us = 0;
+  bool verified = true;
+};
+
+void sweep(const SweepArgs& a) {
+  const std::string world = a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
+  std::vector<int> ranks_list = a.ranks;
+  if (world == "mpi") {
+    StatusOr<int> n = mpi_world_size();
+    if (!n.ok()) fail(n.status());
+    ranks_list = {*n};
+  }
+  std::vector<DispatcherKind> kinds;
+  for (const std::string& name : a.dispatchers) {
+    StatusOr<DispatcherKind> k = parse_dispatcher_kind(name);
+    if (!k.ok()) fail(k.status());
+    kinds.push_back(*k);
+  }
+  std::vector<Shape> shapes;
+  for (const std::string& name : a.shapes) {
+    StatusOr<Shape> sh = find_shape(name);
+    if (!sh.ok()) fail(sh.status());
+    shapes.push_back(*sh);
+  }
+  const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  Report report(a.json);
+  std::vector<SummaryRow> summary;
+  int my_rank = 0;
+  for (const Shape& base : shapes) {
+    for (int R : ranks_list) {
+      Shape s = base;
+      s.num_experts = experts_for_ranks(base.num_experts, R);
+      if (a.ranks_per_node > 0 && R % a.ranks_per_node != 0) {
+        fail(invalid_argument("--ranks-per-node ", a.ranks_per_node, " does not divide ranks ", R));
+      }
+      std::vector<RankInput> inputs;
+      for (int r = 0; r < R; ++r) inputs.push_back(make_input(s, r));
+      StatusOr<Ref> ref = make_reference(s, R, inputs);
+      if (!ref.ok()) fail(ref.status());
+      // NOTE: low-latency slots are sized for every expert's worst case ([E][T] rows, twice),
+      // which is meant for decode batches; at prefill shapes they would not fit in memory.
+      const double ll_bytes =
+          double(get_low_latency_size_hint(s.num_tokens, s.hidden, R, s.num_experts)) * R;
+      const bool ll_fits = ll_bytes <= kLowLatencyBudgetBytes;
+      std::vector<Figure> figures;
+      WorldOptions opts;
+      opts.ranks_per_node = a.ranks_per_node;
+      Status st = run_in_world(
+          world, R, opts,
+          [&](World& w) -> Status {
+            for (DispatcherKind k : kinds) {
+              if (k == DispatcherKind::kLowLatency) {
+                if (!ll_fits) continue;
+                MOED_RETURN_IF_ERROR(
+                    run_low_latency(w, s, inputs[size_t(w.rank())], *ref, a.iters, &figures));
+              } else {
+                MOED_RETURN_IF_ERROR(
+                    run_normal(w, k, s, inputs[size_t(w.rank())], *ref, a.iters, &figures));
+              }
+            }
+            return ok_status();
+          },
+          &my_rank);
+      if (!st.ok()) fail(st);
+      if (my_rank != 0) continue;
+      std::map<std::string, SummaryRow> rows;
+      for (const Figure& f : figures) {
+        const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
+        const double copy = measure_copy_gbps(bytes, threads);
+        report.add({{"suite", "sweep"},
+                    {"shape", s.name},
+                    {"world", world},
+                    {"ranks", R},
+                    {"ranks_per_node", a.ranks_per_node == 0 ? R : a.ranks_per_node},
+                    {"num_tokens", s.num_tokens},
+                    {"hidden", s.hidden},
+                    {"num_experts", s.num_experts},
+                    {"num_topk", s.num_topk},
+                    {"dispatcher", f.dispatcher},
+                    {"phase", f.phase},
+                    {"dtype", "bf16"},
+                    {"threads", threads},
+                    {"iters", a.iters},
+                    {"rows", f.rows},
+                    {"bytes", bytes},
+                    {"seconds", f.seconds},
+                    {"microseconds", f.seconds * 1e6},
+                    {"network_bytes", f.network_bytes},
+                    {"shared_bytes", f.shared_bytes},
+                    {"copy_gbps", copy},
+                    {"verified", f.verified}});
+        SummaryRow& row = rows[f.dispatcher];
+        row.world = world;
+        row.shape = s.name;
+        row.dispatcher = f.dispatcher;
+        row.ranks = R;
+        const double gbps = f.seconds > 0 ? double(bytes) / f.seconds / 1e9 : 0;
+        (f.phase == "dispatch" ? row.dispatch_gbps : row.combine_gbps) = gbps;
+        (f.phase == "dispatch" ? row.dispatch_us : row.combine_us) = f.seconds * 1e6;
+        (f.phase == "dispatch" ? row.dispatch_ratio : row.combine_ratio) =
+            copy > 0 ? gbps / copy : 0;
+        if (f.phase == "dispatch") row.copy_gbps = copy;
+        row.verified = row.verified && f.verified;
+      }
+      for (DispatcherKind k : kinds) {
+        if (k == DispatcherKind::kLowLatency && !ll_fits) {
+          std::fprintf(stderr,
+                       "moed bench: low-latency skipped at %s R=%d (buffers %.1f GB > %.1f GB)\n",
+                       s.name.c_str(), R, ll_bytes / 1e9, kLowLatencyBudgetBytes / 1e9);
+          continue;
+        }
+        summary.push_back(rows[dispatcher_kind_name(k)]);
+      }
+    }
+  }
+  if (my_rank != 0) return;
+  report.finish();
+  bool all_ok = true;
+  for (const SummaryRow& r : summary) all_ok = all_ok && r.verified;
+  if (!a.json) {
+    std::printf("\n%-8s %-8s %5s %-12s %11s %9s %6s %11s %9s %6s %9s  %s\n", "world", "shape",
+                "ranks", "dispatcher", "dispatch us", "GB/s", "ratio", "combine us", "GB/s",
+                "ratio", "copy GB/s", "check");
+    for (const SummaryRow& r : summary) {
+      std::printf("%-8s %-8s %5d %-12s %11.1f %9.2f %6.2f %11.1f %9.2f %6.2f %9.2f  %s\n",
+                  r.world.c_str(), r.shape.c_str(), r.ranks, r.dispatcher.c_str(), r.dispatch_us,
+                  r.dispatch_gbps, r.dispatch_ratio, r.combine_us, r.combine_gbps, r.combine_ratio,
+                  r.copy_gbps, r.verified ? "verified" : "MISMATCH");
+    }
+    std::printf(
+        "(aggregate GB/s = rows received over all ranks x H x 2 bytes / slowest rank's "
+        "median time; ratio = GB/s over a plain %d-thread copy of the same bytes, same run)\n",
+        threads);
+  }
+  if (!all_ok) {
+    std::fprintf(stderr, "moed bench: some results differ from the reference (see MISMATCH)\n");
+    throw CLI::RuntimeError(2);
+  }
+}
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+void setup(CLI::App& bench) {
+  auto a = std::make_shared<SweepArgs>();
+  auto shapes = std::make_shared<std::string>("tiny,mixtral");
+  auto dispatchers = std::make_shared<std::string>("allgather,alltoall,flex,low-latency");
+  // NOTE: `moed bench` alone runs the sweep; `moed bench <command>` runs that command only.
+  bench.require_subcommand(0, 1);
+  bench.add_option("--shapes", *shapes, "comma-separated shapes: tiny, mixtral, dsv3, decode")
+      ->capture_default_str();
+  bench.add_option("--ranks", a->ranks, "rank counts (threads world), e.g. --ranks 2,4,8")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  bench
+      .add_option("--dispatchers", *dispatchers,
+                  "comma-separated: allgather, alltoall, flex, low-latency")
+      ->capture_default_str();
+  bench.add_option("--world", a->world, "threads | mpi (default: mpi under mpirun, else threads)")
+      ->check(CLI::IsMember({"threads", "mpi"}));
+  bench.add_option("--ranks-per-node", a->ranks_per_node, "ranks per node G (0 = all on one)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  bench.add_option("--iters", a->iters, "timed iterations (median reported)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  bench.add_flag("--json", a->json, "print the records as a JSON array");
+  CLI::App* app = &bench;
+  bench.callback([a, shapes, dispatchers, app] {
+    if (!app->get_subcommands().empty()) return;  // a subcommand ran instead
+    a->shapes = split(*shapes);
+    a->dispatchers = split(*dispatchers);
+    sweep(*a);
+  });
+}
+
+}  // namespace
+}  // namespace moed::bench
+
+MOED_CLI_COMMAND("bench", moed::bench::setup);

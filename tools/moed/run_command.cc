@@ -1,0 +1,450 @@
+// moed run: the main job. One MoE layer (router -> dispatch -> grouped SwiGLU experts ->
+// combine, shared expert overlapping the dispatch) forward and backward for a few steps across
+// R ranks, then a per-stage table, load balance, traffic, and a check of the output and every
+// gradient against the single-process reference layer.
+//
+//   moed run                                     # threads world, 4 ranks, preset small, flex
+//   moed run --dispatcher alltoall --ranks 8 --ranks-per-node 4 --dtype bf16 --etp 2
+//   moed run --preset tiny --capacity-factor 1.0 --drop-policy position --pad-to-capacity
+//   mpirun -np 4 moed run --world mpi
+//
+// Exit status: 0 when verification passes, 2 when it fails, 1 on any other error.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/common.h"
+#include "moed/moe_layer.h"
+#include "moed/threads_world.h"
+#include "tools/moed/registry.h"
+
+namespace moed::cli {
+namespace {
+
+using bench::launched_by_mpirun;
+using bench::mpi_world_size;
+using bench::run_in_world;
+
+struct Preset {
+  const char* name;
+  int64_t tokens;  // per rank
+  int hidden, ffn, experts, topk, shared_ffn;
+};
+// Each finishes in a few seconds on 2 cores with 4 ranks, up to medium; large is for real
+// machines.
+constexpr Preset kPresets[] = {
+    {"tiny", 64, 256, 512, 8, 2, 256},
+    {"small", 256, 512, 1024, 8, 2, 512},
+    {"medium", 1024, 1024, 2048, 16, 2, 1024},
+    {"large", 4096, 4096, 8192, 64, 8, 4096},
+};
+
+struct RunArgs {
+  std::string world;  // "" = mpi under mpirun, else threads
+  int ranks = 4;
+  int ranks_per_node = 0;
+  std::string dispatcher = "flex";
+  std::string preset = "small";
+  std::optional<int64_t> tokens;
+  std::optional<int> hidden, ffn, experts, topk, shared_ffn;
+  int etp = 1;
+  std::string dtype = "f32";
+  std::optional<double> capacity_factor;
+  std::string drop_policy = "probs";
+  bool pad_to_capacity = false;
+  int steps = 3;
+  uint64_t seed = 1;
+  bool json = false;
+};
+
+[[noreturn]] void fail(const Status& s) {
+  std::fprintf(stderr, "moed run: %s\n", s.to_string().c_str());
+  throw CLI::RuntimeError(1);
+}
+
+template <typename T>
+T value_or(const StatusOr<T>& v) {
+  if (!v.ok()) fail(v.status());
+  return *v;
+}
+
+Tensor random_rows(DType dt, int64_t rows, int64_t cols, uint64_t seed) {
+  Tensor t = Tensor::empty(dt, rows, cols);
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      if (dt == DType::kF32) {
+        t.row<float>(r)[c] = u(rng);
+      } else {
+        t.row<bf16>(r)[c] = float_to_bf16(u(rng));
+      }
+    }
+  }
+  return t;
+}
+
+float at(const Tensor& t, int64_t r, int64_t c) {
+  return t.dtype() == DType::kF32 ? t.row<float>(r)[c] : bf16_to_float(t.row<bf16>(r)[c]);
+}
+
+// Normwise relative error max|a - b| / max|b| (0 when bitwise equal); -1 on a shape mismatch.
+double rel_err(const Tensor& a, const Tensor& b) {
+  if (a.rows() != b.rows() || a.cols() != b.cols() || a.dtype() != b.dtype()) return -1;
+  if (bitwise_equal(a, b)) return 0;
+  double num = 0, den = 0;
+  for (int64_t r = 0; r < a.rows(); ++r) {
+    for (int64_t c = 0; c < a.cols(); ++c) {
+      num = std::max(num, std::fabs(double(at(a, r, c)) - double(at(b, r, c))));
+      den = std::max(den, std::fabs(double(at(b, r, c))));
+    }
+  }
+  return den > 0 ? num / den : num;
+}
+
+struct Verdict {
+  bool output_bitwise = true, grads_bitwise = true;
+  double output_err = 0, grads_err = 0;
+};
+
+void compare(const Tensor& y, const MoEGrads& g, const Tensor& ry, const MoEGrads& rg, Verdict* v) {
+  auto grad = [&](const Tensor& a, const Tensor& b) {
+    if (a.data() == nullptr && b.data() == nullptr) return;
+    const double e = rel_err(a, b);
+    if (e != 0) v->grads_bitwise = false;
+    v->grads_err = e < 0 ? INFINITY : std::max(v->grads_err, e);
+  };
+  const double e = rel_err(y, ry);
+  v->output_bitwise = e == 0;
+  v->output_err = e < 0 ? INFINITY : e;
+  grad(g.grad_input, rg.grad_input);
+  grad(g.grad_router, rg.grad_router);
+  for (size_t j = 0; j < g.grad_fc1.size() && j < rg.grad_fc1.size(); ++j) {
+    grad(g.grad_fc1[j], rg.grad_fc1[j]);
+    grad(g.grad_fc2[j], rg.grad_fc2[j]);
+  }
+  grad(g.grad_shared_fc1, rg.grad_shared_fc1);
+  grad(g.grad_shared_fc2, rg.grad_shared_fc2);
+}
+
+// What rank 0 reports, gathered over the ranks.
+struct Summary {
+  std::vector<std::vector<double>> stage_s;  // [stage][step]: max over ranks
+  int64_t rows = 0;                          // dispatched rows, all ranks, one step
+  double expert_flops = 0;                   // forward, all ranks, one step
+  std::vector<int64_t> tokens_per_expert;    // [E], global
+  int64_t routed = 0, dropped = 0;
+  uint64_t shared_bytes = 0, network_bytes = 0;  // per step, all ranks
+  Verdict verdict;
+};
+
+const char* kStages[] = {"route", "dispatch", "experts", "combine", "shared", "backward"};
+constexpr int kNumStages = 6;
+
+void run(const RunArgs& a) {
+  // ---- the configuration ----
+  const Preset* preset = nullptr;
+  for (const Preset& p : kPresets) {
+    if (a.preset == p.name) preset = &p;
+  }
+  if (preset == nullptr) {
+    fail(invalid_argument("--preset ", a.preset, " is not one of tiny, small, medium, large"));
+  }
+  MoEConfig c;
+  const int64_t tokens = a.tokens.value_or(preset->tokens);
+  c.hidden = a.hidden.value_or(preset->hidden);
+  c.ffn_hidden = a.ffn.value_or(preset->ffn);
+  c.num_experts = a.experts.value_or(preset->experts);
+  c.num_topk = a.topk.value_or(preset->topk);
+  c.shared_expert_ffn = a.shared_ffn.value_or(preset->shared_ffn);
+  c.etp_size = a.etp;
+  c.dtype = value_or(parse_dtype(a.dtype));
+  c.dispatcher = value_or(parse_dispatcher_kind(a.dispatcher));
+  c.layout.capacity_factor = a.capacity_factor;
+  c.layout.drop_policy = value_or(parse_drop_policy(a.drop_policy));
+  c.layout.pad_to_capacity = a.pad_to_capacity;
+  c.seed = a.seed;
+  if (tokens < 0) fail(invalid_argument("--tokens = ", tokens, " must be >= 0"));
+  const std::string world_name =
+      a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
+  if (world_name != "threads" && world_name != "mpi") {
+    fail(invalid_argument("--world ", world_name, " is not one of threads, mpi"));
+  }
+  WorldOptions opts;
+  opts.ranks_per_node = a.ranks_per_node;
+
+  // ---- inputs (a function of seed and rank) and the reference, computed once ----
+  const int R = world_name == "mpi" ? value_or(mpi_world_size()) : a.ranks;
+  if (Status s = c.validate(R); !s.ok()) fail(s);
+  std::vector<Tensor> xs, gs;
+  std::vector<TensorView> xv, gv;
+  for (int r = 0; r < R; ++r) {
+    xs.push_back(random_rows(c.dtype, tokens, c.hidden, a.seed * 1000003u + uint64_t(r)));
+    gs.push_back(random_rows(c.dtype, tokens, c.hidden, a.seed * 1000003u + 500u + uint64_t(r)));
+    xv.push_back(xs.back().view());
+    gv.push_back(gs.back().view());
+  }
+
+  Summary sum;
+  std::mutex mu;
+  std::optional<ReferenceMoEResult> ref;
+  double ref_s = 0;
+  const auto start = std::chrono::steady_clock::now();
+  auto body = [&](World& w) -> Status {
+    // The reference runs on one rank thread (every process under MPI), before the timed steps.
+    if (w.rank() == 0 || world_name == "mpi") {
+      auto t0 = std::chrono::steady_clock::now();
+      MOED_ASSIGN_OR_RETURN(ReferenceMoEResult rr, reference_moe_layer(c, R, xv, gv));
+      std::lock_guard<std::mutex> lock(mu);
+      ref = std::move(rr);
+      ref_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    }
+    MOED_RETURN_IF_ERROR(w.barrier());
+    MOED_ASSIGN_OR_RETURN(std::unique_ptr<MoELayer> layer, MoELayer::create(w, c));
+    const int r = w.rank();
+    std::vector<std::vector<double>> stage(kNumStages);
+    Tensor y0;
+    MoEGrads g0;
+    MoEStepStats st0;
+    w.reset_counters();
+    for (int step = 0; step < a.steps; ++step) {
+      MOED_RETURN_IF_ERROR(w.barrier());
+      MOED_ASSIGN_OR_RETURN(Tensor y, layer->forward(xv[size_t(r)]));
+      MOED_ASSIGN_OR_RETURN(MoEGrads g, layer->backward(gv[size_t(r)]));
+      const MoEStepStats& st = layer->last_stats();
+      const double mine[kNumStages] = {st.route_s,   st.dispatch_s, st.experts_s,
+                                       st.combine_s, st.shared_s,   st.backward_s};
+      MOED_ASSIGN_OR_RETURN(std::vector<double> all,
+                            all_gather<double>(w, std::span<const double>(mine, kNumStages)));
+      for (int i = 0; i < kNumStages; ++i) {
+        double mx = 0;
+        for (int q = 0; q < R; ++q) mx = std::max(mx, all[size_t(q * kNumStages + i)]);
+        stage[size_t(i)].push_back(mx);
+      }
+      if (step == 0) {
+        y0 = std::move(y);
+        g0 = std::move(g);
+        st0 = st;
+      }
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (r == 0 && elapsed > 3.0 && !a.json) {
+        std::fprintf(stderr, "moed run: step %d/%d done (%.1f s)\n", step + 1, a.steps, elapsed);
+      }
+    }
+    // Gather what rank 0 prints.
+    Verdict v;
+    compare(y0, g0, ref->output[size_t(r)], ref->grads[size_t(r)], &v);
+    const double mine_v[4] = {v.output_bitwise ? 1.0 : 0.0, v.grads_bitwise ? 1.0 : 0.0,
+                              v.output_err, v.grads_err};
+    MOED_ASSIGN_OR_RETURN(std::vector<double> all_v,
+                          all_gather<double>(w, std::span<const double>(mine_v, 4)));
+    const int L = int(st0.tokens_per_local_expert.size());
+    const int p = r % c.etp_size;
+    // Token counts from p = 0 only: the P ranks of an expert see the same tokens.
+    std::vector<int64_t> counts(size_t(c.num_experts), 0);
+    const int ep = r / c.etp_size;
+    if (p == 0) {
+      for (int j = 0; j < L; ++j)
+        counts[size_t(ep * L + j)] = st0.tokens_per_local_expert[size_t(j)];
+    }
+    const double fp = double(c.ffn_hidden / c.etp_size);
+    std::vector<int64_t> mine_i = {st0.dispatch_rows,
+                                   st0.routed,
+                                   st0.dropped,
+                                   int64_t(w.counters().shared_bytes / uint64_t(a.steps)),
+                                   int64_t(w.counters().network_bytes / uint64_t(a.steps)),
+                                   int64_t(double(st0.dispatch_rows) * 6.0 * c.hidden * fp)};
+    mine_i.insert(mine_i.end(), counts.begin(), counts.end());
+    MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all_i,
+                          all_gather<int64_t>(w, std::span<const int64_t>(mine_i)));
+    if (r != 0) return ok_status();
+    const size_t n = mine_i.size();
+    sum.stage_s = stage;
+    sum.tokens_per_expert.assign(size_t(c.num_experts), 0);
+    for (int q = 0; q < R; ++q) {
+      const int64_t* row = &all_i[size_t(q) * n];
+      sum.rows += row[0];
+      sum.routed += row[1];
+      sum.dropped += row[2];
+      sum.shared_bytes += uint64_t(row[3]);
+      sum.network_bytes += uint64_t(row[4]);
+      sum.expert_flops += double(row[5]);
+      for (int e = 0; e < c.num_experts; ++e) sum.tokens_per_expert[size_t(e)] += row[6 + e];
+      sum.verdict.output_bitwise = sum.verdict.output_bitwise && all_v[size_t(q) * 4] == 1.0;
+      sum.verdict.grads_bitwise = sum.verdict.grads_bitwise && all_v[size_t(q) * 4 + 1] == 1.0;
+      sum.verdict.output_err = std::max(sum.verdict.output_err, all_v[size_t(q) * 4 + 2]);
+      sum.verdict.grads_err = std::max(sum.verdict.grads_err, all_v[size_t(q) * 4 + 3]);
+    }
+    return ok_status();
+  };
+  int my_rank = 0;
+  Status s = run_in_world(world_name, R, opts, body, &my_rank);
+  if (!s.ok()) fail(s);
+  if (my_rank != 0) return;
+
+  // ---- the report ----
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  const double row_bytes = double(c.hidden) * double(dtype_size(c.dtype));
+  const double moved = double(sum.rows) * row_bytes;
+  const double tol = c.dtype == DType::kF32 ? 1e-5 : 1e-2;
+  const Verdict& v = sum.verdict;
+  const bool pass = v.output_err <= tol && v.grads_err <= tol;
+  int64_t tmin = INT64_MAX, tmax = 0, ttot = 0;
+  for (int64_t t : sum.tokens_per_expert) {
+    tmin = std::min(tmin, t);
+    tmax = std::max(tmax, t);
+    ttot += t;
+  }
+  const double tmean = double(ttot) / double(c.num_experts);
+  char verify[256];
+  std::snprintf(
+      verify, sizeof verify, "verify: %s (output %s, grads %s)", pass ? "PASS" : "FAIL",
+      v.output_bitwise ? "bitwise equal" : ("max rel err " + std::to_string(v.output_err)).c_str(),
+      v.grads_bitwise ? "bitwise equal, max rel err 0"
+                      : ("max rel err " + std::to_string(v.grads_err)).c_str());
+
+  if (a.json) {
+    nlohmann::json j;
+    j["world"] = world_name;
+    j["ranks"] = R;
+    j["ranks_per_node"] = a.ranks_per_node == 0 ? R : a.ranks_per_node;
+    j["dispatcher"] = dispatcher_kind_name(c.dispatcher);
+    j["preset"] = a.preset;
+    j["tokens_per_rank"] = tokens;
+    j["hidden"] = c.hidden;
+    j["ffn_hidden"] = c.ffn_hidden;
+    j["num_experts"] = c.num_experts;
+    j["num_topk"] = c.num_topk;
+    j["shared_expert_ffn"] = c.shared_expert_ffn;
+    j["etp_size"] = c.etp_size;
+    j["dtype"] = dtype_name(c.dtype);
+    j["steps"] = a.steps;
+    for (int i = 0; i < kNumStages; ++i) {
+      j["stages"][kStages[i]]["seconds"] = median(sum.stage_s[size_t(i)]);
+    }
+    j["stages"]["dispatch"]["gbps"] = moved / median(sum.stage_s[1]) / 1e9;
+    j["stages"]["combine"]["gbps"] = moved / median(sum.stage_s[3]) / 1e9;
+    j["stages"]["experts"]["gflops"] = sum.expert_flops / median(sum.stage_s[2]) / 1e9;
+    j["dispatched_rows"] = sum.rows;
+    j["load"] = {{"tokens_per_expert", sum.tokens_per_expert},
+                 {"min", tmin},
+                 {"mean", tmean},
+                 {"max", tmax},
+                 {"imbalance", tmean > 0 ? double(tmax) / tmean : 0.0},
+                 {"routed", sum.routed},
+                 {"dropped", sum.dropped}};
+    j["traffic"] = {{"shared_bytes_per_step", sum.shared_bytes},
+                    {"network_bytes_per_step", sum.network_bytes}};
+    j["verify"] = {{"pass", pass},
+                   {"output_bitwise", v.output_bitwise},
+                   {"grads_bitwise", v.grads_bitwise},
+                   {"output_max_rel_err", v.output_err},
+                   {"grads_max_rel_err", v.grads_err},
+                   {"tolerance", tol},
+                   {"reference_seconds", ref_s}};
+    std::printf("%s\n", j.dump(2).c_str());
+  } else {
+    std::printf("moed run: %s world, %d ranks (%d per node), dispatcher %s, %s, preset %s\n",
+                world_name.c_str(), R, a.ranks_per_node == 0 ? R : a.ranks_per_node,
+                dispatcher_kind_name(c.dispatcher), dtype_name(c.dtype), a.preset.c_str());
+    std::printf("  T=%lld per rank  H=%d  F=%d  E=%d  K=%d  shared F=%d  ETP=%d  steps=%d\n",
+                (long long)tokens, c.hidden, c.ffn_hidden, c.num_experts, c.num_topk,
+                c.shared_expert_ffn, c.etp_size, a.steps);
+    std::printf("\n  %-10s %10s %12s   (median over steps of the slowest rank)\n", "stage", "ms",
+                "rate");
+    for (int i = 0; i < kNumStages; ++i) {
+      const double t = median(sum.stage_s[size_t(i)]);
+      std::string rate;
+      char buf[64];
+      if (i == 1 || i == 3) {
+        std::snprintf(buf, sizeof buf, "%8.2f GB/s", t > 0 ? moved / t / 1e9 : 0.0);
+        rate = buf;
+      } else if (i == 2) {
+        std::snprintf(buf, sizeof buf, "%6.1f GFLOP/s", t > 0 ? sum.expert_flops / t / 1e9 : 0.0);
+        rate = buf;
+      } else if (i == 4 && c.shared_expert_ffn > 0) {
+        rate = "(overlaps dispatch)";
+      }
+      std::printf("  %-10s %10.3f %12s\n", kStages[i], t * 1e3, rate.c_str());
+    }
+    std::printf("  (GB/s: %lld rows received over all ranks x %d bytes per row, aggregate)\n",
+                (long long)sum.rows, int(row_bytes));
+    std::printf(
+        "\nload: tokens per expert min %lld  mean %.1f  max %lld  imbalance %.2f  "
+        "routed %lld  dropped %lld\n",
+        (long long)tmin, tmean, (long long)tmax, tmean > 0 ? double(tmax) / tmean : 0.0,
+        (long long)sum.routed, (long long)sum.dropped);
+    std::printf("traffic per step: shared-memory %.2f MB  network %.2f MB\n",
+                double(sum.shared_bytes) / 1e6, double(sum.network_bytes) / 1e6);
+    std::printf("%s  [reference layer %.2f s, tolerance %g]\n", verify, ref_s, tol);
+  }
+  std::fflush(stdout);
+  if (!pass) {
+    if (a.json) std::fprintf(stderr, "moed run: %s\n", verify);
+    throw CLI::RuntimeError(2);
+  }
+}
+
+void setup(CLI::App& app) {
+  auto a = std::make_shared<RunArgs>();
+  CLI::App* c = app.add_subcommand(
+      "run", "run an MoE layer forward and backward across ranks, verified against the reference");
+  c->add_option("--world", a->world, "threads | mpi (default: mpi under mpirun, else threads)")
+      ->check(CLI::IsMember({"threads", "mpi"}));
+  c->add_option("--ranks", a->ranks, "ranks (threads world)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  c->add_option("--ranks-per-node", a->ranks_per_node, "ranks per node G (0 = all on one node)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  c->add_option("--dispatcher", a->dispatcher, "allgather | alltoall | flex | low-latency")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"allgather", "alltoall", "flex", "low-latency", "low_latency"}));
+  c->add_option("--preset", a->preset, "tiny | small | medium | large")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"tiny", "small", "medium", "large"}));
+  c->add_option("--tokens", a->tokens, "tokens per rank (overrides the preset)");
+  c->add_option("--hidden", a->hidden, "hidden size H")->check(CLI::PositiveNumber);
+  c->add_option("--ffn", a->ffn, "expert FFN size F")->check(CLI::PositiveNumber);
+  c->add_option("--experts", a->experts, "experts E")->check(CLI::PositiveNumber);
+  c->add_option("--topk", a->topk, "experts per token K")->check(CLI::PositiveNumber);
+  c->add_option("--shared-expert-ffn", a->shared_ffn, "shared expert FFN size (0 = none)")
+      ->check(CLI::NonNegativeNumber);
+  c->add_option("--etp", a->etp, "expert tensor parallel size P")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--dtype", a->dtype, "f32 | bf16")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  c->add_option("--capacity-factor", a->capacity_factor, "token dropping capacity factor")
+      ->check(CLI::PositiveNumber);
+  c->add_option("--drop-policy", a->drop_policy, "probs | position")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"probs", "position"}));
+  c->add_flag("--pad-to-capacity", a->pad_to_capacity,
+              "pad every (rank, expert) chunk to capacity");
+  c->add_option("--steps", a->steps, "forward + backward steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--seed", a->seed, "seed of weights and inputs")->capture_default_str();
+  c->add_flag("--json", a->json, "print one JSON object instead of the tables");
+  c->callback([a] { run(*a); });
+}
+
+}  // namespace
+}  // namespace moed::cli
+
+MOED_CLI_COMMAND("", moed::cli::setup);
