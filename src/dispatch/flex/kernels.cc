@@ -2,6 +2,7 @@
 // (AVX-512, AVX2, portable) and picked once at run time. Every lane does the same single fp32
 // operations in the same order as the scalar loop (no FMA: -ffp-contract=off), so all three
 // are bitwise identical.
+#include <algorithm>
 #include <cstring>
 
 #include "dispatch/flex/flex_internal.h"
@@ -17,14 +18,36 @@ MOED_INLINE float load_f(const uint16_t* p, int64_t i) {
   return bits_to_float(uint32_t(p[i]) << 16);
 }
 
+// NOTE: rows are read from peers' segments in expert-major order, so each term starts a new
+// stream and every 4 KiB page boundary stops the hardware prefetcher; the loops below walk a
+// row in blocks and prefetch two blocks ahead. The arithmetic per element is unchanged.
+constexpr int64_t kBlock = 512;
+
+template <typename T>
+MOED_INLINE void prefetch_ahead(const T* src, int64_t b, int64_t n) {
+  const int64_t ahead = b + 2 * kBlock;
+  if (ahead >= n) return;
+  const char* p = reinterpret_cast<const char*>(src + ahead);
+  const int64_t bytes = std::min<int64_t>(kBlock, n - ahead) * int64_t(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+}
+
 template <typename T>
 MOED_INLINE void add_term_raw_loop(float* __restrict acc, const T* __restrict src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + (0.0f + load_f(src, i));
+  for (int64_t b = 0; b < n; b += kBlock) {
+    prefetch_ahead(src, b, n);
+    const int64_t e = std::min(n, b + kBlock);
+    for (int64_t i = b; i < e; ++i) acc[i] = acc[i] + (0.0f + load_f(src, i));
+  }
 }
 template <typename T>
 MOED_INLINE void add_term_raw_weighted_loop(float* __restrict acc, const T* __restrict src, float w,
                                             int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + w * (0.0f + load_f(src, i));
+  for (int64_t b = 0; b < n; b += kBlock) {
+    prefetch_ahead(src, b, n);
+    const int64_t e = std::min(n, b + kBlock);
+    for (int64_t i = b; i < e; ++i) acc[i] = acc[i] + w * (0.0f + load_f(src, i));
+  }
 }
 template <typename T>
 MOED_INLINE void accumulate_loop(float* __restrict term, const T* __restrict src, int64_t n) {
