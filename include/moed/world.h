@@ -65,7 +65,8 @@ Status wait_all(std::vector<Request>& requests);
 // One collective allocation across the ranks of a node: every local rank gets a pointer to
 // every other local rank's segment (DeepEP's NVLink buffers), plus per-pair signals with
 // release/acquire ordering. Created by World::alloc_shared; freed when the last owner drops it
-// (the MPI backend frees collectively in free_shared).
+// (the MPI backend frees its window collectively then: every local rank drops its shared
+// buffers in the same order).
 class SharedBuffer {
  public:
   virtual ~SharedBuffer() = default;
