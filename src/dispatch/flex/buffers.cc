@@ -9,10 +9,12 @@ Status Region::ensure(World& world, size_t bytes) {
   if (buffer_ && buffer_->bytes() >= bytes) return ok_status();
   // NOTE: every local rank asks for the same size (computed from the same global counts),
   // so they all reach this collective together. A quarter more than asked keeps slowly
-  // growing traffic from reallocating on every call. The old buffer stays alive while any
-  // DispatchOutput still points into it.
+  // growing traffic from reallocating on every call. Outputs that point into the old buffer
+  // stay valid (it is retired, not freed).
   const size_t grown = std::max(bytes, buffer_ ? buffer_->bytes() + buffer_->bytes() / 4 : 0);
-  MOED_ASSIGN_OR_RETURN(buffer_, world.alloc_shared(grown));
+  MOED_ASSIGN_OR_RETURN(std::shared_ptr<SharedBuffer> fresh, world.alloc_shared(grown));
+  if (buffer_) retired_.push_back(std::move(buffer_));
+  buffer_ = std::move(fresh);
   return ok_status();
 }
 

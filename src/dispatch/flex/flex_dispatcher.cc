@@ -6,7 +6,10 @@
 //
 // NOTE (buffers): the dispatch output lives in a persistent node-shared region (DeepEP's NVL
 // buffer) that grows collectively; DispatchOutput.expert_input points into it and stays valid
-// until the next dispatch on this dispatcher (its `storage` keeps a replaced region alive).
+// until the next dispatch on this dispatcher (a replaced region is retired, not freed, so
+// older outputs stay readable). token_*(async = true) runs the step on its own thread in the
+// threads world; MPI calls belong to the rank's owning thread, so in the MPI world the step
+// runs eagerly and returns a completed request.
 // Combine reads the expert outputs where they are: in the threads world every rank's memory
 // is node-shared, so they are read in place; in the MPI world they are copied into a shared
 // region first (counted), unless the experts wrote them into flex_expert_output_buffer().
@@ -131,7 +134,9 @@ class FlexDispatcher final : public TokenDispatcher {
     }
     out.permuted_probs = std::span<const float>(h->permuted_probs);
     out.tokens_per_expert = std::span<const int64_t>(h->tokens_per_expert);
-    out.storage = dispatch_region_.buffer();
+    // NOTE: only the threads world lets the output own its buffer; an MPI window must be
+    // freed collectively, so there the dispatcher keeps it (valid until the dispatcher goes).
+    if (in_place_) out.storage = dispatch_region_.buffer();
     out.handle = std::move(h);
     d_op_.reset();
     d_prepared_.reset();
@@ -284,7 +289,9 @@ class FlexDispatcher final : public TokenDispatcher {
  private:
   StatusOr<Request> run(bool async, std::shared_ptr<OpState>* state, std::function<Status()> body) {
     *state = std::make_shared<OpState>();
-    if (async) return Request(std::make_unique<AsyncOp>(std::move(body), *state));
+    // NOTE: the MPI world allows MPI calls from its owning thread only, so there the step
+    // runs eagerly and the returned request is already complete.
+    if (async && in_place_) return Request(std::make_unique<AsyncOp>(std::move(body), *state));
     (*state)->status = body();
     (*state)->done = true;
     if (!(*state)->status.ok()) return (*state)->status;

@@ -136,6 +136,10 @@ struct PushLayout {
 
 // A node-shared region that grows collectively. Every local rank computes the same `bytes`
 // from the same global counts, so growth needs no extra agreement.
+//
+// NOTE: a replaced buffer is kept (retired) until the dispatcher goes: freeing an MPI shared
+// window is collective over the node, so it must happen in the same order on every local
+// rank, never when a user happens to drop the last DispatchOutput.
 class Region {
  public:
   Status ensure(World& world, size_t bytes);
@@ -145,6 +149,7 @@ class Region {
 
  private:
   std::shared_ptr<SharedBuffer> buffer_;
+  std::vector<std::shared_ptr<SharedBuffer>> retired_;
 };
 
 // Per-pair completion signals with an epoch (one counter per ordered pair of local ranks).
