@@ -1,0 +1,161 @@
+// Replaying a routing trace: what dispatch would move, without moving a token.
+//
+// A trace is the top-k expert indices a router chose, [T, K] or [steps, T, K] (int32 or int64,
+// -1 = no expert), saved as .npy. Each step's T tokens are split evenly over R source ranks
+// (rank s holds tokens [s * T / R, (s + 1) * T / R)), as in `moed dispatch`. From it replay
+// counts, per step and summed over steps:
+//   - tokens per expert (token-expert pairs), per rank (rows its experts receive, and tokens
+//     it receives once each), imbalance = max / mean;
+//   - tokens dropped under a capacity factor (policy `position`: a trace has no probs);
+//   - the rank-to-rank traffic matrix: tokens source s sends to destination d, a token counted
+//     once per destination rank (DeepEP's is_token_in_rank, from moed::get_dispatch_layout);
+//   - network bytes of a flat all-to-all (every (token, remote-node rank) pair crosses the
+//     network) against Flex's two hops (one transfer per (token, remote node) plus its header,
+//     then forwarded inside the node over shared memory);
+//   - a predicted dispatch time for both: per step, the maximum over ranks of
+//     shared bytes / shared GB/s + network bytes / network GB/s, summed over steps.
+// and draws two pictures (SVG): the traffic matrix as a heatmap and the load per expert.
+//
+//   MOED_ASSIGN_OR_RETURN(moed::RoutingTrace trace, moed::read_routing_trace("topk_idx.npy"));
+//   moed::ReplayOptions o;
+//   o.num_ranks = 16;
+//   o.ranks_per_node = 8;  // two nodes
+//   MOED_ASSIGN_OR_RETURN(moed::ReplayResult r, moed::replay_trace(trace, o));
+//   std::fputs(moed::replay_table(r).c_str(), stdout);
+//   MOED_ASSIGN_OR_RETURN(moed::ReplayPictures p, moed::write_replay_pictures(r, "out/"));
+//
+// How bytes are charged (the model behind the prediction):
+//   - a row is hidden * dtype_bytes bytes of payload;
+//   - flat all-to-all: source s writes one row per (token, destination rank); rows for ranks
+//     of its own node (itself included) are shared-memory bytes, rows for other nodes network
+//     bytes. Only the payload is counted (probs and indices are left out), so the flat figure
+//     is a lower bound and Flex's saving is not overstated;
+//   - Flex: source s sends one row per (token, remote node) to the rank of that node with its
+//     own local index (the forwarder), plus kFlexTokenHeaderBytes per token and
+//     kFlexEntryBytes per (token, expert on that node) of header: network bytes of s. The
+//     forwarder then writes one row per destination rank of its node: shared bytes of the
+//     forwarder. Rows for s's own node are written directly: shared bytes of s;
+//   - each rank's time is charged for the bytes it writes (the sender's side).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moed/routing.h"
+#include "moed/status.h"
+
+namespace moed {
+
+// Flex's wire header (the layout of src/dispatch/flex's MessageHeader / MessageEntry, spec
+// §5.5): per token sent to a remote node, its token index, its number of entries and the
+// bitmask of the node's ranks that need it (16 bytes); per (token, expert on that node), the
+// expert id and prob (8 bytes). Defined here once for every replay figure.
+inline constexpr int64_t kFlexTokenHeaderBytes = 16;
+inline constexpr int64_t kFlexEntryBytes = 8;
+
+// Top-k indices [num_steps, num_tokens, num_topk], row-major; -1 = no expert.
+struct RoutingTrace {
+  std::string name;  // the file it came from, for messages
+  int64_t num_steps = 1;
+  int64_t num_tokens = 0;  // per step, all ranks together
+  int num_topk = 0;
+  std::vector<int32_t> topk_idx;
+
+  int32_t idx(int64_t step, int64_t t, int k) const {
+    return topk_idx[(size_t(step) * size_t(num_tokens) + size_t(t)) * size_t(num_topk) + size_t(k)];
+  }
+  // Largest index in the trace, -1 when it holds none.
+  int32_t max_index() const;
+};
+
+// Reads a [T, K] or [steps, T, K] int32 / int64 .npy file. Errors name the file and the value
+// ("trace.npy: topk_idx[0][5][1] = -3 is below -1").
+StatusOr<RoutingTrace> read_routing_trace(const std::string& path);
+
+struct ReplayOptions {
+  int num_experts = 0;     // 0 = trace max index + 1
+  int num_ranks = 1;       // R; E % R == 0 and T % R == 0
+  int ranks_per_node = 0;  // G; 0 = R (one node). G must divide R
+  // Capacity dropping per source rank and step, C = ceil(T_s * K / E * cf); unset = dropless.
+  std::optional<double> capacity_factor;
+  // Only kPosition: a trace carries no probs, so kProbs is an error.
+  DropPolicy drop_policy = DropPolicy::kPosition;
+  int64_t hidden = 7168;
+  int dtype_bytes = 2;  // bf16 payload
+  // Bandwidths of the prediction, GB/s (1e9 bytes per second) per rank. The defaults are
+  // DeepEP's H800 figures: ~160 GB/s NVLink, ~50 GB/s RDMA (400 Gb/s InfiniBand).
+  double shared_gbps = 160.0;
+  double network_gbps = 50.0;
+};
+
+// Bytes and predicted time of one dispatch scheme, summed over steps.
+struct SchemeCost {
+  std::vector<int64_t> shared_bytes;   // [R] written by rank r over node-shared memory
+  std::vector<int64_t> network_bytes;  // [R] sent by rank r over the network
+  std::vector<double> step_seconds;    // [steps] max over ranks of that step's time
+  double seconds = 0.0;                // sum of step_seconds
+  int64_t total_shared_bytes() const;
+  int64_t total_network_bytes() const;
+};
+
+struct ReplayResult {
+  std::string trace_name;
+  int64_t num_steps = 0;
+  int64_t num_tokens = 0;  // per step, all ranks together
+  int num_topk = 0;
+  int num_experts = 0;
+  int num_ranks = 0;
+  int ranks_per_node = 0;
+  int num_nodes = 0;
+  int num_local_experts = 0;
+  int64_t hidden = 0;
+  int dtype_bytes = 0;
+  std::optional<double> capacity_factor;
+  int64_t capacity = 0;  // C per (source rank, expert, step); 0 when dropless
+  double shared_gbps = 0.0;
+  double network_gbps = 0.0;
+
+  // Summed over steps.
+  std::vector<int64_t> routed_per_expert;   // [E] token-expert pairs before dropping
+  std::vector<int64_t> tokens_per_expert;   // [E] kept
+  std::vector<int64_t> dropped_per_expert;  // [E]
+  int64_t dropped = 0;
+  std::vector<int64_t> rows_per_rank;    // [R] kept token-expert pairs its experts receive
+  std::vector<int64_t> tokens_per_rank;  // [R] tokens it receives, each once
+  std::vector<int64_t> traffic;          // [R * R] traffic[s * R + d]: tokens s sends to d
+  double expert_imbalance = 0.0;         // max / mean of tokens_per_expert (0 when empty)
+  double rank_imbalance = 0.0;           // max / mean of rows_per_rank
+  SchemeCost flat;                       // flat all-to-all
+  SchemeCost flex;                       // Flex, two hops
+
+  int64_t traffic_at(int s, int d) const { return traffic[size_t(s) * size_t(num_ranks) + d]; }
+  int64_t row_bytes() const { return hidden * dtype_bytes; }
+};
+
+// Errors name the trace and the value: an index >= E, E not a multiple of R, T not a multiple
+// of R, G not dividing R, kProbs asked for.
+StatusOr<ReplayResult> replay_trace(const RoutingTrace& trace, const ReplayOptions& options);
+
+// A fixed-width text report (what `moed replay` prints).
+std::string replay_table(const ReplayResult& r);
+// The same as one JSON object (what `moed replay --json` prints).
+std::string replay_json(const ReplayResult& r);
+
+// The pictures as SVG documents: the traffic matrix as a heatmap (source rank down, destination
+// rank across, colour legend, node boundaries when G < R) and the load per expert as bars
+// (kept, and dropped stacked above when a capacity factor dropped any; mean line).
+std::string traffic_heatmap_svg(const ReplayResult& r);
+std::string expert_load_svg(const ReplayResult& r);
+
+struct ReplayPictures {
+  std::vector<std::string> files;  // paths written, SVG first then PNG
+  std::string converter;           // "rsvg-convert", "convert", or "" when no PNG was made
+};
+// Writes traffic.svg and expert_load.svg into `dir` (created if missing), and a PNG beside
+// each when rsvg-convert or ImageMagick's convert is on PATH and succeeds (tried in that
+// order; otherwise no PNG, silently).
+StatusOr<ReplayPictures> write_replay_pictures(const ReplayResult& r, const std::string& dir);
+
+}  // namespace moed
