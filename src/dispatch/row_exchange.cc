@@ -23,6 +23,37 @@ std::vector<int64_t> prefix(std::span<const int64_t> n) {
 
 Status agree_step(World& world, const Status& local) { return world.agree(local); }
 
+TensorView ScratchBuffer::view(DType dtype, int64_t rows, int64_t cols) {
+  const size_t need = size_t(rows) * size_t(cols) * dtype_size(dtype);
+  if (bytes_.bytes() < need) {
+    bytes_ = Tensor();  // free first: old and new together could double the peak
+    bytes_ = Tensor::empty(DType::kFP8, 1, int64_t(need));
+  }
+  return TensorView(bytes_.data(), dtype, rows, cols);
+}
+
+std::shared_ptr<void> OutputPool::acquire(DType dtype, int64_t rows, int64_t cols,
+                                          TokenRows& rows_out) {
+  // NOTE: two entries cover the usual caller, which holds the previous output while the next
+  // dispatch runs; a caller holding more gets unpooled buffers instead of unbounded growth.
+  constexpr size_t kMaxEntries = 2;
+  std::shared_ptr<Entry> e;
+  for (const std::shared_ptr<Entry>& c : entries_) {
+    if (c.use_count() == 1) {
+      e = c;
+      break;
+    }
+  }
+  if (!e) {
+    e = std::make_shared<Entry>();
+    if (entries_.size() < kMaxEntries) entries_.push_back(e);
+  }
+  rows_out.x = e->x.view(dtype, rows, cols);
+  rows_out.scales =
+      dtype == DType::kFP8 ? e->scales.view(DType::kF32, rows, cols / kFp8BlockSize) : TensorView();
+  return e;
+}
+
 StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,
                                        const PreparedInput& input) {
   const int R = world.size(), E = config.num_experts;
@@ -137,17 +168,17 @@ Status RowExchangeDispatcher::check_expert_rows(const char* what, const TensorVi
 Status RowExchangeDispatcher::pack_return(ReturnState& st,
                                           std::shared_ptr<const ExchangeHandle> handle,
                                           const TensorView& rows, std::span<const float> values) {
-  st = ReturnState{};
+  st.reset();
   st.handle = std::move(handle);
   const RowExchangePlan& plan = st.handle->plan;
   int64_t n = 0;
   for (int64_t r : plan.rows_of_source) n += r;
   // NOTE: sorting back is the backward of the dispatch's sort_chunks_by_idxs: chunk (j, s) of
   // the canonical layout returns to source-major place s * L + j; padding rows stay behind.
-  st.packed = Tensor::empty(rows.dtype, n, rows.cols);
+  st.packed = st.packed_buffer.view(rows.dtype, n, rows.cols);
   MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_backward_into(
       TokenRows{rows, TensorView()}, plan.chunk_sizes, plan.chunk_order,
-      TokenRows{st.packed.view(), TensorView()}, plan.chunk_offsets, world_->pool()));
+      TokenRows{st.packed, TensorView()}, plan.chunk_offsets, world_->pool()));
   st.has_values = !values.empty();
   if (st.has_values) {
     st.packed_values.resize(size_t(n));
@@ -165,17 +196,17 @@ Status RowExchangeDispatcher::send_return(ReturnState& st) {
   const std::vector<int64_t> send_off = prefix(plan.rows_of_source);
   int64_t n = 0;
   for (int64_t r : plan.home_rows_of_rank) n += r;
-  st.received = Tensor::empty(st.packed.dtype(), n, st.packed.cols());
-  MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed.data(), plan.rows_of_source, send_off,
-                                     st.received.data(), plan.home_rows_of_rank,
-                                     st.packed.view().row_bytes()));
+  st.received = st.received_buffer.view(st.packed.dtype, n, st.packed.cols);
+  MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed.data, plan.rows_of_source, send_off,
+                                     st.received.data, plan.home_rows_of_rank,
+                                     st.packed.row_bytes()));
   if (st.has_values) {
     st.received_values.resize(size_t(n));
     MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed_values.data(), plan.rows_of_source,
                                        send_off, st.received_values.data(), plan.home_rows_of_rank,
                                        sizeof(float)));
   }
-  st.packed = Tensor();
+  st.packed = TensorView();
   st.stage = 2;
   return ok_status();
 }
@@ -188,10 +219,10 @@ Tensor RowExchangeDispatcher::sum_partials(const ReturnState& st) const {
   const RowExchangePlan& plan = st.handle->plan;
   const int P = plan.etp_size, R = plan.world_size;
   if (P == 1) return Tensor();
-  const int64_t H = st.received.cols();
+  const int64_t H = st.received.cols;
   const std::vector<int64_t> recv_off = prefix(plan.home_rows_of_rank);
   Tensor out = Tensor::empty(DType::kF32, plan.home.num_rows, H);
-  const bool bf = st.received.dtype() == DType::kBF16;
+  const bool bf = st.received.dtype == DType::kBF16;
   world_->pool().parallel_for(
       plan.home.num_rows,
       [&](int64_t begin, int64_t end, int) {
@@ -237,7 +268,7 @@ std::vector<float> RowExchangeDispatcher::sum_partial_values(const ReturnState& 
 }
 
 TensorView RowExchangeDispatcher::terms(const ReturnState& st, const Tensor& summed) const {
-  return st.handle->plan.etp_size == 1 ? st.received.view() : summed.view();
+  return st.handle->plan.etp_size == 1 ? st.received : summed.view();
 }
 
 namespace {
@@ -284,7 +315,7 @@ StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
   if (config_.weighted_combine) probs = h.plan.home.permuted_probs;
   CombineOutput out;
   MOED_ASSIGN_OR_RETURN(out.hidden, reduce_home(h.plan.home, terms(combine_, summed), probs,
-                                                combine_.received.dtype(), world_->pool()));
+                                                combine_.received.dtype, world_->pool()));
   const RoutingMap& m = h.routing;
   out.combined_probs.assign(size_t(m.num_tokens), 0.0f);
   for (int64_t t = 0; t < m.num_tokens; ++t) {
@@ -294,7 +325,7 @@ StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
     }
     out.combined_probs[size_t(t)] = acc;
   }
-  combine_ = ReturnState{};
+  combine_.reset();
   return out;
 }
 
@@ -316,7 +347,7 @@ Status RowExchangeDispatcher::dispatch_postprocess_backward(const DispatchGradIn
   std::copy(grad.grad_permuted_probs.begin(), grad.grad_permuted_probs.end(), grad_pprobs_.begin());
   MOED_RETURN_IF_ERROR(pack_return(dispatch_grad_, *h, grad.grad_expert_input, grad_pprobs_));
   dispatch_grad_.has_values = true;
-  dispatch_grad_.packed_values.resize(size_t(dispatch_grad_.packed.rows()), 0.0f);
+  dispatch_grad_.packed_values.resize(size_t(dispatch_grad_.packed.rows), 0.0f);
   return ok_status();
 }
 
@@ -334,10 +365,10 @@ StatusOr<DispatchGrad> RowExchangeDispatcher::dispatch_preprocess_backward() {
   DispatchGrad out;
   MOED_ASSIGN_OR_RETURN(out.grad_hidden,
                         reduce_home(h.plan.home, terms(dispatch_grad_, summed), {},
-                                    dispatch_grad_.received.dtype(), world_->pool()));
+                                    dispatch_grad_.received.dtype, world_->pool()));
   const std::vector<float> values = sum_partial_values(dispatch_grad_);
   MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(h.plan.home, values));
-  dispatch_grad_ = ReturnState{};
+  dispatch_grad_.reset();
   grad_pprobs_.clear();
   return out;
 }
@@ -364,7 +395,7 @@ Status RowExchangeDispatcher::start_combine_backward(const CombineGradInput& gra
     }
   }
   MOED_RETURN_IF_ERROR(agree_step(*world_, local));
-  combine_grad_ = CombineGradState{};
+  combine_grad_.reset();
   combine_grad_.handle = *h;
   combine_grad_.grad_out = grad.grad_hidden;
   if (config_.weighted_combine) {
@@ -390,7 +421,7 @@ StatusOr<UnpermuteGrad> RowExchangeDispatcher::home_combine_backward() {
       UnpermuteGrad g,
       unpermute_backward(combine_grad_.grad_out, plan.home.sorted_indices, plan.home.permuted_probs,
                          terms(combine_grad_.y, summed), world_->pool()));
-  combine_grad_.y = ReturnState{};
+  combine_grad_.y.reset();
   return g;
 }
 

@@ -68,6 +68,36 @@ Status exchange_rows(World& world, const void* send, std::span<const int64_t> se
                      std::span<const int64_t> send_offsets, void* recv,
                      std::span<const int64_t> recv_rows, size_t row_bytes);
 
+// Bytes kept between steps and calls: they grow and are never freed in between, so the big
+// per-step buffers are allocated (and page-faulted) once, not once per dispatch.
+// NOTE: first-touch page faults of fresh multi-hundred-MB buffers cost more than the copies
+// themselves; reusing them is what brings a dispatch near the memory-copy bound.
+class ScratchBuffer {
+ public:
+  // A packed [rows, cols] view of `dtype` over this buffer; contents unspecified. Valid until
+  // the next view() call that needs more bytes.
+  TensorView view(DType dtype, int64_t rows, int64_t cols);
+
+ private:
+  Tensor bytes_;
+};
+
+// Dispatch outputs (DispatchOutput::storage) reused once the caller has dropped every copy of
+// an earlier output's storage (use_count 1: only the pool holds it, so nobody can still read
+// it or copy it concurrently). A caller that keeps outputs gets fresh buffers.
+class OutputPool {
+ public:
+  // Storage with room for [rows, cols] of dtype (+ fp8 scales); `rows_out` views into it.
+  std::shared_ptr<void> acquire(DType dtype, int64_t rows, int64_t cols, TokenRows& rows_out);
+
+ private:
+  struct Entry {
+    ScratchBuffer x;
+    ScratchBuffer scales;
+  };
+  std::vector<std::shared_ptr<Entry>> entries_;
+};
+
 // The handle of both dispatchers: the public fields plus the plan.
 class ExchangeHandle : public DispatchHandle {
  public:
@@ -91,14 +121,27 @@ class RowExchangeDispatcher : public TokenDispatcher {
       : TokenDispatcher(world, config) {}
 
   // Expert rows on their way home: packed source-major (padding dropped), sent, received.
+  // reset() keeps the buffers for the next call.
   struct ReturnState {
     std::shared_ptr<const ExchangeHandle> handle;
-    Tensor packed;
+    TensorView packed;
     std::vector<float> packed_values;
-    Tensor received;                     // [sum of home_rows_of_rank, H], rank-major
+    TensorView received;                 // [sum of home_rows_of_rank, H], rank-major
     std::vector<float> received_values;  // when values were sent
     bool has_values = false;
     int stage = 0;  // 0 idle, 1 packed, 2 received
+    ScratchBuffer packed_buffer;
+    ScratchBuffer received_buffer;
+
+    void reset() {
+      handle.reset();
+      packed = TensorView();
+      received = TensorView();
+      packed_values.clear();
+      received_values.clear();
+      has_values = false;
+      stage = 0;
+    }
   };
   // Local: sorts rows (canonical layout of handle) back source-major, without padding.
   Status pack_return(ReturnState& st, std::shared_ptr<const ExchangeHandle> handle,
@@ -130,6 +173,14 @@ class RowExchangeDispatcher : public TokenDispatcher {
     TensorView expert_output;  // when weighted
     ReturnState y;
     int stage = 0;
+
+    void reset() {
+      handle.reset();
+      grad_out = TensorView();
+      expert_output = TensorView();
+      y.reset();
+      stage = 0;
+    }
   };
   Status start_combine_backward(const CombineGradInput& grad);
   StatusOr<UnpermuteGrad> home_combine_backward();

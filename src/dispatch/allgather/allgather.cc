@@ -47,20 +47,23 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
   struct DispatchState {
     std::shared_ptr<AllGatherHandle> handle;
     GlobalCounts counts;
-    TokenRows hidden;  // the caller's tokens, valid until token_dispatch returns
-    TokenTensor gathered;
+    TokenRows hidden;    // the caller's tokens, valid until token_dispatch returns
+    TokenRows gathered;  // in gathered_x_ / gathered_scales_
     RoutingMap gathered_map;
     int stage = 0;  // 0 idle, 1 prepared, 2 gathered
   };
   struct CombineGradRows {
     std::shared_ptr<const AllGatherHandle> handle;
-    UnpermuteGrad home;  // weighted: grad_row_probs in home order
-    Tensor gathered;     // every rank's grad_out
-    int stage = 0;       // 0 idle, 1 started, 2 gathered
+    UnpermuteGrad home;   // weighted: grad_row_probs in home order
+    TensorView gathered;  // every rank's grad_out (in gathered_x_)
+    int stage = 0;        // 0 idle, 1 started, 2 gathered
   };
 
   DispatchState d_;
   CombineGradRows cg_;
+  // Kept across calls (see ScratchBuffer); d_ and cg_ hold views into them.
+  ScratchBuffer gathered_x_, gathered_scales_;
+  OutputPool outputs_;
 };
 
 // ---- dispatch ----
@@ -93,11 +96,11 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
   const int E = config_.num_experts;
   const std::span<const int64_t> T = d_.counts.num_tokens;
   const int64_t N = h.source_offsets.back();
-  d_.gathered.x = Tensor::empty(h.dtype, N, h.hidden);
-  MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.x, T, d_.gathered.x.data()));
+  d_.gathered.x = gathered_x_.view(h.dtype, N, h.hidden);
+  MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.x, T, d_.gathered.x.data));
   if (h.dtype == DType::kFP8) {
-    d_.gathered.scales = Tensor::empty(DType::kF32, N, h.hidden / kFp8BlockSize);
-    MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.scales, T, d_.gathered.scales.data()));
+    d_.gathered.scales = gathered_scales_.view(DType::kF32, N, h.hidden / kFp8BlockSize);
+    MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.scales, T, d_.gathered.scales.data));
   }
   // The effective routing (after dropping and router padding) of every source, map form.
   RoutingMap& g = d_.gathered_map;
@@ -133,8 +136,9 @@ StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
   MOED_ASSIGN_OR_RETURN(h.expert, make_permute_layout(d_.gathered_map, o, world_->pool()));
   MOED_CHECK(h.expert.num_rows == h.num_rows, "gathered layout has ", h.expert.num_rows,
              " rows; the counts gave ", h.num_rows);
-  auto storage = std::make_shared<TokenTensor>();
-  MOED_ASSIGN_OR_RETURN(*storage, permute_rows(d_.gathered.rows(), h.expert, world_->pool()));
+  TokenRows expert_input;
+  std::shared_ptr<void> storage = outputs_.acquire(h.dtype, h.num_rows, h.hidden, expert_input);
+  MOED_RETURN_IF_ERROR(permute_rows_into(d_.gathered, h.expert, expert_input, world_->pool()));
   h.permuted_probs = h.expert.permuted_probs;
   h.row_src_rank.assign(size_t(h.num_rows), -1);
   h.row_src_token.assign(size_t(h.num_rows), -1);
@@ -148,7 +152,7 @@ StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
     h.row_src_token[size_t(i)] = int32_t(g - h.source_offsets[size_t(s)]);
   }
   DispatchOutput out;
-  out.expert_input = storage->rows();
+  out.expert_input = expert_input;
   out.permuted_probs = h.permuted_probs;
   out.tokens_per_expert = h.tokens_per_expert;
   out.handle = d_.handle;
@@ -174,8 +178,8 @@ StatusOr<Request> AllGatherDispatcher::token_combine_backward(bool async) {
   const AllGatherHandle& h = *cg_.handle;
   std::vector<int64_t> T(size_t(world_->size()));
   for (size_t s = 0; s < T.size(); ++s) T[s] = h.source_offsets[s + 1] - h.source_offsets[s];
-  cg_.gathered = Tensor::empty(combine_grad_.grad_out.dtype, h.source_offsets.back(), h.hidden);
-  MOED_RETURN_IF_ERROR(gather_rows(*world_, combine_grad_.grad_out, T, cg_.gathered.data()));
+  cg_.gathered = gathered_x_.view(combine_grad_.grad_out.dtype, h.source_offsets.back(), h.hidden);
+  MOED_RETURN_IF_ERROR(gather_rows(*world_, combine_grad_.grad_out, T, cg_.gathered.data));
   // NOTE: grad_probs = dot(grad_out, term_e) needs the fp32 terms (the P partials summed), so
   // when weighted the expert outputs also go home, as in the combine; the home-order rows it
   // computes besides are not used here (the expert ranks build theirs from the gather).
@@ -207,7 +211,7 @@ StatusOr<CombineGrad> AllGatherDispatcher::combine_preprocess_backward() {
     out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
   }
   cg_ = CombineGradRows{};
-  combine_grad_ = CombineGradState{};
+  combine_grad_.reset();
   return out;
 }
 

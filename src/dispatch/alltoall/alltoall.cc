@@ -25,20 +25,23 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
  private:
   struct DispatchState {
     std::shared_ptr<ExchangeHandle> handle;
-    TokenTensor permuted;  // home order: this rank's rows, expert-major
-    TokenTensor received;  // source-major chunks (s, j)
+    TokenRows permuted;  // home order: this rank's rows, expert-major (in permuted_*_)
+    TokenRows received;  // source-major chunks (s, j) (in received_*_)
     std::vector<float> received_probs;
     std::vector<int32_t> received_tokens;
     int stage = 0;  // 0 idle, 1 permuted, 2 received
   };
   struct CombineGradRows {
-    UnpermuteGrad home;  // rows in home order (+ grad_row_probs when weighted)
-    Tensor received;     // source-major chunks on the expert side
-    int stage = 0;       // 0 idle, 1 started, 2 home rows ready, 3 received
+    UnpermuteGrad home;   // rows in home order (+ grad_row_probs when weighted)
+    TensorView received;  // source-major chunks on the expert side (in received_x_)
+    int stage = 0;        // 0 idle, 1 started, 2 home rows ready, 3 received
   };
 
   DispatchState d_;
   CombineGradRows cg_;
+  // Kept across calls (see ScratchBuffer); d_ and cg_ hold views into them.
+  ScratchBuffer permuted_x_, permuted_scales_, received_x_, received_scales_;
+  OutputPool outputs_;
 };
 
 // ---- dispatch ----
@@ -62,7 +65,12 @@ Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   h->tokens_per_expert = h->plan.layout.tokens_per_expert;
   h->tokens_per_expert_unpadded = h->plan.layout.tokens_per_expert_unpadded;
   // Permute by global expert: destination d's rows are the contiguous block of ep(d)'s experts.
-  MOED_ASSIGN_OR_RETURN(d_.permuted, permute_rows(input.hidden, h->plan.home, world_->pool()));
+  const int64_t n = h->plan.home.num_rows;
+  d_.permuted.x = permuted_x_.view(in.dtype, n, in.hidden);
+  if (in.dtype == DType::kFP8) {
+    d_.permuted.scales = permuted_scales_.view(DType::kF32, n, in.hidden / kFp8BlockSize);
+  }
+  MOED_RETURN_IF_ERROR(permute_rows_into(input.hidden, h->plan.home, d_.permuted, world_->pool()));
   d_.handle = std::move(h);
   d_.stage = 1;
   return ok_status();
@@ -81,13 +89,12 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
     return exchange_rows(*world_, send, plan.home_rows_of_rank, plan.home_offset_of_rank, recv,
                          plan.rows_of_source, row_bytes);
   };
-  d_.received.x = Tensor::empty(h.dtype, n, h.hidden);
-  MOED_RETURN_IF_ERROR(
-      move(d_.permuted.x.data(), d_.received.x.data(), d_.received.x.view().row_bytes()));
+  d_.received.x = received_x_.view(h.dtype, n, h.hidden);
+  MOED_RETURN_IF_ERROR(move(d_.permuted.x.data, d_.received.x.data, d_.received.x.row_bytes()));
   if (h.dtype == DType::kFP8) {
-    d_.received.scales = Tensor::empty(DType::kF32, n, h.hidden / kFp8BlockSize);
-    MOED_RETURN_IF_ERROR(move(d_.permuted.scales.data(), d_.received.scales.data(),
-                              d_.received.scales.view().row_bytes()));
+    d_.received.scales = received_scales_.view(DType::kF32, n, h.hidden / kFp8BlockSize);
+    MOED_RETURN_IF_ERROR(
+        move(d_.permuted.scales.data, d_.received.scales.data, d_.received.scales.row_bytes()));
   }
   d_.received_probs.resize(size_t(n));
   MOED_RETURN_IF_ERROR(
@@ -95,7 +102,7 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
   d_.received_tokens.resize(size_t(n));
   MOED_RETURN_IF_ERROR(
       move(plan.home.sorted_indices.data(), d_.received_tokens.data(), sizeof(int32_t)));
-  d_.permuted = TokenTensor{};
+  d_.permuted = TokenRows{};
   d_.stage = 2;
   return Request();
 }
@@ -104,16 +111,12 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
   if (d_.stage != 2) return failed_precondition("dispatch_postprocess before token_dispatch");
   ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
-  auto storage = std::make_shared<TokenTensor>();
-  storage->x = Tensor::empty(h.dtype, h.num_rows, h.hidden);
-  if (h.dtype == DType::kFP8) {
-    storage->scales = Tensor::empty(DType::kF32, h.num_rows, h.hidden / kFp8BlockSize);
-  }
+  TokenRows expert_input;
+  std::shared_ptr<void> storage = outputs_.acquire(h.dtype, h.num_rows, h.hidden, expert_input);
   // Source-major (s, j) chunks to expert-major (j, s) at their canonical offsets; the gaps are
   // the pad_to_capacity and expert_alignment padding, zeroed.
-  MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(d_.received.rows(), plan.chunk_sizes,
-                                                plan.chunk_order, storage->rows(),
-                                                plan.chunk_offsets, world_->pool()));
+  MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(d_.received, plan.chunk_sizes, plan.chunk_order,
+                                                expert_input, plan.chunk_offsets, world_->pool()));
   const int R = plan.world_size, L = plan.num_local_experts;
   h.permuted_probs.assign(size_t(h.num_rows), 0.0f);
   h.row_src_rank.assign(size_t(h.num_rows), -1);
@@ -130,7 +133,7 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
     }
   }
   DispatchOutput out;
-  out.expert_input = storage->rows();
+  out.expert_input = expert_input;
   out.permuted_probs = h.permuted_probs;
   out.tokens_per_expert = h.tokens_per_expert;
   out.handle = d_.handle;
@@ -165,10 +168,10 @@ StatusOr<Request> AlltoAllDispatcher::token_combine_backward(bool async) {
   const RowExchangePlan& plan = combine_grad_.handle->plan;
   int64_t n = 0;
   for (int64_t r : plan.rows_of_source) n += r;
-  cg_.received = Tensor::empty(cg_.home.grad_rows.dtype(), n, cg_.home.grad_rows.cols());
+  cg_.received = received_x_.view(cg_.home.grad_rows.dtype(), n, cg_.home.grad_rows.cols());
   MOED_RETURN_IF_ERROR(exchange_rows(*world_, cg_.home.grad_rows.data(), plan.home_rows_of_rank,
-                                     plan.home_offset_of_rank, cg_.received.data(),
-                                     plan.rows_of_source, cg_.received.view().row_bytes()));
+                                     plan.home_offset_of_rank, cg_.received.data,
+                                     plan.rows_of_source, cg_.received.row_bytes()));
   cg_.home.grad_rows = Tensor();
   cg_.stage = 3;
   return Request();
@@ -181,9 +184,9 @@ StatusOr<CombineGrad> AlltoAllDispatcher::combine_preprocess_backward() {
   const ExchangeHandle& h = *combine_grad_.handle;
   const RowExchangePlan& plan = h.plan;
   CombineGrad out;
-  out.grad_expert_output = Tensor::empty(cg_.received.dtype(), h.num_rows, h.hidden);
+  out.grad_expert_output = Tensor::empty(cg_.received.dtype, h.num_rows, h.hidden);
   MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(
-      TokenRows{cg_.received.view(), TensorView()}, plan.chunk_sizes, plan.chunk_order,
+      TokenRows{cg_.received, TensorView()}, plan.chunk_sizes, plan.chunk_order,
       TokenRows{out.grad_expert_output.view(), TensorView()}, plan.chunk_offsets, world_->pool()));
   if (config_.weighted_combine) {
     MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(plan.home, cg_.home.grad_row_probs));
@@ -191,7 +194,7 @@ StatusOr<CombineGrad> AlltoAllDispatcher::combine_preprocess_backward() {
     out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
   }
   cg_ = CombineGradRows{};
-  combine_grad_ = CombineGradState{};
+  combine_grad_.reset();
   return out;
 }
 
