@@ -124,7 +124,11 @@ class RowExchangeDispatcher : public TokenDispatcher {
   // reset() keeps the buffers for the next call.
   struct ReturnState {
     std::shared_ptr<const ExchangeHandle> handle;
-    TensorView packed;
+    TensorView packed;  // the caller's rows when packed_is_canonical, else packed_buffer
+    bool packed_is_canonical = false;
+    int64_t num_sent = 0;  // rows sent (padding dropped)
+    DType dtype = DType::kF32;
+    int64_t cols = 0;
     std::vector<float> packed_values;
     TensorView received;                 // [sum of home_rows_of_rank, H], rank-major
     std::vector<float> received_values;  // when values were sent
@@ -136,6 +140,8 @@ class RowExchangeDispatcher : public TokenDispatcher {
     void reset() {
       handle.reset();
       packed = TensorView();
+      packed_is_canonical = false;
+      num_sent = 0;
       received = TensorView();
       packed_values.clear();
       received_values.clear();
@@ -143,7 +149,9 @@ class RowExchangeDispatcher : public TokenDispatcher {
       stage = 0;
     }
   };
-  // Local: sorts rows (canonical layout of handle) back source-major, without padding.
+  // Local: sorts rows (canonical layout of handle) back source-major, without padding, when
+  // they are strided; contiguous rows are only referenced: they must stay valid (and unchanged)
+  // until send_return, as the caller's combine input does until token_combine returns.
   Status pack_return(ReturnState& st, std::shared_ptr<const ExchangeHandle> handle,
                      const TensorView& rows, std::span<const float> values);
   Status send_return(ReturnState& st);
