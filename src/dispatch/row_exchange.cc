@@ -173,22 +173,12 @@ Status RowExchangeDispatcher::pack_return(ReturnState& st,
   const RowExchangePlan& plan = st.handle->plan;
   int64_t n = 0;
   for (int64_t r : plan.rows_of_source) n += r;
-  st.num_sent = n;
-  st.dtype = rows.dtype;
-  st.cols = rows.cols;
-  // NOTE: contiguous rows are sent straight from the canonical layout (send_return); only
-  // strided ones are packed first. Sorting back is the backward of the dispatch's
-  // sort_chunks_by_idxs: chunk (j, s) returns to source-major place s * L + j; padding rows
-  // stay behind.
-  if (rows.contiguous()) {
-    st.packed = rows;
-    st.packed_is_canonical = true;
-  } else {
-    st.packed = st.packed_buffer.view(rows.dtype, n, rows.cols);
-    MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_backward_into(
-        TokenRows{rows, TensorView()}, plan.chunk_sizes, plan.chunk_order,
-        TokenRows{st.packed, TensorView()}, plan.chunk_offsets, world_->pool()));
-  }
+  // NOTE: sorting back is the backward of the dispatch's sort_chunks_by_idxs: chunk (j, s) of
+  // the canonical layout returns to source-major place s * L + j; padding rows stay behind.
+  st.packed = st.packed_buffer.view(rows.dtype, n, rows.cols);
+  MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_backward_into(
+      TokenRows{rows, TensorView()}, plan.chunk_sizes, plan.chunk_order,
+      TokenRows{st.packed, TensorView()}, plan.chunk_offsets, world_->pool()));
   st.has_values = !values.empty();
   if (st.has_values) {
     st.packed_values.resize(size_t(n));
@@ -200,36 +190,16 @@ Status RowExchangeDispatcher::pack_return(ReturnState& st,
   return ok_status();
 }
 
-// NOTE: one all_to_all_v per local expert j, chunk (j, s) to source s, landing where the home
-// rank keeps expert ep(g) * L + j's rows from g: the canonical layout is sent as it is, with
-// no packing pass. Every rank makes the same L calls whether its rows were packed or not.
 Status RowExchangeDispatcher::send_return(ReturnState& st) {
   if (st.stage != 1) return failed_precondition("the return exchange runs after its preprocess");
   const RowExchangePlan& plan = st.handle->plan;
-  const int R = plan.world_size, L = plan.num_local_experts, P = plan.etp_size;
   const std::vector<int64_t> send_off = prefix(plan.rows_of_source);
-  const std::vector<int64_t> recv_off = prefix(plan.home_rows_of_rank);
-  const std::vector<int64_t> packed_off = prefix(plan.chunk_sizes);
-  const int64_t n = recv_off.back();
-  st.received = st.received_buffer.view(st.dtype, n, st.cols);
-  const size_t row_bytes = st.received.row_bytes();
-  const size_t count = size_t(R);
-  std::vector<size_t> sb(count), so(count), rb(count), ro(count);
-  for (int j = 0; j < L; ++j) {
-    for (int g = 0; g < R; ++g) {
-      const int first = (g / P) * L;
-      sb[size_t(g)] = size_t(plan.layout.tokens(j, g)) * row_bytes;
-      so[size_t(g)] = size_t(st.packed_is_canonical ? plan.layout.offset(j, g)
-                                                    : packed_off[size_t(g) * L + j]) *
-                      row_bytes;
-      rb[size_t(g)] = size_t(plan.home.tokens_per_expert_unpadded[size_t(first + j)]) * row_bytes;
-      ro[size_t(g)] = size_t(recv_off[size_t(g)] + plan.home.expert_offsets[size_t(first + j)] -
-                             plan.home.expert_offsets[size_t(first)]) *
-                      row_bytes;
-    }
-    MOED_RETURN_IF_ERROR(
-        world_->all_to_all_v_bytes(st.packed.data, sb, so, st.received.data, rb, ro));
-  }
+  int64_t n = 0;
+  for (int64_t r : plan.home_rows_of_rank) n += r;
+  st.received = st.received_buffer.view(st.packed.dtype, n, st.packed.cols);
+  MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed.data, plan.rows_of_source, send_off,
+                                     st.received.data, plan.home_rows_of_rank,
+                                     st.packed.row_bytes()));
   if (st.has_values) {
     st.received_values.resize(size_t(n));
     MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed_values.data(), plan.rows_of_source,
@@ -377,7 +347,7 @@ Status RowExchangeDispatcher::dispatch_postprocess_backward(const DispatchGradIn
   std::copy(grad.grad_permuted_probs.begin(), grad.grad_permuted_probs.end(), grad_pprobs_.begin());
   MOED_RETURN_IF_ERROR(pack_return(dispatch_grad_, *h, grad.grad_expert_input, grad_pprobs_));
   dispatch_grad_.has_values = true;
-  dispatch_grad_.packed_values.resize(size_t(dispatch_grad_.num_sent), 0.0f);
+  dispatch_grad_.packed_values.resize(size_t(dispatch_grad_.packed.rows), 0.0f);
   return ok_status();
 }
 

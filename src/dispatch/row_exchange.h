@@ -124,11 +124,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
   // reset() keeps the buffers for the next call.
   struct ReturnState {
     std::shared_ptr<const ExchangeHandle> handle;
-    TensorView packed;  // the caller's rows when packed_is_canonical, else packed_buffer
-    bool packed_is_canonical = false;
-    int64_t num_sent = 0;  // rows sent (padding dropped)
-    DType dtype = DType::kF32;
-    int64_t cols = 0;
+    TensorView packed;
     std::vector<float> packed_values;
     TensorView received;                 // [sum of home_rows_of_rank, H], rank-major
     std::vector<float> received_values;  // when values were sent
@@ -140,8 +136,6 @@ class RowExchangeDispatcher : public TokenDispatcher {
     void reset() {
       handle.reset();
       packed = TensorView();
-      packed_is_canonical = false;
-      num_sent = 0;
       received = TensorView();
       packed_values.clear();
       received_values.clear();
@@ -149,9 +143,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
       stage = 0;
     }
   };
-  // Local: sorts rows (canonical layout of handle) back source-major, without padding, when
-  // they are strided; contiguous rows are only referenced: they must stay valid (and unchanged)
-  // until send_return, as the caller's combine input does until token_combine returns.
+  // Local: sorts rows (canonical layout of handle) back source-major, without padding.
   Status pack_return(ReturnState& st, std::shared_ptr<const ExchangeHandle> handle,
                      const TensorView& rows, std::span<const float> values);
   Status send_return(ReturnState& st);
