@@ -1,7 +1,6 @@
 #include "dispatch/alltoall/alltoall.h"
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "dispatch/row_exchange.h"
@@ -24,15 +23,10 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
   StatusOr<CombineGrad> combine_preprocess_backward() override;
 
  private:
-  // Collective: this rank's home-order rows to every rank's canonical layout (`out`).
-  Status exchange_into_layout(const RowExchangePlan& plan, const TensorView& home,
-                              const TensorView& out);
-
   struct DispatchState {
     std::shared_ptr<ExchangeHandle> handle;
-    TokenRows permuted;      // home order: this rank's rows, expert-major (in permuted_*_)
-    TokenRows expert_input;  // the output, canonical layout (in storage)
-    std::shared_ptr<void> storage;
+    TokenRows permuted;  // home order: this rank's rows, expert-major (in permuted_*_)
+    TokenRows received;  // source-major chunks (s, j) (in received_*_)
     std::vector<float> received_probs;
     std::vector<int32_t> received_tokens;
     int stage = 0;  // 0 idle, 1 permuted, 2 received
@@ -46,45 +40,11 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
   DispatchState d_;
   CombineGradRows cg_;
   // Kept across calls (see ScratchBuffer); d_ and cg_ hold views into them.
-  ScratchBuffer permuted_x_, permuted_scales_, received_x_;
+  ScratchBuffer permuted_x_, permuted_scales_, received_x_, received_scales_;
   OutputPool outputs_;
 };
 
 // ---- dispatch ----
-
-// NOTE: Megatron receives every source's rows packed and then runs sort_chunks_by_idxs into
-// the canonical layout; here one all_to_all_v per local expert j lands each chunk (j, s)
-// straight at its canonical offset, which saves that whole extra pass over the rows. The gaps
-// (pad_to_capacity, expert_alignment) are zeroed afterwards, as sort_chunks_by_idxs does.
-Status AlltoAllDispatcher::exchange_into_layout(const RowExchangePlan& plan, const TensorView& home,
-                                                const TensorView& out) {
-  const int R = plan.world_size, L = plan.num_local_experts, P = plan.etp_size;
-  const size_t row_bytes = out.row_bytes();
-  const size_t n = size_t(R);
-  std::vector<size_t> sb(n), so(n), rb(n), ro(n);
-  for (int j = 0; j < L; ++j) {
-    for (int g = 0; g < R; ++g) {
-      const size_t e = size_t((g / P) * L + j);
-      sb[size_t(g)] = size_t(plan.home.tokens_per_expert_unpadded[e]) * row_bytes;
-      so[size_t(g)] = size_t(plan.home.expert_offsets[e]) * row_bytes;
-      rb[size_t(g)] = size_t(plan.layout.tokens(j, g)) * row_bytes;
-      ro[size_t(g)] = size_t(plan.layout.offset(j, g)) * row_bytes;
-    }
-    MOED_RETURN_IF_ERROR(world_->all_to_all_v_bytes(home.data, sb, so, out.data, rb, ro));
-  }
-  auto zero = [&](int64_t begin, int64_t end) {
-    if (end > begin) std::memset(out.row_ptr(begin), 0, size_t(end - begin) * row_bytes);
-  };
-  int64_t cursor = 0;
-  for (int j = 0; j < L; ++j) {
-    for (int s = 0; s < R; ++s) {
-      zero(cursor, plan.layout.offset(j, s));
-      cursor = plan.layout.offset(j, s) + plan.layout.tokens(j, s);
-    }
-  }
-  zero(cursor, out.rows);
-  return ok_status();
-}
 
 Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   d_ = DispatchState{};
@@ -129,10 +89,12 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
     return exchange_rows(*world_, send, plan.home_rows_of_rank, plan.home_offset_of_rank, recv,
                          plan.rows_of_source, row_bytes);
   };
-  d_.storage = outputs_.acquire(h.dtype, h.num_rows, h.hidden, d_.expert_input);
-  MOED_RETURN_IF_ERROR(exchange_into_layout(plan, d_.permuted.x, d_.expert_input.x));
+  d_.received.x = received_x_.view(h.dtype, n, h.hidden);
+  MOED_RETURN_IF_ERROR(move(d_.permuted.x.data, d_.received.x.data, d_.received.x.row_bytes()));
   if (h.dtype == DType::kFP8) {
-    MOED_RETURN_IF_ERROR(exchange_into_layout(plan, d_.permuted.scales, d_.expert_input.scales));
+    d_.received.scales = received_scales_.view(DType::kF32, n, h.hidden / kFp8BlockSize);
+    MOED_RETURN_IF_ERROR(
+        move(d_.permuted.scales.data, d_.received.scales.data, d_.received.scales.row_bytes()));
   }
   d_.received_probs.resize(size_t(n));
   MOED_RETURN_IF_ERROR(
@@ -149,6 +111,12 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
   if (d_.stage != 2) return failed_precondition("dispatch_postprocess before token_dispatch");
   ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
+  TokenRows expert_input;
+  std::shared_ptr<void> storage = outputs_.acquire(h.dtype, h.num_rows, h.hidden, expert_input);
+  // Source-major (s, j) chunks to expert-major (j, s) at their canonical offsets; the gaps are
+  // the pad_to_capacity and expert_alignment padding, zeroed.
+  MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(d_.received, plan.chunk_sizes, plan.chunk_order,
+                                                expert_input, plan.chunk_offsets, world_->pool()));
   const int R = plan.world_size, L = plan.num_local_experts;
   h.permuted_probs.assign(size_t(h.num_rows), 0.0f);
   h.row_src_rank.assign(size_t(h.num_rows), -1);
@@ -165,11 +133,11 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
     }
   }
   DispatchOutput out;
-  out.expert_input = d_.expert_input;
+  out.expert_input = expert_input;
   out.permuted_probs = h.permuted_probs;
   out.tokens_per_expert = h.tokens_per_expert;
   out.handle = d_.handle;
-  out.storage = std::move(d_.storage);
+  out.storage = storage;
   d_ = DispatchState{};
   return out;
 }
