@@ -10,6 +10,13 @@
 // outputs fed to combine are the dispatched rows. Every dispatcher's output is checked against
 // the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes and
 // shared_bytes are the world's counters for one iteration, summed over ranks.
+//
+//   mpirun -np 4 moed bench dispatch --world mpi --dispatcher alltoall,flex --shape mixtral
+//
+// Under MPI (one rank per process) every process rebuilds all ranks' inputs from the seeds and
+// the reference, checks its own rank's outputs, and the verdicts are combined over ranks; the
+// dispatch records also carry a bare MPI_Alltoallv of the same rows per destination, timed the
+// same way in the same run (mpi_seconds, mpi_gbps, ratio_to_mpi = gbps / mpi_gbps).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -19,10 +26,13 @@
 #include <string>
 #include <thread>
 
+#ifdef MOED_WITH_MPI
+#include <mpi.h>
+#endif
+
 #include "bench/common.h"
 #include "moed/dispatcher.h"
 #include "moed/reference.h"
-#include "moed/threads_world.h"
 #include "tools/moed/registry.h"
 
 namespace moed::bench {
@@ -97,60 +107,102 @@ struct Figure {
   int64_t network_bytes = 0;
   int64_t shared_bytes = 0;
   bool verified = false;
+  double mpi_seconds = 0;  // the bare MPI_Alltoallv of the same rows (dispatch, MPI world)
 };
 
-// What the ranks of the threads world share for the in-run check against the reference: each
-// rank fills its own slot; rank 0 compares everybody's after a barrier.
-struct Shared {
+// Every rank's input, rebuilt from the seeds by every process, and what the reference says each
+// rank must hold after dispatch and after combine. The expert outputs fed to combine are the
+// dispatched rows, so the reference combines its own dispatched rows: a dispatcher whose
+// dispatch differs fails its check anyway.
+struct Problem {
   std::vector<Tensor> x;
   std::vector<TopkRouting> topk;
-  std::vector<DispatchOutput> dispatched;
+  std::vector<ReferenceRankDispatch> dispatched;
   std::vector<Tensor> combined;
-  std::vector<Figure> figures;
-  bool verified = false;
 };
 
-bool check_against_reference(const Shape& s, int R, Shared& sh) {
+StatusOr<Problem> make_problem(const Shape& s, int R) {
+  Problem pr;
   ReferenceProblem p;
   p.num_experts = s.num_experts;
   p.ep_size = R;
   p.num_topk = s.num_topk;
   for (int r = 0; r < R; ++r) {
-    p.routing.push_back(to_map(sh.topk[size_t(r)], s.num_experts));
-    p.hidden.push_back(TokenRows{sh.x[size_t(r)].view(), {}});
+    pr.x.push_back(make_tokens(s.num_tokens, s.hidden, 1u + uint32_t(r)));
+    pr.topk.push_back(make_topk(s, r));
+    p.routing.push_back(to_map(pr.topk.back(), s.num_experts));
+    p.hidden.push_back(TokenRows{pr.x.back().view(), {}});
   }
-  bool ok = true;
-  {
-    StatusOr<std::vector<ReferenceRankDispatch>> ref = reference_dispatch(p);
-    if (!ref.ok()) return false;
-    for (int r = 0; r < R; ++r) {
-      const DispatchOutput& d = sh.dispatched[size_t(r)];
-      const ReferenceRankDispatch& want = (*ref)[size_t(r)];
-      ok = ok && bitwise_equal(d.expert_input.x, want.expert_input.x.view()) &&
-           std::equal(d.permuted_probs.begin(), d.permuted_probs.end(), want.permuted_probs.begin(),
-                      want.permuted_probs.end()) &&
-           std::equal(d.tokens_per_expert.begin(), d.tokens_per_expert.end(),
-                      want.tokens_per_expert.begin(), want.tokens_per_expert.end()) &&
-           d.handle->row_src_token == want.row_src_token;
-    }
-  }
+  MOED_ASSIGN_OR_RETURN(pr.dispatched, reference_dispatch(p));
   std::vector<TensorView> y;
-  for (int r = 0; r < R; ++r) y.push_back(sh.dispatched[size_t(r)].expert_input.x);
-  StatusOr<std::vector<Tensor>> out = reference_combine(p, y);
-  if (!out.ok()) return false;
-  for (int r = 0; r < R; ++r) {
-    ok = ok && bitwise_equal(sh.combined[size_t(r)].view(), (*out)[size_t(r)].view());
+  for (const ReferenceRankDispatch& d : pr.dispatched) y.push_back(d.expert_input.x.view());
+  MOED_ASSIGN_OR_RETURN(pr.combined, reference_combine(p, y));
+  return pr;
+}
+
+bool dispatch_ok(const DispatchOutput& d, const ReferenceRankDispatch& want) {
+  return bitwise_equal(d.expert_input.x, want.expert_input.x.view()) &&
+         std::equal(d.permuted_probs.begin(), d.permuted_probs.end(), want.permuted_probs.begin(),
+                    want.permuted_probs.end()) &&
+         std::equal(d.tokens_per_expert.begin(), d.tokens_per_expert.end(),
+                    want.tokens_per_expert.begin(), want.tokens_per_expert.end()) &&
+         d.handle->row_src_token == want.row_src_token;
+}
+
+// Median over iterations of the slowest rank's time of a bare MPI_Alltoallv (MPI_COMM_WORLD)
+// sending each destination the rows this rank's tokens contribute to its experts: the same
+// rows per destination as the dispatchers' output (spec §3, one row per routed (token,
+// expert)). 0 outside the MPI world. One warm-up call first, as the dispatchers have had.
+StatusOr<double> time_bare_alltoallv(World& w, const Shape& s, const TopkRouting& topk, int iters) {
+  double seconds = 0;
+#ifdef MOED_WITH_MPI
+  if (std::string(w.backend_name()) != "mpi") return seconds;
+  const int R = w.size(), L = s.num_experts / R;
+  std::vector<int> send_counts(size_t(R), 0), recv_counts(size_t(R), 0);
+  for (int32_t e : topk.topk_idx) {
+    if (e >= 0) ++send_counts[size_t(e / L)];
   }
-  return ok;
+  MOED_ASSIGN_OR_RETURN(std::vector<int> all, all_gather<int>(w, send_counts));
+  for (int src = 0; src < R; ++src) {
+    recv_counts[size_t(src)] = all[size_t(src) * size_t(R) + size_t(w.rank())];
+  }
+  std::vector<int> send_offsets(size_t(R), 0), recv_offsets(size_t(R), 0);
+  for (int r = 1; r < R; ++r) {
+    send_offsets[size_t(r)] = send_offsets[size_t(r) - 1] + send_counts[size_t(r) - 1];
+    recv_offsets[size_t(r)] = recv_offsets[size_t(r) - 1] + recv_counts[size_t(r) - 1];
+  }
+  // NOTE: counts in rows of a contiguous row type, so that no count is a byte count past INT_MAX.
+  const size_t row_bytes = size_t(s.hidden) * 2;
+  std::vector<uint8_t> send(size_t(send_offsets.back() + send_counts.back()) * row_bytes, 1);
+  std::vector<uint8_t> recv(size_t(recv_offsets.back() + recv_counts.back()) * row_bytes, 0);
+  MPI_Datatype row;
+  MPI_Type_contiguous(int(row_bytes), MPI_BYTE, &row);
+  MPI_Type_commit(&row);
+  std::vector<double> times;
+  Status st;
+  for (int i = -1; i < iters && st.ok(); ++i) {  // i = -1: warm-up
+    StatusOr<double> t = time_max(w, [&] {
+      const int rc =
+          MPI_Alltoallv(send.data(), send_counts.data(), send_offsets.data(), row, recv.data(),
+                        recv_counts.data(), recv_offsets.data(), row, MPI_COMM_WORLD);
+      return rc == MPI_SUCCESS ? ok_status() : internal_error("MPI_Alltoallv returned ", rc);
+    });
+    if (!t.ok()) st = t.status();
+    if (t.ok() && i >= 0) times.push_back(*t);
+  }
+  MPI_Type_free(&row);
+  MOED_RETURN_IF_ERROR(st);
+  seconds = median(std::move(times));
+#endif
+  return seconds;
 }
 
 Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kinds, int iters,
-                Shared& sh) {
-  const int me = w.rank(), R = w.size();
-  sh.x[size_t(me)] = make_tokens(s.num_tokens, s.hidden, 1u + uint32_t(me));
-  sh.topk[size_t(me)] = make_topk(s, me);
-  const Tensor& x = sh.x[size_t(me)];
-  const TopkRouting& topk = sh.topk[size_t(me)];
+                const Problem& pr, std::vector<Figure>* figures) {
+  const int me = w.rank();
+  const Tensor& x = pr.x[size_t(me)];
+  const TopkRouting& topk = pr.topk[size_t(me)];
+  MOED_ASSIGN_OR_RETURN(const double mpi_seconds, time_bare_alltoallv(w, s, topk, iters));
   for (DispatcherKind kind : kinds) {
     DispatchConfig config;
     config.kind = kind;
@@ -177,13 +229,10 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     MOED_RETURN_IF_ERROR(combine());
     const TrafficCounters cc = w.counters();
 
-    sh.dispatched[size_t(me)] = out;
-    sh.combined[size_t(me)] = std::move(comb.hidden);
-    MOED_RETURN_IF_ERROR(w.barrier());
-    if (me == 0) sh.verified = check_against_reference(s, R, sh);
-    MOED_RETURN_IF_ERROR(w.barrier());
-    sh.dispatched[size_t(me)] = DispatchOutput{};
-    sh.combined[size_t(me)] = Tensor();
+    const bool ok = dispatch_ok(out, pr.dispatched[size_t(me)]) &&
+                    bitwise_equal(comb.hidden.view(), pr.combined[size_t(me)].view());
+    MOED_ASSIGN_OR_RETURN(const int64_t bad, sum_ranks(w, ok ? 0 : 1));
+    const bool verified = bad == 0;
 
     std::vector<double> dt, ct;
     for (int i = 0; i < iters; ++i) {
@@ -199,8 +248,8 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     MOED_ASSIGN_OR_RETURN(const int64_t cshm, sum_ranks(w, int64_t(cc.shared_bytes)));
     if (me == 0) {
       const std::string name = dispatcher_kind_name(kind);
-      sh.figures.push_back({name, "dispatch", rows, median(dt), dnet, dshm, sh.verified});
-      sh.figures.push_back({name, "combine", rows, median(ct), cnet, cshm, sh.verified});
+      figures->push_back({name, "dispatch", rows, median(dt), dnet, dshm, verified, mpi_seconds});
+      figures->push_back({name, "combine", rows, median(ct), cnet, cshm, verified});
     }
     out = DispatchOutput{};
     comb = CombineOutput{};
@@ -211,8 +260,14 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
 void run(const Args& a) {
   StatusOr<Shape> found = find_shape(a.shape);
   if (!found.ok()) fail(found.status());
+  int ranks = a.ranks;
+  if (a.world == "mpi") {
+    StatusOr<int> n = mpi_world_size();
+    if (!n.ok()) fail(n.status());
+    ranks = *n;
+  }
   Shape s = *found;
-  s.num_experts = experts_for_ranks(s.num_experts, a.ranks);
+  s.num_experts = experts_for_ranks(s.num_experts, ranks);
   std::vector<DispatcherKind> kinds;
   std::stringstream list(a.dispatchers);
   for (std::string name; std::getline(list, name, ',');) {
@@ -223,54 +278,57 @@ void run(const Args& a) {
     }
     kinds.push_back(*k);
   }
-  if (a.world != "threads") {
-    // NOTE: the MPI world's public entry point (moed/mpi_world.h) is not in the tree yet, and
-    // the in-run reference check reads the other ranks' outputs through the process.
-    fail(unimplemented("--world ", a.world, ": only the threads world can run this bench so far"));
-  }
   WorldOptions opts;
   opts.ranks_per_node = a.ranks_per_node;
   const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads_per_rank = std::max(1, cores / a.ranks);
+  const int threads_per_rank = std::max(1, cores / ranks);
   opts.threads_per_rank = threads_per_rank;
-  Shared sh;
-  sh.x.resize(size_t(a.ranks));
-  sh.topk.resize(size_t(a.ranks));
-  sh.dispatched.resize(size_t(a.ranks));
-  sh.combined.resize(size_t(a.ranks));
-  Status st =
-      run_threads(a.ranks, opts, [&](World& w) { return run_rank(w, s, kinds, a.iters, sh); });
-  if (!st.ok()) fail(st);
-  sh.x.clear();
-  sh.topk.clear();
+  std::vector<Figure> figures;
+  int my_rank = 0;
+  {
+    StatusOr<Problem> pr = make_problem(s, ranks);
+    if (!pr.ok()) fail(pr.status());
+    Status st = run_in_world(
+        a.world, ranks, opts,
+        [&](World& w) { return run_rank(w, s, kinds, a.iters, *pr, &figures); }, &my_rank);
+    if (!st.ok()) fail(st);
+  }
+  if (my_rank != 0) return;
 
   // The same total threads as the ranks' pools together.
-  const int threads = threads_per_rank * a.ranks;
+  const int threads = threads_per_rank * ranks;
   Report report(a.json);
-  for (const Figure& f : sh.figures) {
+  for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
-    report.add({{"suite", "dispatch"},
-                {"shape", s.name},
-                {"dispatcher", f.dispatcher},
-                {"phase", f.phase},
-                {"world", a.world},
-                {"ranks", a.ranks},
-                {"ranks_per_node", a.ranks_per_node == 0 ? a.ranks : a.ranks_per_node},
-                {"num_tokens", s.num_tokens},
-                {"hidden", s.hidden},
-                {"num_experts", s.num_experts},
-                {"num_topk", s.num_topk},
-                {"dtype", "bf16"},
-                {"threads", threads},
-                {"iters", a.iters},
-                {"rows", f.rows},
-                {"bytes", bytes},
-                {"seconds", f.seconds},
-                {"network_bytes", f.network_bytes},
-                {"shared_bytes", f.shared_bytes},
-                {"copy_gbps", measure_copy_gbps(bytes, threads)},
-                {"peak_rss_bytes", peak_rss_bytes()},
-                {"verified", f.verified}});
+    nlohmann::json rec = {{"suite", "dispatch"},
+                          {"shape", s.name},
+                          {"dispatcher", f.dispatcher},
+                          {"phase", f.phase},
+                          {"world", a.world},
+                          {"ranks", ranks},
+                          {"ranks_per_node", a.ranks_per_node == 0 ? ranks : a.ranks_per_node},
+                          {"num_tokens", s.num_tokens},
+                          {"hidden", s.hidden},
+                          {"num_experts", s.num_experts},
+                          {"num_topk", s.num_topk},
+                          {"dtype", "bf16"},
+                          {"threads", threads},
+                          {"iters", a.iters},
+                          {"rows", f.rows},
+                          {"bytes", bytes},
+                          {"seconds", f.seconds},
+                          {"network_bytes", f.network_bytes},
+                          {"shared_bytes", f.shared_bytes},
+                          {"copy_gbps", measure_copy_gbps(bytes, threads)},
+                          {"peak_rss_bytes", peak_rss_bytes()},
+                          {"verified", f.verified}};
+    if (f.mpi_seconds > 0) {
+      // The same bytes, so the GB/s ratio is the inverse ratio of the times.
+      rec["mpi_seconds"] = f.mpi_seconds;
+      rec["mpi_gbps"] = double(bytes) / f.mpi_seconds / 1e9;
+      rec["ratio_to_mpi"] = f.mpi_seconds / f.seconds;
+    }
+    report.add(std::move(rec));
   }
   report.finish();
 }

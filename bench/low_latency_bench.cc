@@ -7,6 +7,12 @@
 // A multi-rank time is the maximum over ranks of one iteration (every rank starts after a
 // barrier); figures are medians over iterations. Bandwidth counts the rows every rank received
 // (aggregate) times their payload bytes (spec §7).
+//
+//   mpirun -np 4 moed bench low-latency --world mpi --shape decode
+//
+// Every check is made by each rank on its own outputs (any rank can rebuild any other's input
+// from the seeds) and the verdicts are combined over ranks, so the MPI world (one rank per
+// process) runs the same checks; only rank 0 prints.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -18,7 +24,6 @@
 #include "bench/common.h"
 #include "moed/dispatcher.h"
 #include "moed/low_latency.h"
-#include "moed/threads_world.h"
 #include "tools/moed/registry.h"
 
 namespace moed::bench {
@@ -271,18 +276,22 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
 void run(const Args& a) {
   StatusOr<Shape> found = find_shape(a.shape);
   if (!found.ok()) fail(found.status());
-  Shape s = *found;
-  s.num_experts = experts_for_ranks(s.num_experts, a.ranks);
-  if (a.world != "threads") {
-    // NOTE: the MPI world's public entry point (moed/mpi_world.h) is not in the tree yet.
-    fail(unimplemented("--world ", a.world, ": only the threads world can run this bench so far"));
+  int ranks = a.ranks;
+  if (a.world == "mpi") {
+    StatusOr<int> n = mpi_world_size();
+    if (!n.ok()) fail(n.status());
+    ranks = *n;
   }
+  Shape s = *found;
+  s.num_experts = experts_for_ranks(s.num_experts, ranks);
   WorldOptions opts;
   opts.ranks_per_node = a.ranks_per_node;
   std::vector<Figure> figures;
-  Status st =
-      run_threads(a.ranks, opts, [&](World& w) { return run_rank(w, s, a.iters, &figures); });
+  int my_rank = 0;
+  Status st = run_in_world(
+      a.world, ranks, opts, [&](World& w) { return run_rank(w, s, a.iters, &figures); }, &my_rank);
   if (!st.ok()) fail(st);
+  if (my_rank != 0) return;
 
   const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
   Report report(a.json);
@@ -291,8 +300,8 @@ void run(const Args& a) {
     report.add({{"suite", "low_latency"},
                 {"shape", s.name},
                 {"world", a.world},
-                {"ranks", a.ranks},
-                {"ranks_per_node", a.ranks_per_node == 0 ? a.ranks : a.ranks_per_node},
+                {"ranks", ranks},
+                {"ranks_per_node", a.ranks_per_node == 0 ? ranks : a.ranks_per_node},
                 {"num_tokens", s.num_tokens},
                 {"hidden", s.hidden},
                 {"num_experts", s.num_experts},
