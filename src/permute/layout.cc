@@ -129,9 +129,9 @@ StatusOr<PermuteLayout> make_permute_layout(const RoutingMap& routing,
   std::vector<int64_t> cursor(size_t(num_pieces) * n, 0);
   pool.parallel_for(num_pieces, [&](int64_t pb, int64_t pe, int) {
     for (int64_t p = pb; p < pe; ++p) {
-      int64_t* c = &cursor[size_t(p) * n];
+      int64_t* c = cursor.data() + size_t(p) * n;
       for (int64_t t = pieces[size_t(p)].begin; t < pieces[size_t(p)].end; ++t) {
-        const uint8_t* m = &routing.routing_map[size_t(t) * E + eb];
+        const uint8_t* m = routing.routing_map.data() + size_t(t) * E + eb;
         for (int j = 0; j < n; ++j) c[j] += m[j] != 0;
       }
     }
@@ -183,9 +183,9 @@ StatusOr<PermuteLayout> make_permute_layout(const RoutingMap& routing,
   l.permuted_probs.assign(size_t(row), 0.0f);
   pool.parallel_for(num_pieces, [&](int64_t pb, int64_t pe, int) {
     for (int64_t p = pb; p < pe; ++p) {
-      int64_t* c = &cursor[size_t(p) * n];
+      int64_t* c = cursor.data() + size_t(p) * n;
       for (int64_t t = pieces[size_t(p)].begin; t < pieces[size_t(p)].end; ++t) {
-        const uint8_t* m = &routing.routing_map[size_t(t) * E + eb];
+        const uint8_t* m = routing.routing_map.data() + size_t(t) * E + eb;
         const float* pr = &routing.probs[size_t(t) * E + eb];
         for (int j = 0; j < n; ++j) {
           if (!m[j]) continue;

@@ -225,7 +225,7 @@ TEST_P(CollectivesTest, AllReduceIsBitExactInRankOrder) {
           }
         }
         MOED_RETURN_IF_ERROR(w.all_reduce_f32(send.data(), send.data(), count));  // in place
-        if (std::memcmp(send.data(), recv.data(), count * 4) != 0) {
+        if (count > 0 && std::memcmp(send.data(), recv.data(), count * 4) != 0) {
           return internal_error("all_reduce_f32 in place differs");
         }
         MOED_RETURN_IF_ERROR(moed::testing::expect_same_on_all_ranks<float>(w, recv, "sums"));
