@@ -100,6 +100,21 @@ struct TokenTensor {
   TokenRows rows() const { return TokenRows{x.view(), scales.view()}; }
 };
 
+// Large Tensor blocks (1 MiB and up) are kept when a Tensor is freed and reused for the next
+// Tensor of the same size, so a step that returns a fresh output every call (combine, say)
+// touches warm pages instead of faulting in new ones. The cache holds at most a limit of
+// bytes (default 1 GiB; MOED_TENSOR_CACHE_BYTES sets it at start-up, 0 turns the cache off;
+// off under the sanitizers), dropping the least recently freed blocks first.
+struct TensorCacheStats {
+  size_t cached_bytes = 0;  // held free, ready for reuse
+  size_t limit_bytes = 0;
+  uint64_t hits = 0;        // large allocations served from the cache
+  uint64_t misses = 0;      // large allocations that went to the system
+};
+void set_tensor_cache_limit(size_t bytes);  // evicts down to the new limit at once
+void release_tensor_cache();                // frees every cached block; the limit stays
+TensorCacheStats tensor_cache_stats();
+
 // True when both views have equal shape, dtype and bytes in every row (bitwise equality).
 bool bitwise_equal(const TensorView& a, const TensorView& b);
 

@@ -5,19 +5,11 @@
 #include <cstring>
 #include <new>
 
+#include "core/block_cache.h"
+
 namespace moed {
 
-namespace {
-void* aligned_alloc_bytes(size_t bytes) {
-  if (bytes == 0) return nullptr;
-  const size_t rounded = (bytes + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-}  // namespace
-
-Tensor::~Tensor() { std::free(data_); }
+Tensor::~Tensor() { internal::release_block(data_, bytes()); }
 
 Tensor::Tensor(Tensor&& o) noexcept
     : data_(o.data_), dtype_(o.dtype_), rows_(o.rows_), cols_(o.cols_) {
@@ -27,7 +19,7 @@ Tensor::Tensor(Tensor&& o) noexcept
 
 Tensor& Tensor::operator=(Tensor&& o) noexcept {
   if (this != &o) {
-    std::free(data_);
+    internal::release_block(data_, bytes());
     data_ = o.data_;
     dtype_ = o.dtype_;
     rows_ = o.rows_;
@@ -46,7 +38,7 @@ Tensor Tensor::empty(DType dtype, int64_t rows, int64_t cols) {
   t.dtype_ = dtype;
   t.rows_ = rows;
   t.cols_ = cols;
-  t.data_ = aligned_alloc_bytes(t.bytes());
+  t.data_ = internal::allocate_block(t.bytes());
   return t;
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -82,6 +83,70 @@ TEST(Tensor, TokenTensorRows) {
   EXPECT_TRUE(r.has_scales());
   EXPECT_EQ(r.scales.cols, 2);
   EXPECT_EQ(r.x.row_bytes(), 256u);
+}
+
+// The cache for large blocks (off under the sanitizers: the tests then check only that).
+TEST(TensorCache, ReusesLargeBlocksOfTheSameSize) {
+  if (tensor_cache_stats().limit_bytes == 0) {
+    Tensor a = Tensor::zeros(DType::kF32, 1024, 1024);
+    EXPECT_EQ(tensor_cache_stats().cached_bytes, 0u);
+    GTEST_SKIP() << "tensor cache is off in this build";
+  }
+  release_tensor_cache();
+  void* first = nullptr;
+  {
+    Tensor a = Tensor::empty(DType::kBF16, 2048, 4096);  // 16 MiB
+    first = a.data();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 64, 0u);
+  }
+  EXPECT_EQ(tensor_cache_stats().cached_bytes, size_t(16) << 20);
+  const TensorCacheStats before = tensor_cache_stats();
+  Tensor b = Tensor::empty(DType::kF32, 1024, 4096);  // the same 16 MiB, another shape
+  EXPECT_EQ(b.data(), first);
+  EXPECT_EQ(tensor_cache_stats().hits, before.hits + 1);
+  EXPECT_EQ(tensor_cache_stats().cached_bytes, 0u);
+  // zeros() still zeroes a reused block.
+  std::memset(b.data(), 0xff, b.bytes());
+  b = Tensor();
+  Tensor z = Tensor::zeros(DType::kF32, 1024, 4096);
+  EXPECT_EQ(z.data(), first);
+  const auto* p = static_cast<const uint8_t*>(z.data());
+  for (size_t i = 0; i < z.bytes(); i += 4093) ASSERT_EQ(p[i], 0) << i;
+}
+
+TEST(TensorCache, SmallBlocksAreNotCached) {
+  if (tensor_cache_stats().limit_bytes == 0) GTEST_SKIP() << "tensor cache is off in this build";
+  release_tensor_cache();
+  { Tensor a = Tensor::zeros(DType::kF32, 16, 1024); }  // 64 KiB
+  EXPECT_EQ(tensor_cache_stats().cached_bytes, 0u);
+}
+
+TEST(TensorCache, LimitEvictsLeastRecentlyFreed) {
+  const size_t limit = tensor_cache_stats().limit_bytes;
+  if (limit == 0) GTEST_SKIP() << "tensor cache is off in this build";
+  release_tensor_cache();
+  set_tensor_cache_limit(size_t(5) << 20);
+  void* older = nullptr;
+  void* newer = nullptr;
+  {
+    Tensor a = Tensor::empty(DType::kFP8, 2, size_t(2) << 20);  // 4 MiB
+    Tensor b = Tensor::empty(DType::kFP8, 2, size_t(2) << 20);
+    older = a.data();
+    newer = b.data();
+    a = Tensor();  // freed first
+  }
+  // Only one 4 MiB block fits under 5 MiB: the one freed last stays.
+  EXPECT_EQ(tensor_cache_stats().cached_bytes, size_t(4) << 20);
+  Tensor c = Tensor::empty(DType::kFP8, 2, size_t(2) << 20);
+  EXPECT_NE(older, newer);
+  EXPECT_EQ(c.data(), newer);
+  c = Tensor();
+  set_tensor_cache_limit(0);
+  EXPECT_EQ(tensor_cache_stats().cached_bytes, 0u);
+  set_tensor_cache_limit(limit);
+  release_tensor_cache();
+  EXPECT_EQ(tensor_cache_stats().cached_bytes, 0u);
+  EXPECT_EQ(tensor_cache_stats().limit_bytes, limit);
 }
 
 }  // namespace

@@ -1,0 +1,16 @@
+// Memory behind moed's own Tensors. Large blocks are kept after release and handed out again
+// for the same size (PyTorch's caching allocator does this for GPU memory), so an op that
+// returns a fresh [T, H] output every step does not pay for new pages every step: on these
+// VMs a first-touched page costs about as much as copying it several times.
+#pragma once
+
+#include <cstddef>
+
+namespace moed::internal {
+
+// 64-byte aligned; nullptr for 0 bytes; throws std::bad_alloc when out of memory.
+void* allocate_block(size_t bytes);
+// `bytes` as passed to allocate_block.
+void release_block(void* p, size_t bytes);
+
+}  // namespace moed::internal
