@@ -71,7 +71,7 @@ struct MoELayer::State {
   DispatchOutput dispatched;  // normal dispatchers
   moe::ExpertContext experts;
   moe::ExpertContext shared;
-  Tensor expert_y;  // expert outputs (combine's input)
+  Tensor expert_y;  // expert outputs (combine's input); Flex: its node-shared buffer instead
   // Low-latency only.
   LowLatencyDispatchOutput ll_dispatched;
   TopkRouting ll_unit_topk;              // the effective routing with unit weights

@@ -3,6 +3,7 @@
 
 #include "moe/blas.h"
 #include "moe/layer_internal.h"
+#include "moed/flex.h"
 
 namespace moed {
 
@@ -114,16 +115,25 @@ StatusOr<Tensor> MoELayer::forward(const TensorView& x) {
   s.stats.tokens_per_local_expert = handle.tokens_per_expert_unpadded;
 
   t0 = Clock::now();
-  s.expert_y = Tensor::empty(s.config.dtype, s.dispatched.num_rows(), H);
+  // NOTE: with Flex the experts write straight into node-shared memory, so combine reads
+  // their rows in place instead of copying them there first (MPI world).
+  TensorView expert_y;
+  if (s.config.dispatcher == DispatcherKind::kFlex) {
+    MOED_ASSIGN_OR_RETURN(expert_y,
+                          flex_expert_output_buffer(*s.dispatcher, handle, s.config.dtype));
+  } else {
+    s.expert_y = Tensor::empty(s.config.dtype, s.dispatched.num_rows(), H);
+    expert_y = s.expert_y.view();
+  }
   moe::expert_forward(s.dispatched.expert_input.x, s.dispatched.permuted_probs,
                       moe::canonical_segments(s.dispatched.tokens_per_expert),
                       moe::views(s.weights.fc1), moe::views(s.weights.fc2), pool, &s.experts,
-                      s.expert_y.view());
+                      expert_y);
   s.stats.experts_s = seconds_since(t0);
 
   t0 = Clock::now();
   MOED_ASSIGN_OR_RETURN(CombineOutput c,
-                        s.dispatcher->combine({.expert_output = TokenRows{s.expert_y.view(), {}},
+                        s.dispatcher->combine({.expert_output = TokenRows{expert_y, {}},
                                                .handle = s.dispatched.handle}));
   moe::add_rows(c.hidden.view(), shared_y.view(), pool);
   s.stats.combine_s = seconds_since(t0);
