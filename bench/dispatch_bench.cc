@@ -7,7 +7,8 @@
 // Each rank holds the shape's T tokens (bf16) with uniform random top-k routing from a fixed
 // seed. A figure's time is the median over iterations of the slowest rank's time; bytes =
 // aggregate received rows * H * 2 (dispatch) and the same rows sent back (combine). The expert
-// outputs fed to combine are the dispatched rows. Every dispatcher's output is checked against
+// outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
+// flex_expert_output_buffer, where experts write them). Every dispatcher's output is checked against
 // the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes and
 // shared_bytes are the world's counters for one iteration, summed over ranks.
 //
@@ -19,6 +20,7 @@
 // same way in the same run (mpi_seconds, mpi_gbps, ratio_to_mpi = gbps / mpi_gbps).
 #include <algorithm>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <mutex>
 #include <random>
@@ -32,6 +34,7 @@
 
 #include "bench/common.h"
 #include "moed/dispatcher.h"
+#include "moed/flex.h"
 #include "moed/reference.h"
 #include "tools/moed/registry.h"
 
@@ -212,19 +215,33 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     in.hidden = TokenRows{x.view(), {}};
     in.topk = &topk;
     DispatchOutput out;
+    TokenRows expert_output;
     CombineOutput comb;
     auto dispatch = [&]() -> Status {
       MOED_ASSIGN_OR_RETURN(out, d->dispatch(in));
       return ok_status();
     };
+    // The "experts" (untimed): their outputs are the dispatched rows. Flex's experts write
+    // into its node-shared buffer, as the MoE layer's do, so combine reads them in place.
+    auto run_experts = [&]() -> Status {
+      expert_output = out.expert_input;
+      if (kind != DispatcherKind::kFlex) return ok_status();
+      MOED_ASSIGN_OR_RETURN(TensorView y, flex_expert_output_buffer(*d, *out.handle, DType::kBF16));
+      for (int64_t r = 0; r < y.rows; ++r) {
+        std::memcpy(y.row_ptr(r), out.expert_input.x.row_ptr(r), y.row_bytes());
+      }
+      expert_output = TokenRows{y, {}};
+      return ok_status();
+    };
     auto combine = [&]() -> Status {
-      MOED_ASSIGN_OR_RETURN(comb, d->combine(CombineInput{out.expert_input, out.handle}));
+      MOED_ASSIGN_OR_RETURN(comb, d->combine(CombineInput{expert_output, out.handle}));
       return ok_status();
     };
     // One iteration's traffic, from the world's counters.
     w.reset_counters();
     MOED_RETURN_IF_ERROR(dispatch());
     const TrafficCounters dc = w.counters();
+    MOED_RETURN_IF_ERROR(run_experts());
     w.reset_counters();
     MOED_RETURN_IF_ERROR(combine());
     const TrafficCounters cc = w.counters();
@@ -237,6 +254,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     std::vector<double> dt, ct;
     for (int i = 0; i < iters; ++i) {
       MOED_ASSIGN_OR_RETURN(double a, time_max(w, dispatch));
+      MOED_RETURN_IF_ERROR(run_experts());
       MOED_ASSIGN_OR_RETURN(double b, time_max(w, combine));
       dt.push_back(a);
       ct.push_back(b);
