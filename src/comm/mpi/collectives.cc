@@ -39,19 +39,22 @@ Status MpiWorld::barrier() {
   MOED_RETURN_IF_ERROR(failure());
   MPI_Request req;
   MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier"));
-  return wait(&req, [&] { return str_cat("rank ", rank_, " in barrier"); });
+  return wait(&req, [&] { return str_cat("rank ", rank_, " in barrier"); }, nullptr);
 }
 
 Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   MOED_RETURN_IF_ERROR(failure());
   // Everyone's (root, bytes), so every rank can name the disagreement.
-  const uint64_t mine[2] = {uint64_t(int64_t(root)), bytes};
-  std::vector<uint64_t> all(2 * size_t(size_));
+  CallBuffers buf;
+  const uint64_t root_and_bytes[2] = {uint64_t(int64_t(root)), bytes};
+  const uint64_t* mine = buf.make_from(root_and_bytes, 2);
+  const uint64_t* all = buf.make<uint64_t>(2 * size_t(size_));
+  auto what = [&] { return str_cat("rank ", rank_, " in broadcast"); };
   MPI_Request req;
-  MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(mine, 2, MPI_UINT64_T, all.data(), 2, MPI_UINT64_T, comm_, &req),
-            "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, [&] { return str_cat("rank ", rank_, " in broadcast"); }));
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Iallgather(mine, 2, MPI_UINT64_T, const_cast<uint64_t*>(all), 2, MPI_UINT64_T, comm_, &req),
+      "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (int r = 0; r < size_; ++r) {
     if (int(int64_t(all[2 * size_t(r)])) != int(int64_t(all[0]))) {
       return invalid_argument("broadcast: rank ", r, " has root ", int64_t(all[2 * size_t(r)]),
@@ -72,7 +75,7 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   if (bytes == 0) return ok_status();
   MOED_RETURN_IF_ERROR(
       check(MPI_Ibcast(data, int(bytes), MPI_BYTE, root, comm_, &req), "MPI_Ibcast"));
-  MOED_RETURN_IF_ERROR(wait(&req, [&] { return str_cat("rank ", rank_, " in broadcast"); }));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   if (rank_ == root) {
     for (int d = 0; d < size_; ++d) count_send(d, bytes);
   }
@@ -83,13 +86,15 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
                                     std::span<const size_t> recv_bytes) {
   MOED_RETURN_IF_ERROR(failure());
   auto what = [&] { return str_cat("rank ", rank_, " in all_gather_v"); };
-  std::vector<uint64_t> sizes(static_cast<size_t>(size_));
-  uint64_t mine = send_bytes;
+  CallBuffers buf;
+  uint64_t* sizes = buf.make<uint64_t>(size_t(size_));
+  uint64_t* mine = buf.make<uint64_t>(1);
+  *mine = send_bytes;
   MPI_Request req;
   MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(&mine, 1, MPI_UINT64_T, sizes.data(), 1, MPI_UINT64_T, comm_, &req),
+      check(MPI_Iallgather(mine, 1, MPI_UINT64_T, sizes, 1, MPI_UINT64_T, comm_, &req),
             "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   Status local;
   if (recv_bytes.size() != size_t(size_)) {
     local = invalid_argument("all_gather_v: rank ", rank_, " passed recv sizes of length ",
@@ -101,19 +106,20 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
                                " bytes from rank ", s, ", which sends ", sizes[size_t(s)]);
     }
   }
-  std::vector<int> counts(static_cast<size_t>(size_)), displs(static_cast<size_t>(size_));
+  int* counts = buf.make<int>(size_t(size_));
+  int* displs = buf.make<int>(size_t(size_));
   size_t off = 0;
   for (int s = 0; s < size_ && local.ok(); ++s) {
     local = fits_int(off + sizes[size_t(s)], "all_gather_v");
-    counts[size_t(s)] = int(sizes[size_t(s)]);
-    displs[size_t(s)] = int(off);
+    counts[s] = int(sizes[size_t(s)]);
+    displs[s] = int(off);
     off += sizes[size_t(s)];
   }
   MOED_RETURN_IF_ERROR(agree_verdict(local, "all_gather_v"));
-  MOED_RETURN_IF_ERROR(check(MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts.data(),
-                                             displs.data(), MPI_BYTE, comm_, &req),
+  MOED_RETURN_IF_ERROR(check(MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts,
+                                             displs, MPI_BYTE, comm_, &req),
                              "MPI_Iallgatherv"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
   return ok_status();
 }
@@ -138,14 +144,19 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
   length(recv_offsets, "recv offsets");
   // Exchange the sizes (zeros where this rank's spans are malformed; the verdict below
   // carries that error), then agree once on everything checked.
-  std::vector<uint64_t> mine(n, 0), sent(n);
-  if (local.ok()) std::copy(send_bytes.begin(), send_bytes.end(), mine.begin());
+  CallBuffers buf;
+  uint64_t* mine = buf.make<uint64_t>(n);
+  uint64_t* sent = buf.make<uint64_t>(n);
+  if (local.ok()) std::copy(send_bytes.begin(), send_bytes.end(), mine);
   MPI_Request req;
   MOED_RETURN_IF_ERROR(
-      check(MPI_Ialltoall(mine.data(), 1, MPI_UINT64_T, sent.data(), 1, MPI_UINT64_T, comm_, &req),
+      check(MPI_Ialltoall(mine, 1, MPI_UINT64_T, sent, 1, MPI_UINT64_T, comm_, &req),
             "MPI_Ialltoall"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
-  std::vector<int> sc(n), sd(n), rc(n), rd(n);
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  int* sc = buf.make<int>(n);
+  int* sd = buf.make<int>(n);
+  int* rc = buf.make<int>(n);
+  int* rd = buf.make<int>(n);
   for (size_t s = 0; s < n && local.ok(); ++s) {
     if (recv_bytes[s] != sent[s]) {
       local = invalid_argument("all_to_all_v: rank ", rank_, " expects ", recv_bytes[s],
@@ -161,10 +172,10 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
     rd[i] = int(recv_offsets[i]);
   }
   MOED_RETURN_IF_ERROR(agree_verdict(local, "all_to_all_v"));
-  MOED_RETURN_IF_ERROR(check(MPI_Ialltoallv(send, sc.data(), sd.data(), MPI_BYTE, recv, rc.data(),
-                                            rd.data(), MPI_BYTE, comm_, &req),
-                             "MPI_Ialltoallv"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
+  MOED_RETURN_IF_ERROR(
+      check(MPI_Ialltoallv(send, sc, sd, MPI_BYTE, recv, rc, rd, MPI_BYTE, comm_, &req),
+            "MPI_Ialltoallv"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (int d = 0; d < size_; ++d) count_send(d, send_bytes[size_t(d)]);
   return ok_status();
 }
@@ -181,12 +192,15 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
   }
   MOED_RETURN_IF_ERROR(agree_verdict(local, "reduce_scatter_v_f32"));
   // Everyone's counts, so every rank can name the first disagreement.
-  std::vector<uint64_t> mine(counts.begin(), counts.end()), all(n * n);
+  CallBuffers buf;
+  uint64_t* mine = buf.make<uint64_t>(n);
+  uint64_t* all = buf.make<uint64_t>(n * n);
+  std::copy(counts.begin(), counts.end(), mine);
   MPI_Request req;
-  MOED_RETURN_IF_ERROR(check(MPI_Iallgather(mine.data(), int(n), MPI_UINT64_T, all.data(), int(n),
-                                            MPI_UINT64_T, comm_, &req),
-                             "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Iallgather(mine, int(n), MPI_UINT64_T, all, int(n), MPI_UINT64_T, comm_, &req),
+      "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (size_t r = 0; r < n; ++r) {
     for (size_t d = 0; d < n; ++d) {
       if (all[r * n + d] != all[d]) {
@@ -197,8 +211,11 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
   }
   // Block d of every rank goes to rank d; rank d adds the R blocks in rank order.
   const size_t mine_count = counts[size_t(rank_)];
-  std::vector<float> blocks(mine_count * n);
-  std::vector<int> sc(n), sd(n), rc(n), rd(n);
+  float* blocks = buf.make<float>(mine_count * n);
+  int* sc = buf.make<int>(n);
+  int* sd = buf.make<int>(n);
+  int* rc = buf.make<int>(n);
+  int* rd = buf.make<int>(n);
   size_t off = 0;
   for (size_t d = 0; d < n && local.ok(); ++d) {
     local = fits_int(std::max((off + counts[d]) * 4, mine_count * n * 4), "reduce_scatter_v_f32");
@@ -209,11 +226,11 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
     off += counts[d];
   }
   MOED_RETURN_IF_ERROR(agree_verdict(local, "reduce_scatter_v_f32"));
-  MOED_RETURN_IF_ERROR(check(MPI_Ialltoallv(send, sc.data(), sd.data(), MPI_FLOAT, blocks.data(),
-                                            rc.data(), rd.data(), MPI_FLOAT, comm_, &req),
-                             "MPI_Ialltoallv"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
-  sum_rows(pool(), blocks.data(), size_, mine_count, recv);
+  MOED_RETURN_IF_ERROR(
+      check(MPI_Ialltoallv(send, sc, sd, MPI_FLOAT, blocks, rc, rd, MPI_FLOAT, comm_, &req),
+            "MPI_Ialltoallv"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  sum_rows(pool(), blocks, size_, mine_count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
   return ok_status();
 }
@@ -221,13 +238,15 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
 Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   MOED_RETURN_IF_ERROR(failure());
   auto what = [&] { return str_cat("rank ", rank_, " in all_reduce_f32"); };
-  std::vector<uint64_t> counts(static_cast<size_t>(size_));
-  uint64_t mine = count;
+  CallBuffers buf;
+  uint64_t* counts = buf.make<uint64_t>(size_t(size_));
+  uint64_t* mine = buf.make<uint64_t>(1);
+  *mine = count;
   MPI_Request req;
   MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(&mine, 1, MPI_UINT64_T, counts.data(), 1, MPI_UINT64_T, comm_, &req),
+      check(MPI_Iallgather(mine, 1, MPI_UINT64_T, counts, 1, MPI_UINT64_T, comm_, &req),
             "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (int r = 0; r < size_; ++r) {
     if (counts[size_t(r)] != counts[0]) {
       return invalid_argument("all_reduce_f32: rank ", r, " has count ", counts[size_t(r)],
@@ -238,12 +257,12 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
       fits_int(count * sizeof(float) * size_t(size_), "all_reduce_f32"), "all_reduce_f32"));
   if (count == 0) return ok_status();
   // Gathering everything costs R times the data of a reduction tree, but fixes the order.
-  std::vector<float> rows(count * size_t(size_));
+  float* rows = buf.make<float>(count * size_t(size_));
   MOED_RETURN_IF_ERROR(check(
-      MPI_Iallgather(send, int(count), MPI_FLOAT, rows.data(), int(count), MPI_FLOAT, comm_, &req),
+      MPI_Iallgather(send, int(count), MPI_FLOAT, rows, int(count), MPI_FLOAT, comm_, &req),
       "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
-  sum_rows(pool(), rows.data(), size_, count, recv);
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  sum_rows(pool(), rows, size_, count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
   return ok_status();
 }

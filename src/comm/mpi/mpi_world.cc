@@ -39,6 +39,14 @@ Status agree_blocking(const Status& local, MPI_Comm comm) {
 
 }  // namespace
 
+void CallBuffers::park() {
+  static std::mutex mu;
+  static auto* parked = new std::vector<std::shared_ptr<void>>();  // never freed, on purpose
+  std::lock_guard<std::mutex> lock(mu);
+  parked->insert(parked->end(), held_.begin(), held_.end());
+  held_.clear();
+}
+
 Status check(int rc, const char* call) {
   if (rc == MPI_SUCCESS) return ok_status();
   char text[MPI_MAX_ERROR_STRING];
@@ -157,7 +165,8 @@ void MpiWorld::count_send(int dst, uint64_t bytes) {
   }
 }
 
-Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& what) {
+Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& what,
+                      CallBuffers* buffers) {
   MPI_Status st;
   int rc = MPI_SUCCESS;
   Status s = internal::poll_until(
@@ -170,6 +179,7 @@ Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& 
       what);
   if (s.ok()) s = check(rc, "MPI_Test");
   if (!s.ok()) {
+    if (buffers != nullptr) buffers->park();
     // The collective or message can't complete as a whole any more: fail this rank's world
     // so later calls return at once (and the other ranks hear of it).
     if (s.code() != StatusCode::kAborted) fail(s);
@@ -178,27 +188,30 @@ Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& 
 }
 
 Status MpiWorld::agree_verdict(const Status& local, const char* op) {
-  int code = int(local.code());
-  std::vector<int> codes(static_cast<size_t>(size_));
+  CallBuffers buf;
+  int* code = buf.make<int>(1);
+  *code = int(local.code());
+  int* codes = buf.make<int>(size_t(size_));
   MPI_Request req;
-  MOED_RETURN_IF_ERROR(check(
-      MPI_Iallgather(&code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm_, &req), "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(
+      check(MPI_Iallgather(code, 1, MPI_INT, codes, 1, MPI_INT, comm_, &req), "MPI_Iallgather"));
   auto what = [&] { return str_cat("rank ", rank_, " in ", op, " (checking arguments)"); };
-  MOED_RETURN_IF_ERROR(wait(&req, what));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   int bad = -1;
   for (int r = 0; r < size_ && bad < 0; ++r) {
-    if (codes[size_t(r)] != 0) bad = r;
+    if (codes[r] != 0) bad = r;
   }
   if (bad < 0) return ok_status();
-  std::string msg = bad == rank_ ? local.message() : std::string();
-  int len = int(msg.size());
-  MOED_RETURN_IF_ERROR(check(MPI_Ibcast(&len, 1, MPI_INT, bad, comm_, &req), "MPI_Ibcast"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
-  msg.resize(size_t(len));
-  MOED_RETURN_IF_ERROR(
-      check(MPI_Ibcast(msg.data(), len, MPI_CHAR, bad, comm_, &req), "MPI_Ibcast"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
-  return Status(StatusCode(codes[size_t(bad)]), msg);
+  const std::string& mine = local.message();
+  int* len = buf.make<int>(1);
+  *len = bad == rank_ ? int(mine.size()) : 0;
+  MOED_RETURN_IF_ERROR(check(MPI_Ibcast(len, 1, MPI_INT, bad, comm_, &req), "MPI_Ibcast"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  char* text = buf.make<char>(size_t(*len));
+  if (bad == rank_) std::copy(mine.begin(), mine.end(), text);
+  MOED_RETURN_IF_ERROR(check(MPI_Ibcast(text, *len, MPI_CHAR, bad, comm_, &req), "MPI_Ibcast"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  return Status(StatusCode(codes[bad]), std::string(text, size_t(*len)));
 }
 
 }  // namespace mpi

@@ -8,7 +8,9 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -21,6 +23,32 @@ namespace moed::mpi {
 
 // "MPI_Isend: <MPI's error string>" as kInternal, or OK for MPI_SUCCESS.
 Status check(int rc, const char* call);
+
+// The buffers one non-blocking collective call hands to MPI (sizes, verdicts, messages).
+// NOTE: a collective can be neither cancelled nor freed, so when waiting for one fails (a
+// peer failed, or the timeout passed) MPI may still write into its buffers whenever the
+// missing ranks' data arrives, even after the world is gone. So on that path the buffers are
+// parked (kept until the process ends) instead of freed. Caller-owned payloads are posted
+// only after every rank has agreed to post them, so those collectives do complete.
+class CallBuffers {
+ public:
+  template <typename T>
+  T* make(size_t n) {
+    auto v = std::make_shared<std::vector<T>>(n);
+    held_.push_back(v);
+    return v->data();
+  }
+  template <typename T>
+  T* make_from(const T* data, size_t n) {
+    T* p = make<T>(n);
+    std::copy(data, data + n, p);
+    return p;
+  }
+  void park();
+
+ private:
+  std::vector<std::shared_ptr<void>> held_;
+};
 
 class MpiWorld final : public World {
  public:
@@ -49,8 +77,10 @@ class MpiWorld final : public World {
   // Sends `reason` to every other rank (mpi_world_fail).
   void fail(const Status& reason);
   // Waits for `request` (MPI_Test polled against failure() and the timeout). On an error
-  // the request is abandoned and this rank's world is marked failed.
-  Status wait(MPI_Request* request, const std::function<std::string()>& what);
+  // the request is abandoned, `buffers` (the call's MPI buffers) are parked and this rank's
+  // world is marked failed.
+  Status wait(MPI_Request* request, const std::function<std::string()>& what,
+              CallBuffers* buffers);
   void count_send(int dst, uint64_t bytes);
   MPI_Comm comm() const { return comm_; }
   int tag_ub() const { return tag_ub_; }

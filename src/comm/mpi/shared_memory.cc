@@ -34,13 +34,15 @@ StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
   auto what = [&] { return str_cat("rank ", rank_, " in alloc_shared on node ", node()); };
   // Same size on every local rank (checked and agreed over the node before allocating, so
   // the blocking window allocation below never waits for a rank that isn't coming).
-  std::vector<uint64_t> sizes(static_cast<size_t>(g));
-  uint64_t mine = bytes;
+  CallBuffers buf;
+  uint64_t* sizes = buf.make<uint64_t>(size_t(g));
+  uint64_t* mine = buf.make<uint64_t>(1);
+  *mine = bytes;
   MPI_Request req;
   MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(&mine, 1, MPI_UINT64_T, sizes.data(), 1, MPI_UINT64_T, node_comm_, &req),
+      check(MPI_Iallgather(mine, 1, MPI_UINT64_T, sizes, 1, MPI_UINT64_T, node_comm_, &req),
             "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (int r = 0; r < g; ++r) {
     if (sizes[size_t(r)] != sizes[0]) {
       return invalid_argument("alloc_shared: local rank ", r, " of node ", node(), " asked for ",
@@ -79,7 +81,7 @@ StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
   MPI_Win_sync(win);
   // Nobody signals into a counter before its owner has constructed it.
   MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(node_comm_, &req), "MPI_Ibarrier"));
-  s = wait(&req, what);
+  s = wait(&req, what, nullptr);
   if (!s.ok()) {
     MPI_Win_unlock_all(win);
     // The window is leaked: freeing it is collective and a local rank is missing.
