@@ -108,8 +108,8 @@ struct TokenTensor {
 struct TensorCacheStats {
   size_t cached_bytes = 0;  // held free, ready for reuse
   size_t limit_bytes = 0;
-  uint64_t hits = 0;        // large allocations served from the cache
-  uint64_t misses = 0;      // large allocations that went to the system
+  uint64_t hits = 0;    // large allocations served from the cache
+  uint64_t misses = 0;  // large allocations that went to the system
 };
 void set_tensor_cache_limit(size_t bytes);  // evicts down to the new limit at once
 void release_tensor_cache();                // frees every cached block; the limit stays

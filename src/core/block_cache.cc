@@ -129,7 +129,7 @@ class BlockCache {
   }
 
   std::mutex mu_;
-  Order order_;                                                  // release order
+  Order order_;                                                    // release order
   std::unordered_map<size_t, std::vector<Order::iterator>> free_;  // by rounded size
   size_t cached_bytes_ = 0;
   size_t limit_ = default_limit();

@@ -39,7 +39,8 @@ Status MpiWorld::barrier() {
   MOED_RETURN_IF_ERROR(failure());
   MPI_Request req;
   MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier"));
-  return wait(&req, [&] { return str_cat("rank ", rank_, " in barrier"); }, nullptr);
+  auto what = [&] { return str_cat("rank ", rank_, " in barrier"); };
+  return wait(&req, what, /*buffers=*/nullptr);
 }
 
 Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
@@ -48,12 +49,11 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   CallBuffers buf;
   const uint64_t root_and_bytes[2] = {uint64_t(int64_t(root)), bytes};
   const uint64_t* mine = buf.make_from(root_and_bytes, 2);
-  const uint64_t* all = buf.make<uint64_t>(2 * size_t(size_));
+  uint64_t* all = buf.make<uint64_t>(2 * size_t(size_));
   auto what = [&] { return str_cat("rank ", rank_, " in broadcast"); };
   MPI_Request req;
   MOED_RETURN_IF_ERROR(check(
-      MPI_Iallgather(mine, 2, MPI_UINT64_T, const_cast<uint64_t*>(all), 2, MPI_UINT64_T, comm_, &req),
-      "MPI_Iallgather"));
+      MPI_Iallgather(mine, 2, MPI_UINT64_T, all, 2, MPI_UINT64_T, comm_, &req), "MPI_Iallgather"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (int r = 0; r < size_; ++r) {
     if (int(int64_t(all[2 * size_t(r)])) != int(int64_t(all[0]))) {
@@ -116,9 +116,9 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
     off += sizes[size_t(s)];
   }
   MOED_RETURN_IF_ERROR(agree_verdict(local, "all_gather_v"));
-  MOED_RETURN_IF_ERROR(check(MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts,
-                                             displs, MPI_BYTE, comm_, &req),
-                             "MPI_Iallgatherv"));
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts, displs, MPI_BYTE, comm_, &req),
+      "MPI_Iallgatherv"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
   return ok_status();
@@ -149,9 +149,8 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
   uint64_t* sent = buf.make<uint64_t>(n);
   if (local.ok()) std::copy(send_bytes.begin(), send_bytes.end(), mine);
   MPI_Request req;
-  MOED_RETURN_IF_ERROR(
-      check(MPI_Ialltoall(mine, 1, MPI_UINT64_T, sent, 1, MPI_UINT64_T, comm_, &req),
-            "MPI_Ialltoall"));
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Ialltoall(mine, 1, MPI_UINT64_T, sent, 1, MPI_UINT64_T, comm_, &req), "MPI_Ialltoall"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   int* sc = buf.make<int>(n);
   int* sd = buf.make<int>(n);
@@ -197,9 +196,9 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
   uint64_t* all = buf.make<uint64_t>(n * n);
   std::copy(counts.begin(), counts.end(), mine);
   MPI_Request req;
-  MOED_RETURN_IF_ERROR(check(
-      MPI_Iallgather(mine, int(n), MPI_UINT64_T, all, int(n), MPI_UINT64_T, comm_, &req),
-      "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(
+      check(MPI_Iallgather(mine, int(n), MPI_UINT64_T, all, int(n), MPI_UINT64_T, comm_, &req),
+            "MPI_Iallgather"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   for (size_t r = 0; r < n; ++r) {
     for (size_t d = 0; d < n; ++d) {
@@ -258,9 +257,9 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   if (count == 0) return ok_status();
   // Gathering everything costs R times the data of a reduction tree, but fixes the order.
   float* rows = buf.make<float>(count * size_t(size_));
-  MOED_RETURN_IF_ERROR(check(
-      MPI_Iallgather(send, int(count), MPI_FLOAT, rows, int(count), MPI_FLOAT, comm_, &req),
-      "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(
+      check(MPI_Iallgather(send, int(count), MPI_FLOAT, rows, int(count), MPI_FLOAT, comm_, &req),
+            "MPI_Iallgather"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   sum_rows(pool(), rows, size_, count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
