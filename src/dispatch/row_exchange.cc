@@ -19,6 +19,24 @@ std::vector<int64_t> prefix(std::span<const int64_t> n) {
   return off;
 }
 
+// all_to_all_v of whole rows: send_rows[d] rows at row send_offsets[d] go to rank d (offsets
+// may repeat: the same rows to several ranks); rank s's rows land packed in rank order.
+Status exchange_rows(World& world, const void* send, std::span<const int64_t> send_rows,
+                     std::span<const int64_t> send_offsets, void* recv,
+                     std::span<const int64_t> recv_rows, size_t row_bytes) {
+  const size_t R = size_t(world.size());
+  std::vector<size_t> sb(R), so(R), rb(R), ro(R);
+  size_t r = 0;
+  for (size_t i = 0; i < R; ++i) {
+    sb[i] = size_t(send_rows[i]) * row_bytes;
+    so[i] = size_t(send_offsets[i]) * row_bytes;
+    rb[i] = size_t(recv_rows[i]) * row_bytes;
+    ro[i] = r;
+    r += rb[i];
+  }
+  return world.all_to_all_v_bytes(send, sb, so, recv, rb, ro);
+}
+
 }  // namespace
 
 Status agree_step(World& world, const Status& local) { return world.agree(local); }
@@ -95,6 +113,7 @@ StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, W
       plan.chunk_order[size_t(j) * R + s] = s * L + j;
       plan.chunk_offsets[size_t(j) * R + s] = plan.layout.offset(j, s);
       plan.rows_of_source[size_t(s)] += n;
+      plan.expert_rows += n;
     }
   }
   MOED_ASSIGN_OR_RETURN(plan.home, make_permute_layout(effective, PermuteOptions{}, world.pool()));
@@ -110,20 +129,44 @@ StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, W
   return plan;
 }
 
-Status exchange_rows(World& world, const void* send, std::span<const int64_t> send_rows,
-                     std::span<const int64_t> send_offsets, void* recv,
-                     std::span<const int64_t> recv_rows, size_t row_bytes) {
-  const size_t R = size_t(world.size());
-  std::vector<size_t> sb(R), so(R), rb(R), ro(R);
-  size_t r = 0;
-  for (size_t i = 0; i < R; ++i) {
-    sb[i] = size_t(send_rows[i]) * row_bytes;
-    so[i] = size_t(send_offsets[i]) * row_bytes;
-    rb[i] = size_t(recv_rows[i]) * row_bytes;
-    ro[i] = r;
-    r += rb[i];
-  }
-  return world.all_to_all_v_bytes(send, sb, so, recv, rb, ro);
+Status exchange_to_experts(World& world, const RowExchangePlan& plan, const void* send, void* recv,
+                           size_t row_bytes) {
+  return exchange_rows(world, send, plan.home_rows_of_rank, plan.home_offset_of_rank, recv,
+                       plan.rows_of_source, row_bytes);
+}
+
+Status exchange_to_home(World& world, const RowExchangePlan& plan, const void* send, void* recv,
+                        size_t row_bytes) {
+  return exchange_rows(world, send, plan.rows_of_source, prefix(plan.rows_of_source), recv,
+                       plan.home_rows_of_rank, row_bytes);
+}
+
+// ---- dispatch glue ----
+
+Status RowExchangeDispatcher::init_handle(ExchangeHandle& h, const GlobalCounts& counts,
+                                          PreparedInput& in) const {
+  MOED_ASSIGN_OR_RETURN(h.plan, make_row_exchange_plan(config_, *world_, counts, in.effective));
+  h.kind = config_.kind;
+  h.hidden = in.hidden;
+  h.dtype = in.dtype;
+  h.num_topk = in.num_topk;
+  h.routing = std::move(in.effective);
+  h.num_rows = h.plan.layout.num_rows;
+  h.tokens_per_expert = h.plan.layout.tokens_per_expert;
+  h.tokens_per_expert_unpadded = h.plan.layout.tokens_per_expert_unpadded;
+  return ok_status();
+}
+
+DispatchOutput RowExchangeDispatcher::dispatch_output(std::shared_ptr<const ExchangeHandle> h,
+                                                      const TokenRows& expert_input,
+                                                      std::shared_ptr<void> storage) {
+  DispatchOutput out;
+  out.expert_input = expert_input;
+  out.permuted_probs = h->permuted_probs;
+  out.tokens_per_expert = h->tokens_per_expert;
+  out.handle = std::move(h);
+  out.storage = std::move(storage);
+  return out;
 }
 
 // ---- checks ----
@@ -171,8 +214,7 @@ Status RowExchangeDispatcher::pack_return(ReturnState& st,
   st.reset();
   st.handle = std::move(handle);
   const RowExchangePlan& plan = st.handle->plan;
-  int64_t n = 0;
-  for (int64_t r : plan.rows_of_source) n += r;
+  const int64_t n = plan.expert_rows;
   // NOTE: sorting back is the backward of the dispatch's sort_chunks_by_idxs: chunk (j, s) of
   // the canonical layout returns to source-major place s * L + j; padding rows stay behind.
   st.packed = st.packed_buffer.view(rows.dtype, n, rows.cols);
@@ -193,18 +235,15 @@ Status RowExchangeDispatcher::pack_return(ReturnState& st,
 Status RowExchangeDispatcher::send_return(ReturnState& st) {
   if (st.stage != 1) return failed_precondition("the return exchange runs after its preprocess");
   const RowExchangePlan& plan = st.handle->plan;
-  const std::vector<int64_t> send_off = prefix(plan.rows_of_source);
   int64_t n = 0;
   for (int64_t r : plan.home_rows_of_rank) n += r;
   st.received = st.received_buffer.view(st.packed.dtype, n, st.packed.cols);
-  MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed.data, plan.rows_of_source, send_off,
-                                     st.received.data, plan.home_rows_of_rank,
-                                     st.packed.row_bytes()));
+  MOED_RETURN_IF_ERROR(
+      exchange_to_home(*world_, plan, st.packed.data, st.received.data, st.packed.row_bytes()));
   if (st.has_values) {
     st.received_values.resize(size_t(n));
-    MOED_RETURN_IF_ERROR(exchange_rows(*world_, st.packed_values.data(), plan.rows_of_source,
-                                       send_off, st.received_values.data(), plan.home_rows_of_rank,
-                                       sizeof(float)));
+    MOED_RETURN_IF_ERROR(exchange_to_home(*world_, plan, st.packed_values.data(),
+                                          st.received_values.data(), sizeof(float)));
   }
   st.packed = TensorView();
   st.stage = 2;
@@ -423,6 +462,18 @@ StatusOr<UnpermuteGrad> RowExchangeDispatcher::home_combine_backward() {
                          terms(combine_grad_.y, summed), world_->pool()));
   combine_grad_.y.reset();
   return g;
+}
+
+Status RowExchangeDispatcher::finish_combine_backward(std::span<const float> grad_row_probs,
+                                                      CombineGrad& out) {
+  const ExchangeHandle& h = *combine_grad_.handle;
+  if (config_.weighted_combine) {
+    MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(h.plan.home, grad_row_probs));
+  } else {
+    out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
+  }
+  combine_grad_.reset();
+  return ok_status();
 }
 
 }  // namespace moed

@@ -53,6 +53,7 @@ struct RowExchangePlan {
   std::vector<int32_t> chunk_order;     // [L * R] canonical chunk (j, s) = chunk s * L + j
   std::vector<int64_t> chunk_offsets;   // [L * R] first row of canonical chunk (j, s)
   std::vector<int64_t> rows_of_source;  // [R] rows this rank holds for source s (sum over j)
+  int64_t expert_rows = 0;              // sum of rows_of_source: the layout without padding
   // Home side.
   PermuteLayout home;                        // this rank's tokens, expert-major, E experts
   std::vector<int64_t> home_rows_of_rank;    // [R] home rows for the experts of ep(g)
@@ -62,11 +63,18 @@ StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, W
                                                  const GlobalCounts& counts,
                                                  const RoutingMap& effective);
 
-// all_to_all_v of whole rows: send_rows[d] rows at row send_offsets[d] go to rank d (offsets
-// may repeat: the same rows to several ranks); rank s's rows land packed in rank order.
-Status exchange_rows(World& world, const void* send, std::span<const int64_t> send_rows,
-                     std::span<const int64_t> send_offsets, void* recv,
-                     std::span<const int64_t> recv_rows, size_t row_bytes);
+// The plan's two row moves, one all_to_all_v each, rows of row_bytes:
+//   exchange_to_experts: home side -> expert side, the rows from source s packed source-major
+//     (chunks (s, j), no padding) in `recv`: the AlltoAll dispatch and combine backward.
+//   exchange_to_home: expert side packed that way -> home side, rank-major in `recv`: every
+//     return (combine, dispatch backward).
+// NOTE: with ETP every rank (ep, p) gets the block of ep's experts straight from the source
+// (the same send offset for all P of them) instead of Megatron's all-to-all over EP then
+// all-gather over ETP: one collective, the same rows on every p.
+Status exchange_to_experts(World& world, const RowExchangePlan& plan, const void* send, void* recv,
+                           size_t row_bytes);
+Status exchange_to_home(World& world, const RowExchangePlan& plan, const void* send, void* recv,
+                        size_t row_bytes);
 
 // Bytes kept between steps and calls: they grow and are never freed in between, so the big
 // per-step buffers are allocated (and page-faulted) once, not once per dispatch.
@@ -105,7 +113,8 @@ class ExchangeHandle : public DispatchHandle {
 };
 
 // Combine, the dispatch backward and the home half of the combine backward, written once for
-// the dispatchers whose expert outputs go home through a RowExchangePlan.
+// the dispatchers whose expert outputs go home through a RowExchangePlan; also the handle and
+// output glue of their own dispatch and combine backward steps, which differ only in between.
 class RowExchangeDispatcher : public TokenDispatcher {
  public:
   Status combine_preprocess(const CombineInput& input) override;
@@ -119,6 +128,14 @@ class RowExchangeDispatcher : public TokenDispatcher {
  protected:
   RowExchangeDispatcher(World& world, const DispatchConfig& config)
       : TokenDispatcher(world, config) {}
+
+  // Dispatch glue: the plan (from the agreed counts) and the public handle fields, taking
+  // in.effective as the handle's routing; and the output over a finished handle (its
+  // permuted_probs and tokens_per_expert back the output's spans).
+  Status init_handle(ExchangeHandle& h, const GlobalCounts& counts, PreparedInput& in) const;
+  static DispatchOutput dispatch_output(std::shared_ptr<const ExchangeHandle> h,
+                                        const TokenRows& expert_input,
+                                        std::shared_ptr<void> storage);
 
   // Expert rows on their way home: packed source-major (padding dropped), sent, received.
   // reset() keeps the buffers for the next call.
@@ -184,6 +201,9 @@ class RowExchangeDispatcher : public TokenDispatcher {
   };
   Status start_combine_backward(const CombineGradInput& grad);
   StatusOr<UnpermuteGrad> home_combine_backward();
+  // Last step: out.grad_probs, the home rows' grad_row_probs as a [T, E] map when weighted
+  // (zeros otherwise: the probs did not weigh the output); then the shared state is cleared.
+  Status finish_combine_backward(std::span<const float> grad_row_probs, CombineGrad& out);
 
   ReturnState combine_;
   ReturnState dispatch_grad_;
@@ -193,5 +213,16 @@ class RowExchangeDispatcher : public TokenDispatcher {
 
 // Collective input check for a step: local verdict, agreed on every rank.
 Status agree_step(World& world, const Status& local);
+
+// The factory of row-exchange dispatcher D as `kind`. It checks the config, collectively like
+// TokenDispatcher::create (which also checks), so that calling the factory directly is as safe.
+template <typename D>
+StatusOr<std::unique_ptr<TokenDispatcher>> make_row_exchange_dispatcher(
+    World& world, const DispatchConfig& config, DispatcherKind kind) {
+  MOED_RETURN_IF_ERROR(world.agree(config.validate(world.size())));
+  DispatchConfig c = config;
+  c.kind = kind;
+  return std::unique_ptr<TokenDispatcher>(new D(world, c));
+}
 
 }  // namespace moed

@@ -73,15 +73,7 @@ Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
   MOED_ASSIGN_OR_RETURN(d_.counts, exchange_counts(*world_, config_, in));
   auto h = std::make_shared<AllGatherHandle>();
-  MOED_ASSIGN_OR_RETURN(h->plan, make_row_exchange_plan(config_, *world_, d_.counts, in.effective));
-  h->kind = config_.kind;
-  h->hidden = in.hidden;
-  h->dtype = in.dtype;
-  h->num_topk = in.num_topk;
-  h->routing = std::move(in.effective);
-  h->num_rows = h->plan.layout.num_rows;
-  h->tokens_per_expert = h->plan.layout.tokens_per_expert;
-  h->tokens_per_expert_unpadded = h->plan.layout.tokens_per_expert_unpadded;
+  MOED_RETURN_IF_ERROR(init_handle(*h, d_.counts, in));
   h->source_offsets.assign(1, 0);
   for (int64_t t : d_.counts.num_tokens) h->source_offsets.push_back(h->source_offsets.back() + t);
   d_.hidden = input.hidden;
@@ -151,12 +143,7 @@ StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
     h.row_src_rank[size_t(i)] = s;
     h.row_src_token[size_t(i)] = int32_t(g - h.source_offsets[size_t(s)]);
   }
-  DispatchOutput out;
-  out.expert_input = expert_input;
-  out.permuted_probs = h.permuted_probs;
-  out.tokens_per_expert = h.tokens_per_expert;
-  out.handle = d_.handle;
-  out.storage = storage;
+  DispatchOutput out = dispatch_output(std::move(d_.handle), expert_input, std::move(storage));
   d_ = DispatchState{};
   return out;
 }
@@ -205,13 +192,8 @@ StatusOr<CombineGrad> AllGatherDispatcher::combine_preprocess_backward() {
           weighted ? std::span<const float>(h.expert.permuted_probs) : std::span<const float>(),
           weighted ? combine_grad_.expert_output : TensorView(), world_->pool()));
   out.grad_expert_output = std::move(rows.grad_rows);
-  if (weighted) {
-    MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(h.plan.home, cg_.home.grad_row_probs));
-  } else {
-    out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
-  }
+  MOED_RETURN_IF_ERROR(finish_combine_backward(cg_.home.grad_row_probs, out));
   cg_ = CombineGradRows{};
-  combine_grad_.reset();
   return out;
 }
 
@@ -219,12 +201,8 @@ StatusOr<CombineGrad> AllGatherDispatcher::combine_preprocess_backward() {
 
 StatusOr<std::unique_ptr<TokenDispatcher>> make_allgather_dispatcher(World& world,
                                                                      const DispatchConfig& config) {
-  // Collective like TokenDispatcher::create, which also checks, so that calling the factory
-  // directly is as safe.
-  MOED_RETURN_IF_ERROR(world.agree(config.validate(world.size())));
-  DispatchConfig c = config;
-  c.kind = DispatcherKind::kAllGather;
-  return std::unique_ptr<TokenDispatcher>(new AllGatherDispatcher(world, c));
+  return make_row_exchange_dispatcher<AllGatherDispatcher>(world, config,
+                                                           DispatcherKind::kAllGather);
 }
 
 }  // namespace moed

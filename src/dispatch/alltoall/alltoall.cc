@@ -55,15 +55,7 @@ Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   // integers per rank, done in preprocess as Megatron does.
   MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, in));
   auto h = std::make_shared<ExchangeHandle>();
-  MOED_ASSIGN_OR_RETURN(h->plan, make_row_exchange_plan(config_, *world_, counts, in.effective));
-  h->kind = config_.kind;
-  h->hidden = in.hidden;
-  h->dtype = in.dtype;
-  h->num_topk = in.num_topk;
-  h->routing = std::move(in.effective);
-  h->num_rows = h->plan.layout.num_rows;
-  h->tokens_per_expert = h->plan.layout.tokens_per_expert;
-  h->tokens_per_expert_unpadded = h->plan.layout.tokens_per_expert_unpadded;
+  MOED_RETURN_IF_ERROR(init_handle(*h, counts, in));
   // Permute by global expert: destination d's rows are the contiguous block of ep(d)'s experts.
   const int64_t n = h->plan.home.num_rows;
   d_.permuted.x = permuted_x_.view(in.dtype, n, in.hidden);
@@ -80,14 +72,9 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
   if (d_.stage != 1) return failed_precondition("token_dispatch before dispatch_preprocess");
   const ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
-  int64_t n = 0;
-  for (int64_t r : plan.rows_of_source) n += r;
-  // NOTE: with ETP every rank (ep, p) gets the block of ep's experts straight from the source
-  // (the same send offset for all P of them) instead of Megatron's all-to-all over EP then
-  // all-gather over ETP: one collective, the same rows on every p.
+  const int64_t n = plan.expert_rows;
   auto move = [&](const void* send, void* recv, size_t row_bytes) {
-    return exchange_rows(*world_, send, plan.home_rows_of_rank, plan.home_offset_of_rank, recv,
-                         plan.rows_of_source, row_bytes);
+    return exchange_to_experts(*world_, plan, send, recv, row_bytes);
   };
   d_.received.x = received_x_.view(h.dtype, n, h.hidden);
   MOED_RETURN_IF_ERROR(move(d_.permuted.x.data, d_.received.x.data, d_.received.x.row_bytes()));
@@ -132,12 +119,7 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
       }
     }
   }
-  DispatchOutput out;
-  out.expert_input = expert_input;
-  out.permuted_probs = h.permuted_probs;
-  out.tokens_per_expert = h.tokens_per_expert;
-  out.handle = d_.handle;
-  out.storage = storage;
+  DispatchOutput out = dispatch_output(std::move(d_.handle), expert_input, std::move(storage));
   d_ = DispatchState{};
   return out;
 }
@@ -166,12 +148,10 @@ StatusOr<Request> AlltoAllDispatcher::token_combine_backward(bool async) {
     return failed_precondition("token_combine_backward before combine_postprocess_backward");
   }
   const RowExchangePlan& plan = combine_grad_.handle->plan;
-  int64_t n = 0;
-  for (int64_t r : plan.rows_of_source) n += r;
-  cg_.received = received_x_.view(cg_.home.grad_rows.dtype(), n, cg_.home.grad_rows.cols());
-  MOED_RETURN_IF_ERROR(exchange_rows(*world_, cg_.home.grad_rows.data(), plan.home_rows_of_rank,
-                                     plan.home_offset_of_rank, cg_.received.data,
-                                     plan.rows_of_source, cg_.received.row_bytes()));
+  cg_.received =
+      received_x_.view(cg_.home.grad_rows.dtype(), plan.expert_rows, cg_.home.grad_rows.cols());
+  MOED_RETURN_IF_ERROR(exchange_to_experts(*world_, plan, cg_.home.grad_rows.data(),
+                                           cg_.received.data, cg_.received.row_bytes()));
   cg_.home.grad_rows = Tensor();
   cg_.stage = 3;
   return Request();
@@ -188,13 +168,8 @@ StatusOr<CombineGrad> AlltoAllDispatcher::combine_preprocess_backward() {
   MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(
       TokenRows{cg_.received, TensorView()}, plan.chunk_sizes, plan.chunk_order,
       TokenRows{out.grad_expert_output.view(), TensorView()}, plan.chunk_offsets, world_->pool()));
-  if (config_.weighted_combine) {
-    MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(plan.home, cg_.home.grad_row_probs));
-  } else {
-    out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
-  }
+  MOED_RETURN_IF_ERROR(finish_combine_backward(cg_.home.grad_row_probs, out));
   cg_ = CombineGradRows{};
-  combine_grad_.reset();
   return out;
 }
 
@@ -202,12 +177,7 @@ StatusOr<CombineGrad> AlltoAllDispatcher::combine_preprocess_backward() {
 
 StatusOr<std::unique_ptr<TokenDispatcher>> make_alltoall_dispatcher(World& world,
                                                                     const DispatchConfig& config) {
-  // Collective like TokenDispatcher::create, which also checks, so that calling the factory
-  // directly is as safe.
-  MOED_RETURN_IF_ERROR(world.agree(config.validate(world.size())));
-  DispatchConfig c = config;
-  c.kind = DispatcherKind::kAlltoAll;
-  return std::unique_ptr<TokenDispatcher>(new AlltoAllDispatcher(world, c));
+  return make_row_exchange_dispatcher<AlltoAllDispatcher>(world, config, DispatcherKind::kAlltoAll);
 }
 
 }  // namespace moed

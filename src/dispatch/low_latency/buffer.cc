@@ -11,8 +11,6 @@ namespace low_latency {
 
 namespace {
 
-size_t align64(size_t n) { return (n + 63) / 64 * 64; }
-
 class ReceiveHook final : public PendingOp {
  public:
   explicit ReceiveHook(std::function<Status()> receive) : receive_(std::move(receive)) {}

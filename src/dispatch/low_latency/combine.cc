@@ -10,13 +10,14 @@
 #include <immintrin.h>
 #endif
 
-#include "dispatch/low_latency/state.h"
+#include "dispatch/low_latency/phases.h"
 
 namespace moed {
 
 namespace {
 
 using low_latency::CombineHalf;
+using low_latency::keep_request;
 using low_latency::message_tag;
 using low_latency::MessageKind;
 using low_latency::SegmentLayout;
@@ -106,6 +107,17 @@ AccumulateFn pick_accumulate() {
   return accumulate_scalar;
 }
 
+// Rows [from, from + n) of x, packed at `to`.
+void copy_rows(std::byte* to, const TensorView& x, int64_t from, int32_t n, size_t row_bytes) {
+  if (x.contiguous()) {
+    std::memcpy(to, x.row_ptr(from), size_t(n) * row_bytes);
+    return;
+  }
+  for (int32_t i = 0; i < n; ++i) {
+    std::memcpy(to + size_t(i) * row_bytes, x.row_ptr(from + i), row_bytes);
+  }
+}
+
 // Receive phase of combine `seq` from `half`: out[t] = sum over t's experts e ascending of
 // w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own.
 Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& handle,
@@ -179,13 +191,10 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     const int d = e / L;
     const int32_t n = handle.send_count[size_t(e)];
     if (w.same_node(d, me) || n == 0) continue;
-    auto r = w.irecv(d, message_tag(seq, MessageKind::kCombineData),
-                     mine + size_t(e) * size_t(lay.max_tokens) * row_bytes, size_t(n) * row_bytes);
-    if (!r.ok()) {
-      status = r.status();
-      break;
-    }
-    ch.requests.push_back(std::move(r).value());
+    status = keep_request(
+        w.irecv(d, message_tag(seq, MessageKind::kCombineData),
+                mine + size_t(e) * size_t(lay.max_tokens) * row_bytes, size_t(n) * row_bytes),
+        ch.requests);
   }
 
   // Expert side: chunk (j, s) = rows [begin, begin + count) of expert j, for home s's slots
@@ -210,20 +219,11 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
       const int e = me * L + j;
       std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
                       size_t(e) * size_t(lay.max_tokens) * row_bytes;
-      const int64_t from = int64_t(j) * lay.rows_per_expert() + range.begin;
-      if (!strided) {
-        std::memcpy(to, x.row_ptr(from), size_t(range.count) * row_bytes);
-      } else {
-        for (int32_t i = 0; i < range.count; ++i) {
-          std::memcpy(to + size_t(i) * row_bytes, x.row_ptr(from + i), row_bytes);
-        }
-      }
+      copy_rows(to, x, int64_t(j) * lay.rows_per_expert() + range.begin, range.count, row_bytes);
       shared_rows[size_t(worker)] += uint64_t(range.count);
     }
   });
-  uint64_t rows_in_node = 0;
-  for (uint64_t n : shared_rows) rows_in_node += n;
-  w.add_shared_bytes(rows_in_node * row_bytes, rows_in_node);
+  low_latency::add_shared_rows(w, shared_rows, row_bytes);
   for (int s = 0; s < R; ++s) {
     if (s != me && w.same_node(s, me)) st.shared->signal(st.local_of(s), seq);
   }
@@ -232,26 +232,20 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   size_t staged = 0;
   for (int s = 0; s < R && status.ok(); ++s) {
     if (w.same_node(s, me)) continue;
-    for (int j = 0; j < L; ++j) {
+    for (int j = 0; j < L && status.ok(); ++j) {
       const LowLatencyRange range = handle.layout_range[size_t(j) * R + s];
       if (range.count == 0) continue;
       const int64_t from = int64_t(j) * lay.rows_per_expert() + range.begin;
       const void* data = x.row_ptr(from);
       if (strided) {
         std::byte* stage = ch.net_send.data() + staged * row_bytes;
-        for (int32_t i = 0; i < range.count; ++i) {
-          std::memcpy(stage + size_t(i) * row_bytes, x.row_ptr(from + i), row_bytes);
-        }
+        copy_rows(stage, x, from, range.count, row_bytes);
         data = stage;
         staged += size_t(range.count);
       }
-      auto r = w.isend(s, message_tag(seq, MessageKind::kCombineData), data,
-                       size_t(range.count) * row_bytes);
-      if (!r.ok()) {
-        status = r.status();
-        break;
-      }
-      ch.requests.push_back(std::move(r).value());
+      status = keep_request(w.isend(s, message_tag(seq, MessageKind::kCombineData), data,
+                                    size_t(range.count) * row_bytes),
+                            ch.requests);
     }
   }
   if (!status.ok()) {
@@ -266,11 +260,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
                   view = out.combined_x.view()] {
     return receive_combine(*state, *handle, routing, half, seq, view);
   };
-  if (in.return_recv_hook) {
-    out.hook = low_latency::make_hook(std::move(receive));
-  } else {
-    MOED_RETURN_IF_ERROR(receive());
-  }
+  MOED_RETURN_IF_ERROR(
+      low_latency::receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
   return out;
 }
 

@@ -6,13 +6,15 @@
 #include <algorithm>
 #include <cstring>
 
-#include "dispatch/low_latency/state.h"
+#include "dispatch/low_latency/phases.h"
 
 namespace moed {
 
 namespace {
 
+using low_latency::align64;
 using low_latency::DispatchHalf;
+using low_latency::keep_request;
 using low_latency::message_tag;
 using low_latency::MessageKind;
 using low_latency::SegmentLayout;
@@ -124,7 +126,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
       block[size_t(s)] = total;
       int64_t n = 0;
       for (int j = 0; j < L; ++j) n += count[size_t(j) * R + s];
-      total += (size_t(n) * row_bytes + 63) / 64 * 64;
+      total += align64(size_t(n) * row_bytes);
     }
     dh.net_recv.resize(total);
     for (int s = 0; s < R && status.ok(); ++s) {
@@ -132,13 +134,9 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
       int64_t n = 0;
       for (int j = 0; j < L; ++j) n += count[size_t(j) * R + s];
       if (n == 0) continue;
-      auto r = w.irecv(s, message_tag(seq, MessageKind::kDispatchData),
-                       dh.net_recv.data() + block[size_t(s)], size_t(n) * row_bytes);
-      if (!r.ok()) {
-        status = r.status();
-        break;
-      }
-      data_requests.push_back(std::move(r).value());
+      status = keep_request(w.irecv(s, message_tag(seq, MessageKind::kDispatchData),
+                                    dh.net_recv.data() + block[size_t(s)], size_t(n) * row_bytes),
+                            data_requests);
     }
   }
   // NOTE: post the data receives before waiting on this rank's own sends: a send completes
@@ -277,7 +275,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
       chunk_row[size_t(d) * L + j] = block_rows[size_t(d)];
       block_rows[size_t(d)] += handle->send_count[size_t(d) * L + j];
     }
-    net_total += (size_t(block_rows[size_t(d)]) * row_bytes + 63) / 64 * 64;
+    net_total += align64(size_t(block_rows[size_t(d)]) * row_bytes);
   }
   dh.net_send.resize(net_total);
 
@@ -315,9 +313,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
       }
     }
   });
-  uint64_t rows_in_node = 0;
-  for (uint64_t n : shared_rows) rows_in_node += n;
-  w.add_shared_bytes(rows_in_node * (payload + scale_bytes), rows_in_node);
+  low_latency::add_shared_rows(w, shared_rows, payload + scale_bytes);
 
   // Publish: every (me, expert) count, zero included (there is no notify), after its rows.
   for (int d = 0; d < R; ++d) {
@@ -331,35 +327,25 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
     if (d != me) st.shared->signal(st.local_of(d), seq);
   }
   // Other nodes: a header of L counts, then the rows, to every remote rank; receive headers.
-  Status status;
-  for (int d = 0; d < R && status.ok(); ++d) {
-    if (w.same_node(d, me)) continue;
+  auto post_remote = [&](int d) -> Status {
     int32_t* header = dh.send_header.data() + size_t(d) * L;
     for (int j = 0; j < L; ++j) header[j] = handle->send_count[size_t(d) * L + j];
-    auto h = w.isend(d, message_tag(seq, MessageKind::kDispatchHeader), header,
-                     size_t(L) * sizeof(int32_t));
-    if (!h.ok()) {
-      status = h.status();
-      break;
-    }
-    dh.send_requests.push_back(std::move(h).value());
+    MOED_RETURN_IF_ERROR(keep_request(w.isend(d, message_tag(seq, MessageKind::kDispatchHeader),
+                                              header, size_t(L) * sizeof(int32_t)),
+                                      dh.send_requests));
     if (block_rows[size_t(d)] > 0) {
-      auto r =
+      MOED_RETURN_IF_ERROR(keep_request(
           w.isend(d, message_tag(seq, MessageKind::kDispatchData),
-                  dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * row_bytes);
-      if (!r.ok()) {
-        status = r.status();
-        break;
-      }
-      dh.send_requests.push_back(std::move(r).value());
+                  dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * row_bytes),
+          dh.send_requests));
     }
-    auto rh = w.irecv(d, message_tag(seq, MessageKind::kDispatchHeader),
-                      dh.recv_header.data() + size_t(d) * L, size_t(L) * sizeof(int32_t));
-    if (!rh.ok()) {
-      status = rh.status();
-      break;
-    }
-    dh.header_requests.push_back(std::move(rh).value());
+    return keep_request(w.irecv(d, message_tag(seq, MessageKind::kDispatchHeader),
+                                dh.recv_header.data() + size_t(d) * L, size_t(L) * sizeof(int32_t)),
+                        dh.header_requests);
+  };
+  Status status;
+  for (int d = 0; d < R && status.ok(); ++d) {
+    if (!w.same_node(d, me)) status = post_remote(d);
   }
   if (!status.ok()) {
     dh.pending = false;
@@ -385,11 +371,8 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   auto receive = [state = state_, handle, half, seq, fp8] {
     return receive_dispatch(*state, *handle, half, seq, fp8);
   };
-  if (in.return_recv_hook) {
-    out.hook = low_latency::make_hook(std::move(receive));
-  } else {
-    MOED_RETURN_IF_ERROR(receive());
-  }
+  MOED_RETURN_IF_ERROR(
+      low_latency::receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
   return out;
 }
 

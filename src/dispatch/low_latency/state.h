@@ -34,6 +34,9 @@ inline int message_tag(uint64_t seq, MessageKind kind) {
   return kTagBase + int(seq % 16) * 4 + int(kind);
 }
 
+// Segment regions and network message blocks start on 64-byte boundaries.
+inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
+
 struct SegmentLayout {
   int64_t max_tokens = 0;     // M
   int hidden = 0;             // H
