@@ -3,9 +3,7 @@
 // reference_combine) bit for bit for each dispatcher, `moed replay` against hand counts, and
 // bad input exiting non-zero with a message that names the file and the value.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -16,81 +14,12 @@
 #include "moed/npy.h"
 #include "moed/reference.h"
 #include "moed/router.h"
+#include "tools/cli_support.h"
 
 namespace moed {
 namespace {
 
-struct CliResult {
-  int rc = -1;
-  std::string output;  // stdout and stderr together
-};
-
-CliResult run_cli(const std::string& args, bool with_stderr = true) {
-  const std::string cmd = std::string(MOED_CLI_PATH) + " " + args + (with_stderr ? " 2>&1" : "");
-  CliResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
-  const int st = pclose(p);
-  r.rc = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
-}
-
-// A fresh directory per test, removed at the end.
-class TempDir {
- public:
-  explicit TempDir(const std::string& name)
-      : path_(::testing::TempDir() + "moed_cli_" + name + "_" + std::to_string(::getpid()) + "/") {
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string operator/(const std::string& f) const { return path_ + f; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-NpyArray read(const std::string& path) {
-  StatusOr<NpyArray> a = read_npy(path);
-  EXPECT_TRUE(a.ok()) << a.status().to_string();
-  return a.ok() ? std::move(a).value() : NpyArray{};
-}
-
-template <typename T>
-std::vector<T> as_vector(const NpyArray& a) {
-  std::vector<T> v(a.data.size() / sizeof(T));
-  if (!v.empty()) std::memcpy(v.data(), a.data.data(), a.data.size());
-  return v;
-}
-
-void save(const std::string& path, NpyDType t, std::initializer_list<int64_t> shape,
-          const void* data) {
-  ASSERT_TRUE(write_npy(path, t, shape, data).ok()) << path;
-}
-
-// K distinct experts per token, some slots -1; probs in [0.05, 1).
-void random_topk(int64_t T, int K, int E, uint32_t seed, std::vector<int32_t>& idx,
-                 std::vector<float>& probs) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(0.05f, 1.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    std::vector<int> e(static_cast<size_t>(E));
-    for (int i = 0; i < E; ++i) e[size_t(i)] = i;
-    std::shuffle(e.begin(), e.end(), rng);
-    for (int k = 0; k < K; ++k) {
-      const bool none = rng() % 6 == 0;
-      idx.push_back(none ? -1 : e[size_t(k)]);
-      probs.push_back(none ? 0.0f : u(rng));
-    }
-  }
-}
+using namespace cli_test;  // NOLINT: run_cli, TempDir, read, save, ...
 
 // ---- moed route ----
 
@@ -450,6 +379,12 @@ TEST(CliErrors, NameTheFileAndTheValue) {
       {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
            " --ranks 2 --ranks-per-node 3 --dispatcher flex" + out,
        "moed dispatch: --ranks-per-node = 3 does not divide --ranks = 2"},
+      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
+           " --dispatcher flex" + out,
+       "moed dispatch: --ranks is required with --world threads"},
+      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
+           " --world mpi --dispatcher flex" + out,
+       "moed dispatch: --world mpi needs the program started by mpirun"},
       {"route --logits " + dir / "logits.npy" + " --topk 2 --expert-bias " + dir / "bias.npy" + out,
        "moed route: " + dir / "bias.npy" + ": shape (4,) but " + dir / "logits.npy" +
            " has 8 experts; the bias is [8]"},

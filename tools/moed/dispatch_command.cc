@@ -1,34 +1,46 @@
-// `moed dispatch`: dispatch and combine tokens from .npy files with a chosen dispatcher, R
-// ranks as threads in this process (the threads world), and write what every rank received.
+// `moed dispatch`: dispatch and combine tokens from .npy files with a chosen dispatcher and
+// write what every rank received. R ranks run as threads of this process (the threads world)
+// or, under mpirun, as one MPI process each (--world mpi, the default there); the files are the
+// same either way.
 //
 //   moed dispatch --x x.npy --topk-idx routed/topk_idx.npy --topk-probs routed/topk_probs.npy
 //                 --ranks 4 --experts 16 --dispatcher flex --ranks-per-node 2 --out dispatched/
+//   mpirun -np 4 moed dispatch --world mpi --x x.npy ... --experts 16 --dispatcher flex --out d/
 //
 // x is float32 or bf16 (uint16 bit patterns) [R*T, H]: rank r holds rows [r*T, (r+1)*T).
 // DIR receives, per rank r, expert_input_rank{r}.npy [rows_r, H] (x's dtype, the canonical
 // layout of spec §3) and permuted_probs_rank{r}.npy [rows_r]; tokens_per_expert.npy int64
 // [R, L]; and combined.npy [R*T, H]: the unweighted combine of identity experts whose output
 // row is its input row times its permuted prob (fp32 product rounded to x's dtype), which is
-// x times the sum of the token's kept probs (Megatron's round-trip check).
+// x times the sum of the token's kept probs (Megatron's round-trip check). Each rank writes its
+// own files; rank 0 gathers and writes the last two. Under MPI every process reads the inputs
+// and creates DIR, so on several hosts DIR is per host unless it is a shared file system.
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "bench/common.h"
 #include "moed/dispatcher.h"
 #include "moed/npy.h"
-#include "moed/threads_world.h"
+#include "moed/world.h"
 #include "tools/moed/registry.h"
 
 namespace moed::cli {
 namespace {
 
+using bench::launched_by_mpirun;
+using bench::mpi_world_size;
+using bench::run_in_world;
+
 struct DispatchArgs {
   std::string x, topk_idx, topk_probs, out;
-  int ranks = 0;
+  std::optional<int> ranks;  // required for threads; under MPI the job's size
   int experts = 0;
   std::string dispatcher;
   int etp = 1;
@@ -38,7 +50,7 @@ struct DispatchArgs {
   int expert_alignment = 1;
   int router_padding = 0;
   int ranks_per_node = 0;
-  std::string world = "threads";
+  std::string world;  // "" = mpi under mpirun, else threads
 };
 
 [[noreturn]] void fail(const Status& s) {
@@ -51,7 +63,7 @@ T value_or_fail(StatusOr<T> v) {
   return std::move(v).value();
 }
 
-// What one rank produced, kept until every rank is done and the files are written.
+// What one rank produced.
 struct RankResult {
   Tensor expert_input;
   std::vector<float> permuted_probs;
@@ -111,117 +123,209 @@ Status run_rank(World& w, const DispatchConfig& config, const Tensor& x, const T
   return ok_status();
 }
 
-void write(const std::filesystem::path& dir, const std::string& name, NpyDType t,
-           std::initializer_list<int64_t> shape, const void* data) {
-  if (Status s = write_npy((dir / name).string(), t, shape, data); !s.ok()) fail(s);
-}
-
-void run(const DispatchArgs& a) {
-  if (a.world != "threads") {
-    fail(unimplemented("--world ", a.world,
-                       ": the CLI runs the ranks as threads of one process "
-                       "(--world threads); MPI runs go through the library's MPI world"));
-  }
-  const DispatcherKind kind = value_or_fail(parse_dispatcher_kind(a.dispatcher));
-  if (kind == DispatcherKind::kLowLatency) {
-    fail(invalid_argument("--dispatcher ", a.dispatcher,
-                          ": moed dispatch takes allgather, alltoall or flex (low-latency has its "
-                          "own layout)"));
-  }
-  if (a.ranks < 1) fail(invalid_argument("--ranks = ", a.ranks, " must be >= 1"));
-  const int R = a.ranks;
-
+// The inputs, checked against each other and the configuration.
+struct Problem {
   DispatchConfig config;
+  int ranks_per_node = 0;  // 0 = the MPI world's default (the ranks of a host)
+  Tensor x;
+  TopkRouting all;
+  int64_t tokens_per_rank = 0;
+};
+
+// Reads and checks the inputs and creates the output directory. Errors are returned, not
+// printed: under MPI the ranks agree on them first.
+Status prepare(const DispatchArgs& a, int R, bool mpi, Problem& p) {
+  MOED_ASSIGN_OR_RETURN(const DispatcherKind kind, parse_dispatcher_kind(a.dispatcher));
+  if (kind == DispatcherKind::kLowLatency) {
+    return invalid_argument("--dispatcher ", a.dispatcher,
+                            ": moed dispatch takes allgather, alltoall or flex (low-latency has "
+                            "its own layout)");
+  }
+  DispatchConfig& config = p.config;
   config.kind = kind;
   config.num_experts = a.experts;
   config.etp_size = a.etp;
   config.layout.capacity_factor = a.capacity_factor;
-  config.layout.drop_policy = value_or_fail(parse_drop_policy(a.drop_policy));
+  MOED_ASSIGN_OR_RETURN(config.layout.drop_policy, parse_drop_policy(a.drop_policy));
   config.layout.pad_to_capacity = a.pad_to_capacity;
   config.layout.expert_alignment = a.expert_alignment;
   config.layout.router_padding_multiple = a.router_padding;
-  if (Status s = config.validate(R); !s.ok()) fail(s);
-  const int G = a.ranks_per_node == 0 ? R : a.ranks_per_node;
-  if (G < 1 || R % G != 0) {
-    fail(invalid_argument("--ranks-per-node = ", G, " does not divide --ranks = ", R));
+  MOED_RETURN_IF_ERROR(config.validate(R));
+  // The threads world is one node unless told; the MPI world's default is the host.
+  p.ranks_per_node = a.ranks_per_node == 0 && !mpi ? R : a.ranks_per_node;
+  const int G = p.ranks_per_node;
+  if (G != 0 && (G < 1 || R % G != 0)) {
+    return invalid_argument("--ranks-per-node = ", G, " does not divide --ranks = ", R);
   }
 
   // Inputs, with their shapes checked against each other.
-  const NpyArray xf = value_or_fail(read_npy(a.x));
+  MOED_ASSIGN_OR_RETURN(const NpyArray xf, read_npy(a.x));
   if (xf.shape.size() != 2) {
-    fail(invalid_argument(a.x, ": shape ", xf.shape_string(), "; x is [ranks * tokens, hidden]"));
+    return invalid_argument(a.x, ": shape ", xf.shape_string(), "; x is [ranks * tokens, hidden]");
   }
   if (xf.dtype != NpyDType::kF32 && xf.dtype != NpyDType::kU16) {
-    fail(invalid_argument(a.x, ": dtype '", npy_descr(xf.dtype),
-                          "'; x is float32 (<f4) or bf16 bit patterns (<u2)"));
+    return invalid_argument(a.x, ": dtype '", npy_descr(xf.dtype),
+                            "'; x is float32 (<f4) or bf16 bit patterns (<u2)");
   }
   const int64_t rows = xf.shape[0], H = xf.shape[1];
   if (rows % R != 0) {
-    fail(invalid_argument(a.x, ": ", rows, " rows do not split evenly over --ranks = ", R));
+    return invalid_argument(a.x, ": ", rows, " rows do not split evenly over --ranks = ", R);
   }
-  const NpyArray idx_f = value_or_fail(read_npy(a.topk_idx));
-  const NpyArray prob_f = value_or_fail(read_npy(a.topk_probs));
+  MOED_ASSIGN_OR_RETURN(const NpyArray idx_f, read_npy(a.topk_idx));
+  MOED_ASSIGN_OR_RETURN(const NpyArray prob_f, read_npy(a.topk_probs));
   if (idx_f.shape.size() != 2 || idx_f.shape[0] != rows || idx_f.shape[1] < 1) {
-    fail(invalid_argument(a.topk_idx, ": shape ", idx_f.shape_string(), " but ", a.x, " has ", rows,
-                          " rows; topk_idx is [", rows, ", K]"));
+    return invalid_argument(a.topk_idx, ": shape ", idx_f.shape_string(), " but ", a.x, " has ",
+                            rows, " rows; topk_idx is [", rows, ", K]");
   }
   if (prob_f.shape != idx_f.shape) {
-    fail(invalid_argument(a.topk_probs, ": shape ", prob_f.shape_string(), " differs from ",
-                          a.topk_idx, "'s ", idx_f.shape_string()));
+    return invalid_argument(a.topk_probs, ": shape ", prob_f.shape_string(), " differs from ",
+                            a.topk_idx, "'s ", idx_f.shape_string());
   }
-  TopkRouting all;
+  TopkRouting& all = p.all;
   all.num_tokens = rows;
   all.num_topk = int(idx_f.shape[1]);
-  all.topk_idx = value_or_fail(npy_to_i32(idx_f));
-  all.topk_weights = value_or_fail(npy_to_f32(prob_f));
+  MOED_ASSIGN_OR_RETURN(all.topk_idx, npy_to_i32(idx_f));
+  MOED_ASSIGN_OR_RETURN(all.topk_weights, npy_to_f32(prob_f));
   if (Status s = validate(all, a.experts); !s.ok()) {
     const bool probs = s.message().rfind("topk_weights", 0) == 0;
-    fail(s.with_context(probs ? a.topk_probs : a.topk_idx));
+    return s.with_context(probs ? a.topk_probs : a.topk_idx);
   }
-  Tensor x = Tensor::empty(xf.dtype == NpyDType::kF32 ? DType::kF32 : DType::kBF16, rows, H);
-  if (!xf.data.empty()) std::memcpy(x.data(), xf.data.data(), xf.data.size());
+  p.x = Tensor::empty(xf.dtype == NpyDType::kF32 ? DType::kF32 : DType::kBF16, rows, H);
+  if (!xf.data.empty()) std::memcpy(p.x.data(), xf.data.data(), xf.data.size());
+  p.tokens_per_rank = rows / R;
 
-  WorldOptions opts;
-  opts.ranks_per_node = G;
-  std::vector<RankResult> results(static_cast<size_t>(R));
-  const int64_t T = rows / R;
-  const Status s = run_threads(
-      R, opts, [&](World& w) { return run_rank(w, config, x, all, T, results[size_t(w.rank())]); });
-  if (!s.ok()) fail(s);
-
+  // Every process makes the directory: under MPI each writes its own files into it.
   std::error_code ec;
   std::filesystem::create_directories(a.out, ec);
-  if (ec) fail(invalid_argument(a.out, ": cannot create the directory: ", ec.message()));
-  const std::filesystem::path dir(a.out);
-  const NpyDType payload = x.dtype() == DType::kF32 ? NpyDType::kF32 : NpyDType::kU16;
-  const int64_t L = config.num_local_experts(R);
-  std::vector<int64_t> tokens_per_expert;
-  Tensor combined = Tensor::empty(x.dtype(), rows, H);
+  if (ec) return invalid_argument(a.out, ": cannot create the directory: ", ec.message());
+  return ok_status();
+}
+
+// What rank 0 prints, gathered over the ranks.
+struct Summary {
+  int ranks_per_node = 0;
+  std::vector<uint64_t> per_rank;          // [R, 3]: rows, shared and network bytes of dispatch
+  std::vector<int64_t> tokens_per_expert;  // [R, L]
+};
+
+Status write_file(const std::filesystem::path& dir, const std::string& name, NpyDType t,
+                  std::initializer_list<int64_t> shape, const void* data) {
+  return write_npy((dir / name).string(), t, shape, data);
+}
+
+// One rank, in either world: dispatch and combine, write this rank's files, gather the global
+// ones on rank 0 and write them there.
+Status rank_body(World& w, const Status& loaded, const Problem& p, const std::filesystem::path& dir,
+                 Summary& sum) {
+  // Each MPI process loaded the inputs itself; if any failed, all stop here together.
+  MOED_RETURN_IF_ERROR(w.agree(loaded));
+  RankResult res;
+  MOED_RETURN_IF_ERROR(run_rank(w, p.config, p.x, p.all, p.tokens_per_rank, res));
+  const int r = w.rank(), R = w.size();
+  const int64_t rows = p.x.rows(), H = p.x.cols();
+  const int64_t n = res.expert_input.rows();
+
+  const uint64_t mine[3] = {uint64_t(n), res.dispatch_traffic.shared_bytes,
+                            res.dispatch_traffic.network_bytes};
+  MOED_ASSIGN_OR_RETURN(std::vector<uint64_t> per_rank,
+                        all_gather<uint64_t>(w, std::span<const uint64_t>(mine, 3)));
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> tokens_per_expert,
+                        all_gather<int64_t>(w, std::span<const int64_t>(res.tokens_per_expert)));
+  // Only rank 0 needs the combined rows: a gather as an all-to-all that sends other ranks
+  // nothing (an all-gather would hold a copy of the whole output on every rank).
+  const size_t part = size_t(p.tokens_per_rank) * size_t(H) * dtype_size(p.x.dtype());
+  if (res.combined.bytes() != part) {
+    return internal_error("combine returned a ", res.combined.rows(), " x ", res.combined.cols(),
+                          " output; expected ", p.tokens_per_rank, " x ", H);
+  }
+  Tensor combined;
+  if (r == 0) combined = Tensor::empty(p.x.dtype(), rows, H);
+  std::vector<size_t> send_counts(size_t(R), 0), recv_counts(size_t(R), r == 0 ? part : 0);
+  send_counts[0] = part;
+  MOED_RETURN_IF_ERROR(all_to_all_v<char>(
+      w, std::span<const char>(static_cast<const char*>(res.combined.data()), part), send_counts,
+      std::span<char>(static_cast<char*>(combined.data()), r == 0 ? combined.bytes() : 0),
+      recv_counts));
+
+  const NpyDType payload = p.x.dtype() == DType::kF32 ? NpyDType::kF32 : NpyDType::kU16;
+  Status wrote = write_file(dir, "expert_input_rank" + std::to_string(r) + ".npy", payload, {n, H},
+                            res.expert_input.data());
+  if (wrote.ok()) {
+    wrote = write_file(dir, "permuted_probs_rank" + std::to_string(r) + ".npy", NpyDType::kF32, {n},
+                       res.permuted_probs.data());
+  }
+  if (wrote.ok() && r == 0) {
+    const int64_t L = p.config.num_local_experts(R);
+    wrote =
+        write_file(dir, "tokens_per_expert.npy", NpyDType::kI64, {R, L}, tokens_per_expert.data());
+    if (wrote.ok()) wrote = write_file(dir, "combined.npy", payload, {rows, H}, combined.data());
+  }
+  // A write that failed on any rank fails them all, so no rank reports success.
+  MOED_RETURN_IF_ERROR(w.agree(wrote));
+  if (r == 0) {
+    sum.ranks_per_node = w.ranks_per_node();
+    sum.per_rank = std::move(per_rank);
+    sum.tokens_per_expert = std::move(tokens_per_expert);
+  }
+  return ok_status();
+}
+
+void run(const DispatchArgs& a) {
+  const std::string world = a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
+  const bool mpi = world == "mpi";
+  int R = 0;
+  Status loaded;
+  if (mpi) {
+    // Each process is one rank, so the job's size is R.
+    R = value_or_fail(mpi_world_size());
+    if (a.ranks && *a.ranks != R) {
+      loaded = invalid_argument("--ranks = ", *a.ranks, " but mpirun started ", R,
+                                " processes; --world mpi runs one rank per process (pass --ranks ",
+                                R, " or omit it)");
+    }
+  } else {
+    if (!a.ranks) fail(invalid_argument("--ranks is required with --world threads"));
+    R = *a.ranks;
+    if (R < 1) fail(invalid_argument("--ranks = ", R, " must be >= 1"));
+  }
+  Problem p;
+  if (loaded.ok()) loaded = prepare(a, R, mpi, p);
+  // The threads world stops here. MPI ranks stop together once they have agreed (rank_body):
+  // then every process reports the error (mpirun ends the job at the first non-zero exit, so
+  // a process that quit alone could cut the others short), and a file that only some
+  // processes cannot read still fails them all, none left waiting.
+  if (!loaded.ok() && !mpi) fail(loaded);
+  WorldOptions opts;
+  // A bad --ranks-per-node must not stop the world from coming up to agree on the error.
+  opts.ranks_per_node = loaded.ok() ? p.ranks_per_node : 0;
+  Summary sum;
+  int my_rank = 0;
+  const Status s = run_in_world(
+      world, R, opts, [&](World& w) { return rank_body(w, loaded, p, a.out, sum); }, &my_rank);
+  // A rank whose own load failed says why; the others report the agreed error naming it.
+  if (!s.ok()) fail(loaded.ok() ? s : loaded);
+  if (my_rank != 0) return;
+
+  const int G = sum.ranks_per_node;
+  const int64_t rows = p.x.rows(), H = p.x.cols();
+  const int64_t L = p.config.num_local_experts(R);
   std::printf(
-      "moed dispatch: %s, %d ranks (%d node(s) x %d, etp %d), %lld tokens per rank, "
+      "moed dispatch: %s, %d ranks (%s world, %d node(s) x %d, etp %d), %lld tokens per rank, "
       "hidden %lld, %s, top-%d, %d experts -> %s\n",
-      dispatcher_kind_name(kind), R, R / G, G, a.etp, (long long)T, (long long)H,
-      dtype_name(x.dtype()), all.num_topk, a.experts, a.out.c_str());
+      dispatcher_kind_name(p.config.kind), R, world.c_str(), R / G, G, a.etp,
+      (long long)p.tokens_per_rank, (long long)H, dtype_name(p.x.dtype()), p.all.num_topk,
+      a.experts, a.out.c_str());
   std::printf("  rank      rows   shared bytes  network bytes  tokens per expert\n");
   for (int r = 0; r < R; ++r) {
-    const RankResult& res = results[size_t(r)];
-    const int64_t n = res.expert_input.rows();
-    write(dir, "expert_input_rank" + std::to_string(r) + ".npy", payload, {n, H},
-          res.expert_input.data());
-    write(dir, "permuted_probs_rank" + std::to_string(r) + ".npy", NpyDType::kF32, {n},
-          res.permuted_probs.data());
-    tokens_per_expert.insert(tokens_per_expert.end(), res.tokens_per_expert.begin(),
-                             res.tokens_per_expert.end());
-    if (T > 0)
-      std::memcpy(combined.row<char>(int64_t(r) * T), res.combined.data(), res.combined.bytes());
+    const uint64_t* q = &sum.per_rank[size_t(r) * 3];
     std::string counts;
-    for (int64_t c : res.tokens_per_expert) counts += " " + std::to_string(c);
-    std::printf("  %4d %9lld %14llu %14llu %s\n", r, (long long)n,
-                (unsigned long long)res.dispatch_traffic.shared_bytes,
-                (unsigned long long)res.dispatch_traffic.network_bytes, counts.c_str());
+    for (int64_t j = 0; j < L; ++j) {
+      counts += ' ';
+      counts += std::to_string(sum.tokens_per_expert[size_t(r * L + j)]);
+    }
+    std::printf("  %4d %9llu %14llu %14llu %s\n", r, (unsigned long long)q[0],
+                (unsigned long long)q[1], (unsigned long long)q[2], counts.c_str());
   }
-  write(dir, "tokens_per_expert.npy", NpyDType::kI64, {R, L}, tokens_per_expert.data());
-  write(dir, "combined.npy", payload, {rows, H}, combined.data());
   std::printf(
       "  wrote expert_input_rank{0..%d}.npy, permuted_probs_rank{0..%d}.npy, "
       "tokens_per_expert.npy [%d, %lld], combined.npy [%lld, %lld]\n",
@@ -232,12 +336,13 @@ void setup(CLI::App& app) {
   auto a = std::make_shared<DispatchArgs>();
   CLI::App* c = app.add_subcommand(
       "dispatch",
-      "dispatch + combine tokens from .npy files on R thread ranks; write each rank's "
-      "expert input and the combined output");
+      "dispatch + combine tokens from .npy files on R ranks (threads, or MPI processes under "
+      "mpirun); write each rank's expert input and the combined output");
   c->add_option("--x", a->x, "tokens, float32 or bf16 (uint16) [R*T, H] .npy")->required();
   c->add_option("--topk-idx", a->topk_idx, "int32/int64 [R*T, K] .npy, -1 = none")->required();
   c->add_option("--topk-probs", a->topk_probs, "float32 [R*T, K] .npy")->required();
-  c->add_option("--ranks", a->ranks, "ranks R (tokens split evenly)")->required();
+  c->add_option("--ranks", a->ranks,
+                "ranks R (tokens split evenly); under --world mpi the job's size, if given");
   c->add_option("--experts", a->experts, "experts E")->required();
   c->add_option("--dispatcher", a->dispatcher, "allgather | alltoall | flex")->required();
   c->add_option("--out", a->out, "output directory")->required();
@@ -249,9 +354,10 @@ void setup(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--router-padding", a->router_padding,
                 "pad each expert's count to a multiple (0 = off)");
-  c->add_option("--ranks-per-node", a->ranks_per_node, "G ranks per node (0 = all in one node)");
-  c->add_option("--world", a->world, "threads (the only world the CLI runs)")
-      ->capture_default_str();
+  c->add_option("--ranks-per-node", a->ranks_per_node,
+                "G ranks per node (0 = all in one node; under MPI, the host)");
+  c->add_option("--world", a->world, "threads | mpi (default: mpi under mpirun, else threads)")
+      ->check(CLI::IsMember({"threads", "mpi"}));
   c->callback([a] { run(*a); });
 }
 
