@@ -10,20 +10,15 @@
 //   moed bench alltoallv --world threads --ranks 8 --shape mixtral --json
 //   mpirun --oversubscribe -np 8 moed bench alltoallv --world mpi --shape mixtral --json
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
 
 #include "bench/common.h"
-#include "moed/threads_world.h"
 #include "moed/world.h"
 #include "tools/moed/registry.h"
 #ifdef MOED_WITH_MPI
 #include <mpi.h>
-
-#include "moed/mpi_world.h"
 #endif
 
 namespace moed::bench {
@@ -37,11 +32,6 @@ struct Args {
   int iters = 10;
   bool json = false;
 };
-
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed bench alltoallv: %s\n", s.to_string().c_str());
-  throw CLI::RuntimeError(1);
-}
 
 // What one rank sends: rows grouped by destination rank, each row tagged with its origin
 // (source rank, token, k) in its first 8 bytes so the receiver can check it.
@@ -62,15 +52,10 @@ Status build_plan(World& w, const Shape& shape, Plan* plan) {
   const int K = std::min(shape.num_topk, E);
   plan->row_bytes = size_t(shape.hidden) * 2;
   std::mt19937 rng(1000u + uint32_t(w.rank()));
-  std::vector<int> experts(size_t(E), 0);
   std::vector<std::vector<uint64_t>> by_dst(static_cast<size_t>(R));
-  for (int64_t t = 0; t < shape.num_tokens; ++t) {
-    for (int e = 0; e < E; ++e) experts[size_t(e)] = e;
-    for (int k = 0; k < K; ++k) {
-      std::swap(experts[size_t(k)], experts[size_t(k) + rng() % size_t(E - k)]);
-      by_dst[size_t(experts[size_t(k)] / L)].push_back(tag_of(w.rank(), t, k));
-    }
-  }
+  random_experts(shape.num_tokens, E, K, rng, [&](int64_t t, int k, int expert) {
+    by_dst[size_t(expert / L)].push_back(tag_of(w.rank(), t, k));
+  });
   plan->send_rows.assign(size_t(R), 0);
   size_t rows = 0;
   for (int d = 0; d < R; ++d) rows += (plan->send_rows[size_t(d)] = by_dst[size_t(d)].size());
@@ -110,26 +95,12 @@ bool verify(const World& w, const Plan& plan) {
   return true;
 }
 
-// Median over iterations of the slowest rank's time for fn.
-StatusOr<double> time_max_over_ranks(World& w, int iters, const std::function<Status()>& fn) {
-  std::vector<double> per_iter;
-  for (int i = -1; i < iters; ++i) {  // i = -1: warm-up
-    MOED_RETURN_IF_ERROR(w.barrier());
-    const auto a = std::chrono::steady_clock::now();
-    MOED_RETURN_IF_ERROR(fn());
-    const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
-    MOED_ASSIGN_OR_RETURN(std::vector<double> all,
-                          all_gather<double>(w, std::span<const double>(&mine, 1)));
-    if (i >= 0) per_iter.push_back(*std::max_element(all.begin(), all.end()));
-  }
-  return median(per_iter);
-}
-
 Status bench_body(World& w, const Args& args, const Shape& shape, Report* report) {
   Plan plan;
   MOED_RETURN_IF_ERROR(build_plan(w, shape, &plan));
   const int R = w.size();
-  std::vector<size_t> sb(static_cast<size_t>(R)), so(static_cast<size_t>(R)), rb(static_cast<size_t>(R)), ro(static_cast<size_t>(R));
+  std::vector<size_t> sb(static_cast<size_t>(R)), so(static_cast<size_t>(R)),
+      rb(static_cast<size_t>(R)), ro(static_cast<size_t>(R));
   for (int d = 0, s_off = 0, r_off = 0; d < R; ++d) {
     sb[size_t(d)] = plan.send_rows[size_t(d)] * plan.row_bytes;
     rb[size_t(d)] = plan.recv_rows[size_t(d)] * plan.row_bytes;
@@ -142,35 +113,27 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
   auto exchange = [&] {
     return w.all_to_all_v_bytes(plan.send.data(), sb, so, plan.recv.data(), rb, ro);
   };
-  MOED_ASSIGN_OR_RETURN(double seconds, time_max_over_ranks(w, args.iters, exchange));
+  MOED_ASSIGN_OR_RETURN(double seconds, median_time_max(w, args.iters, exchange));
   const TrafficCounters per_call = w.counters();  // warm-up + iters calls
-  const bool ok = verify(w, plan);
-  const uint8_t ok_byte = ok ? 1 : 0;
-  MOED_ASSIGN_OR_RETURN(std::vector<uint8_t> oks,
-                        all_gather<uint8_t>(w, std::span<const uint8_t>(&ok_byte, 1)));
-  const bool verified = std::all_of(oks.begin(), oks.end(), [](uint8_t v) { return v == 1; });
-  const uint64_t mine[3] = {plan.recv.size(), per_call.shared_bytes, per_call.network_bytes};
-  MOED_ASSIGN_OR_RETURN(std::vector<uint64_t> sums,
-                        all_gather<uint64_t>(w, std::span<const uint64_t>(mine, 3)));
-  uint64_t bytes = 0, shared = 0, network = 0;
-  for (int r = 0; r < R; ++r) {
-    bytes += sums[3 * size_t(r)];
-    shared += sums[3 * size_t(r) + 1];
-    network += sums[3 * size_t(r) + 2];
-  }
+  MOED_ASSIGN_OR_RETURN(const bool verified, all_ranks_ok(w, verify(w, plan)));
+  const int64_t mine[3] = {int64_t(plan.recv.size()), int64_t(per_call.shared_bytes),
+                           int64_t(per_call.network_bytes)};
+  MOED_ASSIGN_OR_RETURN(const std::vector<int64_t> sums, sum_ranks(w, mine));
+  const uint64_t bytes = uint64_t(sums[0]), shared = uint64_t(sums[1]), network = uint64_t(sums[2]);
   const uint64_t calls = uint64_t(args.iters) + 1;
 
   double mpi_seconds = 0;
 #ifdef MOED_WITH_MPI
   if (std::string(w.backend_name()) == "mpi") {
-    std::vector<int> sc(static_cast<size_t>(R)), sd(static_cast<size_t>(R)), rc(static_cast<size_t>(R)), rd(static_cast<size_t>(R));
+    std::vector<int> sc(static_cast<size_t>(R)), sd(static_cast<size_t>(R)),
+        rc(static_cast<size_t>(R)), rd(static_cast<size_t>(R));
     for (int d = 0; d < R; ++d) {
       sc[size_t(d)] = int(sb[size_t(d)]);
       sd[size_t(d)] = int(so[size_t(d)]);
       rc[size_t(d)] = int(rb[size_t(d)]);
       rd[size_t(d)] = int(ro[size_t(d)]);
     }
-    MOED_ASSIGN_OR_RETURN(mpi_seconds, time_max_over_ranks(w, args.iters, [&] {
+    MOED_ASSIGN_OR_RETURN(mpi_seconds, median_time_max(w, args.iters, [&] {
                             MPI_Alltoallv(plan.send.data(), sc.data(), sd.data(), MPI_BYTE,
                                           plan.recv.data(), rc.data(), rd.data(), MPI_BYTE,
                                           MPI_COMM_WORLD);
@@ -196,11 +159,7 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
                           {"shared_bytes", shared / calls},
                           {"network_bytes", network / calls},
                           {"verified", verified}};
-    if (mpi_seconds > 0) {
-      rec["mpi_seconds"] = mpi_seconds;
-      rec["mpi_gbps"] = double(bytes) / mpi_seconds / 1e9;
-      rec["ratio_to_mpi"] = mpi_seconds / seconds;
-    }
+    add_mpi_baseline(rec, mpi_seconds);
     report->add(rec);
   }
   MOED_RETURN_IF_ERROR(w.barrier());
@@ -209,46 +168,26 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
 
 void run(const Args& args) {
   StatusOr<Shape> shape = find_shape(args.shape);
-  if (!shape.ok()) fail(shape.status());
-  if (args.iters < 1) fail(invalid_argument("--iters = ", args.iters, " must be >= 1"));
+  if (!shape.ok()) fail("alltoallv", shape.status());
+  if (args.iters < 1) {
+    fail("alltoallv", invalid_argument("--iters = ", args.iters, " must be >= 1"));
+  }
+  // Threads: 2 ranks unless asked; MPI: the job's size.
+  int ranks = args.ranks == 0 ? 2 : args.ranks;
+  if (args.world == "mpi" && args.ranks == 0) {
+    StatusOr<int> n = mpi_world_size();
+    if (!n.ok()) fail("alltoallv", n.status());
+    ranks = *n;
+  }
   WorldOptions opts;
   opts.ranks_per_node = args.ranks_per_node;
   Report report(args.json);
-  bool print = true;
-  if (args.world == "threads") {
-    const int ranks = args.ranks == 0 ? 2 : args.ranks;
-    Status s =
-        run_threads(ranks, opts, [&](World& w) { return bench_body(w, args, *shape, &report); });
-    if (!s.ok()) fail(s);
-  } else if (args.world == "mpi") {
-#ifdef MOED_WITH_MPI
-    int initialized = 0;
-    MPI_Initialized(&initialized);
-    if (!initialized) {
-      int provided = 0;
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
-    }
-    int size = 0, rank = 0;
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    print = rank == 0;
-    Status s;
-    if (args.ranks != 0 && args.ranks != size) {
-      s = invalid_argument("--ranks ", args.ranks, " differs from the ", size,
-                           " processes mpirun started");
-    } else {
-      StatusOr<std::unique_ptr<World>> w = make_mpi_world(MPI_COMM_WORLD, opts);
-      s = w.ok() ? bench_body(**w, args, *shape, &report) : w.status();
-    }
-    if (!initialized) MPI_Finalize();
-    if (!s.ok()) fail(s);
-#else
-    fail(unimplemented("--world mpi: this moed was built without MPI (MOED_WITH_MPI=OFF)"));
-#endif
-  } else {
-    fail(invalid_argument("--world '", args.world, "' is not one of threads, mpi"));
-  }
-  if (print) report.finish();
+  int my_rank = 0;
+  Status s = run_in_world(
+      args.world, ranks, opts, [&](World& w) { return bench_body(w, args, *shape, &report); },
+      &my_rank);
+  if (!s.ok()) fail("alltoallv", s);
+  if (my_rank == 0) report.finish();
 }
 
 void setup(CLI::App& bench) {

@@ -8,8 +8,10 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #include "moed/threads_world.h"
+#include "tools/moed/registry.h"
 #ifdef MOED_WITH_MPI
 #include "moed/mpi_world.h"
 #endif
@@ -71,9 +73,12 @@ double measure_copy_gbps(size_t bytes, int threads, int iters) {
   ThreadPool pool(threads);
   const double s = median_seconds(
       [&] {
-        pool.parallel_for(int64_t(bytes), [&](int64_t b, int64_t e, int) {
-          std::memcpy(dst.get() + b, src.get() + b, size_t(e - b));
-        }, 1 << 16);
+        pool.parallel_for(
+            int64_t(bytes),
+            [&](int64_t b, int64_t e, int) {
+              std::memcpy(dst.get() + b, src.get() + b, size_t(e - b));
+            },
+            1 << 16);
       },
       iters, 2);
   return double(bytes) / s / 1e9;
@@ -88,6 +93,141 @@ uint64_t peak_rss_bytes() {
   return 0;
 }
 
+int host_threads() { return int(std::max(1u, std::thread::hardware_concurrency())); }
+
+void fail(std::string_view command, const Status& s) {
+  std::fprintf(stderr, "moed bench%s%.*s: %s\n", command.empty() ? "" : " ", int(command.size()),
+               command.data(), s.to_string().c_str());
+  throw CLI::RuntimeError(1);
+}
+
+void add_world_options(CLI::App& c, std::string* world, int* ranks, int* ranks_per_node) {
+  c.add_option("--world", *world, "threads | mpi")->capture_default_str();
+  c.add_option("--ranks", *ranks, "ranks in the world")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c.add_option("--ranks-per-node", *ranks_per_node, "ranks per node G (0 = all on one)")
+      ->capture_default_str();
+}
+
+void add_report_options(CLI::App& c, int* iters, bool* json) {
+  c.add_option("--iters", *iters, "timed iterations (median reported)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c.add_flag("--json", *json, "print the records as a JSON array");
+}
+
+Tensor random_tokens(int64_t rows, int hidden, float bound, std::mt19937& rng) {
+  Tensor x = Tensor::empty(DType::kBF16, rows, hidden);
+  std::uniform_real_distribution<float> u(-bound, bound);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int h = 0; h < hidden; ++h) x.row<bf16>(r)[h] = float_to_bf16(u(rng));
+  }
+  return x;
+}
+
+void random_experts(int64_t num_tokens, int num_experts, int num_topk, std::mt19937& rng,
+                    const std::function<void(int64_t token, int k, int expert)>& pick) {
+  std::vector<int> experts(static_cast<size_t>(num_experts));
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int e = 0; e < num_experts; ++e) experts[size_t(e)] = e;
+    for (int k = 0; k < num_topk; ++k) {
+      std::swap(experts[size_t(k)], experts[size_t(k) + rng() % size_t(num_experts - k)]);
+      pick(t, k, experts[size_t(k)]);
+    }
+  }
+}
+
+TopkRouting random_topk(const Shape& s, float min_weight, std::mt19937& rng) {
+  TopkRouting r;
+  r.num_tokens = s.num_tokens;
+  r.num_topk = s.num_topk;
+  std::uniform_real_distribution<float> weight(min_weight, 1.0f);
+  random_experts(s.num_tokens, s.num_experts, s.num_topk, rng, [&](int64_t, int, int expert) {
+    r.topk_idx.push_back(expert);
+    r.topk_weights.push_back(weight(rng));
+  });
+  return r;
+}
+
+StatusOr<double> time_max(World& w, const std::function<Status()>& fn) {
+  MOED_RETURN_IF_ERROR(w.barrier());
+  const auto a = std::chrono::steady_clock::now();
+  MOED_RETURN_IF_ERROR(fn());
+  const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+  MOED_ASSIGN_OR_RETURN(std::vector<double> all,
+                        all_gather<double>(w, std::span<const double>(&mine, 1)));
+  return *std::max_element(all.begin(), all.end());
+}
+
+StatusOr<double> median_time_max(World& w, int iters, const std::function<Status()>& fn,
+                                 int warmup) {
+  std::vector<double> times;
+  for (int i = -warmup; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(const double t, time_max(w, fn));
+    if (i >= 0) times.push_back(t);
+  }
+  return median(std::move(times));
+}
+
+StatusOr<int64_t> sum_ranks(World& w, int64_t v) {
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> sums, sum_ranks(w, std::span<const int64_t>(&v, 1)));
+  return sums[0];
+}
+
+StatusOr<std::vector<int64_t>> sum_ranks(World& w, std::span<const int64_t> v) {
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all, all_gather<int64_t>(w, v));
+  std::vector<int64_t> sums(v.size(), 0);
+  for (size_t i = 0; i < all.size(); ++i) sums[i % v.size()] += all[i];
+  return sums;
+}
+
+StatusOr<bool> all_ranks_ok(World& w, bool ok) {
+  MOED_ASSIGN_OR_RETURN(const int64_t bad, sum_ranks(w, ok ? 0 : 1));
+  return bad == 0;
+}
+
+StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn) {
+  const TrafficCounters before = w.counters();
+  MOED_RETURN_IF_ERROR(fn());
+  const TrafficCounters& after = w.counters();
+  const int64_t mine[2] = {int64_t(after.network_bytes - before.network_bytes),
+                           int64_t(after.shared_bytes - before.shared_bytes)};
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> sums, sum_ranks(w, mine));
+  return Traffic{uint64_t(sums[0]), uint64_t(sums[1])};
+}
+
+nlohmann::json shape_record(std::string_view suite, const Shape& s, int threads, int iters,
+                            nlohmann::json fields) {
+  fields["suite"] = std::string(suite);
+  fields["shape"] = s.name;
+  fields["num_tokens"] = s.num_tokens;
+  fields["hidden"] = s.hidden;
+  fields["num_experts"] = s.num_experts;
+  fields["num_topk"] = s.num_topk;
+  fields["threads"] = threads;
+  fields["iters"] = iters;
+  return fields;
+}
+
+nlohmann::json world_record(std::string_view suite, const Shape& s, const std::string& world,
+                            int ranks, int ranks_per_node, int threads, int iters,
+                            nlohmann::json fields) {
+  fields["world"] = world;
+  fields["ranks"] = ranks;
+  fields["ranks_per_node"] = ranks_per_node == 0 ? ranks : ranks_per_node;
+  return shape_record(suite, s, threads, iters, std::move(fields));
+}
+
+void add_mpi_baseline(nlohmann::json& record, double mpi_seconds) {
+  if (mpi_seconds <= 0) return;
+  const double bytes = record["bytes"].get<double>();
+  record["mpi_seconds"] = mpi_seconds;
+  record["mpi_gbps"] = bytes / mpi_seconds / 1e9;
+  // The same bytes, so the GB/s ratio is the inverse ratio of the times.
+  record["ratio_to_mpi"] = mpi_seconds / record["seconds"].get<double>();
+}
+
 void Report::add(nlohmann::json r) {
   const double bytes = r.value("bytes", 0.0);
   const double seconds = r.value("seconds", 0.0);
@@ -99,14 +239,16 @@ void Report::add(nlohmann::json r) {
   if (!json_) {
     std::string extra;
     for (const char* k : {"world", "ranks", "dispatcher", "phase"}) {
-      if (r.contains(k)) extra += std::string(" ") + k + "=" + (r[k].is_string() ? r[k].get<std::string>() : r[k].dump());
+      if (r.contains(k))
+        extra +=
+            std::string(" ") + k + "=" + (r[k].is_string() ? r[k].get<std::string>() : r[k].dump());
     }
-    std::printf("%-12s %-8s %-5s thr=%-2d%s  %10.3f ms  %8.2f GB/s  copy %8.2f GB/s  ratio %5.2f  %s\n",
-                r.value("suite", "").c_str(), r.value("shape", "").c_str(),
-                r.value("dtype", "").c_str(), r.value("threads", 0), extra.c_str(), seconds * 1e3,
-                r["gbps"].get<double>(), r.value("copy_gbps", 0.0),
-                r["ratio_to_copy"].get<double>(),
-                r.value("verified", false) ? "verified" : "NOT VERIFIED");
+    std::printf(
+        "%-12s %-8s %-5s thr=%-2d%s  %10.3f ms  %8.2f GB/s  copy %8.2f GB/s  ratio %5.2f  %s\n",
+        r.value("suite", "").c_str(), r.value("shape", "").c_str(), r.value("dtype", "").c_str(),
+        r.value("threads", 0), extra.c_str(), seconds * 1e3, r["gbps"].get<double>(),
+        r.value("copy_gbps", 0.0), r["ratio_to_copy"].get<double>(),
+        r.value("verified", false) ? "verified" : "NOT VERIFIED");
     std::fflush(stdout);
   }
   records_.push_back(std::move(r));
@@ -114,6 +256,17 @@ void Report::add(nlohmann::json r) {
 
 void Report::finish() const {
   if (json_) std::printf("%s\n", nlohmann::json(records_).dump(2).c_str());
+}
+
+StatusOr<WorldShape> world_shape(std::string_view shape, const std::string& world, int ranks) {
+  WorldShape ws;
+  MOED_ASSIGN_OR_RETURN(ws.shape, find_shape(shape));
+  ws.ranks = ranks;
+  if (world == "mpi") {
+    MOED_ASSIGN_OR_RETURN(ws.ranks, mpi_world_size());
+  }
+  ws.shape.num_experts = experts_for_ranks(ws.shape.num_experts, ws.ranks);
+  return ws;
 }
 
 bool launched_by_mpirun() {
@@ -124,7 +277,8 @@ StatusOr<int> mpi_world_size() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
     if (const char* v = std::getenv(name)) return std::atoi(v);
   }
-  return failed_precondition("--world mpi needs the program started by mpirun (mpirun -np 4 moed ...)");
+  return failed_precondition(
+      "--world mpi needs the program started by mpirun (mpirun -np 4 moed ...)");
 }
 
 Status run_in_world(const std::string& world, int ranks, const WorldOptions& options,

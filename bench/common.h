@@ -1,6 +1,6 @@
-// Shared by every `moed bench` command: the standard shapes (spec §7), the memory-copy bound
-// measured in the same run, timing, and the record format (one JSON object per figure, also
-// printed as a table row).
+// Shared by every `moed bench` command: the standard shapes (spec §7), seeded random inputs,
+// the memory-copy bound measured in the same run, timing (over the ranks of a world too), and
+// the record format (one JSON object per figure, also printed as a table row).
 //
 // Every record carries at least: suite, shape, dtype, threads, bytes, seconds, gbps,
 // copy_gbps, ratio_to_copy, verified. Commands add their own fields (world, ranks,
@@ -10,13 +10,21 @@
 #include <cstdint>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "moed/routing.h"
 #include "moed/status.h"
+#include "moed/tensor.h"
 #include "moed/thread_pool.h"
 #include "moed/world.h"
+
+namespace CLI {
+class App;
+}
 
 namespace moed::bench {
 
@@ -45,6 +53,69 @@ double median(std::vector<double> v);
 // Peak resident memory of this process so far, bytes (VmHWM).
 uint64_t peak_rss_bytes();
 
+// Every hardware thread of this host (at least 1).
+int host_threads();
+
+// Prints "moed bench <command>: <status>" ("moed bench: ..." for the sweep, command "") and
+// ends the command with exit code 1, as tools/moed/registry.h asks of a failing command.
+[[noreturn]] void fail(std::string_view command, const Status& s);
+
+// Options with the same meaning and help in every command that takes them: --world, --ranks
+// and --ranks-per-node (the multi-rank commands), --iters and --json (the figures' report).
+void add_world_options(CLI::App& c, std::string* world, int* ranks, int* ranks_per_node);
+void add_report_options(CLI::App& c, int* iters, bool* json);
+
+// ---- random inputs ----
+// Each draws from the caller's rng in a fixed order, so that a command's seeds keep giving it
+// the same inputs (and any process can rebuild any rank's input from its seed).
+//
+// rows x hidden bf16 values uniform in [-bound, bound), row by row.
+Tensor random_tokens(int64_t rows, int hidden, float bound, std::mt19937& rng);
+// For each of num_tokens tokens, num_topk distinct experts of num_experts, uniform (a partial
+// Fisher-Yates shuffle); pick(token, k, expert) is called after each draw, so it may draw
+// from rng too.
+void random_experts(int64_t num_tokens, int num_experts, int num_topk, std::mt19937& rng,
+                    const std::function<void(int64_t token, int k, int expert)>& pick);
+// The shape's top-k routing from random_experts, each pick's weight uniform in
+// [min_weight, 1) drawn right after it.
+TopkRouting random_topk(const Shape& s, float min_weight, std::mt19937& rng);
+
+// ---- figures over the ranks of a world ----
+// Every rank runs fn after a barrier; the slowest rank's seconds (the time of a collective
+// operation is when its last rank is done).
+StatusOr<double> time_max(World& w, const std::function<Status()>& fn);
+// The median over `iters` runs of time_max, after `warmup` untimed runs.
+StatusOr<double> median_time_max(World& w, int iters, const std::function<Status()>& fn,
+                                 int warmup = 1);
+// Sum over ranks of a per-rank count (a figure's rows and bytes are aggregate, spec §7).
+StatusOr<int64_t> sum_ranks(World& w, int64_t v);
+// Element-wise sums over ranks of several counts, in one collective.
+StatusOr<std::vector<int64_t>> sum_ranks(World& w, std::span<const int64_t> v);
+// True when `ok` holds on every rank: each rank checks its own outputs, the verdict is the
+// job's (so the MPI world, one rank per process, checks as much as the threads world).
+StatusOr<bool> all_ranks_ok(World& w, bool ok);
+// A figure's network_bytes and shared_bytes: one call's, summed over ranks like its bytes.
+struct Traffic {
+  uint64_t network_bytes = 0;
+  uint64_t shared_bytes = 0;
+};
+// Runs fn once, untimed, and returns the traffic the world's counters saw it move.
+StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn);
+
+// ---- records ----
+// What ran, in every record of a command over a shape: suite, shape, num_tokens, hidden,
+// num_experts, num_topk, threads and iters, added to `fields` (the command's own).
+nlohmann::json shape_record(std::string_view suite, const Shape& s, int threads, int iters,
+                            nlohmann::json fields);
+// shape_record plus the world: world, ranks and ranks_per_node (0 = all ranks on one node).
+nlohmann::json world_record(std::string_view suite, const Shape& s, const std::string& world,
+                            int ranks, int ranks_per_node, int threads, int iters,
+                            nlohmann::json fields);
+// A bare MPI_Alltoallv of the record's bytes, timed the same way in the same run, beside its
+// figure: mpi_seconds, mpi_gbps and ratio_to_mpi (= gbps / mpi_gbps). Nothing when
+// mpi_seconds is 0 (not the MPI world).
+void add_mpi_baseline(nlohmann::json& record, double mpi_seconds);
+
 // Collects records; prints each as a table row as it arrives (unless json) and, with json,
 // the whole list as a JSON array at the end.
 class Report {
@@ -65,6 +136,13 @@ class Report {
 bool launched_by_mpirun();
 // The number of processes mpirun started (an error when not under mpirun).
 StatusOr<int> mpi_world_size();
+// What a multi-rank command runs on: its ranks (under --world mpi the job's size, which mpirun
+// decides, else `ranks`) and the named shape with E adjusted so that they divide it.
+struct WorldShape {
+  int ranks = 0;
+  Shape shape;
+};
+StatusOr<WorldShape> world_shape(std::string_view shape, const std::string& world, int ranks);
 // Runs body on `ranks` ranks of the world named "threads" or "mpi" (under mpirun `ranks` is
 // the job's size) and returns the root-cause error, the same on every rank. *my_rank is 0 for
 // the threads world (the process speaks for all ranks) and the process's rank under MPI.

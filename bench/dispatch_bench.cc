@@ -8,9 +8,9 @@
 // seed. A figure's time is the median over iterations of the slowest rank's time; bytes =
 // aggregate received rows * H * 2 (dispatch) and the same rows sent back (combine). The expert
 // outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
-// flex_expert_output_buffer, where experts write them). Every dispatcher's output is checked against
-// the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes and
-// shared_bytes are the world's counters for one iteration, summed over ranks.
+// flex_expert_output_buffer, where experts write them). Every dispatcher's output is checked
+// against the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes
+// and shared_bytes are the world's counters for one iteration, summed over ranks.
 //
 //   mpirun -np 4 moed bench dispatch --world mpi --dispatcher alltoall,flex --shape mixtral
 //
@@ -19,14 +19,10 @@
 // dispatch records also carry a bare MPI_Alltoallv of the same rows per destination, timed the
 // same way in the same run (mpi_seconds, mpi_gbps, ratio_to_mpi = gbps / mpi_gbps).
 #include <algorithm>
-#include <chrono>
 #include <cstring>
-#include <cstdio>
-#include <mutex>
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 
 #ifdef MOED_WITH_MPI
 #include <mpi.h>
@@ -51,64 +47,12 @@ struct Args {
   bool json = false;
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed bench dispatch: %s\n", s.to_string().c_str());
-  throw CLI::RuntimeError(1);
-}
-
-TopkRouting make_topk(const Shape& s, int rank) {
-  TopkRouting r;
-  r.num_tokens = s.num_tokens;
-  r.num_topk = s.num_topk;
-  std::mt19937 rng(1234u + uint32_t(rank));
-  std::uniform_real_distribution<float> prob(0.01f, 1.0f);
-  std::vector<int> experts(static_cast<size_t>(s.num_experts));
-  for (int64_t t = 0; t < s.num_tokens; ++t) {
-    for (int e = 0; e < s.num_experts; ++e) experts[size_t(e)] = e;
-    for (int k = 0; k < s.num_topk; ++k) {
-      std::swap(experts[size_t(k)], experts[size_t(k) + rng() % size_t(s.num_experts - k)]);
-      r.topk_idx.push_back(experts[size_t(k)]);
-      r.topk_weights.push_back(prob(rng));
-    }
-  }
-  return r;
-}
-
-Tensor make_tokens(int64_t rows, int hidden, uint32_t seed) {
-  Tensor x = Tensor::empty(DType::kBF16, rows, hidden);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int h = 0; h < hidden; ++h) x.row<bf16>(r)[h] = float_to_bf16(u(rng));
-  }
-  return x;
-}
-
-StatusOr<double> time_max(World& w, const std::function<Status()>& fn) {
-  MOED_RETURN_IF_ERROR(w.barrier());
-  const auto a = std::chrono::steady_clock::now();
-  MOED_RETURN_IF_ERROR(fn());
-  const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
-  MOED_ASSIGN_OR_RETURN(std::vector<double> all,
-                        all_gather<double>(w, std::span<const double>(&mine, 1)));
-  return *std::max_element(all.begin(), all.end());
-}
-
-StatusOr<int64_t> sum_ranks(World& w, int64_t v) {
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(w, std::span<const int64_t>(&v, 1)));
-  int64_t s = 0;
-  for (int64_t x : all) s += x;
-  return s;
-}
-
 struct Figure {
   std::string dispatcher;
   std::string phase;
   int64_t rows = 0;
   double seconds = 0;
-  int64_t network_bytes = 0;
-  int64_t shared_bytes = 0;
+  Traffic traffic;
   bool verified = false;
   double mpi_seconds = 0;  // the bare MPI_Alltoallv of the same rows (dispatch, MPI world)
 };
@@ -131,8 +75,9 @@ StatusOr<Problem> make_problem(const Shape& s, int R) {
   p.ep_size = R;
   p.num_topk = s.num_topk;
   for (int r = 0; r < R; ++r) {
-    pr.x.push_back(make_tokens(s.num_tokens, s.hidden, 1u + uint32_t(r)));
-    pr.topk.push_back(make_topk(s, r));
+    std::mt19937 token_rng(1u + uint32_t(r)), topk_rng(1234u + uint32_t(r));
+    pr.x.push_back(random_tokens(s.num_tokens, s.hidden, 2.0f, token_rng));
+    pr.topk.push_back(random_topk(s, 0.01f, topk_rng));
     p.routing.push_back(to_map(pr.topk.back(), s.num_experts));
     p.hidden.push_back(TokenRows{pr.x.back().view(), {}});
   }
@@ -181,21 +126,14 @@ StatusOr<double> time_bare_alltoallv(World& w, const Shape& s, const TopkRouting
   MPI_Datatype row;
   MPI_Type_contiguous(int(row_bytes), MPI_BYTE, &row);
   MPI_Type_commit(&row);
-  std::vector<double> times;
-  Status st;
-  for (int i = -1; i < iters && st.ok(); ++i) {  // i = -1: warm-up
-    StatusOr<double> t = time_max(w, [&] {
-      const int rc =
-          MPI_Alltoallv(send.data(), send_counts.data(), send_offsets.data(), row, recv.data(),
-                        recv_counts.data(), recv_offsets.data(), row, MPI_COMM_WORLD);
-      return rc == MPI_SUCCESS ? ok_status() : internal_error("MPI_Alltoallv returned ", rc);
-    });
-    if (!t.ok()) st = t.status();
-    if (t.ok() && i >= 0) times.push_back(*t);
-  }
+  StatusOr<double> t = median_time_max(w, iters, [&] {
+    const int rc =
+        MPI_Alltoallv(send.data(), send_counts.data(), send_offsets.data(), row, recv.data(),
+                      recv_counts.data(), recv_offsets.data(), row, MPI_COMM_WORLD);
+    return rc == MPI_SUCCESS ? ok_status() : internal_error("MPI_Alltoallv returned ", rc);
+  });
   MPI_Type_free(&row);
-  MOED_RETURN_IF_ERROR(st);
-  seconds = median(std::move(times));
+  MOED_ASSIGN_OR_RETURN(seconds, std::move(t));
 #endif
   return seconds;
 }
@@ -237,19 +175,13 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
       MOED_ASSIGN_OR_RETURN(comb, d->combine(CombineInput{expert_output, out.handle}));
       return ok_status();
     };
-    // One iteration's traffic, from the world's counters.
-    w.reset_counters();
-    MOED_RETURN_IF_ERROR(dispatch());
-    const TrafficCounters dc = w.counters();
+    MOED_ASSIGN_OR_RETURN(const Traffic dispatch_traffic, traffic_of(w, dispatch));
     MOED_RETURN_IF_ERROR(run_experts());
-    w.reset_counters();
-    MOED_RETURN_IF_ERROR(combine());
-    const TrafficCounters cc = w.counters();
-
-    const bool ok = dispatch_ok(out, pr.dispatched[size_t(me)]) &&
-                    bitwise_equal(comb.hidden.view(), pr.combined[size_t(me)].view());
-    MOED_ASSIGN_OR_RETURN(const int64_t bad, sum_ranks(w, ok ? 0 : 1));
-    const bool verified = bad == 0;
+    MOED_ASSIGN_OR_RETURN(const Traffic combine_traffic, traffic_of(w, combine));
+    MOED_ASSIGN_OR_RETURN(
+        const bool verified,
+        all_ranks_ok(w, dispatch_ok(out, pr.dispatched[size_t(me)]) &&
+                            bitwise_equal(comb.hidden.view(), pr.combined[size_t(me)].view())));
 
     std::vector<double> dt, ct;
     for (int i = 0; i < iters; ++i) {
@@ -260,14 +192,11 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
       ct.push_back(b);
     }
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, out.num_rows()));
-    MOED_ASSIGN_OR_RETURN(const int64_t dnet, sum_ranks(w, int64_t(dc.network_bytes)));
-    MOED_ASSIGN_OR_RETURN(const int64_t dshm, sum_ranks(w, int64_t(dc.shared_bytes)));
-    MOED_ASSIGN_OR_RETURN(const int64_t cnet, sum_ranks(w, int64_t(cc.network_bytes)));
-    MOED_ASSIGN_OR_RETURN(const int64_t cshm, sum_ranks(w, int64_t(cc.shared_bytes)));
     if (me == 0) {
       const std::string name = dispatcher_kind_name(kind);
-      figures->push_back({name, "dispatch", rows, median(dt), dnet, dshm, verified, mpi_seconds});
-      figures->push_back({name, "combine", rows, median(ct), cnet, cshm, verified});
+      figures->push_back(
+          {name, "dispatch", rows, median(dt), dispatch_traffic, verified, mpi_seconds});
+      figures->push_back({name, "combine", rows, median(ct), combine_traffic, verified});
     }
     out = DispatchOutput{};
     comb = CombineOutput{};
@@ -276,40 +205,34 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
 }
 
 void run(const Args& a) {
-  StatusOr<Shape> found = find_shape(a.shape);
-  if (!found.ok()) fail(found.status());
-  int ranks = a.ranks;
-  if (a.world == "mpi") {
-    StatusOr<int> n = mpi_world_size();
-    if (!n.ok()) fail(n.status());
-    ranks = *n;
-  }
-  Shape s = *found;
-  s.num_experts = experts_for_ranks(s.num_experts, ranks);
+  StatusOr<WorldShape> ws = world_shape(a.shape, a.world, a.ranks);
+  if (!ws.ok()) fail("dispatch", ws.status());
+  const int ranks = ws->ranks;
+  const Shape& s = ws->shape;
   std::vector<DispatcherKind> kinds;
   std::stringstream list(a.dispatchers);
   for (std::string name; std::getline(list, name, ',');) {
     StatusOr<DispatcherKind> k = parse_dispatcher_kind(name);
-    if (!k.ok()) fail(k.status());
+    if (!k.ok()) fail("dispatch", k.status());
     if (*k == DispatcherKind::kLowLatency) {
-      fail(invalid_argument("--dispatcher low-latency has its own bench: moed bench low-latency"));
+      fail("dispatch",
+           invalid_argument("--dispatcher low-latency has its own bench: moed bench low-latency"));
     }
     kinds.push_back(*k);
   }
   WorldOptions opts;
   opts.ranks_per_node = a.ranks_per_node;
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads_per_rank = std::max(1, cores / ranks);
+  const int threads_per_rank = std::max(1, host_threads() / ranks);
   opts.threads_per_rank = threads_per_rank;
   std::vector<Figure> figures;
   int my_rank = 0;
   {
     StatusOr<Problem> pr = make_problem(s, ranks);
-    if (!pr.ok()) fail(pr.status());
+    if (!pr.ok()) fail("dispatch", pr.status());
     Status st = run_in_world(
         a.world, ranks, opts,
         [&](World& w) { return run_rank(w, s, kinds, a.iters, *pr, &figures); }, &my_rank);
-    if (!st.ok()) fail(st);
+    if (!st.ok()) fail("dispatch", st);
   }
   if (my_rank != 0) return;
 
@@ -318,34 +241,20 @@ void run(const Args& a) {
   Report report(a.json);
   for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
-    nlohmann::json rec = {{"suite", "dispatch"},
-                          {"shape", s.name},
-                          {"dispatcher", f.dispatcher},
-                          {"phase", f.phase},
-                          {"world", a.world},
-                          {"ranks", ranks},
-                          {"ranks_per_node", a.ranks_per_node == 0 ? ranks : a.ranks_per_node},
-                          {"num_tokens", s.num_tokens},
-                          {"hidden", s.hidden},
-                          {"num_experts", s.num_experts},
-                          {"num_topk", s.num_topk},
-                          {"dtype", "bf16"},
-                          {"threads", threads},
-                          {"iters", a.iters},
-                          {"rows", f.rows},
-                          {"bytes", bytes},
-                          {"seconds", f.seconds},
-                          {"network_bytes", f.network_bytes},
-                          {"shared_bytes", f.shared_bytes},
-                          {"copy_gbps", measure_copy_gbps(bytes, threads)},
-                          {"peak_rss_bytes", peak_rss_bytes()},
-                          {"verified", f.verified}};
-    if (f.mpi_seconds > 0) {
-      // The same bytes, so the GB/s ratio is the inverse ratio of the times.
-      rec["mpi_seconds"] = f.mpi_seconds;
-      rec["mpi_gbps"] = double(bytes) / f.mpi_seconds / 1e9;
-      rec["ratio_to_mpi"] = f.mpi_seconds / f.seconds;
-    }
+    nlohmann::json rec =
+        world_record("dispatch", s, a.world, ranks, a.ranks_per_node, threads, a.iters,
+                     {{"dispatcher", f.dispatcher},
+                      {"phase", f.phase},
+                      {"dtype", "bf16"},
+                      {"rows", f.rows},
+                      {"bytes", bytes},
+                      {"seconds", f.seconds},
+                      {"network_bytes", f.traffic.network_bytes},
+                      {"shared_bytes", f.traffic.shared_bytes},
+                      {"copy_gbps", measure_copy_gbps(bytes, threads)},
+                      {"peak_rss_bytes", peak_rss_bytes()},
+                      {"verified", f.verified}});
+    add_mpi_baseline(rec, f.mpi_seconds);
     report.add(std::move(rec));
   }
   report.finish();
@@ -357,17 +266,9 @@ void setup(CLI::App& bench) {
       "dispatch", "TokenDispatcher dispatch and combine (allgather, alltoall, flex) vs copy");
   c->add_option("--dispatcher", args->dispatchers, "comma-separated: allgather,alltoall,flex")
       ->capture_default_str();
-  c->add_option("--world", args->world, "threads | mpi")->capture_default_str();
-  c->add_option("--ranks", args->ranks, "ranks in the world")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  c->add_option("--ranks-per-node", args->ranks_per_node, "ranks per node G (0 = all on one)")
-      ->capture_default_str();
+  add_world_options(*c, &args->world, &args->ranks, &args->ranks_per_node);
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
-  c->add_option("--iters", args->iters, "timed iterations (median reported)")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  c->add_flag("--json", args->json, "print the records as a JSON array");
+  add_report_options(*c, &args->iters, &args->json);
   c->callback([args] { run(*args); });
 }
 

@@ -14,12 +14,9 @@
 // from the seeds) and the verdicts are combined over ranks, so the MPI world (one rank per
 // process) runs the same checks; only rank 0 prints.
 #include <algorithm>
-#include <chrono>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
-#include <thread>
 
 #include "bench/common.h"
 #include "moed/dispatcher.h"
@@ -38,11 +35,6 @@ struct Args {
   bool json = false;
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed bench low-latency: %s\n", s.to_string().c_str());
-  throw CLI::RuntimeError(1);
-}
-
 // One figure as the ranks measured it: the per-iteration maximum over ranks, then the median.
 struct Figure {
   std::string dispatcher, phase, dtype;
@@ -52,28 +44,6 @@ struct Figure {
   uint64_t network_bytes = 0;  // per iteration, summed over ranks
   bool verified = false;
 };
-
-using Clock = std::chrono::steady_clock;
-
-// Times `fn` on every rank after a barrier; returns the slowest rank's seconds.
-StatusOr<double> time_max(World& w, const std::function<Status()>& fn) {
-  MOED_RETURN_IF_ERROR(w.barrier());
-  const auto a = Clock::now();
-  MOED_RETURN_IF_ERROR(fn());
-  const double mine = std::chrono::duration<double>(Clock::now() - a).count();
-  MOED_ASSIGN_OR_RETURN(std::vector<double> all,
-                        all_gather<double>(w, std::span<const double>(&mine, 1)));
-  return *std::max_element(all.begin(), all.end());
-}
-
-// Sum over ranks of a per-rank count.
-StatusOr<int64_t> sum_ranks(World& w, int64_t v) {
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(w, std::span<const int64_t>(&v, 1)));
-  int64_t s = 0;
-  for (int64_t x : all) s += x;
-  return s;
-}
 
 // What combine(dispatch(x)) with unit weights and the dispatched rows as expert outputs must
 // give: fp32 acc = 0; acc += x once per routed expert; rounded to bf16 once.
@@ -95,12 +65,7 @@ bool round_trip_ok(const Tensor& x, const TopkRouting& r, const TensorView& out)
 
 Tensor make_tokens(int rank, int64_t T, int H) {
   std::mt19937 rng(1234u + uint32_t(rank));
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-  Tensor x = Tensor::empty(DType::kBF16, T, H);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int h = 0; h < H; ++h) x.row<bf16>(t)[h] = float_to_bf16(u(rng));
-  }
-  return x;
+  return random_tokens(T, H, 1.0f, rng);
 }
 
 // Every received FP8 row and its scales equal quantize_fp8_row of the source token's row.
@@ -127,6 +92,25 @@ bool fp8_rows_ok(const LowLatencyDispatchOutput& d, int ranks, int64_t T, int H)
     }
   }
   return true;
+}
+
+// Per iteration: one whole call, then the send half (return_recv_hook) and the receive half
+// (the hook's wait), each timed over the ranks.
+struct HalfTimes {
+  std::vector<double> one, send, recv;
+};
+StatusOr<HalfTimes> time_halves(World& w, int iters, const std::function<Status(bool hook)>& call,
+                                const std::function<Status()>& wait) {
+  HalfTimes t;
+  for (int i = 0; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(const double one, time_max(w, [&] { return call(false); }));
+    MOED_ASSIGN_OR_RETURN(const double send, time_max(w, [&] { return call(true); }));
+    MOED_ASSIGN_OR_RETURN(const double recv, time_max(w, wait));
+    t.one.push_back(one);
+    t.send.push_back(send);
+    t.recv.push_back(recv);
+  }
+  return t;
 }
 
 Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figures) {
@@ -157,12 +141,15 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
     f.network_bytes = net;
     if (root) figures->push_back(std::move(f));
   };
-  auto network_delta = [&](const std::function<Status()>& fn) -> StatusOr<uint64_t> {
-    const uint64_t before = w.counters().network_bytes;
-    MOED_RETURN_IF_ERROR(fn());
-    MOED_ASSIGN_OR_RETURN(const int64_t n,
-                          sum_ranks(w, int64_t(w.counters().network_bytes - before)));
-    return uint64_t(n);
+  // The whole call as `op`, its halves as op_send and op_recv.
+  auto add_halves = [&](const std::string& op, const char* dtype, size_t row_bytes,
+                        const HalfTimes& t, int64_t rows, uint64_t net, bool verified) {
+    for (auto [suffix, times] :
+         {std::pair{"", &t.one}, std::pair{"_send", &t.send}, std::pair{"_recv", &t.recv}}) {
+      Figure f{"low_latency", op + suffix, dtype, 0, 0, row_bytes};
+      f.verified = verified;
+      add(f, *times, rows, net);
+    }
   };
 
   for (const bool fp8 : {false, true}) {
@@ -175,27 +162,15 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
                  {.x = x.view(), .topk = &topk, .use_fp8 = fp8, .return_recv_hook = hook}));
       return ok_status();
     };
-    MOED_ASSIGN_OR_RETURN(uint64_t net, network_delta([&] { return dispatch(false); }));
+    MOED_ASSIGN_OR_RETURN(const Traffic dt, traffic_of(w, [&] { return dispatch(false); }));
     int64_t mine = 0;
     for (int32_t c : d.recv_count) mine += c;
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
-    std::vector<double> one, send, recv;
-    for (int i = 0; i < iters; ++i) {
-      MOED_ASSIGN_OR_RETURN(double t1, time_max(w, [&] { return dispatch(false); }));
-      one.push_back(t1);
-      MOED_ASSIGN_OR_RETURN(double ts, time_max(w, [&] { return dispatch(true); }));
-      MOED_ASSIGN_OR_RETURN(double tr, time_max(w, [&] { return d.hook->wait(); }));
-      send.push_back(ts);
-      recv.push_back(tr);
-    }
-    const bool rows_ok = !fp8 || fp8_rows_ok(d, R, T, H);
-    MOED_ASSIGN_OR_RETURN(const int64_t bad_rows, sum_ranks(w, rows_ok ? 0 : 1));
-    for (auto [phase, times] : {std::pair{"dispatch", &one}, std::pair{"dispatch_send", &send},
-                                std::pair{"dispatch_recv", &recv}}) {
-      Figure f{"low_latency", phase, dtype, 0, 0, row_bytes};
-      f.verified = bad_rows == 0;  // bf16: set below from the round trip
-      add(f, *times, rows, net);
-    }
+    MOED_ASSIGN_OR_RETURN(const HalfTimes dtimes,
+                          time_halves(w, iters, dispatch, [&] { return d.hook->wait(); }));
+    // bf16: verified is set below from the round trip.
+    MOED_ASSIGN_OR_RETURN(const bool rows_ok, all_ranks_ok(w, !fp8 || fp8_rows_ok(d, R, T, H)));
+    add_halves("dispatch", dtype, row_bytes, dtimes, rows, dt.network_bytes, rows_ok);
     if (fp8) continue;
 
     // Combine of the bf16 dispatch: the received rows are the expert outputs.
@@ -208,27 +183,15 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
                  {.x = y.view(), .topk = &topk, .handle = handle, .return_recv_hook = hook}));
       return ok_status();
     };
-    MOED_ASSIGN_OR_RETURN(uint64_t cnet, network_delta([&] { return combine(false); }));
-    const bool ok = round_trip_ok(x, topk, c.combined_x.view());
-    MOED_ASSIGN_OR_RETURN(const int64_t bad, sum_ranks(w, ok ? 0 : 1));
-    std::vector<double> cone, csend, crecv;
-    for (int i = 0; i < iters; ++i) {
-      MOED_ASSIGN_OR_RETURN(double t1, time_max(w, [&] { return combine(false); }));
-      cone.push_back(t1);
-      MOED_ASSIGN_OR_RETURN(double ts, time_max(w, [&] { return combine(true); }));
-      MOED_ASSIGN_OR_RETURN(double tr, time_max(w, [&] { return c.hook->wait(); }));
-      csend.push_back(ts);
-      crecv.push_back(tr);
-    }
-    for (auto [phase, times] : {std::pair{"combine", &cone}, std::pair{"combine_send", &csend},
-                                std::pair{"combine_recv", &crecv}}) {
-      Figure f{"low_latency", phase, "bf16", 0, 0, size_t(H) * 2};
-      f.verified = bad == 0;
-      add(f, *times, rows, cnet);
-    }
+    MOED_ASSIGN_OR_RETURN(const Traffic ct, traffic_of(w, [&] { return combine(false); }));
+    MOED_ASSIGN_OR_RETURN(const bool ok,
+                          all_ranks_ok(w, round_trip_ok(x, topk, c.combined_x.view())));
+    MOED_ASSIGN_OR_RETURN(const HalfTimes ctimes,
+                          time_halves(w, iters, combine, [&] { return c.hook->wait(); }));
+    add_halves("combine", "bf16", size_t(H) * 2, ctimes, rows, ct.network_bytes, ok);
     if (root) {
       for (Figure& f : *figures) {
-        if (f.dispatcher == "low_latency" && f.dtype == "bf16") f.verified = bad == 0;
+        if (f.dispatcher == "low_latency" && f.dtype == "bf16") f.verified = ok;
       }
     }
   }
@@ -246,7 +209,7 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
     MOED_ASSIGN_OR_RETURN(fd, flex->dispatch(flex_input));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(uint64_t fnet, network_delta(flex_dispatch));
+  MOED_ASSIGN_OR_RETURN(const Traffic fdt, traffic_of(w, flex_dispatch));
   MOED_ASSIGN_OR_RETURN(const int64_t frows, sum_ranks(w, fd.num_rows()));
   CombineOutput fc;
   auto flex_combine = [&]() -> Status {
@@ -254,70 +217,53 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
                           flex->combine({.expert_output = fd.expert_input, .handle = fd.handle}));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(uint64_t fcnet, network_delta(flex_combine));
-  MOED_ASSIGN_OR_RETURN(const int64_t fbad,
-                        sum_ranks(w, round_trip_ok(x, topk, fc.hidden.view()) ? 0 : 1));
-  std::vector<double> fdt, fct;
+  MOED_ASSIGN_OR_RETURN(const Traffic fct, traffic_of(w, flex_combine));
+  MOED_ASSIGN_OR_RETURN(const bool fok, all_ranks_ok(w, round_trip_ok(x, topk, fc.hidden.view())));
+  std::vector<double> fdtimes, fctimes;
   for (int i = 0; i < iters; ++i) {
     MOED_ASSIGN_OR_RETURN(double a, time_max(w, flex_dispatch));
     MOED_ASSIGN_OR_RETURN(double b, time_max(w, flex_combine));
-    fdt.push_back(a);
-    fct.push_back(b);
+    fdtimes.push_back(a);
+    fctimes.push_back(b);
   }
   Figure fdf{"flex", "dispatch", "bf16", 0, 0, size_t(H) * 2};
-  fdf.verified = fbad == 0;
-  add(fdf, fdt, frows, fnet);
+  fdf.verified = fok;
+  add(fdf, fdtimes, frows, fdt.network_bytes);
   Figure fcf{"flex", "combine", "bf16", 0, 0, size_t(H) * 2};
-  fcf.verified = fbad == 0;
-  add(fcf, fct, frows, fcnet);
+  fcf.verified = fok;
+  add(fcf, fctimes, frows, fct.network_bytes);
   return ok_status();
 }
 
 void run(const Args& a) {
-  StatusOr<Shape> found = find_shape(a.shape);
-  if (!found.ok()) fail(found.status());
-  int ranks = a.ranks;
-  if (a.world == "mpi") {
-    StatusOr<int> n = mpi_world_size();
-    if (!n.ok()) fail(n.status());
-    ranks = *n;
-  }
-  Shape s = *found;
-  s.num_experts = experts_for_ranks(s.num_experts, ranks);
+  StatusOr<WorldShape> ws = world_shape(a.shape, a.world, a.ranks);
+  if (!ws.ok()) fail("low-latency", ws.status());
+  const int ranks = ws->ranks;
+  const Shape& s = ws->shape;
   WorldOptions opts;
   opts.ranks_per_node = a.ranks_per_node;
   std::vector<Figure> figures;
   int my_rank = 0;
   Status st = run_in_world(
       a.world, ranks, opts, [&](World& w) { return run_rank(w, s, a.iters, &figures); }, &my_rank);
-  if (!st.ok()) fail(st);
+  if (!st.ok()) fail("low-latency", st);
   if (my_rank != 0) return;
 
-  const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = host_threads();
   Report report(a.json);
   for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * f.row_bytes;
-    report.add({{"suite", "low_latency"},
-                {"shape", s.name},
-                {"world", a.world},
-                {"ranks", ranks},
-                {"ranks_per_node", a.ranks_per_node == 0 ? ranks : a.ranks_per_node},
-                {"num_tokens", s.num_tokens},
-                {"hidden", s.hidden},
-                {"num_experts", s.num_experts},
-                {"num_topk", s.num_topk},
-                {"dispatcher", f.dispatcher},
-                {"phase", f.phase},
-                {"dtype", f.dtype},
-                {"threads", threads},
-                {"iters", a.iters},
-                {"rows", f.rows},
-                {"bytes", bytes},
-                {"seconds", f.seconds},
-                {"microseconds", f.seconds * 1e6},
-                {"network_bytes", f.network_bytes},
-                {"copy_gbps", measure_copy_gbps(bytes, threads)},
-                {"verified", f.verified}});
+    report.add(world_record("low_latency", s, a.world, ranks, a.ranks_per_node, threads, a.iters,
+                            {{"dispatcher", f.dispatcher},
+                             {"phase", f.phase},
+                             {"dtype", f.dtype},
+                             {"rows", f.rows},
+                             {"bytes", bytes},
+                             {"seconds", f.seconds},
+                             {"microseconds", f.seconds * 1e6},
+                             {"network_bytes", f.network_bytes},
+                             {"copy_gbps", measure_copy_gbps(bytes, threads)},
+                             {"verified", f.verified}}));
   }
   report.finish();
 }
@@ -327,16 +273,8 @@ void setup(CLI::App& bench) {
   CLI::App* c = bench.add_subcommand(
       "low-latency", "low-latency dispatch / combine (bf16, fp8, send and receive halves) vs Flex");
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
-  c->add_option("--world", args->world, "threads | mpi")->capture_default_str();
-  c->add_option("--ranks", args->ranks, "ranks in the world")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  c->add_option("--ranks-per-node", args->ranks_per_node, "ranks per node G (0 = all on one)")
-      ->capture_default_str();
-  c->add_option("--iters", args->iters, "timed iterations (median reported)")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  c->add_flag("--json", args->json, "print the records as a JSON array");
+  add_world_options(*c, &args->world, &args->ranks, &args->ranks_per_node);
+  add_report_options(*c, &args->iters, &args->json);
   c->callback([args] { run(*args); });
 }
 

@@ -5,7 +5,6 @@
 // bound copies into a preallocated buffer too); bytes = output rows * H * 2. unpermute is
 // timed into a preallocated [T, H] output; bytes = input rows * H * 2. Every run checks its
 // output against moed::reference_dispatch / reference_combine (ep_size = 1) bit for bit.
-#include <cstdio>
 #include <random>
 #include <string>
 
@@ -24,40 +23,6 @@ struct Args {
   bool json = false;
 };
 
-[[noreturn]] void fail(const std::string& what, const Status& s) {
-  std::fprintf(stderr, "moed bench %s: %s\n", what.c_str(), s.to_string().c_str());
-  throw CLI::RuntimeError(1);
-}
-
-// Uniform top-k routing (K distinct experts per token), random probs; fixed seed.
-RoutingMap make_routing(const Shape& s) {
-  RoutingMap m = RoutingMap::empty(s.num_tokens, s.num_experts);
-  m.num_topk = s.num_topk;
-  std::mt19937 rng(1234);
-  std::uniform_real_distribution<float> prob(0.01f, 1.0f);
-  std::vector<int> experts(static_cast<size_t>(s.num_experts));
-  for (int64_t t = 0; t < s.num_tokens; ++t) {
-    for (int e = 0; e < s.num_experts; ++e) experts[size_t(e)] = e;
-    for (int k = 0; k < s.num_topk; ++k) {
-      std::swap(experts[size_t(k)], experts[size_t(k) + rng() % size_t(s.num_experts - k)]);
-      const size_t cell = size_t(t) * s.num_experts + experts[size_t(k)];
-      m.routing_map[cell] = 1;
-      m.probs[cell] = prob(rng);
-    }
-  }
-  return m;
-}
-
-Tensor make_tokens(int64_t rows, int hidden, uint32_t seed) {
-  Tensor x = Tensor::empty(DType::kBF16, rows, hidden);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int h = 0; h < hidden; ++h) x.row<bf16>(r)[h] = float_to_bf16(u(rng));
-  }
-  return x;
-}
-
 ReferenceProblem reference_problem(const Shape& s, const RoutingMap& m, const Tensor& x) {
   ReferenceProblem p;
   p.num_experts = s.num_experts;
@@ -75,8 +40,10 @@ void run(const Args& a, bool unpermute_suite) {
   const Shape& s = *shape;
   ThreadPool pool(a.threads);
   const int threads = pool.num_threads();
-  const RoutingMap map = make_routing(s);
-  const Tensor x = make_tokens(s.num_tokens, s.hidden, 1);
+  // Uniform top-k routing (K distinct experts per token), random probs; fixed seeds.
+  std::mt19937 topk_rng(1234), token_rng(1);
+  const RoutingMap map = to_map(random_topk(s, 0.01f, topk_rng), s.num_experts);
+  const Tensor x = random_tokens(s.num_tokens, s.hidden, 2.0f, token_rng);
   const TokenRows tokens{x.view(), {}};
 
   StatusOr<PermuteOutput> permuted = permute(tokens, map, {}, pool);
@@ -86,10 +53,7 @@ void run(const Args& a, bool unpermute_suite) {
   const ReferenceProblem problem = reference_problem(s, map, x);
 
   Report report(a.json);
-  nlohmann::json r = {{"suite", what}, {"shape", s.name}, {"dtype", "bf16"},
-                      {"threads", threads}, {"num_tokens", s.num_tokens}, {"hidden", s.hidden},
-                      {"num_experts", s.num_experts}, {"num_topk", s.num_topk},
-                      {"rows", N}, {"iters", a.iters}};
+  nlohmann::json r = shape_record(what, s, threads, a.iters, {{"dtype", "bf16"}, {"rows", N}});
   if (!unpermute_suite) {
     TokenTensor out;
     out.x = Tensor::empty(DType::kBF16, N, s.hidden);
@@ -142,10 +106,7 @@ void add_command(CLI::App& bench, const char* name, const char* help, bool unper
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
   c->add_option("--threads", args->threads, "worker threads (0 = all cores)")
       ->capture_default_str();
-  c->add_option("--iters", args->iters, "timed iterations (median reported)")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  c->add_flag("--json", args->json, "print the records as a JSON array");
+  add_report_options(*c, &args->iters, &args->json);
   c->callback([args, unpermute_suite] { run(*args, unpermute_suite); });
 }
 

@@ -12,13 +12,11 @@
 // times the bf16 row bytes, divided by the time (DeepEP's count; combine sends the same rows
 // back). Combine's expert outputs are the dispatched rows themselves.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <map>
 #include <memory>
 #include <random>
 #include <sstream>
-#include <thread>
 
 #include "bench/common.h"
 #include "moed/dispatcher.h"
@@ -39,31 +37,7 @@ struct SweepArgs {
   bool json = false;
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed bench: %s\n", s.to_string().c_str());
-  throw CLI::RuntimeError(1);
-}
-
-using Clock = std::chrono::steady_clock;
 constexpr double kLowLatencyBudgetBytes = 2e9;
-
-StatusOr<double> time_max(World& w, const std::function<Status()>& fn) {
-  MOED_RETURN_IF_ERROR(w.barrier());
-  const auto a = Clock::now();
-  MOED_RETURN_IF_ERROR(fn());
-  const double mine = std::chrono::duration<double>(Clock::now() - a).count();
-  MOED_ASSIGN_OR_RETURN(std::vector<double> all,
-                        all_gather<double>(w, std::span<const double>(&mine, 1)));
-  return *std::max_element(all.begin(), all.end());
-}
-
-StatusOr<int64_t> sum_ranks(World& w, int64_t v) {
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(w, std::span<const int64_t>(&v, 1)));
-  int64_t s = 0;
-  for (int64_t x : all) s += x;
-  return s;
-}
 
 // One rank's input: bf16 rows, K distinct experts per token, random probs (seeded by rank).
 struct RankInput {
@@ -74,23 +48,9 @@ struct RankInput {
 
 RankInput make_input(const Shape& s, int rank) {
   RankInput in;
-  std::mt19937 rng(977u + uint32_t(rank));
-  in.x = Tensor::empty(DType::kBF16, s.num_tokens, s.hidden);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f), p(0.05f, 1.0f);
-  for (int64_t t = 0; t < s.num_tokens; ++t) {
-    for (int h = 0; h < s.hidden; ++h) in.x.row<bf16>(t)[h] = float_to_bf16(u(rng));
-  }
-  in.topk.num_tokens = s.num_tokens;
-  in.topk.num_topk = s.num_topk;
-  std::vector<int32_t> experts(static_cast<size_t>(s.num_experts));
-  for (int64_t t = 0; t < s.num_tokens; ++t) {
-    for (int e = 0; e < s.num_experts; ++e) experts[size_t(e)] = e;
-    for (int k = 0; k < s.num_topk; ++k) {
-      std::swap(experts[size_t(k)], experts[size_t(k) + rng() % size_t(s.num_experts - k)]);
-      in.topk.topk_idx.push_back(experts[size_t(k)]);
-      in.topk.topk_weights.push_back(p(rng));
-    }
-  }
+  std::mt19937 rng(977u + uint32_t(rank));  // the tokens, then the routing
+  in.x = random_tokens(s.num_tokens, s.hidden, 1.0f, rng);
+  in.topk = random_topk(s, 0.05f, rng);
   in.map = to_map(in.topk, s.num_experts);
   return in;
 }
@@ -99,7 +59,7 @@ struct Figure {
   std::string dispatcher, phase;
   double seconds = 0;
   int64_t rows = 0;
-  uint64_t network_bytes = 0, shared_bytes = 0;
+  Traffic traffic;
   bool verified = false;
 };
 
@@ -128,25 +88,15 @@ StatusOr<Ref> make_reference(const Shape& s, int R, const std::vector<RankInput>
   return ref;
 }
 
-// Times `fn` iters times; counts traffic of one call first.
+// One call counting its traffic (which is also the warm-up), then the median of iters timed.
 struct Timed {
-  std::vector<double> t;
-  uint64_t net = 0, shm = 0;
+  double seconds = 0;
+  Traffic traffic;
 };
 StatusOr<Timed> measure(World& w, int iters, const std::function<Status()>& fn) {
   Timed r;
-  const TrafficCounters before = w.counters();
-  MOED_RETURN_IF_ERROR(fn());
-  MOED_ASSIGN_OR_RETURN(int64_t net,
-                        sum_ranks(w, int64_t(w.counters().network_bytes - before.network_bytes)));
-  MOED_ASSIGN_OR_RETURN(int64_t shm,
-                        sum_ranks(w, int64_t(w.counters().shared_bytes - before.shared_bytes)));
-  r.net = uint64_t(net);
-  r.shm = uint64_t(shm);
-  for (int i = 0; i < iters; ++i) {
-    MOED_ASSIGN_OR_RETURN(double t, time_max(w, fn));
-    r.t.push_back(t);
-  }
+  MOED_ASSIGN_OR_RETURN(r.traffic, traffic_of(w, fn));
+  MOED_ASSIGN_OR_RETURN(r.seconds, median_time_max(w, iters, fn, /*warmup=*/0));
   return r;
 }
 
@@ -172,20 +122,19 @@ Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput
             std::equal(dd.permuted_probs.begin(), dd.permuted_probs.end(),
                        rd.permuted_probs.begin(), rd.permuted_probs.end());
   MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, dd.num_rows()));
-  MOED_ASSIGN_OR_RETURN(const int64_t dbad, sum_ranks(w, ok ? 0 : 1));
+  MOED_ASSIGN_OR_RETURN(const bool dispatch_ok, all_ranks_ok(w, ok));
   CombineOutput cc;
   auto combine = [&]() -> Status {
     MOED_ASSIGN_OR_RETURN(cc, d->combine({.expert_output = dd.expert_input, .handle = dd.handle}));
     return ok_status();
   };
   MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, combine));
-  MOED_ASSIGN_OR_RETURN(
-      const int64_t cbad,
-      sum_ranks(w, bitwise_equal(cc.hidden, ref.combine[size_t(w.rank())]) ? 0 : 1));
+  MOED_ASSIGN_OR_RETURN(const bool combine_ok,
+                        all_ranks_ok(w, bitwise_equal(cc.hidden, ref.combine[size_t(w.rank())])));
   if (w.rank() == 0) {
     const char* name = dispatcher_kind_name(kind);
-    out->push_back({name, "dispatch", median(td.t), rows, td.net, td.shm, dbad == 0});
-    out->push_back({name, "combine", median(tc.t), rows, tc.net, tc.shm, cbad == 0});
+    out->push_back({name, "dispatch", td.seconds, rows, td.traffic, dispatch_ok});
+    out->push_back({name, "combine", tc.seconds, rows, tc.traffic, combine_ok});
   }
   return ok_status();
 }
@@ -213,7 +162,7 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
     row += n;
   }
   MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
-  MOED_ASSIGN_OR_RETURN(const int64_t dbad, sum_ranks(w, ok ? 0 : 1));
+  MOED_ASSIGN_OR_RETURN(const bool dispatch_ok, all_ranks_ok(w, ok));
   Tensor y = Tensor::copy_of(d.recv.x);
   std::shared_ptr<const LowLatencyHandle> handle = d.handle;
   LowLatencyCombineOutput c;
@@ -224,11 +173,11 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
   };
   MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, combine));
   MOED_ASSIGN_OR_RETURN(
-      const int64_t cbad,
-      sum_ranks(w, bitwise_equal(c.combined_x, ref.weighted_combine[size_t(w.rank())]) ? 0 : 1));
+      const bool combine_ok,
+      all_ranks_ok(w, bitwise_equal(c.combined_x, ref.weighted_combine[size_t(w.rank())])));
   if (w.rank() == 0) {
-    out->push_back({"low_latency", "dispatch", median(td.t), rows, td.net, td.shm, dbad == 0});
-    out->push_back({"low_latency", "combine", median(tc.t), rows, tc.net, tc.shm, cbad == 0});
+    out->push_back({"low_latency", "dispatch", td.seconds, rows, td.traffic, dispatch_ok});
+    out->push_back({"low_latency", "combine", tc.seconds, rows, tc.traffic, combine_ok});
   }
   return ok_status();
 }
@@ -247,22 +196,22 @@ void sweep(const SweepArgs& a) {
   std::vector<int> ranks_list = a.ranks;
   if (world == "mpi") {
     StatusOr<int> n = mpi_world_size();
-    if (!n.ok()) fail(n.status());
+    if (!n.ok()) fail("", n.status());
     ranks_list = {*n};
   }
   std::vector<DispatcherKind> kinds;
   for (const std::string& name : a.dispatchers) {
     StatusOr<DispatcherKind> k = parse_dispatcher_kind(name);
-    if (!k.ok()) fail(k.status());
+    if (!k.ok()) fail("", k.status());
     kinds.push_back(*k);
   }
   std::vector<Shape> shapes;
   for (const std::string& name : a.shapes) {
     StatusOr<Shape> sh = find_shape(name);
-    if (!sh.ok()) fail(sh.status());
+    if (!sh.ok()) fail("", sh.status());
     shapes.push_back(*sh);
   }
-  const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = host_threads();
   Report report(a.json);
   std::vector<SummaryRow> summary;
   int my_rank = 0;
@@ -271,12 +220,13 @@ void sweep(const SweepArgs& a) {
       Shape s = base;
       s.num_experts = experts_for_ranks(base.num_experts, R);
       if (a.ranks_per_node > 0 && R % a.ranks_per_node != 0) {
-        fail(invalid_argument("--ranks-per-node ", a.ranks_per_node, " does not divide ranks ", R));
+        fail("",
+             invalid_argument("--ranks-per-node ", a.ranks_per_node, " does not divide ranks ", R));
       }
       std::vector<RankInput> inputs;
       for (int r = 0; r < R; ++r) inputs.push_back(make_input(s, r));
       StatusOr<Ref> ref = make_reference(s, R, inputs);
-      if (!ref.ok()) fail(ref.status());
+      if (!ref.ok()) fail("", ref.status());
       // NOTE: low-latency slots are sized for every expert's worst case ([E][T] rows, twice),
       // which is meant for decode batches; at prefill shapes they would not fit in memory.
       const double ll_bytes =
@@ -301,34 +251,24 @@ void sweep(const SweepArgs& a) {
             return ok_status();
           },
           &my_rank);
-      if (!st.ok()) fail(st);
+      if (!st.ok()) fail("", st);
       if (my_rank != 0) continue;
       std::map<std::string, SummaryRow> rows;
       for (const Figure& f : figures) {
         const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
         const double copy = measure_copy_gbps(bytes, threads);
-        report.add({{"suite", "sweep"},
-                    {"shape", s.name},
-                    {"world", world},
-                    {"ranks", R},
-                    {"ranks_per_node", a.ranks_per_node == 0 ? R : a.ranks_per_node},
-                    {"num_tokens", s.num_tokens},
-                    {"hidden", s.hidden},
-                    {"num_experts", s.num_experts},
-                    {"num_topk", s.num_topk},
-                    {"dispatcher", f.dispatcher},
-                    {"phase", f.phase},
-                    {"dtype", "bf16"},
-                    {"threads", threads},
-                    {"iters", a.iters},
-                    {"rows", f.rows},
-                    {"bytes", bytes},
-                    {"seconds", f.seconds},
-                    {"microseconds", f.seconds * 1e6},
-                    {"network_bytes", f.network_bytes},
-                    {"shared_bytes", f.shared_bytes},
-                    {"copy_gbps", copy},
-                    {"verified", f.verified}});
+        report.add(world_record("sweep", s, world, R, a.ranks_per_node, threads, a.iters,
+                                {{"dispatcher", f.dispatcher},
+                                 {"phase", f.phase},
+                                 {"dtype", "bf16"},
+                                 {"rows", f.rows},
+                                 {"bytes", bytes},
+                                 {"seconds", f.seconds},
+                                 {"microseconds", f.seconds * 1e6},
+                                 {"network_bytes", f.traffic.network_bytes},
+                                 {"shared_bytes", f.traffic.shared_bytes},
+                                 {"copy_gbps", copy},
+                                 {"verified", f.verified}}));
         SummaryRow& row = rows[f.dispatcher];
         row.world = world;
         row.shape = s.name;
@@ -409,10 +349,7 @@ void setup(CLI::App& bench) {
   bench.add_option("--ranks-per-node", a->ranks_per_node, "ranks per node G (0 = all on one)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  bench.add_option("--iters", a->iters, "timed iterations (median reported)")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  bench.add_flag("--json", a->json, "print the records as a JSON array");
+  add_report_options(bench, &a->iters, &a->json);
   CLI::App* app = &bench;
   bench.callback([a, shapes, dispatchers, app] {
     if (!app->get_subcommands().empty()) return;  // a subcommand ran instead
