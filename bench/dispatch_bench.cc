@@ -10,7 +10,9 @@
 // outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
 // flex_expert_output_buffer, where experts write them). Every dispatcher's output is checked
 // against the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes
-// and shared_bytes are the world's counters for one iteration, summed over ranks.
+// and shared_bytes are the world's counters for one iteration, summed over ranks. With several
+// nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a flat all-to-all of
+// the same routing would send between nodes, and network_vs_flat = network_bytes / that.
 //
 //   mpirun -np 4 moed bench dispatch --world mpi --dispatcher alltoall,flex --shape mixtral
 //
@@ -204,6 +206,31 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
   return ok_status();
 }
 
+// Bytes a flat all-to-all of the same routing would send between nodes: one bf16 row per
+// (token, destination rank on another node), the traffic Flex's two hops cut to one row per
+// (token, destination node) (spec §5.5).
+int64_t flat_network_bytes(const Shape& s, const std::vector<TopkRouting>& topk, int ranks,
+                           int ranks_per_node) {
+  const int L = s.num_experts / ranks;
+  int64_t rows = 0;
+  std::vector<int> dests;
+  for (int src = 0; src < ranks; ++src) {
+    const TopkRouting& r = topk[size_t(src)];
+    for (int64_t t = 0; t < r.num_tokens; ++t) {
+      dests.clear();
+      for (int k = 0; k < r.num_topk; ++k) {
+        const int e = r.topk_idx[size_t(t * r.num_topk + k)];
+        if (e < 0) continue;
+        const int dst = e / L;
+        if (dst / ranks_per_node != src / ranks_per_node) dests.push_back(dst);
+      }
+      std::sort(dests.begin(), dests.end());
+      rows += std::unique(dests.begin(), dests.end()) - dests.begin();
+    }
+  }
+  return rows * int64_t(s.hidden) * 2;
+}
+
 void run(const Args& a) {
   StatusOr<WorldShape> ws = world_shape(a.shape, a.world, a.ranks);
   if (!ws.ok()) fail("dispatch", ws.status());
@@ -226,9 +253,12 @@ void run(const Args& a) {
   opts.threads_per_rank = threads_per_rank;
   std::vector<Figure> figures;
   int my_rank = 0;
+  const int g = a.ranks_per_node == 0 ? ranks : a.ranks_per_node;
+  int64_t flat_bytes = 0;
   {
     StatusOr<Problem> pr = make_problem(s, ranks);
     if (!pr.ok()) fail("dispatch", pr.status());
+    if (g < ranks) flat_bytes = flat_network_bytes(s, pr->topk, ranks, g);
     Status st = run_in_world(
         a.world, ranks, opts,
         [&](World& w) { return run_rank(w, s, kinds, a.iters, *pr, &figures); }, &my_rank);
@@ -254,6 +284,10 @@ void run(const Args& a) {
                       {"copy_gbps", measure_copy_gbps(bytes, threads)},
                       {"peak_rss_bytes", peak_rss_bytes()},
                       {"verified", f.verified}});
+    if (flat_bytes > 0 && f.phase == "dispatch") {
+      rec["flat_network_bytes"] = flat_bytes;
+      rec["network_vs_flat"] = double(f.traffic.network_bytes) / double(flat_bytes);
+    }
     add_mpi_baseline(rec, f.mpi_seconds);
     report.add(std::move(rec));
   }
