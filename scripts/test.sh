@@ -8,7 +8,9 @@ jobs=$(nproc)
 scripts/setup.sh
 (cd build && ctest --output-on-failure -j "$jobs")
 echo "== .npy header parser under libFuzzer (20 s) =="
-tests/io/fuzz/run.sh 20
+# A fixed seed keeps this pass deterministic, so a clean main never fails here by luck; run
+# tests/io/fuzz/run.sh without one (random seed) to look for new inputs.
+tests/io/fuzz/run.sh 20 -seed=1
 
 if [ "${MOED_QUICK:-0}" != 1 ]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer =="

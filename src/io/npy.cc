@@ -336,6 +336,11 @@ size_t npy_dtype_size(NpyDType t) {
 }
 
 int64_t NpyArray::num_elements() const {
+  // NOTE: a zero anywhere makes the product 0; multiplying in order first could overflow
+  // (shape (760, 1005, ..., 0) is a valid empty array the parser accepts).
+  for (int64_t d : shape) {
+    if (d == 0) return 0;
+  }
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;

@@ -168,6 +168,18 @@ TEST(NpyWrite, RoundTripsEveryDType) {
   std::remove(path.c_str());
 }
 
+// Found by the fuzzer: an empty array whose other dims multiply past int64 before the 0.
+TEST(NpyRead, EmptyArrayWithHugeOtherDims) {
+  const std::vector<int64_t> shape = {760, 1005, 5555, 4555, 455, 555, 4550, 45555, 0};
+  auto encoded = encode_npy(NpyDType::kF64, shape, nullptr);
+  ASSERT_TRUE(encoded.ok()) << encoded.status().to_string();
+  auto a = parse_npy(*encoded, "empty.npy");
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  EXPECT_EQ(a->shape, shape);
+  EXPECT_EQ(a->num_elements(), 0);
+  EXPECT_TRUE(a->data.empty());
+}
+
 TEST(NpyWrite, UsesVersion2WhenTheHeaderDoesNotFit16Bits) {
   const std::vector<int64_t> shape(25000, 1);  // "1, " per dim: a ~75 KB header
   const int32_t v = 42;
