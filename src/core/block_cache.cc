@@ -109,6 +109,15 @@ class BlockCache {
     for (void* q : evicted) std::free(q);
   }
 
+  void clear() {
+    std::vector<void*> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (cached_bytes_ > 0) evicted.push_back(evict_oldest());
+    }
+    for (void* q : evicted) std::free(q);
+  }
+
   TensorCacheStats stats() {
     std::lock_guard<std::mutex> lock(mu_);
     return TensorCacheStats{cached_bytes_, limit_, hits_, misses_};
@@ -149,12 +158,7 @@ void release_block(void* p, size_t bytes) {
 }  // namespace internal
 
 void set_tensor_cache_limit(size_t bytes) { BlockCache::get().set_limit(bytes); }
-void release_tensor_cache() {
-  BlockCache& c = BlockCache::get();
-  const size_t limit = c.stats().limit_bytes;
-  c.set_limit(0);
-  c.set_limit(limit);
-}
+void release_tensor_cache() { BlockCache::get().clear(); }
 TensorCacheStats tensor_cache_stats() { return BlockCache::get().stats(); }
 
 }  // namespace moed
