@@ -1,0 +1,133 @@
+// Planning clusters: an explicit cost model of dispatch and combine on GPU clusters
+// (`moed plan`, README "Planning clusters: moed plan").
+//
+// From a routing (a trace, or generated: uniform, Zipf-skewed, group-limited) it counts, per
+// rank, the bytes each algorithm moves over the intra-node fabric (NVLink; node-shared memory
+// here) and over the network (RDMA), and turns the maximum over ranks into a time with a few
+// public numbers per system (Cluster). Two views of the same counts:
+//   - moed's counters (PlanResult::moed): what moed's own dispatchers add to
+//     World::counters() on the threads world, for the data path (tests/plan checks equality);
+//   - link time (PlanResult::algorithms): bytes over each link the way the GPU kernels move
+//     them (DeepEP's one row per (token, rank)), max over ranks of max(NVL, RDMA) time, plus a
+//     per-message latency per hop and a fixed per-call cost.
+//
+//   moed::PlanOptions o;
+//   o.cluster = *moed::cluster_preset("h800");
+//   o.ep = 64; o.ranks_per_node = 8; o.tokens = 4096; o.hidden = 7168; o.topk = 8;
+//   o.experts = 256; o.routing = moed::PlanRouting::kGroup; o.num_groups = 8; o.group_topk = 4;
+//   MOED_ASSIGN_OR_RETURN(moed::PlanResult r, moed::plan(o));
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "moed/replay.h"
+#include "moed/status.h"
+
+namespace moed {
+
+// One parameter set per system (README lists where each number comes from).
+struct Cluster {
+  std::string name;
+  std::string description;
+  double nvl_gbps = 0.0;      // per-GPU intra-node bandwidth, one direction, GB/s (1e9 B/s)
+  double net_gbps = 0.0;      // per-GPU network bandwidth, one direction, GB/s
+  double hbm_gbps = 0.0;      // per-GPU memory bandwidth (permute / sort passes), GB/s
+  double nvl_latency_us = 0;  // one intra-node hop
+  double net_latency_us = 0;  // one network hop
+  double fixed_us = 0.0;      // per call: launch, count/flag round trip, completion
+  int ranks_per_node = 8;     // default G
+};
+StatusOr<Cluster> cluster_preset(const std::string& name);  // h800, h100, h200, h200-efa
+std::vector<std::string> cluster_preset_names();
+
+enum class PlanRouting { kUniform, kZipf, kGroup, kTrace };
+StatusOr<PlanRouting> parse_plan_routing(const std::string& name);
+
+struct PlanOptions {
+  Cluster cluster;
+  int ep = 8;              // ranks R (EP size, ETP = 1)
+  int ranks_per_node = 8;  // G, divides R
+  int64_t tokens = 4096;   // per rank
+  int64_t hidden = 7168;
+  int topk = 8;
+  int experts = 256;         // E, a multiple of R
+  bool low_latency = false;  // the mode whose time is reported as dispatch_/combine_seconds
+  bool fp8_dispatch = true;  // dispatch payload fp8 (+ fp32 scale per 128); bf16 otherwise
+  PlanRouting routing = PlanRouting::kUniform;
+  double zipf_s = 1.0;  // kZipf: P(expert of popularity rank i) ~ 1 / (i + 1)^s
+  int num_groups = 0;   // kGroup: 0 = one group per node (as DeepEP's tests route)
+  int group_topk = 0;   // kGroup: 0 = min(num_groups, 4)
+  uint64_t seed = 1;
+  const RoutingTrace* trace = nullptr;  // kTrace: step 0 of it, T * R tokens split evenly
+};
+
+// Per-rank bytes of one scheme, and its predicted time.
+struct LinkCost {
+  std::vector<int64_t> nvl_bytes;  // [R] max(sent, received) over the intra-node link
+  std::vector<int64_t> net_bytes;  // [R] max(sent, received) over the network
+  std::vector<int64_t> hbm_bytes;  // [R] extra local passes (read + write), AlltoAll only
+  double seconds = 0.0;
+  int64_t max_nvl() const;
+  int64_t max_net() const;
+};
+
+struct AlgorithmCost {
+  std::string name;  // "flat", "alltoall", "flex", "low-latency"
+  LinkCost dispatch, combine;
+};
+
+// What moed's dispatchers count in World::counters() for the data path (ETP = 1, dropless,
+// expert outputs not in the Flex shared buffer): per rank, shared / network bytes.
+struct CounterBytes {
+  std::vector<int64_t> shared, network;
+};
+struct MoedCounters {
+  CounterBytes alltoall_dispatch, alltoall_combine, flex_dispatch, flex_combine;
+};
+
+// DeepEP's bandwidth definitions (README "Planning clusters"): bytes of one rank divided by the
+// time. Normal intranode ("NVL"): tokens it receives x row bytes. Normal internode ("RDMA"):
+// its (token, node) pairs, own node included, x row bytes. Low-latency ("RDMA"): its (token,
+// expert) selections x (row + 16 B) for fp8 dispatch, x 2H for combine.
+struct PublishedBytes {
+  int64_t dispatch = 0, combine = 0;
+  std::string link;  // "NVL" or "RDMA"
+};
+
+struct PlanResult {
+  PlanOptions options;
+  int num_nodes = 0;
+  int64_t dispatch_row_bytes = 0, combine_row_bytes = 0;
+  std::vector<AlgorithmCost> algorithms;  // flat, alltoall, flex, low-latency
+  MoedCounters moed;
+  PublishedBytes published;  // of the slowest rank's... of rank 0 (every rank alike on average)
+  // The reported mode: flex (normal) or low-latency.
+  double dispatch_seconds = 0.0, combine_seconds = 0.0;
+  double dispatch_gbps = 0.0, combine_gbps = 0.0;  // published bytes / seconds
+  const AlgorithmCost& algorithm(const std::string& name) const;
+};
+
+// Errors name the option and value: R < 1 or > 2048, G not dividing R, E % R, K > E, ...
+StatusOr<PlanResult> plan(const PlanOptions& options);
+// The routing plan() uses for source rank s: [tokens, topk] expert indices (-1 = none).
+StatusOr<std::vector<int32_t>> plan_routing(const PlanOptions& options, int rank);
+
+std::string plan_table(const PlanResult& r);
+std::string plan_json(const PlanResult& r);
+
+// The validation table: every published row next to the model's prediction and the ratio.
+struct ValidationRow {
+  std::string source, table, setting;
+  std::string cluster, mode, phase;  // phase: dispatch / combine
+  int ep = 0;
+  double published_gbps = 0.0, published_us = 0.0;  // 0 where the source gives none
+  double predicted_gbps = 0.0, predicted_us = 0.0;
+  double ratio = 0.0;  // predicted / published bandwidth
+  std::string note;
+};
+StatusOr<std::vector<ValidationRow>> validate_plan();
+std::string validation_table(const std::vector<ValidationRow>& rows, bool markdown);
+
+}  // namespace moed

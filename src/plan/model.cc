@@ -1,0 +1,267 @@
+// The plan model (moed/plan.h): per-rank counts from the routing, then bytes per link and time
+// for each algorithm. Formulas: README "Planning clusters: moed plan".
+#include <algorithm>
+#include <numeric>
+
+#include "moed/plan.h"
+
+namespace moed {
+
+int64_t LinkCost::max_nvl() const { return *std::max_element(nvl_bytes.begin(), nvl_bytes.end()); }
+int64_t LinkCost::max_net() const { return *std::max_element(net_bytes.begin(), net_bytes.end()); }
+
+const AlgorithmCost& PlanResult::algorithm(const std::string& name) const {
+  for (const AlgorithmCost& a : algorithms) {
+    if (a.name == name) return a;
+  }
+  return algorithms.front();
+}
+
+namespace {
+
+Status check(PlanOptions& o) {
+  if (o.routing == PlanRouting::kTrace) {
+    if (o.trace == nullptr) return invalid_argument("--routing trace needs --trace");
+    if (o.trace->num_tokens % o.ep != 0) {
+      return invalid_argument(o.trace->name, ": ", o.trace->num_tokens,
+                              " tokens do not split evenly over --ep = ", o.ep);
+    }
+    o.tokens = o.trace->num_tokens / o.ep;
+    o.topk = o.trace->num_topk;
+    if (o.experts == 0) o.experts = o.trace->max_index() + 1;
+  }
+  if (o.ep < 1 || o.ep > 2048) return invalid_argument("--ep = ", o.ep, " is outside [1, 2048]");
+  if (o.ranks_per_node < 1 || o.ep % o.ranks_per_node != 0) {
+    return invalid_argument("--ranks-per-node = ", o.ranks_per_node,
+                            " does not divide --ep = ", o.ep);
+  }
+  if (o.tokens < 0) return invalid_argument("--tokens = ", o.tokens, " must be >= 0");
+  if (o.hidden < 1) return invalid_argument("--hidden = ", o.hidden, " must be >= 1");
+  if (o.fp8_dispatch && o.hidden % 128 != 0) {
+    return invalid_argument("--hidden = ", o.hidden,
+                            " is not a multiple of 128, which fp8 dispatch needs (one scale per "
+                            "128 values); use --dispatch-dtype bf16");
+  }
+  if (o.experts < 1 || o.experts % o.ep != 0) {
+    return invalid_argument("--experts = ", o.experts,
+                            " is not a positive multiple of --ep = ", o.ep);
+  }
+  if (o.topk < 1 || o.topk > o.experts) {
+    return invalid_argument("--topk = ", o.topk, " is outside [1, --experts = ", o.experts, "]");
+  }
+  if (o.routing == PlanRouting::kZipf && !(o.zipf_s >= 0.0 && o.zipf_s <= 8.0)) {
+    return invalid_argument("--zipf-s = ", o.zipf_s, " is outside [0, 8]");
+  }
+  if (o.routing == PlanRouting::kGroup) {
+    if (o.num_groups == 0) o.num_groups = o.ep / o.ranks_per_node;
+    if (o.group_topk == 0) o.group_topk = std::min(o.num_groups, 4);
+    if (o.num_groups < 1 || o.experts % o.num_groups != 0) {
+      return invalid_argument("--groups = ", o.num_groups,
+                              " does not divide --experts = ", o.experts);
+    }
+    if (o.group_topk < 1 || o.group_topk > o.num_groups) {
+      return invalid_argument("--group-topk = ", o.group_topk,
+                              " is outside [1, --groups = ", o.num_groups, "]");
+    }
+    if (int64_t(o.group_topk) * (o.experts / o.num_groups) < o.topk) {
+      return invalid_argument("--group-topk = ", o.group_topk, " groups of ",
+                              o.experts / o.num_groups,
+                              " experts hold fewer than --topk = ", o.topk);
+    }
+  }
+  const Cluster& c = o.cluster;
+  if (!(c.nvl_gbps > 0) || !(c.net_gbps > 0) || !(c.hbm_gbps > 0)) {
+    return invalid_argument("cluster '", c.name, "': bandwidths must be > 0 (nvl ", c.nvl_gbps,
+                            ", net ", c.net_gbps, ", hbm ", c.hbm_gbps, ")");
+  }
+  if (c.fixed_us < 0 || c.nvl_latency_us < 0 || c.net_latency_us < 0) {
+    return invalid_argument("cluster '", c.name, "': latencies must be >= 0");
+  }
+  return ok_status();
+}
+
+// Per-rank send / receive counters of one link view, in bytes.
+struct Dir {
+  std::vector<int64_t> nvl_send, nvl_recv, net_send, net_recv, hbm;
+  explicit Dir(int R)
+      : nvl_send(static_cast<size_t>(R)),
+        nvl_recv(static_cast<size_t>(R)),
+        net_send(static_cast<size_t>(R)),
+        net_recv(static_cast<size_t>(R)),
+        hbm(static_cast<size_t>(R)) {}
+};
+
+LinkCost finish(const Dir& d, const Cluster& c, int hops_nvl, int hops_net) {
+  LinkCost l;
+  const size_t R = d.nvl_send.size();
+  l.nvl_bytes.resize(R);
+  l.net_bytes.resize(R);
+  l.hbm_bytes = d.hbm;
+  double worst = 0.0;
+  for (size_t r = 0; r < R; ++r) {
+    l.nvl_bytes[r] = std::max(d.nvl_send[r], d.nvl_recv[r]);
+    l.net_bytes[r] = std::max(d.net_send[r], d.net_recv[r]);
+    // NVLink and RDMA run at once (DeepEP pipelines them); local passes come on top.
+    const double link = std::max(double(l.nvl_bytes[r]) / (c.nvl_gbps * 1e9),
+                                 double(l.net_bytes[r]) / (c.net_gbps * 1e9));
+    worst = std::max(worst, link + double(d.hbm[r]) / (c.hbm_gbps * 1e9));
+  }
+  l.seconds =
+      worst + 1e-6 * (c.fixed_us + hops_nvl * c.nvl_latency_us + hops_net * c.net_latency_us);
+  return l;
+}
+
+void add(Dir& d, bool same_node, int from, int to, int64_t bytes) {
+  if (bytes == 0) return;
+  (same_node ? d.nvl_send : d.net_send)[size_t(from)] += bytes;
+  (same_node ? d.nvl_recv : d.net_recv)[size_t(to)] += bytes;
+}
+
+}  // namespace
+
+StatusOr<PlanResult> plan(const PlanOptions& options) {
+  PlanOptions o = options;
+  MOED_RETURN_IF_ERROR(check(o));
+  const int R = o.ep, G = o.ranks_per_node, N = R / G, E = o.experts, K = o.topk, L = E / R;
+  const int64_t T = o.tokens, H = o.hidden;
+  const Cluster& c = o.cluster;
+
+  PlanResult r;
+  r.num_nodes = N;
+  // Row bytes as moed and DeepEP lay them out: fp8 is H bytes + one fp32 scale per 128.
+  const int64_t scale = o.fp8_dispatch ? H / 128 * 4 : 0;
+  const int64_t row_d = (o.fp8_dispatch ? H : 2 * H) + scale, row_c = 2 * H;
+  r.dispatch_row_bytes = row_d;
+  r.combine_row_bytes = row_c;
+  const int64_t ll_row_d = row_d + 16;        // DeepEP low-latency: + source info per message
+  const int64_t flex_row_total = row_d + 12;  // moed Flex: + prob and source index
+
+  Dir flat_d(R), flat_c(R), a2a_d(R), a2a_c(R), flex_d(R), flex_c(R), ll_d(R), ll_c(R);
+  MoedCounters& m = r.moed;
+  for (CounterBytes* cb :
+       {&m.alltoall_dispatch, &m.alltoall_combine, &m.flex_dispatch, &m.flex_combine}) {
+    cb->shared.assign(size_t(R), 0);
+    cb->network.assign(size_t(R), 0);
+  }
+  std::vector<int64_t> recv_pairs(size_t(R), 0);
+  int64_t pub_d = 0, pub_c = 0;
+
+  std::vector<int64_t> pairs(static_cast<size_t>(R)), toks(static_cast<size_t>(R)),
+      tok_node(static_cast<size_t>(N)), ent_node(static_cast<size_t>(N));
+  std::vector<int64_t> rank_stamp(static_cast<size_t>(R)), node_stamp(static_cast<size_t>(N));
+  for (int s = 0; s < R; ++s) {
+    MOED_ASSIGN_OR_RETURN(std::vector<int32_t> idx, plan_routing(o, s));
+    std::fill(pairs.begin(), pairs.end(), 0);
+    std::fill(toks.begin(), toks.end(), 0);
+    std::fill(tok_node.begin(), tok_node.end(), 0);
+    std::fill(ent_node.begin(), ent_node.end(), 0);
+    std::fill(rank_stamp.begin(), rank_stamp.end(), -1);
+    std::fill(node_stamp.begin(), node_stamp.end(), -1);
+    int64_t selections = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = idx[size_t(t * K + k)];
+        if (e < 0) continue;
+        if (e >= E) {
+          return invalid_argument("topk_idx[", int64_t(s) * T + t, "][", k, "] = ", e,
+                                  " is outside [-1, --experts = ", E, ")");
+        }
+        const int d = e / L, n = d / G;
+        ++selections;
+        ++pairs[size_t(d)];
+        ++ent_node[size_t(n)];
+        if (rank_stamp[size_t(d)] != t) rank_stamp[size_t(d)] = t, ++toks[size_t(d)];
+        if (node_stamp[size_t(n)] != t) node_stamp[size_t(n)] = t, ++tok_node[size_t(n)];
+      }
+    }
+    const int ns = s / G, ls = s % G;
+    // DeepEP's bandwidth numerators (moed/plan.h PublishedBytes).
+    if (o.low_latency) {
+      pub_d += selections * (o.fp8_dispatch ? ll_row_d : 2 * H);
+      pub_c += selections * row_c;
+    } else if (N == 1) {
+      // Intranode: tokens received, counted on the receivers; summed the same.
+      pub_d += std::accumulate(toks.begin(), toks.end(), int64_t(0)) * row_d;
+      pub_c += std::accumulate(toks.begin(), toks.end(), int64_t(0)) * row_c;
+    } else {
+      const int64_t tn = std::accumulate(tok_node.begin(), tok_node.end(), int64_t(0));
+      pub_d += tn * row_d;
+      pub_c += tn * row_c;
+    }
+    for (int d = 0; d < R; ++d) {
+      const bool same = d / G == ns;
+      // flat: one row per (token, rank), straight to the rank (own rows included).
+      add(flat_d, same, s, d, toks[size_t(d)] * row_d);
+      add(flat_c, same, d, s, toks[size_t(d)] * row_c);
+      // alltoall: one row per (token, expert), NCCL copies the rank's own rows locally.
+      if (d != s) {
+        add(a2a_d, same, s, d, pairs[size_t(d)] * row_d);
+        add(a2a_c, same, d, s, pairs[size_t(d)] * row_c);
+      }
+      // low-latency: one message per (token, expert) into the expert's slots.
+      add(ll_d, same, s, d, pairs[size_t(d)] * (o.fp8_dispatch ? ll_row_d : 2 * H));
+      add(ll_c, same, d, s, pairs[size_t(d)] * row_c);
+      // flex (DeepEP's two hops): rows for another node go via the rank there with s's local
+      // index, which writes one row per destination rank of its node.
+      const int via = same ? s : (d / G) * G + ls;
+      add(flex_d, true, via, d, toks[size_t(d)] * row_d);
+      add(flex_c, true, d, via, toks[size_t(d)] * row_c);
+      recv_pairs[size_t(d)] += pairs[size_t(d)];
+      // moed's counters: AlltoAll's exchanges (rows, probs, source indices; count_send skips
+      // the rank itself), counted by the sender.
+      if (d != s) {
+        CounterBytes& ad = m.alltoall_dispatch;
+        (same ? ad.shared : ad.network)[size_t(s)] += pairs[size_t(d)] * (row_d + 8);
+        CounterBytes& ac = m.alltoall_combine;
+        (same ? ac.shared : ac.network)[size_t(d)] += pairs[size_t(d)] * row_c;
+      }
+    }
+    for (int n = 0; n < N; ++n) {
+      if (n == ns) continue;
+      const int f = n * G + ls;
+      // DeepEP / moed wire format: 16-byte header per token, 8 bytes per expert entry.
+      const int64_t msg = tok_node[size_t(n)] * (row_d + kFlexTokenHeaderBytes) +
+                          ent_node[size_t(n)] * kFlexEntryBytes;
+      add(flex_d, false, s, f, msg);
+      add(flex_c, false, f, s, tok_node[size_t(n)] * row_c);
+      // moed Flex: the message to the forwarder, which writes one row per expert entry;
+      // combine reads one term per entry there and sends them back.
+      m.flex_dispatch.network[size_t(s)] += msg;
+      m.flex_dispatch.shared[size_t(f)] += ent_node[size_t(n)] * flex_row_total;
+      m.flex_combine.shared[size_t(f)] += ent_node[size_t(n)] * row_c;
+      m.flex_combine.network[size_t(f)] += ent_node[size_t(n)] * row_c;
+    }
+    m.flex_dispatch.shared[size_t(s)] += ent_node[size_t(ns)] * flex_row_total;
+    m.flex_combine.shared[size_t(s)] += ent_node[size_t(ns)] * row_c;
+    // AlltoAll's copy passes: permute and sort (dispatch), unsort and unpermute (combine),
+    // each reading and writing every (token, expert) row once.
+    const int64_t mine = std::accumulate(pairs.begin(), pairs.end(), int64_t(0));
+    a2a_d.hbm[size_t(s)] += 2 * mine * row_d;
+    a2a_c.hbm[size_t(s)] += 2 * mine * row_c;
+  }
+  for (int d = 0; d < R; ++d) {
+    a2a_d.hbm[size_t(d)] += 2 * recv_pairs[size_t(d)] * row_d;
+    a2a_c.hbm[size_t(d)] += 2 * recv_pairs[size_t(d)] * row_c;
+  }
+
+  const int multi = N > 1 ? 1 : 0;
+  r.algorithms = {
+      {"flat", finish(flat_d, c, 1 - multi, multi), finish(flat_c, c, 1 - multi, multi)},
+      {"alltoall", finish(a2a_d, c, 1 - multi, multi), finish(a2a_c, c, 1 - multi, multi)},
+      {"flex", finish(flex_d, c, 1, multi), finish(flex_c, c, 1, multi)},
+      {"low-latency", finish(ll_d, c, 1 - multi, multi), finish(ll_c, c, 1 - multi, multi)},
+  };
+  const AlgorithmCost& chosen = r.algorithm(o.low_latency ? "low-latency" : "flex");
+  r.dispatch_seconds = chosen.dispatch.seconds;
+  r.combine_seconds = chosen.combine.seconds;
+  r.published.dispatch = pub_d / R;
+  r.published.combine = pub_c / R;
+  r.published.link = (o.low_latency || N > 1) ? "RDMA" : "NVL";
+  auto gbps = [](int64_t b, double sec) { return sec > 0 ? double(b) / sec / 1e9 : 0.0; };
+  r.dispatch_gbps = gbps(r.published.dispatch, r.dispatch_seconds);
+  r.combine_gbps = gbps(r.published.combine, r.combine_seconds);
+  r.options = o;
+  return r;
+}
+
+}  // namespace moed
