@@ -60,7 +60,8 @@ struct PlanOptions {
   int num_groups = 0;   // kGroup: 0 = one group per node (as DeepEP's tests route)
   int group_topk = 0;   // kGroup: 0 = min(num_groups, 4)
   uint64_t seed = 1;
-  const RoutingTrace* trace = nullptr;  // kTrace: step 0 of it, T * R tokens split evenly
+  const RoutingTrace* trace = nullptr;  // kTrace: T * R tokens of one step split evenly
+  int64_t trace_step = 0;               // kTrace: which step
 };
 
 // Per-rank bytes of one scheme, and its predicted time.
@@ -102,7 +103,7 @@ struct PlanResult {
   int64_t dispatch_row_bytes = 0, combine_row_bytes = 0;
   std::vector<AlgorithmCost> algorithms;  // flat, alltoall, flex, low-latency
   MoedCounters moed;
-  PublishedBytes published;  // of the slowest rank's... of rank 0 (every rank alike on average)
+  PublishedBytes published;  // mean over ranks
   // The reported mode: flex (normal) or low-latency.
   double dispatch_seconds = 0.0, combine_seconds = 0.0;
   double dispatch_gbps = 0.0, combine_gbps = 0.0;  // published bytes / seconds

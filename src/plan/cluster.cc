@@ -102,9 +102,14 @@ StatusOr<std::vector<int32_t>> plan_routing(const PlanOptions& options, int rank
   std::vector<int32_t> idx(size_t(T) * size_t(K), -1);
   if (o.routing == PlanRouting::kTrace) {
     if (o.trace == nullptr) return invalid_argument("--routing trace needs --trace");
+    if (o.trace_step < 0 || o.trace_step >= o.trace->num_steps ||
+        (int64_t(rank) + 1) * T > o.trace->num_tokens || o.topk != o.trace->num_topk) {
+      return invalid_argument(o.trace->name, ": step ", o.trace_step, " rank ", rank,
+                              " is outside the trace");
+    }
     const int64_t first = int64_t(rank) * T;
     for (int64_t t = 0; t < T; ++t) {
-      for (int k = 0; k < K; ++k) idx[size_t(t * K + k)] = o.trace->idx(0, first + t, k);
+      for (int k = 0; k < K; ++k) idx[size_t(t * K + k)] = o.trace->idx(o.trace_step, first + t, k);
     }
     return idx;
   }

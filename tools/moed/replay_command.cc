@@ -7,9 +7,11 @@
 //   moed replay --trace topk_idx.npy --experts 256 --ranks 16 --ranks-per-node 8 --out replay/
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
+#include "moed/plan.h"
 #include "moed/replay.h"
 #include "tools/moed/registry.h"
 
@@ -21,6 +23,7 @@ struct ReplayArgs {
   ReplayOptions options;
   std::optional<double> capacity_factor;
   std::string drop_policy = "position";
+  std::string cluster;  // a plan preset: the time comes from moed/plan.h's model
   bool json = false;
 };
 
@@ -41,15 +44,57 @@ void run(ReplayArgs a) {
   a.options.capacity_factor = a.capacity_factor;
   StatusOr<RoutingTrace> trace = read_routing_trace(a.trace);
   if (!trace.ok()) fail(trace.status());
+  std::optional<Cluster> cluster;
+  if (!a.cluster.empty()) {
+    StatusOr<Cluster> c = cluster_preset(a.cluster);
+    if (!c.ok()) fail(c.status());
+    cluster = *c;
+    // The replay's own two-bandwidth figure uses the preset's links too.
+    a.options.shared_gbps = c->nvl_gbps;
+    a.options.network_gbps = c->net_gbps;
+  }
   StatusOr<ReplayResult> r = replay_trace(*trace, a.options);
   if (!r.ok()) fail(r.status());
+  // The cluster model on the same trace, every step, summed (a capacity factor is not
+  // applied: the model sees the routing as the router chose it).
+  std::vector<PlanResult> plans;
+  double dispatch_s = 0.0, combine_s = 0.0;
+  for (int64_t st = 0; cluster && st < trace->num_steps; ++st) {
+    PlanOptions o;
+    o.cluster = *cluster;
+    o.ep = r->num_ranks;
+    o.ranks_per_node = r->ranks_per_node;
+    o.hidden = r->hidden;
+    o.experts = r->num_experts;
+    o.fp8_dispatch = r->dtype_bytes == 1;
+    o.routing = PlanRouting::kTrace;
+    o.trace = &*trace;
+    o.trace_step = st;
+    StatusOr<PlanResult> p = plan(o);
+    if (!p.ok()) fail(p.status());
+    dispatch_s += p->dispatch_seconds;
+    combine_s += p->combine_seconds;
+    plans.push_back(std::move(*p));
+  }
   StatusOr<ReplayPictures> pictures = write_replay_pictures(*r, a.out);
   if (!pictures.ok()) fail(pictures.status());
   if (a.json) {
-    std::printf("%s\n", replay_json(*r).c_str());
+    nlohmann::json j = nlohmann::json::parse(replay_json(*r));
+    if (cluster) {
+      j["plan"] = nlohmann::json::parse(plan_json(plans.front()));
+      j["plan"]["steps"] = plans.size();
+      j["plan"]["dispatch_seconds"] = dispatch_s;
+      j["plan"]["combine_seconds"] = combine_s;
+    }
+    std::printf("%s\n", j.dump(2).c_str());
     return;
   }
   std::fputs(replay_table(*r).c_str(), stdout);
+  if (cluster) {
+    std::printf("\n%s", plan_table(plans.front()).c_str());
+    std::printf("over %zu step%s: normal (flex) dispatch %.1f us, combine %.1f us\n", plans.size(),
+                plans.size() == 1 ? "" : "s", dispatch_s * 1e6, combine_s * 1e6);
+  }
   std::printf("\npictures:");
   for (const std::string& f : pictures->files) std::printf(" %s", f.c_str());
   std::printf("\n  %s\n", pictures->converter.empty()
@@ -83,6 +128,8 @@ void setup(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--network-gbps", a->options.network_gbps, "network GB/s per rank")
       ->capture_default_str();
+  c->add_option("--cluster", a->cluster,
+                "also predict GPU time with moed plan's model for this preset (h800, h100, ...)");
   c->add_flag("--json", a->json, "print the result as JSON instead of the table");
   c->callback([a] { run(*a); });
 }
