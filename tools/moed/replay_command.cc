@@ -42,8 +42,6 @@ void run(ReplayArgs a) {
   if (!policy.ok()) fail(policy.status());
   a.options.drop_policy = *policy;
   a.options.capacity_factor = a.capacity_factor;
-  StatusOr<RoutingTrace> trace = read_routing_trace(a.trace);
-  if (!trace.ok()) fail(trace.status());
   std::optional<Cluster> cluster;
   if (!a.cluster.empty()) {
     StatusOr<Cluster> c = cluster_preset(a.cluster);
@@ -53,6 +51,8 @@ void run(ReplayArgs a) {
     a.options.shared_gbps = c->nvl_gbps;
     a.options.network_gbps = c->net_gbps;
   }
+  StatusOr<RoutingTrace> trace = read_routing_trace(a.trace);
+  if (!trace.ok()) fail(trace.status());
   StatusOr<ReplayResult> r = replay_trace(*trace, a.options);
   if (!r.ok()) fail(r.status());
   // The cluster model on the same trace, every step, summed (a capacity factor is not

@@ -1,0 +1,126 @@
+// `moed plan` and `moed replay --cluster` end to end: the JSON equals the library's plan() for
+// the same options, --validate prints every published row, and bad options exit non-zero
+// with a message naming the value.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "moed/plan.h"
+#include "tools/cli_support.h"
+
+namespace moed {
+namespace {
+
+using namespace cli_test;  // NOLINT: run_cli, TempDir, save
+
+TEST(CliPlan, JsonEqualsLibrary) {
+  const CliResult r = run_cli(
+      "plan --cluster h800 --ep 32 --ranks-per-node 8 --tokens 512 --hidden 7168 --topk 8 "
+      "--experts 256 --routing group --json",
+      false);
+  ASSERT_EQ(r.rc, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  PlanOptions o;
+  o.cluster = *cluster_preset("h800");
+  o.ep = 32;
+  o.tokens = 512;
+  o.routing = PlanRouting::kGroup;
+  StatusOr<PlanResult> want = plan(o);
+  ASSERT_TRUE(want.ok()) << want.status().to_string();
+  for (const char* key : {"dispatch_seconds", "combine_seconds", "dispatch_gbps", "combine_gbps"}) {
+    ASSERT_TRUE(j.contains(key)) << key;
+    EXPECT_GT(j[key].get<double>(), 0.0) << key;
+  }
+  EXPECT_EQ(j["dispatch_seconds"].get<double>(), want->dispatch_seconds);
+  EXPECT_EQ(j["combine_gbps"].get<double>(), want->combine_gbps);
+  EXPECT_EQ(j["gbps_link"], "RDMA");
+  EXPECT_EQ(j["num_nodes"], 4);
+}
+
+TEST(CliPlan, LowLatencyAndOverrides) {
+  const CliResult a = run_cli("plan --ep 256 --tokens 128 --mode low-latency --json", false);
+  ASSERT_EQ(a.rc, 0) << a.output;
+  // Half the network bandwidth: the network-bound time roughly doubles.
+  const CliResult b =
+      run_cli("plan --ep 256 --tokens 128 --mode low-latency --net-gbps 25 --json", false);
+  ASSERT_EQ(b.rc, 0) << b.output;
+  const double ta = nlohmann::json::parse(a.output)["dispatch_seconds"].get<double>();
+  const double tb = nlohmann::json::parse(b.output)["dispatch_seconds"].get<double>();
+  EXPECT_GT(tb, 1.5 * ta);
+  const CliResult text = run_cli("plan --ep 2048 --tokens 16 --experts 2048 --mode low-latency");
+  ASSERT_EQ(text.rc, 0) << text.output;
+  EXPECT_NE(text.output.find("low-latency mode: dispatch"), std::string::npos) << text.output;
+}
+
+TEST(CliPlan, ValidatePrintsEveryPublishedRow) {
+  const CliResult r = run_cli("plan --validate", false);
+  ASSERT_EQ(r.rc, 0) << r.output;
+  EXPECT_NE(r.output.find("of 34 rows within +-25%"), std::string::npos) << r.output;
+  for (const char* s : {"DeepEP normal", "DeepEP low-latency", "UCCL-EP p5en normal"}) {
+    EXPECT_NE(r.output.find(s), std::string::npos) << s;
+  }
+  // Every DeepEP row is within the target.
+  size_t pos = 0;
+  int deepep = 0;
+  while ((pos = r.output.find("\nDeepEP", pos)) != std::string::npos) {
+    const size_t end = r.output.find('\n', pos + 1);
+    EXPECT_EQ(r.output.substr(pos, end - pos).find("MISS"), std::string::npos)
+        << r.output.substr(pos, end - pos);
+    ++deepep;
+    pos = end;
+  }
+  EXPECT_EQ(deepep, 20);
+}
+
+TEST(CliPlan, TraceAndReplayUseTheSameModel) {
+  TempDir dir("plan_trace");
+  std::vector<int32_t> idx;
+  std::vector<float> probs;
+  random_topk(64, 4, 16, 5, idx, probs);
+  save(dir / "t.npy", NpyDType::kI32, {64, 4}, idx.data());
+  const CliResult p = run_cli(
+      "plan --cluster h100 --ep 8 --ranks-per-node 2 --experts 16 "
+      "--hidden 256 --dispatch-dtype bf16 --json --trace " +
+          dir / "t.npy",
+      false);
+  ASSERT_EQ(p.rc, 0) << p.output;
+  const CliResult r = run_cli("replay --trace " + dir / "t.npy" +
+                                  " --ranks 8 --ranks-per-node 2 --experts 16 --hidden 256 "
+                                  "--cluster h100 --json --out " +
+                                  dir / "out",
+                              false);
+  ASSERT_EQ(r.rc, 0) << r.output;
+  const nlohmann::json jp = nlohmann::json::parse(p.output);
+  const nlohmann::json jr = nlohmann::json::parse(r.output);
+  EXPECT_EQ(jp["tokens"], 8);
+  EXPECT_EQ(jr["plan"]["dispatch_seconds"].get<double>(), jp["dispatch_seconds"].get<double>());
+  EXPECT_EQ(jr["plan"]["combine_seconds"].get<double>(), jp["combine_seconds"].get<double>());
+}
+
+TEST(CliPlan, BadOptionsAreClearErrors) {
+  struct Case {
+    std::string args, want;
+  };
+  const Case cases[] = {
+      {"plan --cluster a100", "--cluster 'a100' is not one of h800"},
+      {"plan --mode fast", "--mode 'fast'"},
+      {"plan --dispatch-dtype fp16", "--dispatch-dtype 'fp16'"},
+      {"plan --routing skewed", "--routing 'skewed'"},
+      {"plan --ep 4096 --experts 4096", "--ep = 4096 is outside [1, 2048]"},
+      {"plan --ep 16 --ranks-per-node 3", "--ranks-per-node = 3 does not divide --ep = 16"},
+      {"plan --ep 16 --experts 24", "--experts = 24 is not a positive multiple of --ep = 16"},
+      {"plan --hidden 100", "--hidden = 100 is not a multiple of 128"},
+      {"plan --net-gbps 0", "bandwidths must be > 0"},
+      {"plan --trace /nonexistent/t.npy", "/nonexistent/t.npy"},
+      {"replay --trace /nonexistent/t.npy --out /tmp --cluster a100", "'a100'"},
+  };
+  for (const Case& c : cases) {
+    const CliResult r = run_cli(c.args);
+    EXPECT_NE(r.rc, 0) << c.args;
+    EXPECT_NE(r.output.find(c.want), std::string::npos) << c.args << "\n" << r.output;
+  }
+}
+
+}  // namespace
+}  // namespace moed
