@@ -80,7 +80,8 @@ struct AlgorithmCost {
 };
 
 // What moed's dispatchers count in World::counters() for the data path (ETP = 1, dropless,
-// expert outputs not in the Flex shared buffer): per rank, shared / network bytes.
+// threads world, where Flex's combine reads expert outputs in place): per rank, shared /
+// network bytes. Control traffic (count all-gathers, agreements) is left out.
 struct CounterBytes {
   std::vector<int64_t> shared, network;
 };

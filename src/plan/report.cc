@@ -60,6 +60,8 @@ std::string plan_json(const PlanResult& r) {
   j["topk"] = o.topk;
   j["experts"] = o.experts;
   j["mode"] = o.low_latency ? "low-latency" : "normal";
+  const char* routing[] = {"uniform", "zipf", "group", "trace"};
+  j["routing"] = routing[int(o.routing)];
   j["dispatch_dtype"] = o.fp8_dispatch ? "fp8" : "bf16";
   j["dispatch_seconds"] = r.dispatch_seconds;
   j["combine_seconds"] = r.combine_seconds;

@@ -88,7 +88,8 @@ void setup(CLI::App& app) {
   c->add_option("--ep", a->options.ep, "EP size R (ranks), up to 2048")->capture_default_str();
   c->add_option("--ranks-per-node", a->options.ranks_per_node, "G ranks per node")
       ->capture_default_str();
-  c->add_option("--tokens", a->options.tokens, "tokens per rank T")->capture_default_str();
+  c->add_option("--tokens", a->options.tokens, "tokens per rank T (with --trace: its tokens / R)")
+      ->capture_default_str();
   c->add_option("--hidden", a->options.hidden, "hidden size H")->capture_default_str();
   c->add_option("--topk", a->options.topk, "experts per token K")->capture_default_str();
   c->add_option("--experts", a->options.experts, "experts E (a multiple of R)")
