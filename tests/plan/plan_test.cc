@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <mutex>
 
 #include "moed/dispatcher.h"
@@ -124,6 +125,63 @@ INSTANTIATE_TEST_SUITE_P(
                       Split{5, 1, 5, 5, 10, 16, PlanRouting::kUniform},  // 5 nodes of 1, k = E
                       Split{7, 7, 7, 1, 21, 32, PlanRouting::kZipf},     // odd, k = 1
                       Split{4, 2, 8, 3, 16, 256, PlanRouting::kGroup, true}));  // fp8 dispatch
+
+// A trace with -1 slots and a rank whose tokens route nothing, on 2 nodes of 3.
+TEST(Plan, TraceWithEmptyRankMatchesCounters) {
+  RoutingTrace trace;
+  trace.name = "test";
+  trace.num_tokens = 6 * 10;
+  trace.num_topk = 3;
+  uint64_t x = 12345;
+  for (int64_t t = 0; t < trace.num_tokens; ++t) {
+    std::vector<int32_t> row;
+    while (row.size() < 3) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      const int32_t e = int32_t((x >> 33) % 13) - 1;  // -1 .. 11
+      if (e >= 0 && std::find(row.begin(), row.end(), e) != row.end()) continue;
+      row.push_back(t / 10 == 4 ? -1 : e);  // rank 4 routes nothing
+    }
+    trace.topk_idx.insert(trace.topk_idx.end(), row.begin(), row.end());
+  }
+  PlanOptions o;
+  o.cluster = *cluster_preset("h100");
+  o.ep = 6;
+  o.ranks_per_node = 3;
+  o.hidden = 48;
+  o.experts = 12;
+  o.fp8_dispatch = false;
+  o.routing = PlanRouting::kTrace;
+  o.trace = &trace;
+  StatusOr<PlanResult> r = plan(o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->options.tokens, 10);
+  o.tokens = 10;
+  o.topk = 3;
+  for (DispatcherKind kind : {DispatcherKind::kAlltoAll, DispatcherKind::kFlex}) {
+    const bool flex = kind == DispatcherKind::kFlex;
+    StatusOr<Measured> base = measure(o, kind, true);
+    StatusOr<Measured> got = measure(o, kind, false);
+    ASSERT_TRUE(base.ok() && got.ok());
+    const CounterBytes& d = flex ? r->moed.flex_dispatch : r->moed.alltoall_dispatch;
+    const CounterBytes& c = flex ? r->moed.flex_combine : r->moed.alltoall_combine;
+    EXPECT_EQ(minus(got->d_shared, base->d_shared), d.shared);
+    EXPECT_EQ(minus(got->d_network, base->d_network), d.network);
+    EXPECT_EQ(minus(got->c_shared, base->c_shared), c.shared);
+    EXPECT_EQ(minus(got->c_network, base->c_network), c.network);
+  }
+}
+
+// No tokens: only the fixed cost and the hops remain.
+TEST(Plan, ZeroTokens) {
+  PlanOptions o;
+  o.cluster = *cluster_preset("h800");
+  o.ep = 16;
+  o.tokens = 0;
+  StatusOr<PlanResult> r = plan(o);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ(r->dispatch_seconds, 1e-6 * (40.0 + 1.0 + 3.0));
+  EXPECT_EQ(r->dispatch_gbps, 0.0);
+}
 
 TEST(Plan, BadOptionsNameTheValue) {
   PlanOptions o;
