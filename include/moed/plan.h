@@ -87,6 +87,7 @@ struct CounterBytes {
 };
 struct MoedCounters {
   CounterBytes alltoall_dispatch, alltoall_combine, flex_dispatch, flex_combine;
+  CounterBytes low_latency_dispatch, low_latency_combine;
 };
 
 // DeepEP's bandwidth definitions (README "Planning clusters"): bytes of one rank divided by the

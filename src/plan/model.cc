@@ -138,8 +138,8 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
 
   Dir flat_d(R), flat_c(R), a2a_d(R), a2a_c(R), flex_d(R), flex_c(R), ll_d(R), ll_c(R);
   MoedCounters& m = r.moed;
-  for (CounterBytes* cb :
-       {&m.alltoall_dispatch, &m.alltoall_combine, &m.flex_dispatch, &m.flex_combine}) {
+  for (CounterBytes* cb : {&m.alltoall_dispatch, &m.alltoall_combine, &m.flex_dispatch,
+                           &m.flex_combine, &m.low_latency_dispatch, &m.low_latency_combine}) {
     cb->shared.assign(size_t(R), 0);
     cb->network.assign(size_t(R), 0);
   }
@@ -215,6 +215,13 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
         CounterBytes& ac = m.alltoall_combine;
         (same ? ac.shared : ac.network)[size_t(d)] += pairs[size_t(d)] * row_c;
       }
+      // moed's low-latency buffer: a copy into the slots of every rank of the node (its own
+      // included); across nodes a message of (int32 token index + row) per pair. Combine
+      // returns one bf16 row per pair, counted on the expert side.
+      CounterBytes& ld = m.low_latency_dispatch;
+      (same ? ld.shared : ld.network)[size_t(s)] += pairs[size_t(d)] * (row_d + (same ? 0 : 4));
+      CounterBytes& lc = m.low_latency_combine;
+      (same ? lc.shared : lc.network)[size_t(d)] += pairs[size_t(d)] * row_c;
     }
     for (int n = 0; n < N; ++n) {
       if (n == ns) continue;

@@ -11,6 +11,7 @@
 #include <mutex>
 
 #include "moed/dispatcher.h"
+#include "moed/low_latency.h"
 #include "moed/threads_world.h"
 
 namespace moed {
@@ -67,6 +68,49 @@ StatusOr<Measured> measure(const PlanOptions& o, DispatcherKind kind, bool empty
   return m;
 }
 
+// The same for moed's low-latency buffer (M = T, fp8 cast on the way when asked).
+StatusOr<Measured> measure_low_latency(const PlanOptions& o, bool empty) {
+  const int R = o.ep;
+  Measured m;
+  for (auto* v : {&m.d_shared, &m.d_network, &m.c_shared, &m.c_network}) v->assign(size_t(R), 0);
+  std::mutex mu;
+  WorldOptions wo;
+  wo.ranks_per_node = o.ranks_per_node;
+  wo.threads_per_rank = 1;
+  Status s = run_threads(R, wo, [&](World& w) -> Status {
+    TopkRouting topk;
+    topk.num_tokens = o.tokens;
+    topk.num_topk = o.topk;
+    if (empty) {
+      topk.topk_idx.assign(size_t(o.tokens) * o.topk, -1);
+    } else {
+      MOED_ASSIGN_OR_RETURN(topk.topk_idx, plan_routing(o, w.rank()));
+    }
+    topk.topk_weights.assign(topk.topk_idx.size(), 0.5f);
+    MOED_ASSIGN_OR_RETURN(auto buf,
+                          LowLatencyBuffer::create(w, o.tokens, int(o.hidden), o.experts));
+    Tensor x = Tensor::zeros(DType::kBF16, o.tokens, o.hidden);
+    w.reset_counters();
+    MOED_ASSIGN_OR_RETURN(
+        LowLatencyDispatchOutput d,
+        buf->low_latency_dispatch({.x = x.view(), .topk = &topk, .use_fp8 = o.fp8_dispatch}));
+    const TrafficCounters dc = w.counters();
+    Tensor y = Tensor::zeros(DType::kBF16, d.num_local_experts * d.rows_per_expert, o.hidden);
+    w.reset_counters();
+    MOED_RETURN_IF_ERROR(
+        buf->low_latency_combine({.x = y.view(), .topk = &topk, .handle = d.handle}).status());
+    const TrafficCounters cc = w.counters();
+    std::lock_guard<std::mutex> lock(mu);
+    m.d_shared[size_t(w.rank())] = int64_t(dc.shared_bytes);
+    m.d_network[size_t(w.rank())] = int64_t(dc.network_bytes);
+    m.c_shared[size_t(w.rank())] = int64_t(cc.shared_bytes);
+    m.c_network[size_t(w.rank())] = int64_t(cc.network_bytes);
+    return ok_status();
+  });
+  if (!s.ok()) return s;
+  return m;
+}
+
 std::vector<int64_t> minus(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
   std::vector<int64_t> v(a.size());
   for (size_t i = 0; i < a.size(); ++i) v[i] = a[i] - b[i];
@@ -113,6 +157,15 @@ TEST_P(PlanCounters, ModelBytesEqualMeasuredCounters) {
       EXPECT_EQ(minus(got->c_shared, base->c_shared), c.shared) << "combine shared";
       EXPECT_EQ(minus(got->c_network, base->c_network), c.network) << "combine network";
     }
+    SCOPED_TRACE("low-latency seed " + std::to_string(seed));
+    StatusOr<Measured> base = measure_low_latency(o, true);
+    StatusOr<Measured> got = measure_low_latency(o, false);
+    ASSERT_TRUE(base.ok()) << base.status().to_string();
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    EXPECT_EQ(minus(got->d_shared, base->d_shared), r->moed.low_latency_dispatch.shared);
+    EXPECT_EQ(minus(got->d_network, base->d_network), r->moed.low_latency_dispatch.network);
+    EXPECT_EQ(minus(got->c_shared, base->c_shared), r->moed.low_latency_combine.shared);
+    EXPECT_EQ(minus(got->c_network, base->c_network), r->moed.low_latency_combine.network);
   }
 }
 
