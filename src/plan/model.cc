@@ -177,7 +177,7 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
     const int ns = s / G, ls = s % G;
     // DeepEP's bandwidth numerators (moed/plan.h PublishedBytes).
     if (o.low_latency) {
-      pub_d += selections * (o.fp8_dispatch ? ll_row_d : 2 * H);
+      pub_d += selections * (o.fp8_dispatch ? ll_row_d : 2 * H);  // the test's num_bf16_bytes
       pub_c += selections * row_c;
     } else if (N == 1) {
       // Intranode: tokens received, counted on the receivers; summed the same.
@@ -199,7 +199,7 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
         add(a2a_c, same, d, s, pairs[size_t(d)] * row_c);
       }
       // low-latency: one message per (token, expert) into the expert's slots.
-      add(ll_d, same, s, d, pairs[size_t(d)] * (o.fp8_dispatch ? ll_row_d : 2 * H));
+      add(ll_d, same, s, d, pairs[size_t(d)] * ll_row_d);
       add(ll_c, same, d, s, pairs[size_t(d)] * row_c);
       // flex (DeepEP's two hops): rows for another node go via the rank there with s's local
       // index, which writes one row per destination rank of its node.
