@@ -23,8 +23,9 @@ Cluster make(std::string name, std::string description, double nvl_line_per_dir,
   c.hbm_gbps = 0.9 * hbm_spec;
   c.nvl_latency_us = 1.0;
   c.net_latency_us = net_latency_us;
-  // The floor of one call: pplx-kernels' README times a 1-token-per-GPU dispatch over NVLink
-  // at 41.6 us; the same 40 us for every system (launch, count exchange, completion flags).
+  // The floor of one call: pplx-kernels' README (fork wufann/pplx-kernels) times a
+  // 1-token-per-GPU dispatch over NVLink at 41.6 us; the same 40 us for every system (launch, count
+  // exchange, completion flags).
   c.fixed_us = 40.0;
   c.ranks_per_node = 8;
   return c;
