@@ -60,22 +60,26 @@ wait_for_rank() {
 # A run long enough that a fault lands in the middle of it.
 long_run=(run --world mpi --preset small --steps 400 --timeout "$world_timeout")
 
-# check_fault RC ELAPSED CULPRIT_PATTERN: the job failed, in time, and the survivors said who.
+# check_fault RC ELAPSED CULPRIT_PATTERN PID: the job failed, in time, the survivors said who,
+# and the culprit process PID is gone.
 check_fault() {
-  local rc=$1 elapsed=$2 pattern=$3
+  local rc=$1 elapsed=$2 pattern=$3 pid=$4
   [ "$rc" -ne 0 ] || fail "the job exited 0 after the fault"
   [ "$elapsed" -le $((world_timeout + fault_slack)) ] ||
     fail "the job took ${elapsed}s after the fault (timeout ${world_timeout}s + ${fault_slack}s)"
   grep -Eq "$pattern" "$log" || fail "no rank named the culprit (/$pattern/)"
   if ip netns list 2>/dev/null | grep -q '^moedh-'; then fail "namespaces left behind"; fi
-  if pgrep -x moed >/dev/null; then fail "moed processes left behind: $(pgrep -x moed | xargs)"; fi
+  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$pid" 2>/dev/null; then fail "the faulty rank (pid $pid) was left behind"; fi
 }
 
 case "$case_name" in
   run)
     hosts=$1 dispatcher=$2
+    dtype=f32
+    [ "$dispatcher" = low-latency ] && dtype=bf16  # the mode moves bf16 only
     "$hosts_sh" "$hosts" 2 --timeout 300 -- "$moed" run --world mpi --preset tiny \
-      --dispatcher "$dispatcher" --steps 2 >"$log" 2>&1
+      --dispatcher "$dispatcher" --dtype "$dtype" --steps 2 >"$log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || fail "moed run across $hosts hosts exited $rc"
     grep -q "verify: PASS" "$log" || fail "no bitwise PASS"
@@ -87,23 +91,26 @@ case "$case_name" in
     cat "$log"
     ;;
   bench)
+    # Every figure verified against the reference, nodes = the hosts, and Flex's two hops
+    # beside a flat all-to-all of the same routing. (The exact network byte count over TCP is
+    # moed_hosts_flex_network_bytes: the C++ analytic-count test across 4 hosts.)
     hosts=$1
     "$hosts_sh" "$hosts" 2 --timeout 300 -- "$moed" bench dispatch --world mpi \
       --dispatcher alltoall,flex --shape tiny --iters 2 --json >"$log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || fail "moed bench dispatch across $hosts hosts exited $rc"
-    /usr/bin/python3 - "$log" <<'EOF' || fail "network bytes differ from the analytic count"
+    /usr/bin/python3 - "$log" <<'EOF' || fail "bench records"
 import json, sys
-records = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-records = [r for r in records if "network_bytes" in r] or sys.exit("no records with network_bytes")
+text = open(sys.argv[1]).read()
+records = json.loads(text[text.index("["):text.rindex("]") + 1])
 for r in records:
-    print(r.get("dispatcher"), "network_bytes", r["network_bytes"], "expected",
-          r.get("expected_network_bytes"), "verified", r.get("verified"))
-    if r.get("verified") is False: sys.exit("not verified")
-    if "expected_network_bytes" in r and r["network_bytes"] != r["expected_network_bytes"]:
-        sys.exit("mismatch")
+    print(r["dispatcher"], r["phase"], "network_bytes", r["network_bytes"],
+          "network_vs_flat", r.get("network_vs_flat"), "verified", r["verified"])
+    if not r["verified"]: sys.exit("not verified")
+    if r["ranks_per_node"] != 2: sys.exit("ranks_per_node %s, not the hosts' 2" % r["ranks_per_node"])
+    if r["network_bytes"] <= 0: sys.exit("no network bytes between hosts")
+    if r["phase"] == "dispatch" and "flat_network_bytes" not in r: sys.exit("no flat count")
 EOF
-    cat "$log"
     ;;
   stall | kill | cut)
     "$hosts_sh" 2 2 --timeout 120 -- "$moed" "${long_run[@]}" >"$log" 2>&1 &
@@ -112,16 +119,16 @@ EOF
     sleep 3  # in the middle of the steps
     start=$(date +%s)
     case "$case_name" in
-      stall) kill -STOP "$pid"; pattern="rank [23]|timeout|DeadlineExceeded|waited" ;;
+      stall) kill -STOP "$pid"; pattern="no sign of life .* from rank [23]" ;;
       kill) kill -KILL "$pid"; pattern="rank [23]|exited|signal|killed" ;;
       cut) ip -n moedh-2 link set eth0 down; pattern="rank [23]|lost communication|unreachable|10\.213\.77\.2" ;;
     esac
     wait $job
     rc=$?
     elapsed=$(( $(date +%s) - start ))
-    check_fault $rc $elapsed "$pattern"
+    check_fault $rc $elapsed "$pattern" "$pid"
     echo "fault '$case_name': job exited $rc after ${elapsed}s"
-    grep -E "moed|rank" "$log" | head -20
+    grep -E "moed|rank|host|daemon" "$log" | head -20
     ;;
   stall-local)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -141,10 +148,9 @@ EOF
     wait $job
     rc=$?
     elapsed=$(( $(date +%s) - start ))
-    kill -KILL "$pid" 2>/dev/null
-    check_fault $rc $elapsed "rank [0-3]|timeout|waited"
+    check_fault $rc $elapsed "no sign of life .* from rank [0-3]" "$pid"
     echo "fault 'stall-local': job exited $rc after ${elapsed}s"
-    grep -E "moed|rank" "$log" | head -20
+    grep -E "moed|rank|host|daemon" "$log" | head -20
     ;;
   *)
     echo "hosts_test: unknown case '$case_name'"
