@@ -79,7 +79,7 @@ case "$case_name" in
     dtype=f32
     [ "$dispatcher" = low-latency ] && dtype=bf16  # the mode moves bf16 only
     "$hosts_sh" "$hosts" 2 --timeout 300 -- "$moed" run --world mpi --preset tiny \
-      --dispatcher "$dispatcher" --dtype "$dtype" --steps 2 >"$log" 2>&1
+      --dispatcher "$dispatcher" --dtype "$dtype" --experts $((hosts * 4)) --steps 2 >"$log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || fail "moed run across $hosts hosts exited $rc"
     grep -q "verify: PASS" "$log" || fail "no bitwise PASS"
