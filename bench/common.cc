@@ -281,9 +281,28 @@ StatusOr<int> mpi_world_size() {
       "--world mpi needs the program started by mpirun (mpirun -np 4 moed ...)");
 }
 
-Status run_in_world(const std::string& world, int ranks, const WorldOptions& options,
+namespace {
+
+double g_timeout_seconds = 0;  // 0 = WorldOptions' default
+
+// --timeout for every command that communicates (they all run through run_in_world).
+void setup_world_timeout(CLI::App& app) {
+  app.add_option("--timeout", g_timeout_seconds,
+                 "seconds a rank waits for a peer before every rank fails with an error naming "
+                 "it (any command that communicates; default 300)")
+      ->check(CLI::PositiveNumber);
+}
+MOED_CLI_COMMAND("", setup_world_timeout);
+
+}  // namespace
+
+Status run_in_world(const std::string& world, int ranks, const WorldOptions& world_options,
                     const std::function<Status(World&)>& body, int* my_rank) {
   *my_rank = 0;
+  WorldOptions options = world_options;
+  if (g_timeout_seconds > 0) {
+    options.timeout = std::chrono::milliseconds(int64_t(g_timeout_seconds * 1000.0 + 0.5));
+  }
   if (world == "threads") return run_threads(ranks, options, body);
   if (world == "mpi") {
     MOED_RETURN_IF_ERROR(mpi_world_size().status());
@@ -292,8 +311,15 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& opt
     MPI_Initialized(&initialized);
     if (!initialized) {
       MPI_Init(nullptr, nullptr);
-      // NOTE: every World is dropped before exit, so finalising at exit is safe.
-      std::atexit([] { MPI_Finalize(); });
+      // NOTE: every World is dropped before exit, so finalising at exit is safe, unless a
+      // world failed: then a peer may never reach MPI_Finalize, so exit without it.
+      std::atexit([] {
+        if (mpi_world_failed_in_process()) {
+          std::fflush(nullptr);
+          std::_Exit(1);
+        }
+        MPI_Finalize();
+      });
     }
     MOED_ASSIGN_OR_RETURN(std::unique_ptr<World> w, make_mpi_world(MPI_COMM_WORLD, options));
     *my_rank = w->rank();

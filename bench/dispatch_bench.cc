@@ -253,16 +253,21 @@ void run(const Args& a) {
   opts.threads_per_rank = threads_per_rank;
   std::vector<Figure> figures;
   int my_rank = 0;
-  const int g = a.ranks_per_node == 0 ? ranks : a.ranks_per_node;
+  // The world's G: the argument, or under MPI the ranks of one host (real hosts are nodes).
+  int g = a.ranks_per_node == 0 ? ranks : a.ranks_per_node;
   int64_t flat_bytes = 0;
   {
     StatusOr<Problem> pr = make_problem(s, ranks);
     if (!pr.ok()) fail("dispatch", pr.status());
-    if (g < ranks) flat_bytes = flat_network_bytes(s, pr->topk, ranks, g);
     Status st = run_in_world(
         a.world, ranks, opts,
-        [&](World& w) { return run_rank(w, s, kinds, a.iters, *pr, &figures); }, &my_rank);
+        [&](World& w) {
+          if (w.rank() == 0) g = w.ranks_per_node();
+          return run_rank(w, s, kinds, a.iters, *pr, &figures);
+        },
+        &my_rank);
     if (!st.ok()) fail("dispatch", st);
+    if (g < ranks) flat_bytes = flat_network_bytes(s, pr->topk, ranks, g);
   }
   if (my_rank != 0) return;
 
@@ -272,7 +277,7 @@ void run(const Args& a) {
   for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
     nlohmann::json rec =
-        world_record("dispatch", s, a.world, ranks, a.ranks_per_node, threads, a.iters,
+        world_record("dispatch", s, a.world, ranks, g, threads, a.iters,
                      {{"dispatcher", f.dispatcher},
                       {"phase", f.phase},
                       {"dtype", "bf16"},

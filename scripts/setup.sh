@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 # Why each package is here: see README.md, "Dependencies".
 packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libfmt-dev
           nlohmann-json3-dev libcli11-dev libopenmpi-dev openmpi-bin libopenblas-dev
-          python3-numpy clang libclang-rt-14-dev)
+          python3-numpy clang libclang-rt-14-dev iproute2 nftables)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -20,6 +20,9 @@
 // error otherwise). MPI calls come only from the thread that made the world; other threads
 // (pool workers) may wait on shared-memory signals, which need no MPI. After a failure or a
 // timeout the world is unusable: pending MPI operations are abandoned.
+// A timeout names the ranks that did not answer a census (every other rank is asked "are you
+// there?" and given a grace of timeout / 4, clamped to [0.5 s, 5 s]), so a stopped, dead or
+// cut-off rank is named in the error of every rank that waited for it.
 #pragma once
 
 #include <mpi.h>
@@ -40,5 +43,11 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
 // (World::abort, by contrast, prints the message and calls MPI_Abort.) No-op for a world
 // that is not an MPI world.
 void mpi_world_fail(World& world, const Status& reason);
+
+// True once any MPI world of this process has failed (its own error, a timeout, or a failure
+// another rank reported). Then a peer may be stopped, dead or unreachable, and MPI_Finalize
+// (which waits for every process) could wait forever: exit without it (mpirun ends the job).
+// A failed world's destructor and its shared buffers skip their collective frees likewise.
+bool mpi_world_failed_in_process();
 
 }  // namespace moed

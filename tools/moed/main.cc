@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   CLI::App app{"moed: MoE token dispatch and combine (AllGather, AlltoAll, Flex, low-latency)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "moed 0.1.0");
+  // Options of the top level (e.g. --timeout) may also follow a command: `moed run --timeout 10`.
+  app.fallthrough();
   CLI::App* bench = app.add_subcommand("bench", "benchmarks, each beside the memory-copy bound");
   bench->require_subcommand(1);  // the full sweep may relax this when it registers
   // Parents first: top-level commands, then those under `bench`.

@@ -144,6 +144,7 @@ struct Summary {
   std::vector<int64_t> tokens_per_expert;    // [E], global
   int64_t routed = 0, dropped = 0;
   uint64_t shared_bytes = 0, network_bytes = 0;  // per step, all ranks
+  int ranks_per_node = 0;                        // the world's G (MPI: found from the hosts)
   Verdict verdict;
 };
 
@@ -200,6 +201,7 @@ void run(const RunArgs& a) {
   double ref_s = 0;
   const auto start = std::chrono::steady_clock::now();
   auto body = [&](World& w) -> Status {
+    if (w.rank() == 0) sum.ranks_per_node = w.ranks_per_node();
     // The reference runs on one rank thread (every process under MPI), before the timed steps.
     if (w.rank() == 0 || world_name == "mpi") {
       auto t0 = std::chrono::steady_clock::now();
@@ -320,7 +322,7 @@ void run(const RunArgs& a) {
     nlohmann::json j;
     j["world"] = world_name;
     j["ranks"] = R;
-    j["ranks_per_node"] = a.ranks_per_node == 0 ? R : a.ranks_per_node;
+    j["ranks_per_node"] = sum.ranks_per_node;
     j["dispatcher"] = dispatcher_kind_name(c.dispatcher);
     j["preset"] = a.preset;
     j["tokens_per_rank"] = tokens;
@@ -358,8 +360,8 @@ void run(const RunArgs& a) {
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     std::printf("moed run: %s world, %d ranks (%d per node), dispatcher %s, %s, preset %s\n",
-                world_name.c_str(), R, a.ranks_per_node == 0 ? R : a.ranks_per_node,
-                dispatcher_kind_name(c.dispatcher), dtype_name(c.dtype), a.preset.c_str());
+                world_name.c_str(), R, sum.ranks_per_node, dispatcher_kind_name(c.dispatcher),
+                dtype_name(c.dtype), a.preset.c_str());
     std::printf("  T=%lld per rank  H=%d  F=%d  E=%d  K=%d  shared F=%d  ETP=%d  steps=%d\n",
                 (long long)tokens, c.hidden, c.ffn_hidden, c.num_experts, c.num_topk,
                 c.shared_expert_ffn, c.etp_size, a.steps);

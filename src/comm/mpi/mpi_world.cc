@@ -15,6 +15,12 @@ namespace {
 
 constexpr int kFaultTag = 1;
 constexpr size_t kFaultBytes = 4096;  // code (int32) + message, truncated to fit
+// The census after a timeout: "are you there?" from the rank that timed out, and the answer.
+constexpr int kCensusTag = 2;
+constexpr int kAliveTag = 3;
+
+// Set once any MPI world of this process has failed (mpi_world_failed_in_process()).
+std::atomic<bool> g_any_failed{false};
 
 // Blocking agreement used only while constructing the world (there is no world to poll yet):
 // every rank returns the lowest failing rank's error.
@@ -70,9 +76,19 @@ MpiWorld::MpiWorld(MPI_Comm comm, MPI_Comm node_comm, int rank, int size, int ra
   if (has_ub && ub != nullptr) tag_ub_ = *static_cast<int*>(ub);
   MPI_Irecv(fault_buffer_.data(), int(kFaultBytes), MPI_CHAR, MPI_ANY_SOURCE, kFaultTag,
             fault_comm_, &fault_request_);
+  MPI_Irecv(&census_in_, 1, MPI_INT, MPI_ANY_SOURCE, kCensusTag, fault_comm_, &census_request_);
 }
 
 MpiWorld::~MpiWorld() {
+  // NOTE: after a failure (here or on any rank we heard of) a peer may be stopped, dead or
+  // cut off, and every call below is collective or waits for peers: skip them and leak the
+  // communicators, so a failed rank can always exit (mpirun then ends the job).
+  if (failed_.load(std::memory_order_acquire) || g_any_failed.load()) return;
+  if (census_request_ != MPI_REQUEST_NULL) {
+    MPI_Cancel(&census_request_);
+    MPI_Wait(&census_request_, MPI_STATUS_IGNORE);
+  }
+  for (MPI_Request& r : census_sends_) MPI_Request_free(&r);
   // NOTE: freeing a communicator with unmatched messages lets them leak into the next one
   // that reuses its id (OpenMPI 4 crashes in ob1's add_comm). So receive every failure
   // message addressed to this rank first: one all-to-all says how many there are.
@@ -108,11 +124,82 @@ void MpiWorld::record_failure(int rank, const Status& reason) const {
   if (failed_.load(std::memory_order_relaxed)) return;
   failure_ = aborted("rank ", rank, " failed: ", reason.message());
   failed_.store(true, std::memory_order_release);
+  g_any_failed.store(true);
+}
+
+void MpiWorld::answer_census() const {
+  while (census_request_ != MPI_REQUEST_NULL) {
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Test(&census_request_, &flag, &st) != MPI_SUCCESS || !flag) return;
+    MPI_Request r;
+    if (MPI_Isend(&alive_token_, 1, MPI_INT, st.MPI_SOURCE, kAliveTag, fault_comm_, &r) ==
+        MPI_SUCCESS) {
+      census_sends_.push_back(r);
+    }
+    MPI_Irecv(&census_in_, 1, MPI_INT, MPI_ANY_SOURCE, kCensusTag, fault_comm_, &census_request_);
+  }
+}
+
+Status MpiWorld::census(const Status& timed_out) {
+  using Clock = std::chrono::steady_clock;
+  // Long enough for a live rank's owning thread to reach its next poll, short next to the
+  // timeout that brought us here.
+  const auto grace =
+      std::clamp(timeout_ / 4, std::chrono::milliseconds(500), std::chrono::milliseconds(5000));
+  CallBuffers buf;  // parked at the end: silent ranks' replies may still arrive
+  int* token = buf.make<int>(1);
+  *token = rank_;
+  int* replies = buf.make<int>(size_t(size_));
+  std::vector<MPI_Request> recvs(size_t(size_), MPI_REQUEST_NULL);
+  std::vector<bool> alive(size_t(size_), false);
+  alive[size_t(rank_)] = true;
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    MPI_Request req;
+    if (MPI_Isend(token, 1, MPI_INT, r, kCensusTag, fault_comm_, &req) == MPI_SUCCESS) {
+      census_sends_.push_back(req);
+    }
+    MPI_Irecv(replies + r, 1, MPI_INT, r, kAliveTag, fault_comm_, &recvs[size_t(r)]);
+  }
+  const auto deadline = Clock::now() + grace;
+  int pending = size_ - 1;
+  while (pending > 0 && Clock::now() < deadline) {
+    Status other = failure();  // also answers other ranks' censuses
+    if (!other.ok()) {
+      buf.park();
+      return other;  // someone else failed first; their message is the cause
+    }
+    for (int r = 0; r < size_; ++r) {
+      if (recvs[size_t(r)] == MPI_REQUEST_NULL) continue;
+      int flag = 0;
+      if (MPI_Test(&recvs[size_t(r)], &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag) {
+        alive[size_t(r)] = true;
+        --pending;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  buf.park();
+  std::string silent;
+  for (int r = 0; r < size_; ++r) {
+    if (!alive[size_t(r)]) silent += str_cat(silent.empty() ? "" : ", ", r);
+  }
+  const auto g = std::chrono::duration_cast<std::chrono::milliseconds>(grace).count();
+  if (silent.empty()) {
+    return Status(timed_out.code(), str_cat(timed_out.message(), "; every rank answered within ", g,
+                                            " ms (one is waiting in another call, or slow)"));
+  }
+  return Status(timed_out.code(),
+                str_cat(timed_out.message(), "; no sign of life within ", g, " ms from rank ",
+                        silent, " (stopped, dead, unreachable, or busy outside moed)"));
 }
 
 Status MpiWorld::failure() const {
   // NOTE: only the owning thread touches MPI; pool workers waiting on shared-memory signals
   // see a failure once the owner has noticed it.
+  if (!failed_.load(std::memory_order_acquire) && std::this_thread::get_id() == owner_)
+    answer_census();
   if (!failed_.load(std::memory_order_acquire) && std::this_thread::get_id() == owner_ &&
       fault_request_ != MPI_REQUEST_NULL) {
     int flag = 0;
@@ -180,6 +267,8 @@ Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& 
   if (s.ok()) s = check(rc, "MPI_Test");
   if (!s.ok()) {
     if (buffers != nullptr) buffers->park();
+    // Who is missing? Ask everyone, so the error (and every rank's echo of it) names them.
+    if (s.code() == StatusCode::kDeadlineExceeded) s = census(s);
     // The collective or message can't complete as a whole any more: fail this rank's world
     // so later calls return at once (and the other ranks hear of it).
     if (s.code() != StatusCode::kAborted) fail(s);
@@ -277,6 +366,8 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
   return std::unique_ptr<World>(std::make_unique<mpi::MpiWorld>(world_comm, node_comm, rank, size,
                                                                 g, options.timeout, threads));
 }
+
+bool mpi_world_failed_in_process() { return mpi::g_any_failed.load(); }
 
 void mpi_world_fail(World& world, const Status& reason) {
   if (auto* w = dynamic_cast<mpi::MpiWorld*>(&world)) w->fail(reason);

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -89,6 +90,11 @@ class MpiWorld final : public World {
   // (same on every rank), so input checks never leave a rank waiting in the real call.
   Status agree_verdict(const Status& local, const char* op);
   void record_failure(int rank, const Status& reason) const;
+  // After `timed_out`: asks every rank whether it is there and returns `timed_out` extended
+  // with the ranks that gave no answer (or another rank's failure, if one arrives first).
+  Status census(const Status& timed_out);
+  // Answers the census requests that have arrived (owner thread; called from failure()).
+  void answer_census() const;
 
   MPI_Comm comm_;
   MPI_Comm node_comm_;
@@ -100,6 +106,10 @@ class MpiWorld final : public World {
   mutable std::vector<char> fault_buffer_;
   std::vector<MPI_Request> fault_sends_;
   std::string fault_message_;
+  mutable MPI_Request census_request_ = MPI_REQUEST_NULL;
+  mutable int census_in_ = 0;
+  mutable int alive_token_ = 1;
+  mutable std::vector<MPI_Request> census_sends_;
   mutable std::atomic<bool> failed_{false};
   mutable std::mutex fail_mu_;
   mutable Status failure_;
