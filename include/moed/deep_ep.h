@@ -158,4 +158,10 @@ class NormalBuffer {
   std::unique_ptr<State> state_;
 };
 
+// DeepEP's UE8M0 scale format (low_latency_dispatch with use_ue8m0): each power-of-two float
+// scale (round_scale = true) becomes its 8-bit biased exponent, four consecutive blocks packed
+// little-endian into one int32, so [rows, H / 128] f32 becomes [rows, H / 512] int32. Errors
+// name a scale that is not a power of two (0 packs as 0), or H / 128 not a multiple of 4.
+Status pack_ue8m0(const TensorView& scales, std::span<int32_t> out);
+
 }  // namespace moed::deep_ep

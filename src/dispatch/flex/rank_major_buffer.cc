@@ -177,6 +177,31 @@ StatusOr<DispatchLayout> NormalBuffer::get_dispatch_layout(const TopkView& topk)
                                    state_->world->ranks_per_node());
 }
 
+Status pack_ue8m0(const TensorView& scales, std::span<int32_t> out) {
+  if (scales.dtype != DType::kF32 || scales.cols % 4 != 0)
+    return invalid_argument("use_ue8m0: scales are ", dtype_name(scales.dtype), " [", scales.rows,
+                            ", ", scales.cols,
+                            "]; they must be f32 with hidden / 128 a multiple of 4");
+  if (out.size() != size_t(scales.rows) * size_t(scales.cols / 4))
+    return invalid_argument("use_ue8m0: output has ", out.size(), " entries; expected ",
+                            scales.rows * (scales.cols / 4));
+  for (int64_t i = 0; i < scales.rows; ++i) {
+    const float* row = scales.row<float>(i);
+    for (int64_t b = 0; b < scales.cols; b += 4) {
+      uint32_t packed = 0;
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t bits = float_to_bits(row[b + q]);
+        if ((bits & 0x807fffffu) != 0 || (bits >> 23) == 0xff)
+          return invalid_argument("use_ue8m0: scale [", i, "][", b + q, "] = ", row[b + q],
+                                  " is not a power of two (use_ue8m0 needs round_scale = True)");
+        packed |= (bits >> 23) << (8 * q);
+      }
+      out[size_t(i) * size_t(scales.cols / 4) + size_t(b / 4)] = int32_t(packed);
+    }
+  }
+  return ok_status();
+}
+
 StatusOr<NormalDispatchOutput> NormalBuffer::dispatch(const NormalDispatchInput& input) {
   return rm_dispatch(*state_, input);
 }
