@@ -10,8 +10,8 @@
 // the rank with the sender's local index, which forwards it inside its node), and sums in a
 // fixed order, so the results are bitwise deterministic.
 //
-//   MOED_ASSIGN_OR_RETURN(auto buffer, moed::deep_ep::NormalBuffer::create(world, 256));
-//   MOED_ASSIGN_OR_RETURN(moed::DispatchLayout layout, buffer->get_dispatch_layout(topk));
+//   MOED_ASSIGN_OR_RETURN(auto buffer, moed::deep_ep::NormalBuffer::create(world));
+//   MOED_ASSIGN_OR_RETURN(moed::DispatchLayout layout, buffer->get_dispatch_layout(topk, 256));
 //   MOED_ASSIGN_OR_RETURN(moed::deep_ep::NormalDispatchOutput d, buffer->dispatch(
 //       {.x = {x, {}}, .topk = topk, .layout = moed::deep_ep::LayoutView::of(layout)}));
 //   ... experts read d.recv_x (rows of source 0, then source 1, ...) and d.recv_topk_idx ...
@@ -67,6 +67,7 @@ struct NormalHandle {
   uint64_t buffer_id = 0;
   int num_ranks = 0;            // R
   int num_channels = 0;         // C: token ranges of the senders (DeepEP's SM pairs)
+  int num_experts = 0;          // E of the dispatch
   int64_t num_tokens = 0;       // T of this rank
   int64_t num_recv_tokens = 0;  // rows this rank received
   int64_t num_rows = 0;         // rows of recv_x (num_worst_tokens when given)
@@ -101,6 +102,9 @@ struct NormalDispatchInput {
   std::shared_ptr<const NormalHandle> handle;  // cached mode: no count exchange
   int expert_alignment = 1;
   int64_t num_worst_tokens = 0;  // > 0: recv_x has this many rows (the rest zero)
+  // An error the caller found in its own arguments (a binding's parsing): reported on every
+  // rank through the call's first collective instead of leaving the other ranks waiting.
+  Status caller_error;
 };
 
 struct NormalDispatchOutput {
@@ -124,6 +128,7 @@ struct NormalCombineInput {
   int num_topk = 0;
   TensorView bias_0, bias_1;  // optional [T, H] f32 or bf16 (home side)
   std::shared_ptr<const NormalHandle> handle;
+  Status caller_error;  // as in NormalDispatchInput
 };
 
 struct NormalCombineOutput {
@@ -135,21 +140,19 @@ struct NormalCombineOutput {
 
 class NormalBuffer {
  public:
-  // Collective. num_experts (E) must be the same on every rank and a multiple of R.
-  // num_channels = 0: the world pool's threads (the same count is used on every rank).
-  static StatusOr<std::unique_ptr<NormalBuffer>> create(World& world, int num_experts,
-                                                        int num_channels = 0);
+  // Collective. num_channels = 0: the world pool's threads (rank 0's count is used on every
+  // rank). The number of experts E is each dispatch's (the size of num_tokens_per_expert).
+  static StatusOr<std::unique_ptr<NormalBuffer>> create(World& world, int num_channels = 0);
   ~NormalBuffer();
   NormalBuffer(const NormalBuffer&) = delete;
   NormalBuffer& operator=(const NormalBuffer&) = delete;
 
   // Local: DeepEP's layout (num_tokens_per_node = per RDMA rank) from this rank's top-k.
-  StatusOr<DispatchLayout> get_dispatch_layout(const TopkView& topk) const;
+  StatusOr<DispatchLayout> get_dispatch_layout(const TopkView& topk, int num_experts) const;
   StatusOr<NormalDispatchOutput> dispatch(const NormalDispatchInput& input);
   StatusOr<NormalCombineOutput> combine(const NormalCombineInput& input);
 
   World& world() const;
-  int num_experts() const;
 
   struct State;  // internal (src/dispatch/flex/rank_major.h)
 

@@ -241,10 +241,10 @@ Status check_handle(const Problem& p, int me, const deep_ep::NormalHandle& h) {
 
 Status run_case(World& w, const Problem& p, bool check_meta = true) {
   const int r = w.rank(), K = p.c.num_topk, H = p.c.hidden;
-  MOED_ASSIGN_OR_RETURN(auto buf, NormalBuffer::create(w, p.c.num_experts));
+  MOED_ASSIGN_OR_RETURN(auto buf, NormalBuffer::create(w));
   const deep_ep::TopkView topk{p.topk_idx[size_t(r)].data(), true, p.topk_w[size_t(r)].data(),
                                p.c.tokens[size_t(r)], K};
-  MOED_ASSIGN_OR_RETURN(DispatchLayout layout, buf->get_dispatch_layout(topk));
+  MOED_ASSIGN_OR_RETURN(DispatchLayout layout, buf->get_dispatch_layout(topk, p.c.num_experts));
   deep_ep::NormalDispatchInput in;
   in.x = p.x[size_t(r)].rows();
   if (p.c.with_topk) in.topk = topk;
@@ -295,7 +295,7 @@ Status run_case(World& w, const Problem& p, bool check_meta = true) {
                                  .num_topk = K,
                                  .bias_0 = p.bias0[size_t(r)].view(),
                                  .bias_1 = p.bias1[size_t(r)].view(),
-                                 .handle = d.handle};
+                                 .handle = d.handle, .caller_error = {}};
   MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput out, buf->combine(cb));
   const int64_t T = p.c.tokens[size_t(r)];
   for (int64_t t = 0; t < T; ++t) {
@@ -395,10 +395,10 @@ TEST_P(RankMajor, BadInputIsEveryRanksError) {
   const Problem p = make_problem(c);
   Status s = run_world(GetParam(), 4, 2, [&](World& w) -> Status {
     const int r = w.rank();
-    MOED_ASSIGN_OR_RETURN(auto buf, NormalBuffer::create(w, 8));
+    MOED_ASSIGN_OR_RETURN(auto buf, NormalBuffer::create(w));
     std::vector<int64_t> idx = p.topk_idx[size_t(r)];
     const deep_ep::TopkView topk{idx.data(), true, p.topk_w[size_t(r)].data(), 6, 2};
-    MOED_ASSIGN_OR_RETURN(DispatchLayout layout, buf->get_dispatch_layout(topk));
+    MOED_ASSIGN_OR_RETURN(DispatchLayout layout, buf->get_dispatch_layout(topk, p.c.num_experts));
     deep_ep::NormalDispatchInput in;
     in.x = p.x[size_t(r)].rows();
     in.topk = topk;
@@ -430,7 +430,10 @@ TEST_P(RankMajor, BadInputIsEveryRanksError) {
     in.x = p.x[size_t(r)].rows();
     MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput ok, buf->dispatch(in));
     Tensor y = Tensor::zeros(DType::kBF16, ok.recv_x.x.rows + (r == 0 ? 1 : 0), 100);
-    auto cbo = buf->combine({.x = y.view(), .handle = ok.handle});
+    deep_ep::NormalCombineInput bad_rows;
+    bad_rows.x = y.view();
+    bad_rows.handle = ok.handle;
+    auto cbo = buf->combine(bad_rows);
     MOED_RETURN_IF_ERROR(
         expect(!cbo.ok() && cbo.status().message().find("rank 0: x is [") != std::string::npos,
                cbo.ok() ? "combine accepted" : cbo.status().to_string()));

@@ -50,7 +50,7 @@ RmSendPlan make_rm_send_plan(const flex::Topology& topo, const NormalHandle& h, 
 
 struct NormalBuffer::State {
   World* world = nullptr;
-  int num_experts = 0;
+  int num_experts = 0;  // E of the call in progress
   int num_channels = 0;
   uint64_t id = 0;
   flex::Topology topo;

@@ -113,25 +113,12 @@ Status NormalBuffer::State::sync_round() {
   return signals.wait_all(epoch);
 }
 
-StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int num_experts,
-                                                             int num_channels) {
-  const int R = world.size();
-  const int64_t mine[3] = {num_experts,
-                           num_channels > 0 ? num_channels : world.pool().num_threads(),
+StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int num_channels) {
+  const int64_t mine[2] = {num_channels > 0 ? num_channels : world.pool().num_threads(),
                            int64_t(world.num_nodes() > 1 && world.ranks_per_node() > 64)};
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(world, std::span<const int64_t>(mine, 3)));
-  if (num_experts <= 0 || num_experts % R != 0) {
-    return invalid_argument("num_experts = ", num_experts, " is not a positive multiple of the ", R,
-                            " ranks");
-  }
-  for (int r = 1; r < R; ++r) {
-    if (all[size_t(r) * 3] != all[0]) {
-      return invalid_argument("num_experts = ", all[0], " on rank 0 but ", all[size_t(r) * 3],
-                              " on rank ", r);
-    }
-  }
-  if (all[2] != 0) {
+                        all_gather<int64_t>(world, std::span<const int64_t>(mine, 2)));
+  if (all[1] != 0) {
     return unimplemented(
         "the rank-major receive across nodes supports up to 64 ranks per node; "
         "ranks_per_node = ",
@@ -139,12 +126,11 @@ StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int n
   }
   auto s = std::make_unique<State>();
   s->world = &world;
-  s->num_experts = num_experts;
-  s->num_channels = int(std::max<int64_t>(1, all[1]));  // rank 0's count, the same everywhere
+  s->num_channels = int(std::max<int64_t>(1, all[0]));  // rank 0's count, the same everywhere
   s->id = g_next_buffer_id.fetch_add(1);
   DispatchConfig cfg;
   cfg.kind = DispatcherKind::kFlex;
-  cfg.num_experts = num_experts;
+  cfg.num_experts = world.size();  // the rank arithmetic used here does not depend on E
   s->topo = flex::Topology::of(world, cfg);
   s->in_place = std::strcmp(world.backend_name(), "threads") == 0;
   MOED_RETURN_IF_ERROR(s->signals.init(world));
@@ -154,9 +140,9 @@ StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int n
 NormalBuffer::NormalBuffer(std::unique_ptr<State> state) : state_(std::move(state)) {}
 NormalBuffer::~NormalBuffer() = default;
 World& NormalBuffer::world() const { return *state_->world; }
-int NormalBuffer::num_experts() const { return state_->num_experts; }
 
-StatusOr<DispatchLayout> NormalBuffer::get_dispatch_layout(const TopkView& topk) const {
+StatusOr<DispatchLayout> NormalBuffer::get_dispatch_layout(const TopkView& topk,
+                                                           int num_experts) const {
   TopkRouting r;
   r.num_tokens = topk.num_tokens;
   r.num_topk = topk.num_topk;
@@ -166,14 +152,14 @@ StatusOr<DispatchLayout> NormalBuffer::get_dispatch_layout(const TopkView& topk)
   for (int64_t t = 0; t < topk.num_tokens; ++t) {
     for (int k = 0; k < topk.num_topk; ++k) {
       const int64_t e = topk.at(t, k);
-      if (e < -1 || e >= state_->num_experts) {
+      if (e < -1 || e >= num_experts) {
         return invalid_argument("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ",
-                                state_->num_experts, ")");
+                                num_experts, ")");
       }
       r.topk_idx[size_t(t) * topk.num_topk + k] = int32_t(e);
     }
   }
-  return moed::get_dispatch_layout(r, state_->num_experts, state_->world->size(),
+  return moed::get_dispatch_layout(r, num_experts, state_->world->size(),
                                    state_->world->ranks_per_node());
 }
 

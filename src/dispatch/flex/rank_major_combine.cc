@@ -36,6 +36,7 @@ Status check_rows(const char* what, const TensorView& v, int64_t rows, int64_t c
 }
 
 Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in) {
+  if (!in.caller_error.ok()) return in.caller_error;
   const NormalHandle* h = in.handle.get();
   if (h == nullptr || h->buffer_id != s.id)
     return invalid_argument("handle was not made by a dispatch of this buffer");

@@ -16,7 +16,7 @@ namespace moed::deep_ep {
 namespace {
 
 constexpr int kTagDispatch = 0x4d20;
-constexpr size_t kPrefix = 8;  // fixed slots before the counts in the exchange
+constexpr size_t kPrefix = 8;  // slots of the first exchange before E
 
 Status check_x(const TokenRows& x) {
   if (x.x.rows < 0 || x.x.cols <= 0) {
@@ -169,6 +169,7 @@ StatusOr<std::shared_ptr<NormalHandle>> make_handle(NormalBuffer::State& s,
   h->buffer_id = s.id;
   h->num_ranks = R;
   h->num_channels = C;
+  h->num_experts = E;
   h->num_tokens = in.x.x.rows;
   h->hidden = int(in.x.x.cols);
   h->dtype = in.x.x.dtype;
@@ -177,7 +178,7 @@ StatusOr<std::shared_ptr<NormalHandle>> make_handle(NormalBuffer::State& s,
     for (int j = 0; j < R; ++j) {
       h->rank_prefix_matrix[size_t(i) * R + j] =
           int32_t((i > 0 ? h->rank_prefix_matrix[size_t(i - 1) * R + j] : 0) +
-                  all[size_t(i) * width + kPrefix + size_t(j)]);
+                  all[size_t(i) * width + size_t(j)]);
     }
   }
   const int64_t worst = in.num_worst_tokens;
@@ -198,8 +199,7 @@ StatusOr<std::shared_ptr<NormalHandle>> make_handle(NormalBuffer::State& s,
     expert_list->assign(size_t(L), 0);
     for (int j = 0; j < L; ++j) {
       int64_t n = 0;
-      for (int src = 0; src < R; ++src)
-        n += all[size_t(src) * width + kPrefix + R + size_t(me) * L + j];
+      for (int src = 0; src < R; ++src) n += all[size_t(src) * width + R + size_t(me) * L + j];
       (*expert_list)[size_t(j)] = int32_t((n + a - 1) / a * a);
     }
   }
@@ -234,7 +234,7 @@ StatusOr<std::shared_ptr<NormalHandle>> make_handle(NormalBuffer::State& s,
   for (int m = 0; m < N; ++m) {
     if (m == topo.node) continue;
     const int src = topo.forwarder_on(m);
-    h->forward_tokens[size_t(m)] = all[size_t(src) * width + kPrefix + R + E + size_t(topo.node)];
+    h->forward_tokens[size_t(m)] = all[size_t(src) * width + R + E + size_t(topo.node)];
   }
   h->forward_src_token.resize(size_t(N));
   h->forward_mask.resize(size_t(N));
@@ -475,14 +475,21 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
 
 StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in) {
   World& w = *s.world;
-  const int R = s.topo.num_ranks, E = s.num_experts, N = s.topo.num_nodes;
-  // The one exchange: [bad, cached, T, H, dtype, K, alignment, worst, per rank, per expert,
-  // per node]. Cached mode sends only the two flags (no counts), so both modes agree on the
-  // mode and on bad input in the same collective.
+  const int R = s.topo.num_ranks, N = s.topo.num_nodes;
   const bool cached = in.handle != nullptr;
-  const Status local = cached ? check_cached(s, in) : check_uncached(s, in);
-  const size_t width = kPrefix + size_t(R) + size_t(E) + size_t(N);
-  std::vector<int64_t> mine(width, 0);
+  // E of this call: the layout's (or the handle's); checked against the other ranks below.
+  s.num_experts = cached ? (in.handle ? in.handle->num_experts : 0)
+                         : int(in.layout.num_tokens_per_expert.size());
+  const int E = s.num_experts;
+  // First exchange, fixed size, so it works whatever a bad input looks like: [bad, cached, T,
+  // H, dtype, K, alignment, worst, E]. Cached mode stops here (no count exchange).
+  Status local = in.caller_error;
+  if (local.ok() && !cached && (E <= 0 || E % R != 0))
+    local =
+        invalid_argument("num_tokens_per_expert has ", E,
+                         " entries; num_experts must be a positive multiple of the ", R, " ranks");
+  if (local.ok()) local = cached ? check_cached(s, in) : check_uncached(s, in);
+  std::vector<int64_t> mine(kPrefix + 1, 0);
   mine[0] = local.ok() ? 0 : 1;
   mine[1] = cached ? 1 : 0;
   if (local.ok() && !cached) {
@@ -492,32 +499,21 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
     mine[5] = in.topk.num_topk;
     mine[6] = in.expert_alignment;
     mine[7] = in.num_worst_tokens;
-    for (int r = 0; r < R; ++r)
-      mine[kPrefix + size_t(r)] = in.layout.num_tokens_per_rank[size_t(r)];
-    for (int e = 0; e < E; ++e)
-      mine[kPrefix + R + size_t(e)] = in.layout.num_tokens_per_expert[size_t(e)];
-    const int G = s.topo.ranks_per_node;
-    for (int64_t t = 0; t < in.x.x.rows; ++t) {
-      for (int m = 0; m < N; ++m) {
-        bool any = false;
-        for (int lr = 0; lr < G; ++lr)
-          any |= in.layout.is_token_in_rank[size_t(t) * R + m * G + lr] != 0;
-        mine[kPrefix + R + E + size_t(m)] += any;
-      }
-    }
+    mine[8] = E;
   }
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+  const size_t fixed = kPrefix + 1;
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> head,
                         all_gather<int64_t>(w, std::span<const int64_t>(mine)));
   bool any_bad = false;
-  for (int r = 0; r < R; ++r) any_bad |= all[size_t(r) * width] != 0;
+  for (int r = 0; r < R; ++r) any_bad |= head[size_t(r) * fixed] != 0;
   if (any_bad) {
     MOED_RETURN_IF_ERROR(w.agree(local));
     return internal_error("rank-major dispatch: a rank reported bad input but agree passed");
   }
   for (int r = 1; r < R; ++r) {
-    if (all[size_t(r) * width + 1] != all[1]) {
-      return invalid_argument("handle is ", all[1] ? "given" : "not given", " on rank 0 but ",
-                              all[size_t(r) * width + 1] ? "given" : "not given", " on rank ", r,
+    if (head[size_t(r) * fixed + 1] != head[1]) {
+      return invalid_argument("handle is ", head[1] ? "given" : "not given", " on rank 0 but ",
+                              head[size_t(r) * fixed + 1] ? "given" : "not given", " on rank ", r,
                               "; cached dispatch must be used by every rank");
     }
   }
@@ -528,15 +524,32 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
     return push(s, h, in.x, TopkView{}, /*meta=*/false);
   }
   static const char* kNames[] = {
-      "", "", "", "hidden", "x dtype", "num_topk", "expert_alignment", "num_worst_tokens"};
+      "",           "", "", "hidden", "x dtype", "num_topk", "expert_alignment", "num_worst_tokens",
+      "num_experts"};
   for (int r = 1; r < R; ++r) {
-    for (size_t i = 3; i < kPrefix; ++i) {
-      if (all[size_t(r) * width + i] != all[i]) {
-        return invalid_argument(kNames[i], " = ", all[i], " on rank 0 but ",
-                                all[size_t(r) * width + i], " on rank ", r);
+    for (size_t i = 3; i < fixed; ++i) {
+      if (head[size_t(r) * fixed + i] != head[i]) {
+        return invalid_argument(kNames[i], " = ", head[i], " on rank 0 but ",
+                                head[size_t(r) * fixed + i], " on rank ", r);
       }
     }
   }
+  // Second exchange, the counts: [per rank, per expert, per node] (DeepEP's notify).
+  const size_t width = size_t(R) + size_t(E) + size_t(N);
+  std::vector<int64_t> counts(width, 0);
+  for (int r = 0; r < R; ++r) counts[size_t(r)] = in.layout.num_tokens_per_rank[size_t(r)];
+  for (int e = 0; e < E; ++e) counts[R + size_t(e)] = in.layout.num_tokens_per_expert[size_t(e)];
+  const int G = s.topo.ranks_per_node;
+  for (int64_t t = 0; t < in.x.x.rows; ++t) {
+    for (int m = 0; m < N; ++m) {
+      bool any = false;
+      for (int lr = 0; lr < G; ++lr)
+        any |= in.layout.is_token_in_rank[size_t(t) * R + m * G + lr] != 0;
+      counts[R + E + size_t(m)] += any;
+    }
+  }
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(w, std::span<const int64_t>(counts)));
   std::vector<int32_t> expert_list;
   MOED_ASSIGN_OR_RETURN(std::shared_ptr<NormalHandle> h,
                         make_handle(s, in, all, width, &expert_list));
