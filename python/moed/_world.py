@@ -88,7 +88,7 @@ def current_group():
 
 
 def _with_rank(rank, e):
-    msg = f"rank {rank}: {e}"
+    msg = str(e) if str(e).startswith(f"rank {rank}: ") else f"rank {rank}: {e}"
     try:
         new = type(e)(msg)
     except Exception:
