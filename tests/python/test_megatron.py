@@ -300,3 +300,18 @@ def test_steps_out_of_order():
         with pytest.raises(RuntimeError, match="before"):
             d.token_dispatch(None, None)
     run(fn, (1, 0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_example_layer_trains_on_threads(kind):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "examples", "moe_layer.py")
+    spec = importlib.util.spec_from_file_location("moe_layer", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    losses = moed.launch(ex.train, 4, kind, 3, ranks_per_node=2)
+    assert losses[0] == losses[3] and losses[0][-1] < losses[0][0]
+    if kind != "allgather":  # every dispatcher trains to the same bits
+        ref = moed.launch(ex.train, 4, "allgather", 3, ranks_per_node=2)
+        assert losses == ref
