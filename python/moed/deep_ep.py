@@ -127,7 +127,11 @@ class _LowLatencyHandle(tuple):
 
 
 def _impl(handle, what):
+    """moed's handle inside a DeepEP handle tuple. Normal mode passes anything else through,
+    so the C++ side reports a wrong handle on every rank (not only this one)."""
     impl = getattr(handle, "_moed", None)
+    if impl is None and "low_latency" not in what:
+        return handle
     if impl is None:
         raise TypeError(f"{what}: handle must be the one returned by this Buffer's "
                         f"{'low_latency_dispatch' if 'low_latency' in what else 'dispatch'} "

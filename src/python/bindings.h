@@ -12,5 +12,6 @@ void bind_core(py::module_& m);        // core.cc: errors, settings, tensor cach
 void bind_world(py::module_& m);       // world.cc: WorldHandle, run_threads, MPI, collectives
 void bind_dispatcher(py::module_& m);  // dispatcher.cc: TokenDispatcher (the six steps, backward)
 void bind_reference(py::module_& m);   // reference.cc: the single-process reference (tests)
+void bind_deep_ep(py::module_& m);     // deep_ep.cc: moed.deep_ep (DeepEP's legacy Buffer)
 
 }  // namespace moed::python

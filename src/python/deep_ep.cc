@@ -38,7 +38,6 @@ auto nogil(F&& f) {
 
 struct NormalHandleBox {
   std::shared_ptr<const deep_ep::NormalHandle> h;
-  int num_experts = 0;
 };
 struct LowLatencyHandleBox {
   std::shared_ptr<const LowLatencyHandle> h;
@@ -47,21 +46,22 @@ struct LowLatencyHandleBox {
 
 class DeepEpBox : public Closable {
  public:
-  explicit DeepEpBox(std::shared_ptr<WorldHandle> world) : world_(std::move(world)) {}
+  explicit DeepEpBox(std::shared_ptr<WorldHandle> world) : world_(std::move(world)) {
+    World& w = world_->get();
+    normal_ = check(nogil([&] { return deep_ep::NormalBuffer::create(w); }));
+  }
   void close() override {
     std::lock_guard<std::mutex> lock(mu_);
-    normal_.clear();
+    normal_.reset();
     ll_.clear();
   }
   World& world() { return world_->get(); }
-  // Created on first use (collective: every rank calls the same op).
-  deep_ep::NormalBuffer& normal(int num_experts) {
-    auto it = normal_.find(num_experts);
-    if (it != normal_.end()) return *it->second;
-    World& w = world();
-    auto b = check(nogil([&] { return deep_ep::NormalBuffer::create(w, num_experts); }));
-    return *(normal_[num_experts] = std::move(b));
+  deep_ep::NormalBuffer& normal() {
+    if (!normal_)
+      throw std::runtime_error("moed.deep_ep: this Buffer was destroyed or its world has ended");
+    return *normal_;
   }
+  // Created on first use (collective: every rank calls the same op).
   LowLatencyBuffer& low_latency(int64_t m, int hidden, int experts) {
     const auto key = std::make_tuple(m, hidden, experts);
     auto it = ll_.find(key);
@@ -76,9 +76,37 @@ class DeepEpBox : public Closable {
 
   std::shared_ptr<WorldHandle> world_;
   std::mutex mu_;
-  std::map<int, std::unique_ptr<deep_ep::NormalBuffer>> normal_;
+  std::unique_ptr<deep_ep::NormalBuffer> normal_;
   std::map<std::tuple<int64_t, int, int>, std::unique_ptr<LowLatencyBuffer>> ll_;
 };
+
+// Argument parsing whose error must be every rank's: the exception is kept (re-raised on this
+// rank after the call) and passed to the call as caller_error, so the other ranks get it from
+// the call's first collective instead of waiting.
+template <typename Parse>
+Status parse_collectively(Parse&& parse, std::exception_ptr* error) {
+  try {
+    parse();
+    return ok_status();
+  } catch (const py::cast_error&) {
+    *error = std::make_exception_ptr(
+        py::type_error("handle must be the one returned by this Buffer's dispatch"));
+    return invalid_argument("handle must be the one returned by this Buffer's dispatch");
+  } catch (const py::error_already_set& e) {
+    *error = std::current_exception();
+    return invalid_argument(e.what());
+  } catch (const std::exception& e) {
+    *error = std::current_exception();
+    return invalid_argument(e.what());
+  }
+}
+
+// Raises this rank's own exception if parsing failed, else the call's error (if any).
+template <typename T>
+T finish(StatusOr<T>&& r, const std::exception_ptr& error) {
+  if (error) std::rethrow_exception(error);
+  return check(std::move(r));
+}
 
 // topk_idx int64 or int32 [T, K] (contiguous) and optional topk_weights f32 [T, K].
 deep_ep::TopkView topk_view(py::handle idx, py::handle weights) {
@@ -137,35 +165,35 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
                           py::handle handle, int expert_alignment, int64_t num_worst_tokens) {
   const int R = b.world().size();
   deep_ep::NormalDispatchInput in;
-  in.x = token_rows_arg(x, scales, "x", kPayload);
   in.expert_alignment = expert_alignment;
   in.num_worst_tokens = num_worst_tokens;
-  int num_experts = 0;
-  if (!handle.is_none()) {
-    auto& hb = handle.cast<NormalHandleBox&>();
-    in.handle = hb.h;
-    num_experts = hb.num_experts;
-  } else {
-    if (num_tokens_per_rank.is_none() || is_token_in_rank.is_none() ||
-        num_tokens_per_expert.is_none())
-      throw py::value_error(
-          "dispatch without handle needs num_tokens_per_rank, is_token_in_rank "
-          "and num_tokens_per_expert (from get_dispatch_layout)");
-    in.topk = topk_view(topk_idx, topk_weights);
-    if (in.topk.num_topk > 0 && topk_weights.is_none())
-      throw py::value_error("topk_idx is given without topk_weights; DeepEP needs both");
-    if (topk_idx.is_none() && !topk_weights.is_none())
-      throw py::value_error("topk_weights is given without topk_idx; DeepEP needs both");
-    in.layout.num_tokens_per_rank =
-        span_arg<int32_t>(num_tokens_per_rank, "num_tokens_per_rank", ElemType::kI32, {R});
-    in.layout.is_token_in_rank =
-        span_arg<uint8_t>(is_token_in_rank, "is_token_in_rank", ElemType::kBool, {in.x.x.rows, R});
-    in.layout.num_tokens_per_expert =
-        span_arg<int32_t>(num_tokens_per_expert, "num_tokens_per_expert", ElemType::kI32, {-1});
-    num_experts = int(in.layout.num_tokens_per_expert.size());
-  }
-  deep_ep::NormalBuffer& nb = b.normal(num_experts);
-  deep_ep::NormalDispatchOutput out = check(nogil([&] { return nb.dispatch(in); }));
+  std::exception_ptr error;
+  in.caller_error = parse_collectively(
+      [&] {
+        in.x = token_rows_arg(x, scales, "x", kPayload);
+        if (!handle.is_none()) {
+          in.handle = handle.cast<NormalHandleBox&>().h;
+          return;
+        }
+        if (num_tokens_per_rank.is_none() || is_token_in_rank.is_none() ||
+            num_tokens_per_expert.is_none())
+          throw py::value_error(
+              "dispatch without handle needs num_tokens_per_rank, is_token_in_rank "
+              "and num_tokens_per_expert (from get_dispatch_layout)");
+        if (topk_idx.is_none() != topk_weights.is_none())
+          throw py::value_error("topk_idx and topk_weights must be given together (as DeepEP)");
+        in.topk = topk_view(topk_idx, topk_weights);
+        in.layout.num_tokens_per_rank =
+            span_arg<int32_t>(num_tokens_per_rank, "num_tokens_per_rank", ElemType::kI32, {R});
+        in.layout.is_token_in_rank = span_arg<uint8_t>(is_token_in_rank, "is_token_in_rank",
+                                                       ElemType::kBool, {in.x.x.rows, R});
+        in.layout.num_tokens_per_expert =
+            span_arg<int32_t>(num_tokens_per_expert, "num_tokens_per_expert", ElemType::kI32, {-1});
+      },
+      &error);
+  if (!error) in.caller_error = ok_status();
+  deep_ep::NormalBuffer& nb = b.normal();
+  deep_ep::NormalDispatchOutput out = finish(nogil([&] { return nb.dispatch(in); }), error);
   const deep_ep::NormalHandle& h = *out.handle;
   py::object rx = rows_out(out.recv_x.x, out.storage);
   py::object rs = out.recv_x.has_scales() ? rows_out(out.recv_x.scales, out.storage) : py::none();
@@ -183,7 +211,7 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
   py::list expert_list;
   for (int32_t n : out.num_recv_tokens_per_expert) expert_list.append(n);
   return py::make_tuple(
-      rx, rs, ridx, rw, expert_list, NormalHandleBox{out.handle, num_experts},
+      rx, rs, ridx, rw, expert_list, NormalHandleBox{out.handle},
       int_matrix(h.rank_prefix_matrix, R, R), int_matrix(h.channel_prefix_matrix, R, C),
       int_matrix(h.recv_channel_prefix_matrix, R, C),
       vector_to_torch<int32_t>(std::vector<int32_t>(h.recv_src_idx), {h.num_rows}),
@@ -194,27 +222,35 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
 
 py::tuple normal_combine(DeepEpBox& b, py::handle x, py::handle handle, py::handle topk_weights,
                          py::handle bias_0, py::handle bias_1) {
-  auto& hb = handle.cast<NormalHandleBox&>();
-  const deep_ep::NormalHandle& h = *hb.h;
   deep_ep::NormalCombineInput in;
-  in.handle = hb.h;
-  in.x = rows_arg(x, "x", kFloatRows, -1, h.hidden);
-  if (!topk_weights.is_none()) {
-    TensorInfo info = tensor_info(topk_weights, "topk_weights");
-    if (info.ndim != 2)
-      throw py::value_error("topk_weights must be 2-D [num_recv_tokens, num_topk]");
-    in.num_topk = int(info.shape[1]);
-    in.topk_weights =
-        span_arg<float>(topk_weights, "topk_weights", ElemType::kF32, {in.x.rows, in.num_topk})
-            .data();
-  }
-  if (!bias_0.is_none()) in.bias_0 = rows_arg(bias_0, "bias_0", kFloatRows, h.num_tokens, h.hidden);
-  if (!bias_1.is_none()) in.bias_1 = rows_arg(bias_1, "bias_1", kFloatRows, h.num_tokens, h.hidden);
-  deep_ep::NormalBuffer& nb = b.normal(hb.num_experts);
-  deep_ep::NormalCombineOutput out = check(nogil([&] { return nb.combine(in); }));
+  std::exception_ptr error;
+  in.caller_error = parse_collectively(
+      [&] {
+        in.handle = handle.cast<NormalHandleBox&>().h;
+        const deep_ep::NormalHandle& h = *in.handle;
+        in.x = rows_arg(x, "x", kFloatRows, -1, h.hidden);
+        if (!topk_weights.is_none()) {
+          TensorInfo info = tensor_info(topk_weights, "topk_weights");
+          if (info.ndim != 2)
+            throw py::value_error("topk_weights must be 2-D [num_recv_tokens, num_topk]");
+          in.num_topk = int(info.shape[1]);
+          in.topk_weights = span_arg<float>(topk_weights, "topk_weights", ElemType::kF32,
+                                            {in.x.rows, in.num_topk})
+                                .data();
+        }
+        if (!bias_0.is_none())
+          in.bias_0 = rows_arg(bias_0, "bias_0", kFloatRows, h.num_tokens, h.hidden);
+        if (!bias_1.is_none())
+          in.bias_1 = rows_arg(bias_1, "bias_1", kFloatRows, h.num_tokens, h.hidden);
+      },
+      &error);
+  if (error) in.handle.reset();
+  deep_ep::NormalBuffer& nb = b.normal();
+  deep_ep::NormalCombineOutput out = finish(nogil([&] { return nb.combine(in); }), error);
+  const int64_t T = out.combined_x.rows();
   py::object w = py::none();
   if (in.num_topk > 0)
-    w = vector_to_torch<float>(std::move(out.combined_topk_weights), {h.num_tokens, in.num_topk});
+    w = vector_to_torch<float>(std::move(out.combined_topk_weights), {T, in.num_topk});
   return py::make_tuple(to_torch(std::move(out.combined_x)), w);
 }
 

@@ -7,4 +7,5 @@ PYBIND11_MODULE(_C, m) {
   moed::python::bind_world(m);
   moed::python::bind_dispatcher(m);
   moed::python::bind_reference(m);
+  moed::python::bind_deep_ep(m);
 }

@@ -37,7 +37,9 @@ def test_low_latency(group, mode):
 
 def test_bad_inputs(group):
     errors = cases.case_bad_inputs(group)
-    assert len(errors) == 3, errors
+    assert len(errors) == 4, errors
     assert "rank 3: topk_idx[2][1] = 999 is outside [-1, 8)" in errors[0]
     assert "rank 0: num_tokens_per_rank[0]" in errors[1]
     assert "num_worst_tokens = 1" in errors[2]
+    want = "TypeError: x has dtype" if group.rank() == 3 else "ValueError: rank 3: x has dtype"
+    assert errors[3].startswith(want), errors[3]

@@ -349,6 +349,13 @@ def case_bad_inputs(group):
                         num_worst_tokens=1 if R > 0 else 0)
     except ValueError as e:
         errors.append(str(e))
+    # A malformed argument on one rank: that rank raises its TypeError, every other rank a
+    # ValueError naming the rank and the value (nobody waits).
+    xx = xs[r].double() if r == R - 1 else xs[r]
+    try:
+        buffer.dispatch(xx, num_tokens_per_rank=ntpr, is_token_in_rank=itir, num_tokens_per_expert=ntpe)
+    except (TypeError, ValueError) as e:
+        errors.append(f"{type(e).__name__}: {e}")
     # Local type errors raise at once, naming the argument.
     with pytest.raises(TypeError, match="topk_idx"):
         buffer.get_dispatch_layout(idxs[r].float(), E)
@@ -366,11 +373,15 @@ def case_bad_inputs(group):
 def test_bad_inputs_raise_on_every_rank(world):
     R = world[0]
     results = run(case_bad_inputs, world)
-    for errors in results:
-        assert len(errors) == 3, errors
+    for r, errors in enumerate(results):
+        assert len(errors) == 4, errors
         assert f"rank {R - 1}: topk_idx[2][1] = 999 is outside [-1, {2 * R})" in errors[0]
         assert "rank 0: num_tokens_per_rank[0]" in errors[1]
         assert "num_worst_tokens = 1" in errors[2]
+        if r == R - 1:
+            assert errors[3].startswith("TypeError: x has dtype torch.float64"), errors[3]
+        else:
+            assert errors[3].startswith(f"ValueError: rank {R - 1}: x has dtype torch.float64"), errors[3]
 
 
 # ---- the API surface is DeepEP's ----
