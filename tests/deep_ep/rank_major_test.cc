@@ -295,7 +295,8 @@ Status run_case(World& w, const Problem& p, bool check_meta = true) {
                                  .num_topk = K,
                                  .bias_0 = p.bias0[size_t(r)].view(),
                                  .bias_1 = p.bias1[size_t(r)].view(),
-                                 .handle = d.handle, .caller_error = {}};
+                                 .handle = d.handle,
+                                 .caller_error = {}};
   MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput out, buf->combine(cb));
   const int64_t T = p.c.tokens[size_t(r)];
   for (int64_t t = 0; t < T; ++t) {
@@ -326,6 +327,24 @@ Status run_case(World& w, const Problem& p, bool check_meta = true) {
       return internal_error("rank ", r, ": combined_topk_weights row ", t);
   }
   return ok_status();
+}
+
+TEST(DeepEpUe8m0, PacksExponentBytesLittleEndian) {
+  Tensor s = Tensor::empty(DType::kF32, 2, 8);
+  for (int i = 0; i < 8; ++i) {
+    s.row<float>(0)[i] = std::ldexp(1.0f, i - 4);  // exponents 123..130
+    s.row<float>(1)[i] = i == 3 ? 0.0f : std::ldexp(1.0f, -20 - i);
+  }
+  std::vector<int32_t> out(4);
+  ASSERT_TRUE(deep_ep::pack_ue8m0(s.view(), out).ok());
+  EXPECT_EQ(uint32_t(out[0]), 123u | 124u << 8 | 125u << 16 | 126u << 24);
+  EXPECT_EQ(uint32_t(out[1]), 127u | 128u << 8 | 129u << 16 | 130u << 24);
+  EXPECT_EQ(uint32_t(out[2]), 107u | 106u << 8 | 105u << 16 | 0u << 24);  // 0 packs as 0
+  s.row<float>(1)[5] = 0.3f;
+  const Status bad = deep_ep::pack_ue8m0(s.view(), out);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("scale [1][5] = 0.3 is not a power of two"), std::string::npos)
+      << bad.to_string();
 }
 
 class RankMajor : public ::testing::TestWithParam<Backend> {};
