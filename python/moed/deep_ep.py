@@ -438,7 +438,7 @@ class Buffer:
             handle: (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts);
                 layout_range packs (begin << 32) | count as DeepEP does.
             event: a complete EventOverlap.
-            hook: the receive hook (or a no-op without return_recv_hook).
+            hook: the receive hook (None without return_recv_hook, as in DeepEP).
         """
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0 = True needs use_fp8 = True and round_scale = True")
@@ -471,7 +471,7 @@ class Buffer:
 
         if hook is None:
             finish()
-            out_hook = _noop
+            out_hook = None
         else:
             def out_hook():
                 hook()
@@ -506,7 +506,7 @@ class Buffer:
             out: `[num_tokens, hidden]` bf16 to write the result into (copied after the receive).
 
         Returns:
-            combined_x: `[num_tokens, hidden]` bf16; event; hook.
+            combined_x: `[num_tokens, hidden]` bf16; event; hook (None without return_recv_hook).
         """
         impl = _impl(handle, "low_latency_combine")
         key = (handle[2], handle[3], handle[4])
@@ -530,7 +530,7 @@ class Buffer:
             if out is not None:
                 out.copy_(combined_x)
                 combined_x = out
-            return combined_x, EventOverlap(EventHandle()), _noop
+            return combined_x, EventOverlap(EventHandle()), None
 
         def out_hook():
             hook()
@@ -561,10 +561,6 @@ class Buffer:
 
     def low_latency_clean_mask_buffer(self):
         raise NotImplementedError("moed.deep_ep: rank masking (enable_shrink) is not available yet")
-
-
-def _noop():
-    pass
 
 
 def _fp8_out(t, like):

@@ -252,8 +252,8 @@ def case_low_latency(group, M, H, E, K, seed, use_fp8, round_scale, use_ue8m0, h
     recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(
         xs[r], idxs[r], M, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
         round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=hook_mode)
-    hook()
-    event.current_stream_wait()
+    hook() if hook_mode else event.current_stream_wait()
+    assert (hook is None) != hook_mode
     src_info, layout_range, m_, h_, e_ = handle
     assert (m_, h_, e_) == (M, H, E)
     recv_x = recv[0] if use_fp8 else recv
@@ -288,12 +288,12 @@ def case_low_latency(group, M, H, E, K, seed, use_fp8, round_scale, use_ue8m0, h
     y = (recv_x.float() if not use_fp8 else torch.ones(L, R * M, H)).to(torch.bfloat16) * (r + 1)
     combined, event, chook = buffer.low_latency_combine(y, idxs[r], ws[r], handle,
                                                         return_recv_hook=hook_mode)
-    chook()
+    chook() if hook_mode else None
     buf = buffer.get_next_low_latency_combine_buffer(handle)
     buf.copy_(y)
     zc, _, zhook = buffer.low_latency_combine(y, idxs[r], ws[r], handle, zero_copy=True,
                                               return_recv_hook=hook_mode)
-    zhook()
+    zhook() if hook_mode else None
     assert torch.equal(zc, combined)
     T = tokens[r]
     want = torch.zeros(T, H)
