@@ -415,3 +415,12 @@ def test_signatures_match_deepep():
     ev.current_stream_wait()
     with ev:
         pass
+
+
+def test_example_runs():
+    import pathlib
+    import runpy
+    path = pathlib.Path(__file__).resolve().parents[2] / "python" / "examples" / "deep_ep_example.py"
+    body = runpy.run_path(str(path))["body"]
+    shapes = moed.launch(body, 4, ranks_per_node=2, timeout=120.0, threads_per_rank=1)
+    assert all(s == (torch.Size([256, 1024]), torch.Size([32, 1024])) for s in shapes)
