@@ -1,0 +1,26 @@
+# The Python package: decides MOED_PYTHON before any library target exists.
+#
+# Off under the sanitizers (an instrumented extension needs an instrumented interpreter) and
+# when pybind11 (Debian pybind11-dev) or the Python 3 headers are missing. The interpreter is
+# Debian's /usr/bin/python3 (the one python3-torch installs into), not whatever python3 comes
+# first on PATH, unless Python3_EXECUTABLE says otherwise.
+if(MOED_PYTHON AND (MOED_SANITIZE OR MOED_TSAN))
+  message(STATUS "moed: Python package off in sanitizer builds")
+  set(MOED_PYTHON OFF)
+endif()
+if(MOED_PYTHON)
+  if(NOT Python3_EXECUTABLE AND EXISTS /usr/bin/python3)
+    set(Python3_EXECUTABLE /usr/bin/python3)
+  endif()
+  find_package(Python3 COMPONENTS Interpreter Development.Module QUIET)
+  if(Python3_FOUND)
+    find_package(pybind11 CONFIG QUIET)
+  endif()
+  if(NOT Python3_FOUND OR NOT pybind11_FOUND)
+    message(STATUS "moed: Python package off (needs pybind11-dev and python3-dev)")
+    set(MOED_PYTHON OFF)
+  endif()
+endif()
+if(MOED_PYTHON)
+  set(CMAKE_POSITION_INDEPENDENT_CODE ON)
+endif()

@@ -1,0 +1,170 @@
+// DeepEP's normal (high-throughput) mode with its rank-major receive: a new receive layout of
+// the Flex dispatcher (spec §5, §8), the C++ half of moed.deep_ep.
+//
+// DeepEP's intranode dispatch hands every receiving rank each token once (not once per local
+// expert), ordered by source rank ascending, then source token ascending, with the token's
+// top-k rewritten as local expert ids (-1 where the expert lives elsewhere). Combine is the
+// reverse: each home token is the sum of the rows the ranks that received it send back.
+// moed writes each row once, straight into its final place on the receiving rank (node-shared
+// memory inside a node; across nodes it crosses the network once per destination node, to
+// the rank with the sender's local index, which forwards it inside its node), and sums in a
+// fixed order, so the results are bitwise deterministic.
+//
+//   MOED_ASSIGN_OR_RETURN(auto buffer, moed::deep_ep::NormalBuffer::create(world));
+//   MOED_ASSIGN_OR_RETURN(moed::DispatchLayout layout, buffer->get_dispatch_layout(topk, 256));
+//   MOED_ASSIGN_OR_RETURN(moed::deep_ep::NormalDispatchOutput d, buffer->dispatch(
+//       {.x = {x, {}}, .topk = topk, .layout = moed::deep_ep::LayoutView::of(layout)}));
+//   ... experts read d.recv_x (rows of source 0, then source 1, ...) and d.recv_topk_idx ...
+//   MOED_ASSIGN_OR_RETURN(moed::deep_ep::NormalCombineOutput c,
+//                         buffer->combine({.x = y, .handle = d.handle}));
+//   // c.combined_x[t] = bias_0[t] + bias_1[t] + sum over ranks r ascending that got t of y_r
+//
+// Every call is collective over the world; bad input on any rank is an error on every rank.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "moed/flex.h"
+#include "moed/status.h"
+#include "moed/tensor.h"
+#include "moed/world.h"
+
+namespace moed::deep_ep {
+
+// topk_idx [T, K] int64 (DeepEP's topk_idx_t) or int32, values in [-1, E); topk_weights
+// [T, K] f32. Both row-major and contiguous. num_topk = 0: no top-k (dispatch moves x only).
+struct TopkView {
+  const void* idx = nullptr;
+  bool idx_int64 = true;
+  const float* weights = nullptr;
+  int64_t num_tokens = 0;
+  int num_topk = 0;
+
+  int64_t at(int64_t t, int k) const {
+    const size_t i = size_t(t) * size_t(num_topk) + size_t(k);
+    return idx_int64 ? static_cast<const int64_t*>(idx)[i] : static_cast<const int32_t*>(idx)[i];
+  }
+};
+
+// What get_dispatch_layout returned, as the caller passes it back to dispatch (DeepEP's
+// num_tokens_per_rank [R], is_token_in_rank [T, R] bool, num_tokens_per_expert [E]).
+// is_token_in_rank says where each token goes (with or without top-k).
+struct LayoutView {
+  std::span<const int32_t> num_tokens_per_rank;
+  std::span<const uint8_t> is_token_in_rank;
+  std::span<const int32_t> num_tokens_per_expert;
+  std::vector<int32_t> owned_rank, owned_expert;  // set by of()
+
+  static LayoutView of(const DispatchLayout& l);
+};
+
+// DeepEP's intranode handle (the same six arrays, the same meanings) plus what moed's
+// two-hop path needs to rerun without a count exchange.
+struct NormalHandle {
+  uint64_t buffer_id = 0;
+  int num_ranks = 0;            // R
+  int num_channels = 0;         // C: token ranges of the senders (DeepEP's SM pairs)
+  int num_experts = 0;          // E of the dispatch
+  int64_t num_tokens = 0;       // T of this rank
+  int64_t num_recv_tokens = 0;  // rows this rank received
+  int64_t num_rows = 0;         // rows of recv_x (num_worst_tokens when given)
+  int64_t num_worst_tokens = 0;
+  int hidden = 0;
+  DType dtype = DType::kBF16;
+  // [R, R]: rank_prefix_matrix[i][j] = tokens ranks 0..i send to rank j (inclusive prefix).
+  std::vector<int32_t> rank_prefix_matrix;
+  // [R, C], home side: tokens of channels 0..c of this rank bound for rank r (inclusive).
+  std::vector<int32_t> channel_prefix_matrix;
+  // [R, C], receive side: where channel c of source s starts inside s's rows (exclusive).
+  std::vector<int32_t> recv_channel_prefix_matrix;
+  std::vector<int32_t> recv_src_idx;      // [num_rows]: source token index (-1 on padding)
+  std::vector<uint8_t> is_token_in_rank;  // [T, R]
+  std::vector<int32_t> send_head;         // [T, R]: index of t among its channel's tokens
+                                          // for r (-1 when not sent)
+  // moed's own: tokens that the forwarder role receives from each other node's source
+  // (rank node * G + my local index), [N]; and per remote source the tokens' rank masks.
+  std::vector<int64_t> forward_tokens;
+  std::vector<std::vector<int32_t>> forward_src_token;  // [N][n]
+  std::vector<std::vector<uint64_t>> forward_mask;      // [N][n]
+
+  int32_t rank_begin(int s, int r) const {  // first row of source s on rank r
+    return s == 0 ? 0 : rank_prefix_matrix[size_t(s - 1) * size_t(num_ranks) + size_t(r)];
+  }
+};
+
+struct NormalDispatchInput {
+  TokenRows x;  // [T, H] f32 or bf16, or fp8 (E4M3FN) with scales f32 [T, H / 128]
+  TopkView topk;
+  LayoutView layout;                           // uncached mode: required
+  std::shared_ptr<const NormalHandle> handle;  // cached mode: no count exchange
+  int expert_alignment = 1;
+  int64_t num_worst_tokens = 0;  // > 0: recv_x has this many rows (the rest zero)
+  // An error the caller found in its own arguments (a binding's parsing): reported on every
+  // rank through the call's first collective instead of leaving the other ranks waiting.
+  Status caller_error;
+};
+
+struct NormalDispatchOutput {
+  TokenRows recv_x;  // [num_rows, H], the input dtype (+ scales)
+  // [num_rows, K] local expert ids or -1, and the weights (0 where -1); empty without top-k
+  // and in cached mode.
+  std::span<const int64_t> recv_topk_idx;
+  std::span<const float> recv_topk_weights;
+  // [L] received (token, local expert) pairs, each rounded up to expert_alignment; empty
+  // with num_worst_tokens or in cached mode (as DeepEP).
+  std::vector<int32_t> num_recv_tokens_per_expert;
+  std::shared_ptr<const NormalHandle> handle;
+  // Owns the memory above in the threads world (valid while held). In the MPI world the rows
+  // live in the buffer's node-shared window: valid until the next dispatch on this buffer.
+  std::shared_ptr<void> storage;
+};
+
+struct NormalCombineInput {
+  TensorView x;                         // [num_rows, H] f32 or bf16, rows as in recv_x
+  const float* topk_weights = nullptr;  // [num_rows, K] or null
+  int num_topk = 0;
+  TensorView bias_0, bias_1;  // optional [T, H] f32 or bf16 (home side)
+  std::shared_ptr<const NormalHandle> handle;
+  Status caller_error;  // as in NormalDispatchInput
+};
+
+struct NormalCombineOutput {
+  // [T, H], x's dtype: fp32 acc = bias_0 + bias_1 (0 where absent), then += the row of each
+  // rank that received the token, ranks ascending; rounded once. 0 for unsent tokens.
+  Tensor combined_x;
+  std::vector<float> combined_topk_weights;  // [T, K] the same sum of the weights
+};
+
+class NormalBuffer {
+ public:
+  // Collective. num_channels = 0: the world pool's threads (rank 0's count is used on every
+  // rank). The number of experts E is each dispatch's (the size of num_tokens_per_expert).
+  static StatusOr<std::unique_ptr<NormalBuffer>> create(World& world, int num_channels = 0);
+  ~NormalBuffer();
+  NormalBuffer(const NormalBuffer&) = delete;
+  NormalBuffer& operator=(const NormalBuffer&) = delete;
+
+  // Local: DeepEP's layout (num_tokens_per_node = per RDMA rank) from this rank's top-k.
+  StatusOr<DispatchLayout> get_dispatch_layout(const TopkView& topk, int num_experts) const;
+  StatusOr<NormalDispatchOutput> dispatch(const NormalDispatchInput& input);
+  StatusOr<NormalCombineOutput> combine(const NormalCombineInput& input);
+
+  World& world() const;
+
+  struct State;  // internal (src/dispatch/flex/rank_major.h)
+
+ private:
+  explicit NormalBuffer(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// DeepEP's UE8M0 scale format (low_latency_dispatch with use_ue8m0): each power-of-two float
+// scale (round_scale = true) becomes its 8-bit biased exponent, four consecutive blocks packed
+// little-endian into one int32, so [rows, H / 128] f32 becomes [rows, H / 512] int32. Errors
+// name a scale that is not a power of two (0 packs as 0), or H / 128 not a multiple of 4.
+Status pack_ue8m0(const TensorView& scales, std::span<int32_t> out);
+
+}  // namespace moed::deep_ep

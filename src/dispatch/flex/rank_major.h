@@ -1,0 +1,73 @@
+// Flex's rank-major receive layout (DeepEP's normal mode, moed/deep_ep.h): the buffer's
+// state, the layout of one rank's receive block and the two-hop message format. Built from
+// Flex's pieces: the topology, node-shared regions and per-pair signals (flex_internal.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "dispatch/flex/flex_internal.h"
+#include "moed/deep_ep.h"
+
+namespace moed::deep_ep {
+
+// One receiving rank's block: rows, scales, then the per-row metadata DeepEP returns.
+struct RecvLayout {
+  int64_t cap_rows = 0;
+  size_t row_bytes = 0, scale_bytes = 0;
+  int num_topk = 0;  // 0: no top-k metadata (no top-k, or cached mode)
+  int num_ranks = 0, num_channels = 0;
+  size_t scales_off = 0, src_idx_off = 0, topk_idx_off = 0, weights_off = 0, rcpm_off = 0;
+  size_t bytes = 0;
+  static RecvLayout of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, int num_topk,
+                       int num_ranks, int num_channels);
+};
+
+// Source -> forwarder message: n headers, then n rows, n scale rows, n * K global expert ids
+// (int64) and weights, then the source's channel prefix rows for the G ranks of the node.
+struct RmHeader {
+  int32_t src_token;
+  int32_t pad;
+  uint64_t rank_mask;  // local ranks of the destination node that receive the token
+};
+static_assert(sizeof(RmHeader) == 16);
+struct RmMessage {
+  size_t rows_off = 0, scales_off = 0, idx_off = 0, weights_off = 0, cpm_off = 0, bytes = 0;
+  static RmMessage of(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
+                      int ranks_per_node, int num_channels);
+};
+
+// The home side's channel split, derived from is_token_in_rank (and cached in the handle).
+struct RmSendPlan {
+  int num_channels = 0;
+  std::vector<int64_t> channel_begin;  // [C + 1]
+  std::vector<int64_t> node_tokens;    // [(C + 1) * N] prefix: tokens needing node m
+  std::vector<int64_t> node_pairs;     // [(C + 1) * N] prefix: (token, rank of m) pairs
+};
+RmSendPlan make_rm_send_plan(const flex::Topology& topo, const NormalHandle& h, ThreadPool& pool);
+
+struct NormalBuffer::State {
+  World* world = nullptr;
+  int num_experts = 0;  // E of the call in progress
+  int num_channels = 0;
+  uint64_t id = 0;
+  flex::Topology topo;
+  bool in_place = false;  // threads world: every rank's memory is node-shared
+  flex::Signals signals;
+  flex::Region recv_region, pull_region;  // MPI world only
+  uint64_t epoch = 0;
+
+  // Rows of the largest receive block of this node's ranks (all local ranks agree on it).
+  int64_t node_cap_rows(const NormalHandle& h, int64_t worst) const;
+  Status sync_round();  // one signal to and from every local rank
+};
+
+// Phases (rank_major_dispatch.cc / rank_major_combine.cc).
+StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in);
+StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in);
+
+inline int popcount64(uint64_t m) { return __builtin_popcountll(m); }
+
+}  // namespace moed::deep_ep

@@ -1,0 +1,199 @@
+// NormalBuffer (moed/deep_ep.h): creation, DeepEP's layout from a top-k view, the receive
+// block and message layouts, and the home side's channel plan of the rank-major receive.
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "dispatch/flex/rank_major.h"
+
+namespace moed::deep_ep {
+
+namespace {
+
+std::atomic<uint64_t> g_next_buffer_id{1};
+
+size_t up64(size_t b) { return (b + 63) / 64 * 64; }
+
+}  // namespace
+
+LayoutView LayoutView::of(const DispatchLayout& l) {
+  LayoutView v;
+  v.owned_rank.assign(l.num_tokens_per_rank.begin(), l.num_tokens_per_rank.end());
+  v.owned_expert.assign(l.num_tokens_per_expert.begin(), l.num_tokens_per_expert.end());
+  v.num_tokens_per_rank = v.owned_rank;
+  v.num_tokens_per_expert = v.owned_expert;
+  v.is_token_in_rank = l.is_token_in_rank;
+  return v;
+}
+
+RecvLayout RecvLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, int num_topk,
+                          int num_ranks, int num_channels) {
+  RecvLayout l;
+  const size_t rows = size_t(cap_rows);
+  l.cap_rows = cap_rows;
+  l.row_bytes = row_bytes;
+  l.scale_bytes = scale_bytes;
+  l.num_topk = num_topk;
+  l.num_ranks = num_ranks;
+  l.num_channels = num_channels;
+  l.scales_off = up64(rows * row_bytes);
+  l.src_idx_off = up64(l.scales_off + rows * scale_bytes);
+  l.topk_idx_off = up64(l.src_idx_off + rows * 4);
+  l.weights_off = up64(l.topk_idx_off + rows * size_t(num_topk) * 8);
+  l.rcpm_off = up64(l.weights_off + rows * size_t(num_topk) * 4);
+  l.bytes = up64(l.rcpm_off + size_t(num_ranks) * size_t(num_channels) * 4);
+  return l;
+}
+
+RmMessage RmMessage::of(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
+                        int ranks_per_node, int num_channels) {
+  RmMessage m;
+  const size_t t = size_t(n);
+  m.rows_off = t * sizeof(RmHeader);
+  m.scales_off = m.rows_off + t * row_bytes;
+  m.idx_off = m.scales_off + t * scale_bytes;
+  m.weights_off = m.idx_off + t * size_t(num_topk) * 8;
+  m.cpm_off = m.weights_off + t * size_t(num_topk) * 4;
+  m.bytes = m.cpm_off + size_t(ranks_per_node) * size_t(num_channels) * 4;
+  return m;
+}
+
+RmSendPlan make_rm_send_plan(const flex::Topology& topo, const NormalHandle& h, ThreadPool& pool) {
+  const int C = h.num_channels, N = topo.num_nodes, G = topo.ranks_per_node, R = topo.num_ranks;
+  const int64_t T = h.num_tokens;
+  RmSendPlan p;
+  p.num_channels = C;
+  p.channel_begin.resize(size_t(C) + 1);
+  for (int c = 0; c < C; ++c) {
+    int64_t b, e;
+    ThreadPool::split(T, C, c, &b, &e);
+    p.channel_begin[size_t(c)] = b;
+    p.channel_begin[size_t(c) + 1] = e;
+  }
+  std::vector<int64_t> tok(size_t(C) * N, 0), pairs(size_t(C) * N, 0);
+  pool.parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+    for (int64_t c = cb; c < ce; ++c) {
+      for (int64_t t = p.channel_begin[size_t(c)]; t < p.channel_begin[size_t(c) + 1]; ++t) {
+        const uint8_t* in = &h.is_token_in_rank[size_t(t) * R];
+        for (int m = 0; m < N; ++m) {
+          int q = 0;
+          for (int lr = 0; lr < G; ++lr) q += in[m * G + lr] != 0;
+          tok[size_t(c) * N + m] += q > 0;
+          pairs[size_t(c) * N + m] += q;
+        }
+      }
+    }
+  });
+  p.node_tokens.assign(size_t(C + 1) * N, 0);
+  p.node_pairs.assign(size_t(C + 1) * N, 0);
+  for (int c = 0; c < C; ++c) {
+    for (int m = 0; m < N; ++m) {
+      p.node_tokens[size_t(c + 1) * N + m] =
+          p.node_tokens[size_t(c) * N + m] + tok[size_t(c) * N + m];
+      p.node_pairs[size_t(c + 1) * N + m] =
+          p.node_pairs[size_t(c) * N + m] + pairs[size_t(c) * N + m];
+    }
+  }
+  return p;
+}
+
+int64_t NormalBuffer::State::node_cap_rows(const NormalHandle& h, int64_t worst) const {
+  if (worst > 0) return worst;
+  int64_t cap = 0;
+  const int R = topo.num_ranks;
+  for (int lr = 0; lr < topo.ranks_per_node; ++lr) {
+    const int r = topo.node * topo.ranks_per_node + lr;
+    cap = std::max<int64_t>(cap, h.rank_prefix_matrix[size_t(R - 1) * R + r]);
+  }
+  return cap;
+}
+
+Status NormalBuffer::State::sync_round() {
+  signals.signal_all(++epoch);
+  return signals.wait_all(epoch);
+}
+
+StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int num_channels) {
+  const int64_t mine[2] = {num_channels > 0 ? num_channels : world.pool().num_threads(),
+                           int64_t(world.num_nodes() > 1 && world.ranks_per_node() > 64)};
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(world, std::span<const int64_t>(mine, 2)));
+  if (all[1] != 0) {
+    return unimplemented(
+        "the rank-major receive across nodes supports up to 64 ranks per node; "
+        "ranks_per_node = ",
+        world.ranks_per_node());
+  }
+  auto s = std::make_unique<State>();
+  s->world = &world;
+  s->num_channels = int(std::max<int64_t>(1, all[0]));  // rank 0's count, the same everywhere
+  s->id = g_next_buffer_id.fetch_add(1);
+  DispatchConfig cfg;
+  cfg.kind = DispatcherKind::kFlex;
+  cfg.num_experts = world.size();  // the rank arithmetic used here does not depend on E
+  s->topo = flex::Topology::of(world, cfg);
+  s->in_place = std::strcmp(world.backend_name(), "threads") == 0;
+  MOED_RETURN_IF_ERROR(s->signals.init(world));
+  return std::unique_ptr<NormalBuffer>(new NormalBuffer(std::move(s)));
+}
+
+NormalBuffer::NormalBuffer(std::unique_ptr<State> state) : state_(std::move(state)) {}
+NormalBuffer::~NormalBuffer() = default;
+World& NormalBuffer::world() const { return *state_->world; }
+
+StatusOr<DispatchLayout> NormalBuffer::get_dispatch_layout(const TopkView& topk,
+                                                           int num_experts) const {
+  TopkRouting r;
+  r.num_tokens = topk.num_tokens;
+  r.num_topk = topk.num_topk;
+  const size_t n = size_t(topk.num_tokens) * size_t(topk.num_topk);
+  r.topk_idx.resize(n);
+  r.topk_weights.assign(n, 0.0f);
+  for (int64_t t = 0; t < topk.num_tokens; ++t) {
+    for (int k = 0; k < topk.num_topk; ++k) {
+      const int64_t e = topk.at(t, k);
+      if (e < -1 || e >= num_experts) {
+        return invalid_argument("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ",
+                                num_experts, ")");
+      }
+      r.topk_idx[size_t(t) * topk.num_topk + k] = int32_t(e);
+    }
+  }
+  return moed::get_dispatch_layout(r, num_experts, state_->world->size(),
+                                   state_->world->ranks_per_node());
+}
+
+Status pack_ue8m0(const TensorView& scales, std::span<int32_t> out) {
+  if (scales.dtype != DType::kF32 || scales.cols % 4 != 0)
+    return invalid_argument("use_ue8m0: scales are ", dtype_name(scales.dtype), " [", scales.rows,
+                            ", ", scales.cols,
+                            "]; they must be f32 with hidden / 128 a multiple of 4");
+  if (out.size() != size_t(scales.rows) * size_t(scales.cols / 4))
+    return invalid_argument("use_ue8m0: output has ", out.size(), " entries; expected ",
+                            scales.rows * (scales.cols / 4));
+  for (int64_t i = 0; i < scales.rows; ++i) {
+    const float* row = scales.row<float>(i);
+    for (int64_t b = 0; b < scales.cols; b += 4) {
+      uint32_t packed = 0;
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t bits = float_to_bits(row[b + q]);
+        if ((bits & 0x807fffffu) != 0 || (bits >> 23) == 0xff)
+          return invalid_argument("use_ue8m0: scale [", i, "][", b + q, "] = ", row[b + q],
+                                  " is not a power of two (use_ue8m0 needs round_scale = True)");
+        packed |= (bits >> 23) << (8 * q);
+      }
+      out[size_t(i) * size_t(scales.cols / 4) + size_t(b / 4)] = int32_t(packed);
+    }
+  }
+  return ok_status();
+}
+
+StatusOr<NormalDispatchOutput> NormalBuffer::dispatch(const NormalDispatchInput& input) {
+  return rm_dispatch(*state_, input);
+}
+
+StatusOr<NormalCombineOutput> NormalBuffer::combine(const NormalCombineInput& input) {
+  return rm_combine(*state_, input);
+}
+
+}  // namespace moed::deep_ep

@@ -1,0 +1,238 @@
+// The rank-major combine (DeepEP's normal-mode combine, moed/deep_ep.h): each home rank reads,
+// for each of its tokens, the row of every rank that received it, in ascending rank order,
+// at the place the dispatch wrote it (rank prefix + channel prefix + send_head), and sums them
+// in fp32 after the biases: acc = bias_0 + bias_1, then acc += row_r, rounded once (DeepEP's
+// order). Rows on another node come from the forwarder there (the rank with this rank's local
+// index), which reads them from its node and sends one message per home rank. It sends the
+// raw rows, not a node partial sum: a partial sum starting from 0 would change the order.
+#include <algorithm>
+#include <cstring>
+
+#include "dispatch/flex/rank_major.h"
+
+namespace moed::deep_ep {
+
+namespace {
+
+constexpr int kTagCombine = 0x4d21;
+
+// One local rank's combine input, readable by the ranks of its node.
+struct Source {
+  const char* rows = nullptr;
+  size_t row_stride_bytes = 0;
+  const float* weights = nullptr;  // [rows, K] or null
+};
+
+Status check_rows(const char* what, const TensorView& v, int64_t rows, int64_t cols) {
+  if (v.dtype != DType::kF32 && v.dtype != DType::kBF16)
+    return invalid_argument(what, " dtype is ", dtype_name(v.dtype), "; it must be f32 or bf16");
+  if (v.rows != rows || v.cols != cols)
+    return invalid_argument(what, " is [", v.rows, ", ", v.cols, "]; expected [", rows, ", ", cols,
+                            "]");
+  if (v.rows > 0 && v.data == nullptr) return invalid_argument(what, ".data is null");
+  if (v.row_stride < v.cols)
+    return invalid_argument(what, " row_stride = ", v.row_stride, " < ", v.cols);
+  return ok_status();
+}
+
+Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in) {
+  if (!in.caller_error.ok()) return in.caller_error;
+  const NormalHandle* h = in.handle.get();
+  if (h == nullptr || h->buffer_id != s.id)
+    return invalid_argument("handle was not made by a dispatch of this buffer");
+  const int64_t rows = in.x.rows == h->num_recv_tokens ? h->num_recv_tokens : h->num_rows;
+  MOED_RETURN_IF_ERROR(check_rows("x", in.x, rows, h->hidden));
+  if (in.num_topk < 0 || (in.num_topk > 0 && rows > 0 && in.topk_weights == nullptr))
+    return invalid_argument("topk_weights: num_topk = ", in.num_topk, " with ",
+                            in.topk_weights ? "data" : "no data");
+  for (const TensorView* b : {&in.bias_0, &in.bias_1}) {
+    if (b->data == nullptr && b->rows == 0 && b->cols == 0) continue;
+    MOED_RETURN_IF_ERROR(
+        check_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, h->num_tokens, h->hidden));
+  }
+  return ok_status();
+}
+
+bool has(const TensorView& b) { return !(b.data == nullptr && b.rows == 0 && b.cols == 0); }
+
+}  // namespace
+
+StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in) {
+  World& w = *s.world;
+  const flex::Topology& topo = s.topo;
+  const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
+  const Status local = check_combine(s, in);
+  // One collective: the verdicts and the values every rank must share.
+  const int64_t mine[3] = {local.ok() ? 0 : 1, int64_t(in.x.dtype), in.num_topk};
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(w, std::span<const int64_t>(mine, 3)));
+  for (int r = 0; r < R; ++r) {
+    if (all[size_t(r) * 3] != 0) {
+      MOED_RETURN_IF_ERROR(w.agree(local));
+      return internal_error("rank-major combine: a rank reported bad input but agree passed");
+    }
+  }
+  for (int r = 1; r < R; ++r) {
+    if (all[size_t(r) * 3 + 1] != all[1])
+      return invalid_argument("x dtype = ", dtype_name(DType(all[1])), " on rank 0 but ",
+                              dtype_name(DType(all[size_t(r) * 3 + 1])), " on rank ", r);
+    if (all[size_t(r) * 3 + 2] != all[2])
+      return invalid_argument("topk_weights num_topk = ", all[2], " on rank 0 but ",
+                              all[size_t(r) * 3 + 2], " on rank ", r);
+  }
+  const NormalHandle& h = *in.handle;
+  const DType dt = in.x.dtype;
+  const int K = in.num_topk, C = h.num_channels;
+  const int64_t H = h.hidden, T = h.num_tokens;
+  const size_t row_bytes = flex::dtype_row_bytes(dt, H), wbytes = size_t(K) * 4;
+  const RmSendPlan plan = make_rm_send_plan(topo, h, w.pool());
+
+  // Publish this rank's rows to its node (in place in the threads world, else copied into a
+  // node-shared region), then learn every local rank's.
+  std::vector<Source> src(static_cast<size_t>(G));
+  if (s.in_place) {
+    const Source me{static_cast<const char*>(in.x.data),
+                    size_t(in.x.row_stride) * in.x.element_size(), in.topk_weights};
+    std::memcpy(s.signals.board(topo.local_rank), &me, sizeof(me));
+    MOED_RETURN_IF_ERROR(s.sync_round());
+    for (int lr = 0; lr < G; ++lr)
+      std::memcpy(&src[size_t(lr)], s.signals.board(lr), sizeof(Source));
+  } else {
+    int64_t cap = 0;
+    for (int lr = 0; lr < G; ++lr) {
+      cap = std::max<int64_t>(cap, h.rank_prefix_matrix[size_t(R - 1) * R + topo.node * G + lr]);
+    }
+    cap = std::max(cap, h.num_worst_tokens);
+    const size_t woff = (size_t(cap) * row_bytes + 63) / 64 * 64;
+    MOED_RETURN_IF_ERROR(
+        s.pull_region.ensure(w, std::max<size_t>(64, woff + size_t(cap) * wbytes)));
+    char* seg = s.pull_region.local();
+    for (int64_t i = 0; i < in.x.rows; ++i)
+      std::memcpy(seg + size_t(i) * row_bytes, in.x.row_ptr(i), row_bytes);
+    if (K > 0 && in.x.rows > 0)
+      std::memcpy(seg + woff, in.topk_weights, size_t(in.x.rows) * wbytes);
+    w.add_shared_bytes(uint64_t(in.x.rows) * row_bytes, uint64_t(in.x.rows));
+    MOED_RETURN_IF_ERROR(s.sync_round());
+    for (int lr = 0; lr < G; ++lr) {
+      const char* p = s.pull_region.peer(lr);
+      src[size_t(lr)] = {p, row_bytes, K > 0 ? reinterpret_cast<const float*>(p + woff) : nullptr};
+    }
+  }
+
+  // Network: the home role's receives (one per remote node), the forwarder role's pieces.
+  const size_t piece = row_bytes + wbytes;
+  std::vector<std::vector<char>> recv_buf(static_cast<size_t>(N)), send_buf(static_cast<size_t>(N));
+  std::vector<Request> recvs, sends;
+  Status net;
+  if (N > 1) {
+    for (int m = 0; m < N && net.ok(); ++m) {
+      const int64_t q = plan.node_pairs[size_t(C) * N + m];
+      if (m == topo.node || q == 0) continue;
+      recv_buf[size_t(m)].resize(size_t(q) * piece);
+      auto r = w.irecv(topo.forwarder_on(m), kTagCombine, recv_buf[size_t(m)].data(),
+                       recv_buf[size_t(m)].size());
+      if (r.ok())
+        recvs.push_back(std::move(*r));
+      else
+        net = r.status();
+    }
+    for (int m = 0; m < N && net.ok(); ++m) {
+      const int64_t n = h.forward_tokens[size_t(m)];
+      if (m == topo.node || n == 0) continue;
+      const int home = topo.forwarder_on(m);
+      const std::vector<uint64_t>& mask = h.forward_mask[size_t(m)];
+      const std::vector<int32_t>& tok = h.forward_src_token[size_t(m)];
+      int64_t q = 0;
+      for (uint64_t mk : mask) q += popcount64(mk);
+      std::vector<char>& buf = send_buf[size_t(m)];
+      buf.resize(size_t(q) * piece);
+      // Pieces in (token, rank ascending) order: the order the home rank reads them.
+      std::vector<int64_t> row(static_cast<size_t>(G));
+      for (int lr = 0; lr < G; ++lr) row[size_t(lr)] = h.rank_begin(home, topo.node * G + lr);
+      int64_t k = 0;
+      for (size_t i = 0; i < mask.size(); ++i) {
+        for (int lr = 0; lr < G; ++lr) {
+          if (!((mask[i] >> lr) & 1)) continue;
+          const Source& sr = src[size_t(lr)];
+          const int64_t rw = row[size_t(lr)]++;
+          char* p = buf.data() + size_t(k++) * piece;
+          std::memcpy(p, sr.rows + size_t(rw) * sr.row_stride_bytes, row_bytes);
+          if (K > 0) std::memcpy(p + row_bytes, sr.weights + size_t(rw) * K, wbytes);
+        }
+      }
+      (void)tok;
+      w.add_shared_bytes(uint64_t(q) * row_bytes, uint64_t(q));
+      auto r = w.isend(home, kTagCombine, buf.data(), buf.size());
+      if (r.ok()) {
+        w.add_network_bytes(0, uint64_t(q));
+        sends.push_back(std::move(*r));
+      } else {
+        net = r.status();
+      }
+    }
+    if (net.ok()) net = wait_all(recvs);
+  }
+
+  NormalCombineOutput out;
+  out.combined_x = Tensor::empty(dt, T, H);
+  out.combined_topk_weights.assign(size_t(T) * K, 0.0f);
+  std::vector<uint64_t> reads(size_t(C), 0);
+  if (net.ok()) {
+    w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+      std::vector<float> acc(static_cast<size_t>(H));
+      std::vector<int64_t> cursor(static_cast<size_t>(N));
+      for (int64_t c = cb; c < ce; ++c) {
+        for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_pairs[size_t(c) * N + m];
+        uint64_t n = 0;
+        for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1];
+             ++t) {
+          // DeepEP's order: the two biases first, then the ranks ascending.
+          if (has(in.bias_0)) {
+            convert_row(in.bias_0.row_ptr(t), in.bias_0.dtype, acc.data(), DType::kF32, size_t(H));
+          } else {
+            std::fill(acc.begin(), acc.end(), 0.0f);
+          }
+          if (has(in.bias_1))
+            accumulate_row_f32(acc.data(), in.bias_1.row_ptr(t), in.bias_1.dtype, size_t(H));
+          float* wout = out.combined_topk_weights.data() + size_t(t) * K;
+          for (int r = 0; r < R; ++r) {
+            const int32_t head = h.send_head[size_t(t) * R + r];
+            if (head < 0) continue;
+            const int m = r / G;
+            const char* row;
+            const float* wr = nullptr;
+            if (m == topo.node) {
+              const Source& sr = src[size_t(r % G)];
+              const int64_t rw =
+                  h.rank_begin(topo.rank, r) +
+                  (c == 0 ? 0 : h.channel_prefix_matrix[size_t(r) * C + size_t(c - 1)]) + head;
+              row = sr.rows + size_t(rw) * sr.row_stride_bytes;
+              if (K > 0) wr = sr.weights + size_t(rw) * K;
+            } else {
+              row = recv_buf[size_t(m)].data() + size_t(cursor[size_t(m)]++) * piece;
+              if (K > 0) wr = reinterpret_cast<const float*>(row + row_bytes);
+            }
+            accumulate_row_f32(acc.data(), row, dt, size_t(H));
+            for (int k = 0; k < K; ++k) wout[k] = wout[k] + wr[k];
+            ++n;
+          }
+          store_row(acc.data(), out.combined_x.view().row_ptr(t), dt, size_t(H));
+        }
+        reads[size_t(c)] = n;
+      }
+    });
+  }
+  uint64_t rows = 0;
+  for (uint64_t n : reads) rows += n;
+  w.add_shared_bytes(rows * row_bytes, rows);
+  // NOTE: released even after an error, so no local reader waits in vain; the rows stay
+  // untouched until every local rank has read them.
+  s.signals.signal_all(++s.epoch);
+  const Status sent = wait_all(sends);
+  MOED_RETURN_IF_ERROR(net);
+  MOED_RETURN_IF_ERROR(s.signals.wait_all(s.epoch));
+  MOED_RETURN_IF_ERROR(sent);
+  return out;
+}
+
+}  // namespace moed::deep_ep

@@ -1,0 +1,325 @@
+// bind_dispatcher: moed::TokenDispatcher (AllGather, AlltoAll, Flex) for the Megatron-style
+// classes of python/moed/megatron.py: the six steps, one-call dispatch / combine, and both
+// backward passes, over torch tensors.
+//
+// Lifetime of returned tensors: AllGather / AlltoAll outputs own their storage (the DLPack
+// capsule holds DispatchOutput::storage, so the dispatcher's output pool never reuses it while
+// torch holds it). Flex's expert_input points into a region the NEXT dispatch on the same
+// dispatcher overwrites (and which an MPI world never hands out), so Flex outputs are copied
+// here. permuted_probs and tokens_per_expert are copied (the handle's own vectors are what a
+// weighted combine reads, so torch must not be able to write them).
+#include "moed/dispatcher.h"
+
+#include <pybind11/stl.h>
+
+#include <mutex>
+
+#include "python/bindings.h"
+#include "python/interop.h"
+#include "python/world_handle.h"
+
+namespace moed::python {
+namespace {
+
+constexpr std::initializer_list<DType> kPayload = {DType::kF32, DType::kBF16, DType::kFP8};
+constexpr std::initializer_list<DType> kFloatRows = {DType::kF32, DType::kBF16};
+
+struct HandleBox {
+  std::shared_ptr<const DispatchHandle> h;
+};
+
+class DispatcherBox : public Closable {
+ public:
+  DispatcherBox(std::shared_ptr<WorldHandle> world, std::unique_ptr<TokenDispatcher> d)
+      : world_(std::move(world)), d_(std::move(d)) {}
+  void close() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    d_.reset();
+  }
+  TokenDispatcher& get() {
+    if (!d_) throw std::runtime_error("moed: this dispatcher's world has ended");
+    return *d_;
+  }
+  std::shared_ptr<WorldHandle> world_;
+  std::unique_ptr<TokenDispatcher> d_;
+  std::mutex mu_;
+  // Inputs of the dispatch / combine in flight: the tensors stay referenced (their memory is
+  // read until the step's request completes), the routing is moed's own copy.
+  py::object keep_x, keep_scales, keep_eo;
+  RoutingMap map;
+  TopkRouting topk;
+  Request d_req, c_req;
+};
+
+// Runs a C++ call without the GIL and raises its error.
+template <typename F>
+auto nogil(F&& f) {
+  py::gil_scoped_release release;
+  return f();
+}
+
+void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
+                      py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk,
+                      DispatchInput& in) {
+  in.hidden = token_rows_arg(x, scales, "hidden_states", kPayload);
+  const bool has_map = !routing_map.is_none(), has_topk = !topk_idx.is_none();
+  if (has_map == has_topk)
+    throw py::value_error(
+        "pass exactly one of routing_map (with probs) and topk_idx (with topk_weights)");
+  if (has_map) {
+    b.map = routing_map_arg(routing_map, probs, num_topk);
+    in.map = &b.map;
+  } else {
+    b.topk = topk_arg(topk_idx, topk_weights);
+    in.topk = &b.topk;
+  }
+  b.keep_x = py::reinterpret_borrow<py::object>(x);
+  b.keep_scales = py::reinterpret_borrow<py::object>(scales);
+}
+
+py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
+  const bool copy = b.get().config().kind == DispatcherKind::kFlex;
+  py::object x, scales = py::none();
+  if (copy) {
+    TokenTensor t;
+    nogil([&] {
+      t.x = Tensor::copy_of(out.expert_input.x);
+      if (out.expert_input.has_scales()) t.scales = Tensor::copy_of(out.expert_input.scales);
+      return 0;
+    });
+    x = to_torch(std::move(t.x));
+    if (out.expert_input.has_scales()) scales = to_torch(std::move(t.scales));
+  } else {
+    x = to_torch(out.expert_input.x, out.storage);
+    if (out.expert_input.has_scales()) scales = to_torch(out.expert_input.scales, out.storage);
+  }
+  b.keep_x = py::object();
+  b.keep_scales = py::object();
+  return py::make_tuple(x, scales, span_to_torch<float>(out.permuted_probs),
+                        span_to_torch<int64_t>(out.tokens_per_expert), HandleBox{out.handle});
+}
+
+std::shared_ptr<const DispatchHandle> handle_of(py::handle h) {
+  auto& box = h.cast<HandleBox&>();
+  if (!box.h) throw py::value_error("handle is empty");
+  return box.h;
+}
+
+}  // namespace
+
+void bind_dispatcher(py::module_& m) {
+  py::class_<HandleBox>(m, "DispatchHandle")
+      .def_property_readonly(
+          "kind", [](const HandleBox& b) { return std::string(dispatcher_kind_name(b.h->kind)); })
+      .def_property_readonly("num_rows", [](const HandleBox& b) { return b.h->num_rows; })
+      .def_property_readonly("hidden", [](const HandleBox& b) { return b.h->hidden; })
+      .def_property_readonly("num_tokens",
+                             [](const HandleBox& b) { return b.h->routing.num_tokens; })
+      .def_property_readonly("num_experts",
+                             [](const HandleBox& b) { return b.h->routing.num_experts; })
+      .def_property_readonly(
+          "tokens_per_expert",
+          [](const HandleBox& b) { return span_to_torch<int64_t>(b.h->tokens_per_expert); })
+      .def_property_readonly("tokens_per_expert_unpadded",
+                             [](const HandleBox& b) {
+                               return span_to_torch<int64_t>(b.h->tokens_per_expert_unpadded);
+                             })
+      .def_property_readonly(
+          "row_src_rank",
+          [](const HandleBox& b) { return span_to_torch<int32_t>(b.h->row_src_rank); })
+      .def_property_readonly(
+          "row_src_token",
+          [](const HandleBox& b) { return span_to_torch<int32_t>(b.h->row_src_token); })
+      .def_property_readonly(
+          "permuted_probs",
+          [](const HandleBox& b) { return span_to_torch<float>(b.h->permuted_probs); })
+      // The effective routing (after dropping and router padding), map form.
+      .def_property_readonly("routing_map",
+                             [](const HandleBox& b) {
+                               const RoutingMap& r = b.h->routing;
+                               return vector_to_torch<uint8_t>(std::vector<uint8_t>(r.routing_map),
+                                                               {r.num_tokens, r.num_experts})
+                                   .attr("bool")();
+                             })
+      .def_property_readonly("routing_probs", [](const HandleBox& b) {
+        const RoutingMap& r = b.h->routing;
+        return vector_to_torch<float>(std::vector<float>(r.probs), {r.num_tokens, r.num_experts});
+      });
+
+  py::class_<DispatcherBox, std::shared_ptr<DispatcherBox>>(m, "TokenDispatcher")
+      .def(py::init([](std::shared_ptr<WorldHandle> world, const std::string& kind, int num_experts,
+                       int ep_size, int etp_size, py::handle capacity_factor,
+                       const std::string& drop_policy, bool pad_to_capacity, int expert_alignment,
+                       int router_padding_multiple, bool weighted_combine, int64_t num_worst_tokens,
+                       int num_channels) {
+             DispatchConfig c;
+             c.kind = check(parse_dispatcher_kind(kind));
+             c.num_experts = num_experts;
+             c.ep_size = ep_size;
+             c.etp_size = etp_size;
+             c.layout = layout_arg(capacity_factor, drop_policy, pad_to_capacity, expert_alignment,
+                                   router_padding_multiple);
+             c.weighted_combine = weighted_combine;
+             c.num_worst_tokens = num_worst_tokens;
+             c.num_channels = num_channels;
+             World& w = world->get();
+             auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
+             auto box = std::make_shared<DispatcherBox>(world, std::move(d));
+             world->add(box);
+             return box;
+           }),
+           py::arg("world"), py::arg("kind"), py::arg("num_experts"), py::arg("ep_size") = 0,
+           py::arg("etp_size") = 1, py::arg("capacity_factor") = py::none(),
+           py::arg("drop_policy") = "probs", py::arg("pad_to_capacity") = false,
+           py::arg("expert_alignment") = 1, py::arg("router_padding_multiple") = 0,
+           py::arg("weighted_combine") = false, py::arg("num_worst_tokens") = 0,
+           py::arg("num_channels") = 0)
+      .def_property_readonly(
+          "kind",
+          [](DispatcherBox& b) { return std::string(dispatcher_kind_name(b.get().config().kind)); })
+      .def_property_readonly("num_local_experts",
+                             [](DispatcherBox& b) {
+                               return b.get().config().num_local_experts(b.get().world().size());
+                             })
+      .def("close",
+           [](DispatcherBox& b) {
+             nogil([&] {
+               b.close();
+               return 0;
+             });
+           })
+      // ---- the six steps ----
+      .def(
+          "dispatch_preprocess",
+          [](DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
+             py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk) {
+            DispatchInput in;
+            prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk,
+                             in);
+            TokenDispatcher& d = b.get();
+            check(nogil([&] { return d.dispatch_preprocess(in); }));
+          },
+          py::arg("hidden_states"), py::arg("scales") = py::none(),
+          py::arg("routing_map") = py::none(), py::arg("probs") = py::none(),
+          py::arg("topk_idx") = py::none(), py::arg("topk_weights") = py::none(),
+          py::arg("num_topk") = 0)
+      .def(
+          "token_dispatch",
+          [](DispatcherBox& b, bool async) {
+            TokenDispatcher& d = b.get();
+            b.d_req = check(nogil([&] { return d.token_dispatch(async); }));
+          },
+          py::arg("async_op") = false)
+      .def("dispatch_postprocess",
+           [](DispatcherBox& b) {
+             TokenDispatcher& d = b.get();
+             DispatchOutput out = check(nogil([&]() -> StatusOr<DispatchOutput> {
+               if (b.d_req) {
+                 Request r = std::move(b.d_req);
+                 MOED_RETURN_IF_ERROR(r->wait());
+               }
+               return d.dispatch_postprocess();
+             }));
+             return dispatch_result(b, std::move(out));
+           })
+      .def(
+          "combine_preprocess",
+          [](DispatcherBox& b, py::handle eo, py::handle handle) {
+            CombineInput in;
+            in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
+            in.handle = handle_of(handle);
+            b.keep_eo = py::reinterpret_borrow<py::object>(eo);
+            TokenDispatcher& d = b.get();
+            check(nogil([&] { return d.combine_preprocess(in); }));
+          },
+          py::arg("expert_output"), py::arg("handle"))
+      .def(
+          "token_combine",
+          [](DispatcherBox& b, bool async) {
+            TokenDispatcher& d = b.get();
+            b.c_req = check(nogil([&] { return d.token_combine(async); }));
+          },
+          py::arg("async_op") = false)
+      .def("combine_postprocess",
+           [](DispatcherBox& b) {
+             TokenDispatcher& d = b.get();
+             CombineOutput out = check(nogil([&]() -> StatusOr<CombineOutput> {
+               if (b.c_req) {
+                 Request r = std::move(b.c_req);
+                 MOED_RETURN_IF_ERROR(r->wait());
+               }
+               return d.combine_postprocess();
+             }));
+             b.keep_eo = py::object();
+             int64_t T = out.hidden.rows();
+             return py::make_tuple(to_torch(std::move(out.hidden)),
+                                   vector_to_torch<float>(std::move(out.combined_probs), {T}));
+           })
+      // ---- one call each ----
+      .def(
+          "dispatch",
+          [](DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
+             py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk) {
+            DispatchInput in;
+            prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk,
+                             in);
+            TokenDispatcher& d = b.get();
+            DispatchOutput out = check(nogil([&] { return d.dispatch(in); }));
+            return dispatch_result(b, std::move(out));
+          },
+          py::arg("hidden_states"), py::arg("scales") = py::none(),
+          py::arg("routing_map") = py::none(), py::arg("probs") = py::none(),
+          py::arg("topk_idx") = py::none(), py::arg("topk_weights") = py::none(),
+          py::arg("num_topk") = 0)
+      .def(
+          "combine",
+          [](DispatcherBox& b, py::handle eo, py::handle handle) {
+            CombineInput in;
+            in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
+            in.handle = handle_of(handle);
+            TokenDispatcher& d = b.get();
+            CombineOutput out = check(nogil([&] { return d.combine(in); }));
+            int64_t T = out.hidden.rows();
+            return py::make_tuple(to_torch(std::move(out.hidden)),
+                                  vector_to_torch<float>(std::move(out.combined_probs), {T}));
+          },
+          py::arg("expert_output"), py::arg("handle"))
+      // ---- backward ----
+      .def(
+          "dispatch_backward",
+          [](DispatcherBox& b, py::handle grad_x, py::handle grad_pprobs, py::handle handle) {
+            DispatchGradInput g;
+            g.handle = handle_of(handle);
+            g.grad_expert_input = rows_arg(grad_x, "grad_expert_input", kFloatRows,
+                                           g.handle->num_rows, g.handle->hidden);
+            if (!grad_pprobs.is_none())
+              g.grad_permuted_probs = span_arg<float>(grad_pprobs, "grad_permuted_probs",
+                                                      ElemType::kF32, {g.handle->num_rows});
+            TokenDispatcher& d = b.get();
+            DispatchGrad out = check(nogil([&] { return d.dispatch_backward(g); }));
+            int64_t T = g.handle->routing.num_tokens, E = g.handle->routing.num_experts;
+            return py::make_tuple(to_torch(std::move(out.grad_hidden)),
+                                  vector_to_torch<float>(std::move(out.grad_probs), {T, E}));
+          },
+          py::arg("grad_expert_input"), py::arg("grad_permuted_probs"), py::arg("handle"))
+      .def(
+          "combine_backward",
+          [](DispatcherBox& b, py::handle grad_out, py::handle expert_output, py::handle handle) {
+            CombineGradInput g;
+            g.handle = handle_of(handle);
+            g.grad_hidden = rows_arg(grad_out, "grad_output", kFloatRows,
+                                     g.handle->routing.num_tokens, g.handle->hidden);
+            if (!expert_output.is_none())
+              g.expert_output = TokenRows{rows_arg(expert_output, "expert_output", kFloatRows,
+                                                   g.handle->num_rows, g.handle->hidden),
+                                          {}};
+            TokenDispatcher& d = b.get();
+            CombineGrad out = check(nogil([&] { return d.combine_backward(g); }));
+            int64_t T = g.handle->routing.num_tokens, E = g.handle->routing.num_experts;
+            return py::make_tuple(to_torch(std::move(out.grad_expert_output)),
+                                  vector_to_torch<float>(std::move(out.grad_probs), {T, E}));
+          },
+          py::arg("grad_output"), py::arg("expert_output"), py::arg("handle"));
+}
+
+}  // namespace moed::python

@@ -1,0 +1,483 @@
+// torch <-> moed interop (interop.h): attribute reads in, DLPack capsules out.
+#include "python/interop.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+namespace moed::python {
+namespace {
+
+// DLPack's C ABI (dlpack.h v0.6+, what torch 1.13 speaks): only the structs the capsule needs.
+enum DLDeviceType : int32_t { kDLCPU = 1 };
+struct DLDevice {
+  DLDeviceType device_type;
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+
+// What a capsule owns: the shape and strides DLPack points at, and the memory's owner.
+struct Holder {
+  DLManagedTensor managed;
+  int64_t shape[2];
+  int64_t strides[2];
+  std::shared_ptr<void> owner;
+};
+void holder_deleter(DLManagedTensor* self) { delete static_cast<Holder*>(self->manager_ctx); }
+void capsule_destructor(PyObject* capsule) {
+  // A capsule torch consumed is renamed "used_dltensor" and torch calls the deleter itself.
+  if (PyCapsule_IsValid(capsule, "dltensor")) {
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+    m->deleter(m);
+  }
+}
+
+// Torch's objects, looked up once (leaked on purpose: they must outlive interpreter teardown).
+struct TorchRefs {
+  PyObject* tensor_type;
+  PyObject* dtypes[7];  // ElemType order up to kI64; fp8 = float8_e4m3fn or nullptr
+  PyObject* uint8;
+  PyObject* from_dlpack;
+  PyObject* empty;
+};
+TorchRefs* refs() {
+  static TorchRefs* r = [] {
+    py::module_ torch = py::module_::import("torch");
+    auto* t = new TorchRefs{};
+    auto get = [&](const char* name) -> PyObject* {
+      if (!py::hasattr(torch, name)) return nullptr;
+      return py::object(torch.attr(name)).release().ptr();
+    };
+    t->tensor_type = get("Tensor");
+    t->dtypes[int(ElemType::kF32)] = get("float32");
+    t->dtypes[int(ElemType::kBF16)] = get("bfloat16");
+    t->dtypes[int(ElemType::kFP8)] = get("float8_e4m3fn");
+    t->dtypes[int(ElemType::kU8)] = get("uint8");
+    t->dtypes[int(ElemType::kBool)] = get("bool");
+    t->dtypes[int(ElemType::kI32)] = get("int32");
+    t->dtypes[int(ElemType::kI64)] = get("int64");
+    t->uint8 = t->dtypes[int(ElemType::kU8)];
+    py::module_ c = torch.attr("_C");
+    t->from_dlpack = py::hasattr(c, "_from_dlpack")
+                         ? py::object(c.attr("_from_dlpack")).release().ptr()
+                         : py::object(py::module_::import("torch.utils.dlpack").attr("from_dlpack"))
+                               .release()
+                               .ptr();
+    t->empty = get("empty");
+    return t;
+  }();
+  return r;
+}
+
+std::string shape_str(const TensorInfo& t) {
+  std::string s = "[";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.shape[i]);
+  return s + "]";
+}
+std::string stride_str(const TensorInfo& t) {
+  std::string s = "(";
+  for (int i = 0; i < t.ndim; ++i) s += (i ? ", " : "") + std::to_string(t.stride[i]);
+  return s + ")";
+}
+
+ElemType elem_of(DType t) {
+  return t == DType::kF32 ? ElemType::kF32 : t == DType::kBF16 ? ElemType::kBF16 : ElemType::kFP8;
+}
+// The moed payload dtype a torch element type carries, if any (uint8 reads as fp8 bits only
+// where torch has no float8_e4m3fn).
+bool payload_of(ElemType e, DType* out) {
+  if (e == ElemType::kF32)
+    *out = DType::kF32;
+  else if (e == ElemType::kBF16)
+    *out = DType::kBF16;
+  else if (e == ElemType::kFP8 || (e == ElemType::kU8 && !refs()->dtypes[int(ElemType::kFP8)]))
+    *out = DType::kFP8;
+  else
+    return false;
+  return true;
+}
+std::string allowed_str(std::initializer_list<DType> allowed) {
+  std::string s;
+  for (DType d : allowed) {
+    if (!s.empty()) s += ", ";
+    s += d == DType::kFP8 && !refs()->dtypes[int(ElemType::kFP8)] ? "torch.uint8 (fp8 bits)"
+                                                                  : elem_type_name(elem_of(d));
+  }
+  return s;
+}
+
+}  // namespace
+
+const char* elem_type_name(ElemType t) {
+  switch (t) {
+    case ElemType::kF32:
+      return "torch.float32";
+    case ElemType::kBF16:
+      return "torch.bfloat16";
+    case ElemType::kFP8:
+      return "torch.float8_e4m3fn";
+    case ElemType::kU8:
+      return "torch.uint8";
+    case ElemType::kBool:
+      return "torch.bool";
+    case ElemType::kI32:
+      return "torch.int32";
+    case ElemType::kI64:
+      return "torch.int64";
+    default:
+      return "another dtype";
+  }
+}
+
+ElemType elem_type_of(py::handle dtype) {
+  TorchRefs* r = refs();
+  for (int i = 0; i < 7; ++i)
+    if (r->dtypes[i] && dtype.ptr() == r->dtypes[i]) return ElemType(i);
+  return ElemType::kOther;
+}
+
+py::object torch_dtype(DType t) {
+  TorchRefs* r = refs();
+  PyObject* d = r->dtypes[int(elem_of(t))];
+  if (!d) d = r->uint8;
+  return py::reinterpret_borrow<py::object>(d);
+}
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  return n;
+}
+bool TensorInfo::contiguous() const {
+  int64_t expect = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
+    if (shape[i] != 1 && stride[i] != expect) return false;
+    expect *= shape[i];
+  }
+  return true;
+}
+
+TensorInfo tensor_info(py::handle t, const char* name) {
+  TorchRefs* r = refs();
+  int is = PyObject_IsInstance(t.ptr(), r->tensor_type);
+  if (is < 0) throw py::error_already_set();
+  if (!is) {
+    throw py::type_error(
+        fmt::format("{} must be a torch.Tensor, got {}", name,
+                    py::str(py::type::handle_of(t).attr("__name__")).cast<std::string>()));
+  }
+  TensorInfo info;
+  py::object dev = t.attr("device");
+  std::string dev_type = py::str(dev.attr("type"));
+  if (dev_type != "cpu") {
+    throw py::type_error(fmt::format("{} must be a CPU tensor, got device {}", name,
+                                     py::str(dev).cast<std::string>()));
+  }
+  info.type = elem_type_of(t.attr("dtype"));
+  py::tuple shape = t.attr("shape");
+  if (shape.size() > 4) {
+    throw py::value_error(
+        fmt::format("{} has {} dimensions; at most 4 are supported", name, shape.size()));
+  }
+  py::tuple stride = t.attr("stride")();
+  info.ndim = int(shape.size());
+  for (int i = 0; i < info.ndim; ++i) {
+    info.shape[i] = shape[size_t(i)].cast<int64_t>();
+    info.stride[i] = stride[size_t(i)].cast<int64_t>();
+  }
+  info.data = reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>());
+  return info;
+}
+
+TensorView rows_arg(py::handle t, const char* name, std::initializer_list<DType> allowed,
+                    int64_t rows, int64_t cols) {
+  TensorInfo info = tensor_info(t, name);
+  DType d{};
+  bool ok = payload_of(info.type, &d);
+  if (ok) {
+    ok = false;
+    for (DType a : allowed) ok |= a == d;
+  }
+  if (!ok) {
+    throw py::type_error(fmt::format("{} has dtype {}; expected {}", name,
+                                     py::str(t.attr("dtype")).cast<std::string>(),
+                                     allowed_str(allowed)));
+  }
+  if (info.ndim != 2) {
+    throw py::value_error(
+        fmt::format("{} must be 2-D [rows, hidden], got shape {}", name, shape_str(info)));
+  }
+  if ((rows >= 0 && info.shape[0] != rows) || (cols >= 0 && info.shape[1] != cols)) {
+    throw py::value_error(fmt::format("{} has shape {}; expected [{}, {}]", name, shape_str(info),
+                                      rows >= 0 ? std::to_string(rows) : "*",
+                                      cols >= 0 ? std::to_string(cols) : "*"));
+  }
+  int64_t row_stride = info.shape[0] <= 1 ? info.shape[1] : info.stride[0];
+  if ((info.shape[1] > 1 && info.stride[1] != 1) || row_stride < info.shape[1]) {
+    throw py::value_error(fmt::format(
+        "{} has strides {} for shape {}; rows must be dense (stride(1) == 1, stride(0) >= {})",
+        name, stride_str(info), shape_str(info), info.shape[1]));
+  }
+  return TensorView(info.data, d, info.shape[0], info.shape[1], row_stride);
+}
+
+TokenRows token_rows_arg(py::handle x, py::handle scales, const char* name,
+                         std::initializer_list<DType> allowed) {
+  TokenRows out;
+  out.x = rows_arg(x, name, allowed);
+  if (out.x.dtype == DType::kFP8) {
+    if (scales.is_none()) {
+      throw py::value_error(fmt::format("{} is fp8 and needs its scales (float32 [{}, {}])", name,
+                                        out.x.rows, out.x.cols / kFp8BlockSize));
+    }
+    std::string sname = std::string(name) + " scales";
+    out.scales =
+        rows_arg(scales, sname.c_str(), {DType::kF32}, out.x.rows, out.x.cols / kFp8BlockSize);
+  } else if (!scales.is_none()) {
+    throw py::value_error(fmt::format("{} is not fp8, so it takes no scales", name));
+  }
+  return out;
+}
+
+template <typename T>
+std::span<const T> span_arg(py::handle t, const char* name, ElemType type,
+                            std::initializer_list<int64_t> shape) {
+  TensorInfo info = tensor_info(t, name);
+  if (info.type != type) {
+    throw py::type_error(fmt::format("{} has dtype {}; expected {}", name,
+                                     py::str(t.attr("dtype")).cast<std::string>(),
+                                     elem_type_name(type)));
+  }
+  bool match = info.ndim == int(shape.size());
+  int i = 0;
+  for (int64_t s : shape) match = match && (s < 0 || info.shape[i++] == s);
+  if (!match) {
+    std::string want = "[";
+    i = 0;
+    for (int64_t s : shape)
+      want += (i++ ? ", " : "") + (s < 0 ? std::string("*") : std::to_string(s));
+    throw py::value_error(
+        fmt::format("{} has shape {}; expected {}]", name, shape_str(info), want));
+  }
+  if (!info.contiguous()) {
+    throw py::value_error(fmt::format("{} must be contiguous, got strides {} for shape {}", name,
+                                      stride_str(info), shape_str(info)));
+  }
+  return std::span<const T>(static_cast<const T*>(info.data), size_t(info.numel()));
+}
+template std::span<const float> span_arg<float>(py::handle, const char*, ElemType,
+                                                std::initializer_list<int64_t>);
+template std::span<const int32_t> span_arg<int32_t>(py::handle, const char*, ElemType,
+                                                    std::initializer_list<int64_t>);
+template std::span<const int64_t> span_arg<int64_t>(py::handle, const char*, ElemType,
+                                                    std::initializer_list<int64_t>);
+template std::span<const uint8_t> span_arg<uint8_t>(py::handle, const char*, ElemType,
+                                                    std::initializer_list<int64_t>);
+
+RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_topk) {
+  TensorInfo mi = tensor_info(routing_map, "routing_map");
+  ElemType mt = mi.type == ElemType::kU8 ? ElemType::kU8 : ElemType::kBool;
+  if (mi.ndim != 2) {
+    throw py::value_error(
+        fmt::format("routing_map must be 2-D [tokens, experts], got shape {}", shape_str(mi)));
+  }
+  std::span<const uint8_t> m = span_arg<uint8_t>(routing_map, "routing_map", mt, {-1, -1});
+  std::span<const float> p =
+      span_arg<float>(probs, "probs", ElemType::kF32, {mi.shape[0], mi.shape[1]});
+  RoutingMap r;
+  r.num_tokens = mi.shape[0];
+  r.num_experts = int(mi.shape[1]);
+  r.routing_map.resize(m.size());
+  for (size_t i = 0; i < m.size(); ++i) r.routing_map[i] = m[i] != 0;
+  r.probs.assign(p.begin(), p.end());
+  if (num_topk <= 0) {
+    int k = 0;
+    for (int64_t t = 0; t < r.num_tokens; ++t) {
+      int c = 0;
+      for (int e = 0; e < r.num_experts; ++e) c += r.routed(t, e);
+      k = std::max(k, c);
+    }
+    num_topk = k;
+  }
+  r.num_topk = num_topk;
+  return r;
+}
+
+TopkRouting topk_arg(py::handle topk_idx, py::handle topk_weights) {
+  TensorInfo ii = tensor_info(topk_idx, "topk_idx");
+  if (ii.ndim != 2) {
+    throw py::value_error(
+        fmt::format("topk_idx must be 2-D [tokens, topk], got shape {}", shape_str(ii)));
+  }
+  TopkRouting r;
+  r.num_tokens = ii.shape[0];
+  r.num_topk = int(ii.shape[1]);
+  if (ii.type == ElemType::kI64) {
+    std::span<const int64_t> s = span_arg<int64_t>(topk_idx, "topk_idx", ElemType::kI64, {-1, -1});
+    r.topk_idx.resize(s.size());
+    for (size_t i = 0; i < s.size(); ++i) {
+      if (s[i] < -1 || s[i] > INT32_MAX) {
+        throw py::value_error(fmt::format("topk_idx[{}][{}] = {} is outside [-1, num_experts)",
+                                          i / size_t(r.num_topk), i % size_t(r.num_topk), s[i]));
+      }
+      r.topk_idx[i] = int32_t(s[i]);
+    }
+  } else {
+    std::span<const int32_t> s = span_arg<int32_t>(topk_idx, "topk_idx", ElemType::kI32, {-1, -1});
+    r.topk_idx.assign(s.begin(), s.end());
+  }
+  std::span<const float> w =
+      span_arg<float>(topk_weights, "topk_weights", ElemType::kF32, {ii.shape[0], ii.shape[1]});
+  r.topk_weights.assign(w.begin(), w.end());
+  return r;
+}
+
+LayoutOptions layout_arg(py::handle capacity_factor, const std::string& drop_policy,
+                         bool pad_to_capacity, int expert_alignment, int router_padding_multiple) {
+  LayoutOptions o;
+  if (!capacity_factor.is_none()) o.capacity_factor = capacity_factor.cast<double>();
+  o.drop_policy = check(parse_drop_policy(drop_policy));
+  o.pad_to_capacity = pad_to_capacity;
+  o.expert_alignment = expert_alignment;
+  o.router_padding_multiple = router_padding_multiple;
+  check(o.validate());
+  return o;
+}
+
+namespace {
+// A torch tensor of DLPack dtype `dt` over [rows, cols] (or [rows] when cols < 0) at data.
+py::object dlpack_to_torch(void* data, DLDataType dt, int64_t rows, int64_t cols,
+                           int64_t row_stride, std::shared_ptr<void> owner, PyObject* empty_dtype) {
+  TorchRefs* r = refs();
+  const int ndim = cols < 0 ? 1 : 2;
+  if (rows == 0 || cols == 0 || data == nullptr) {
+    py::tuple shape = ndim == 1 ? py::make_tuple(rows) : py::make_tuple(rows, cols);
+    py::dict kw;
+    kw["dtype"] = py::reinterpret_borrow<py::object>(empty_dtype);
+    return py::reinterpret_borrow<py::object>(r->empty)(shape, **kw);
+  }
+  auto* h = new Holder{};
+  h->owner = std::move(owner);
+  h->shape[0] = rows;
+  h->shape[1] = cols;
+  h->strides[0] = ndim == 1 ? 1 : row_stride;
+  h->strides[1] = 1;
+  h->managed.dl_tensor = DLTensor{data, DLDevice{kDLCPU, 0}, ndim, dt, h->shape, h->strides, 0};
+  h->managed.manager_ctx = h;
+  h->managed.deleter = holder_deleter;
+  PyObject* cap = PyCapsule_New(&h->managed, "dltensor", capsule_destructor);
+  if (!cap) {
+    delete h;
+    throw py::error_already_set();
+  }
+  py::object capsule = py::reinterpret_steal<py::object>(cap);
+  return py::reinterpret_borrow<py::object>(r->from_dlpack)(capsule);
+}
+DLDataType dl_type(DType t) {
+  if (t == DType::kF32) return {2, 32, 1};
+  if (t == DType::kBF16) return {4, 16, 1};
+  return {1, 8, 1};  // fp8 travels as uint8 bits; viewed as float8_e4m3fn where torch has it
+}
+template <typename T>
+DLDataType dl_type_of() {
+  if constexpr (std::is_same_v<T, float>) return {2, 32, 1};
+  if constexpr (std::is_same_v<T, int32_t>) return {0, 32, 1};
+  if constexpr (std::is_same_v<T, int64_t>) return {0, 64, 1};
+  return {1, 8, 1};
+}
+template <typename T>
+PyObject* torch_dtype_of() {
+  TorchRefs* r = refs();
+  if constexpr (std::is_same_v<T, float>) return r->dtypes[int(ElemType::kF32)];
+  if constexpr (std::is_same_v<T, int32_t>) return r->dtypes[int(ElemType::kI32)];
+  if constexpr (std::is_same_v<T, int64_t>) return r->dtypes[int(ElemType::kI64)];
+  return r->uint8;
+}
+}  // namespace
+
+py::object to_torch(const TensorView& v, std::shared_ptr<void> owner) {
+  const bool empty = v.rows == 0 || v.cols == 0 || !v.data;
+  py::object dtype = torch_dtype(v.dtype);
+  py::object t = dlpack_to_torch(v.data, dl_type(v.dtype), v.rows, v.cols, v.row_stride,
+                                 std::move(owner), dtype.ptr());
+  if (!empty && v.dtype == DType::kFP8 && refs()->dtypes[int(ElemType::kFP8)])
+    t = t.attr("view")(dtype);
+  return t;
+}
+
+py::object to_torch(Tensor&& t) {
+  auto owned = std::make_shared<Tensor>(std::move(t));
+  TensorView v = owned->view();
+  return to_torch(v, std::move(owned));
+}
+
+py::object to_torch(TokenTensor&& t) { return to_torch(std::move(t.x)); }
+
+template <typename T>
+py::object vector_to_torch(std::vector<T>&& v, std::initializer_list<int64_t> shape) {
+  auto owned = std::make_shared<std::vector<T>>(std::move(v));
+  int64_t rows = *shape.begin();
+  int64_t cols = shape.size() > 1 ? *(shape.begin() + 1) : -1;
+  void* data = owned->data();
+  return dlpack_to_torch(data, dl_type_of<T>(), rows, cols, cols < 0 ? 1 : cols, std::move(owned),
+                         torch_dtype_of<T>());
+}
+template py::object vector_to_torch<float>(std::vector<float>&&, std::initializer_list<int64_t>);
+template py::object vector_to_torch<int32_t>(std::vector<int32_t>&&,
+                                             std::initializer_list<int64_t>);
+template py::object vector_to_torch<int64_t>(std::vector<int64_t>&&,
+                                             std::initializer_list<int64_t>);
+template py::object vector_to_torch<uint8_t>(std::vector<uint8_t>&&,
+                                             std::initializer_list<int64_t>);
+
+template <typename T>
+py::object span_to_torch(std::span<const T> s) {
+  return vector_to_torch<T>(std::vector<T>(s.begin(), s.end()), {int64_t(s.size())});
+}
+template py::object span_to_torch<float>(std::span<const float>);
+template py::object span_to_torch<int32_t>(std::span<const int32_t>);
+template py::object span_to_torch<int64_t>(std::span<const int64_t>);
+
+// ---- errors ----
+
+py::object& aborted_error_type() {
+  static py::object* t = new py::object();
+  return *t;
+}
+
+void raise_status(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+      throw py::value_error(s.message());
+    case StatusCode::kAborted:
+      if (aborted_error_type()) {
+        PyErr_SetString(aborted_error_type().ptr(), s.message().c_str());
+        throw py::error_already_set();
+      }
+      [[fallthrough]];
+    default:
+      throw std::runtime_error(s.message());
+  }
+}
+
+}  // namespace moed::python

@@ -1,0 +1,45 @@
+"""moed.deep_ep under mpirun -np 4 (one process per rank, 2 emulated nodes of 2): the same
+cases as test_deep_ep.py, run collectively by every process (CTest: moed_deep_ep_python_mpi).
+Not named test_*.py, so the threads-world pytest run does not collect it."""
+import pytest
+import torch
+
+import moed
+import test_deep_ep as cases
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = moed.init(ranks_per_node=2, timeout=120.0)
+    assert g.size() == 4, "run under mpirun -np 4"
+    return g
+
+
+def test_normal(group):
+    assert cases.case_normal(group, 8, 2, 100, 11)
+    assert cases.case_normal(group, 8, 8, 36, 12)
+
+
+def test_num_worst_tokens(group):
+    assert cases.case_normal(group, 8, 3, 100, 3, 64, 4)
+
+
+def test_fp8(group):
+    assert cases.case_fp8(group, 11)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16_hook", "fp8_round_hook", "ue8m0"])
+def test_low_latency(group, mode):
+    use_fp8 = mode.startswith("fp8") or mode == "ue8m0"
+    assert cases.case_low_latency(group, 6, 512, 8, 3, 9, use_fp8, use_fp8, mode == "ue8m0",
+                                  mode.endswith("hook"))
+
+
+def test_bad_inputs(group):
+    errors = cases.case_bad_inputs(group)
+    assert len(errors) == 4, errors
+    assert "rank 3: topk_idx[2][1] = 999 is outside [-1, 8)" in errors[0]
+    assert "rank 0: num_tokens_per_rank[0]" in errors[1]
+    assert "num_worst_tokens = 1" in errors[2]
+    want = "TypeError: x has dtype" if group.rank() == 3 else "ValueError: rank 3: x has dtype"
+    assert errors[3].startswith(want), errors[3]

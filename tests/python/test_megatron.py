@@ -1,0 +1,317 @@
+"""The Megatron-style dispatchers: bitwise against the reference and the C++ API (forward and
+autograd), gradients against finite differences, bad inputs."""
+import pytest
+import torch
+
+import moed
+from moed import _C
+from moed.megatron import MoEConfig, make_dispatcher
+
+from conftest import WORLDS, WORLD_IDS, make_routing, run
+
+E = 24  # divisible by every world size tested (1, 2, 3, 4, 8)
+KINDS = ["allgather", "alltoall", "flex"]
+# Layout options (spec §3) as MoEConfig fields, with the reference's names beside them.
+LAYOUTS = {
+    "dropless": {},
+    "cap1_probs": dict(moe_expert_capacity_factor=1.0),
+    "cap05_pos_pad": dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position",
+                          moe_pad_expert_input_to_capacity=True),
+    "align4": dict(moe_expert_alignment=4),
+    "router_pad4": dict(moe_router_padding_multiple=4),
+}
+
+
+def ref_layout(cfg):
+    return dict(capacity_factor=cfg.get("moe_expert_capacity_factor"),
+                drop_policy=cfg.get("moe_token_drop_policy", "probs"),
+                pad_to_capacity=cfg.get("moe_pad_expert_input_to_capacity", False),
+                expert_alignment=cfg.get("moe_expert_alignment", 1),
+                router_padding_multiple=cfg.get("moe_router_padding_multiple", 0))
+
+
+def tokens_of(rank):
+    return [5, 0, 9, 1, 7, 3, 6, 2][rank % 8] + 3 * (rank // 8)  # rank 1 has no tokens
+
+
+def inputs(rank, H, K, dtype, skew=False):
+    T = tokens_of(rank)
+    rmap, probs, topi = make_routing(1000 + rank, T, E, K, skew=skew)
+    g = torch.Generator().manual_seed(2000 + rank)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w = torch.randn(T, H, generator=g).to(dtype)  # d loss / d out
+    return x, rmap, probs, topi, w
+
+
+def expert_fn(ei, rank):
+    return ei * (0.5 + rank)  # exact in torch; the test applies the same op to the reference
+
+
+def six_steps(d, x, rmap, probs, async_op, topk_idx=None):
+    h, p = d.dispatch_preprocess(x, rmap, probs, topk_idx=topk_idx)
+    h, p = d.token_dispatch(h, p, async_op=async_op)
+    return d.dispatch_postprocess(h, p)
+
+
+def combine_steps(d, eo, async_op):
+    y = d.combine_preprocess(eo)
+    y = d.token_combine(y, async_op=async_op)
+    return d.combine_postprocess(y)
+
+
+def body(g, kind, H, K, dtype, layout, weighted, async_op, skew):
+    r = g.rank()
+    x, rmap, probs, topi, w = inputs(r, H, K, dtype, skew)
+    x.requires_grad_()
+    probs.requires_grad_()
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_weighted_combine=weighted, **layout)
+    d = make_dispatcher(kind, cfg)
+    ei, tpe, pprobs = six_steps(d, x, rmap, probs, async_op)
+    eo = expert_fn(ei, r)
+    out = combine_steps(d, eo, async_op)
+    (out.float() * w.float()).sum().backward()
+    # The C++ API directly (one call per op) on the same inputs, through a second dispatcher.
+    c = _C.TokenDispatcher(g.handle, kind, E, weighted_combine=weighted, **ref_layout(layout))
+    cx, _, cpp, ctpe, ch = c.dispatch(x.detach(), routing_map=rmap, probs=probs.detach(), num_topk=K)
+    cout, _ = c.combine(expert_fn(cx, r), ch)
+    ceo_grad, cgp_combine = c.combine_backward(w, expert_fn(cx, r) if weighted else None, ch)
+    cgx, cgp_dispatch = c.dispatch_backward(expert_fn(ceo_grad, r), None, ch)
+    cpp_api = dict(ei=cx, pprobs=cpp, tpe=ctpe, out=cout, gx=cgx, gp=cgp_combine + cgp_dispatch)
+    return dict(ei=ei.detach(), tpe=tpe, pprobs=pprobs.detach(), out=out.detach(),
+                gx=x.grad, gp=probs.grad, cpp=cpp_api)
+
+
+def reference(world, H, K, dtype, layout, weighted, skew):
+    R = world[0]
+    ins = [inputs(r, H, K, dtype, skew) for r in range(R)]
+    p = _C.ReferenceProblem(num_experts=E, ep_size=R, weighted_combine=weighted, num_topk=K,
+                            routing_maps=[i[1] for i in ins], probs=[i[2] for i in ins],
+                            hidden=[i[0] for i in ins], **ref_layout(layout))
+    disp = _C.reference_dispatch(p)
+    eo = [expert_fn(disp[r]["expert_input"], r) for r in range(R)]
+    out = _C.reference_combine(p, eo)
+    geo, gp_c = _C.reference_combine_backward(p, [i[4] for i in ins], eo)
+    gx, gp_d = _C.reference_dispatch_backward(p, [expert_fn(geo[r], r) for r in range(R)], [None] * R)
+    return disp, out, gx, [a + b for a, b in zip(gp_c, gp_d)]
+
+
+def check_against_reference(world, kind, H=40, K=2, dtype=torch.float32, layout="dropless",
+                            weighted=True, async_op=False, skew=False):
+    lay = LAYOUTS[layout]
+    got = run(body, world, kind, H, K, dtype, lay, weighted, async_op, skew)
+    disp, out, gx, gp = reference(world, H, K, dtype, lay, weighted, skew)
+    for r, o in enumerate(got):
+        assert torch.equal(o["ei"], disp[r]["expert_input"]), f"rank {r} expert_input"
+        assert torch.equal(o["tpe"], disp[r]["tokens_per_expert"]), f"rank {r} tokens_per_expert"
+        assert torch.equal(o["pprobs"], disp[r]["permuted_probs"]), f"rank {r} permuted_probs"
+        assert torch.equal(o["out"], out[r]), f"rank {r} combine"
+        assert torch.equal(o["gx"], gx[r]), f"rank {r} grad hidden"
+        assert torch.equal(o["gp"], gp[r]), f"rank {r} grad probs"
+        c = o["cpp"]
+        for key in ("ei", "pprobs", "tpe", "out", "gx", "gp"):
+            assert torch.equal(o[key], c[key]), f"rank {r} {key} differs from the C++ API"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_matches_reference_and_cpp_api(world, kind):
+    check_against_reference(world, kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_options(kind, layout):
+    check_against_reference((4, 2), kind, layout=layout, skew=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_unweighted_async_k1_and_k_equals_e(kind):
+    check_against_reference((3, 0), kind, H=130, dtype=torch.bfloat16, weighted=False, async_op=True)
+    check_against_reference((2, 0), kind, K=1)
+    check_against_reference((2, 0), kind, K=E, H=17)
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_topk_form_gives_the_map_forms_gradients(idx_dtype):
+    H, K = 24, 3
+
+    def body2(g):
+        x, rmap, probs, topi, w = inputs(g.rank(), H, K, torch.float32)
+        out = {}
+        for form in ("map", "topk"):
+            xx = x.clone().requires_grad_()
+            if form == "map":
+                pp = probs.clone().requires_grad_()
+                args = (rmap, pp, None)
+            else:
+                pp = probs.gather(1, topi).requires_grad_()
+                args = (None, pp, topi.to(idx_dtype))
+            d = make_dispatcher("alltoall", num_moe_experts=E, moe_router_topk=K, moe_weighted_combine=True)
+            ei, _, _ = six_steps(d, xx, args[0], args[1], False, topk_idx=args[2])
+            y = combine_steps(d, ei * 2, False)
+            (y * w).sum().backward()
+            out[form] = (y.detach(), xx.grad, pp.grad)
+        return out, topi
+    for out, topi in run(body2, (3, 0)):
+        assert torch.equal(out["map"][0], out["topk"][0])
+        assert torch.equal(out["map"][1], out["topk"][1])
+        assert torch.equal(out["map"][2].gather(1, topi), out["topk"][2])
+
+
+def test_gradients_against_finite_differences():
+    """f32: d loss / d hidden and d loss / d probs of a small layer (experts tanh, weighted
+    combine), central differences on a few coordinates of rank 0."""
+    H, K, R = 6, 2, 2
+
+    def loss_of(g, x, probs, rmap, w):
+        d = make_dispatcher("flex", num_moe_experts=E, moe_router_topk=K, moe_weighted_combine=True)
+        ei, _, pp = six_steps(d, x, rmap, probs, False)
+        y = combine_steps(d, torch.tanh(ei) * (1 + pp[:, None]), False)
+        loss = (y * w).sum()
+        total = loss.detach().clone()
+        moed.dist.all_reduce(total)
+        return loss, total.item()
+
+    def body3(g):
+        x, rmap, probs, _, w = inputs(g.rank(), H, K, torch.float32)
+        x.requires_grad_()
+        probs.requires_grad_()
+        loss, _ = loss_of(g, x, probs, rmap, w)
+        loss.backward()
+        checks = []
+        coords = [("x", (0, 1)), ("x", (3, 4))]
+        for t, j in ((2, 0), (4, -1)):  # the same number of collective calls on every rank
+            coords.append(("p", (t, int(rmap[t].nonzero()[j])) if g.rank() == 0 else None))
+        for which, coord in coords:  # rank 0 perturbs; every rank recomputes the loss
+            vals = []
+            for sgn in (1, -1):
+                xx, pp = x.detach().clone(), probs.detach().clone()
+                if g.rank() == 0:
+                    (xx if which == "x" else pp)[coord] += sgn * 1e-2
+                with torch.no_grad():
+                    vals.append(loss_of(g, xx, pp, rmap, w)[1])
+            fd = (vals[0] - vals[1]) / 2e-2
+            an = (x.grad if which == "x" else probs.grad)[coord].item() if g.rank() == 0 else 0.0
+            checks.append((which, coord, fd, an))
+        return checks
+    for which, coord, fd, an in run(body3, (R, 0))[0]:
+        assert abs(fd - an) <= 2e-2 * max(1.0, abs(an)), f"{which}{coord}: fd {fd} vs autograd {an}"
+
+
+def test_flex_outputs_stay_unchanged_after_the_next_dispatch():
+    def body4(g):
+        x, rmap, probs, _, _ = inputs(g.rank(), 16, 2, torch.float32)
+        d = make_dispatcher("flex", num_moe_experts=E, moe_router_topk=2)
+        first, _, _ = six_steps(d, x, rmap, probs, False)
+        keep = first.clone()
+        six_steps(d, x * 3, rmap, probs, False)
+        return torch.equal(first, keep)
+    assert all(run(body4, (2, 0)))
+
+
+# ---- bad inputs: an exception naming the value, on every rank, never a hang ----
+
+def expect_everywhere(world, fn, exc, words):
+    def wrapped(g):
+        try:
+            fn(g)
+        except exc as e:
+            return str(e)
+        return None
+    msgs = run(wrapped, world, timeout=30)
+    for m in msgs:
+        assert m is not None, "a rank did not raise"
+        for w in words:
+            assert w in m, m
+
+
+def test_bad_config_every_rank():
+    expect_everywhere((3, 0), lambda g: make_dispatcher("alltoall", num_moe_experts=8), ValueError, ["num_experts = 8"])
+    expect_everywhere((2, 0), lambda g: make_dispatcher("flex", num_moe_experts=8,
+                                                        moe_expert_capacity_factor=-1.0), ValueError, [])
+    with pytest.raises(ValueError, match="kind"):
+        run(lambda g: make_dispatcher("ring", num_moe_experts=8), (1, 0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mismatched_hidden_across_ranks(kind):
+    def fn(g):
+        H = 16 + 8 * g.rank()
+        x, rmap, probs, _, _ = inputs(g.rank(), H, 2, torch.float32)
+        d = make_dispatcher(kind, num_moe_experts=E, moe_router_topk=2)
+        six_steps(d, x, rmap, probs, False)
+    expect_everywhere((2, 0), fn, ValueError, ["rank"])
+
+
+@pytest.mark.parametrize("case, exc, words", [
+    ("double", TypeError, ["hidden_states", "torch.float64"]),
+    ("map_shape", ValueError, ["probs", "expected"]),
+    ("probs_int", TypeError, ["probs", "torch.int64"]),
+    ("map_strided", ValueError, ["routing_map", "contiguous"]),
+    ("hidden_strided", ValueError, ["hidden_states", "strides"]),
+    ("no_routing", ValueError, ["routing_map"]),
+    ("combine_rows", ValueError, []),
+])
+def test_bad_inputs_raise_on_every_rank(case, exc, words):
+    def fn(g):
+        x, rmap, probs, _, _ = inputs(g.rank(), 16, 2, torch.float32)
+        d = make_dispatcher("alltoall", num_moe_experts=E, moe_router_topk=2)
+        bad_rank = g.rank() == 0
+        if case == "combine_rows":
+            ei, _, _ = six_steps(d, x, rmap, probs, False)
+            combine_steps(d, torch.zeros(ei.shape[0] + (1 if bad_rank else 0), 16), False)
+            return
+        if bad_rank:
+            if case == "double":
+                x = x.double()
+            elif case == "map_shape":
+                probs = probs[:, :4].contiguous()
+            elif case == "probs_int":
+                probs = probs.long()
+            elif case == "map_strided":
+                rmap = rmap.t().contiguous().t()
+            elif case == "hidden_strided":
+                x = torch.randn(16, x.shape[0]).t()
+            elif case == "no_routing":
+                rmap = None
+        six_steps(d, x, rmap, probs, False)
+    if case == "combine_rows":
+        expect_everywhere((2, 0), fn, ValueError, words)
+        return
+    # The bad rank raises the named error; its failure aborts the others (AbortedError).
+    with pytest.raises(exc) as e:
+        run(fn, (3, 0), timeout=30)
+    for w in words:
+        assert w in str(e.value)
+    assert "rank 0: " in str(e.value)
+
+
+def test_use_after_launch_raises():
+    keep = run(lambda g: make_dispatcher("flex", num_moe_experts=E), (2, 0))
+    with pytest.raises(RuntimeError, match="ended"):
+        keep[0].dispatch_preprocess(torch.zeros(1, 4), torch.zeros(1, E, dtype=torch.bool), torch.zeros(1, E))
+
+
+def test_steps_out_of_order():
+    def fn(g):
+        d = make_dispatcher("alltoall", num_moe_experts=E)
+        with pytest.raises(RuntimeError, match="before"):
+            d.combine_preprocess(torch.zeros(0, 4))
+        with pytest.raises(RuntimeError, match="before"):
+            d.token_dispatch(None, None)
+    run(fn, (1, 0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_example_layer_trains_on_threads(kind):
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python", "examples", "moe_layer.py")
+    spec = importlib.util.spec_from_file_location("moe_layer", path)
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    losses = moed.launch(ex.train, 4, kind, 3, ranks_per_node=2)
+    assert losses[0] == losses[3] and losses[0][-1] < losses[0][0]
+    if kind != "allgather":  # every dispatcher trains to the same bits
+        ref = moed.launch(ex.train, 4, "allgather", 3, ranks_per_node=2)
+        assert losses == ref
