@@ -232,7 +232,9 @@ void bind_world(py::module_& m) {
 #if MOED_WITH_MPI
     int fin = 0;
     MPI_Finalized(&fin);
-    if (g_mpi_we_initialized && !fin) {
+    // After a failed world a peer may never reach MPI_Finalize (it waits for every process):
+    // leave without it, and mpirun ends the job.
+    if (g_mpi_we_initialized && !fin && !mpi_world_failed_in_process()) {
       py::gil_scoped_release nogil;
       MPI_Finalize();
     }
