@@ -92,36 +92,39 @@ struct Simd {
   // Elements [done, n) go to the scalar table.
   static size_t vector_end(size_t n) { return n - n % V::kWidth; }
 
-  template <DType S, DType D>
-  static void convert_typed(const void* src, void* dst, size_t n) {
-    const size_t end = vector_end(n);
-    for (size_t i = 0; i < end; i += V::kWidth) store<D>(dst, i, load<S>(src, i));
-    scalar_kernels().convert(static_cast<const char*>(src) + end * dtype_size(S), S,
-                             static_cast<char*>(dst) + end * dtype_size(D), D, n - end);
+  // K::template run<T>(a...) for the element type t: the one switch over DTypes.
+  template <class K, class... A>
+  static void on_dtype(DType t, A... a) {
+    switch (t) {
+      case DType::kF32:
+        return K::template run<DType::kF32>(a...);
+      case DType::kBF16:
+        return K::template run<DType::kBF16>(a...);
+      case DType::kFP8:
+        return K::template run<DType::kFP8>(a...);
+    }
   }
 
   template <DType S>
-  static void convert_from(const void* src, void* dst, DType dt, size_t n) {
-    switch (dt) {
-      case DType::kF32:
-        return convert_typed<S, DType::kF32>(src, dst, n);
-      case DType::kBF16:
-        return convert_typed<S, DType::kBF16>(src, dst, n);
-      case DType::kFP8:
-        return convert_typed<S, DType::kFP8>(src, dst, n);
+  struct ConvertFrom {
+    template <DType D>
+    static void run(const void* src, void* dst, size_t n) {
+      const size_t end = vector_end(n);
+      for (size_t i = 0; i < end; i += V::kWidth) store<D>(dst, i, load<S>(src, i));
+      scalar_kernels().convert(static_cast<const char*>(src) + end * dtype_size(S), S,
+                               static_cast<char*>(dst) + end * dtype_size(D), D, n - end);
     }
-  }
+  };
+  struct Convert {
+    template <DType S>
+    static void run(const void* src, void* dst, DType dt, size_t n) {
+      on_dtype<ConvertFrom<S>>(dt, src, dst, n);
+    }
+  };
 
   static void convert(const void* src, DType st, void* dst, DType dt, size_t n) {
     if (st == dt) return scalar_kernels().convert(src, st, dst, dt, n);  // a copy
-    switch (st) {
-      case DType::kF32:
-        return convert_from<DType::kF32>(src, dst, dt, n);
-      case DType::kBF16:
-        return convert_from<DType::kBF16>(src, dst, dt, n);
-      case DType::kFP8:
-        return convert_from<DType::kFP8>(src, dst, dt, n);
-    }
+    on_dtype<Convert>(st, src, dst, dt, n);
   }
 
   // ---- the accumulate family: acc[i] = Op(acc[i], x[i], w) ----
@@ -184,31 +187,27 @@ struct Simd {
     }
   };
 
-  template <class Op, DType S>
-  static void fold_typed(float* acc, const void* src, float w, size_t n) {
-    const F wv = V::set1f(w);
-    const size_t end = vector_end(n);
-    for (size_t b = 0; b < end; b += kBlock) {
-      prefetch_ahead<S>(src, b, n);
-      const size_t e = end - b < kBlock ? end : b + kBlock;
-      for (size_t i = b; i < e; i += V::kWidth) {
-        const F a = Op::kReadsAcc ? V::loadf(acc + i) : V::set1f(0.0f);
-        V::storef(acc + i, Op::apply(a, load<S>(src, i), wv));
+  template <class Op>
+  struct Fold {
+    template <DType S>
+    static void run(float* acc, const void* src, float w, size_t n) {
+      const F wv = V::set1f(w);
+      const size_t end = vector_end(n);
+      for (size_t b = 0; b < end; b += kBlock) {
+        prefetch_ahead<S>(src, b, n);
+        const size_t e = end - b < kBlock ? end : b + kBlock;
+        for (size_t i = b; i < e; i += V::kWidth) {
+          const F a = Op::kReadsAcc ? V::loadf(acc + i) : V::set1f(0.0f);
+          V::storef(acc + i, Op::apply(a, load<S>(src, i), wv));
+        }
       }
+      Op::tail(acc + end, static_cast<const char*>(src) + end * dtype_size(S), S, w, n - end);
     }
-    Op::tail(acc + end, static_cast<const char*>(src) + end * dtype_size(S), S, w, n - end);
-  }
+  };
 
   template <class Op>
   static void fold(float* acc, const void* src, DType t, float w, size_t n) {
-    switch (t) {
-      case DType::kF32:
-        return fold_typed<Op, DType::kF32>(acc, src, w, n);
-      case DType::kBF16:
-        return fold_typed<Op, DType::kBF16>(acc, src, w, n);
-      case DType::kFP8:
-        return fold_typed<Op, DType::kFP8>(acc, src, w, n);
-    }
+    on_dtype<Fold<Op>>(t, acc, src, w, n);
   }
 
   template <class Op>
@@ -216,24 +215,19 @@ struct Simd {
     fold<Op>(acc, src, t, 0.0f, n);
   }
 
-  template <DType T>
-  static void scale_typed(void* dst, const void* src, float w, size_t n) {
-    const F wv = V::set1f(w);
-    const size_t end = vector_end(n);
-    for (size_t i = 0; i < end; i += V::kWidth) store<T>(dst, i, V::mulf(wv, load<T>(src, i)));
-    scalar_kernels().scale(static_cast<char*>(dst) + end * dtype_size(T),
-                           static_cast<const char*>(src) + end * dtype_size(T), T, w, n - end);
-  }
+  struct Scale {
+    template <DType T>
+    static void run(void* dst, const void* src, float w, size_t n) {
+      const F wv = V::set1f(w);
+      const size_t end = vector_end(n);
+      for (size_t i = 0; i < end; i += V::kWidth) store<T>(dst, i, V::mulf(wv, load<T>(src, i)));
+      scalar_kernels().scale(static_cast<char*>(dst) + end * dtype_size(T),
+                             static_cast<const char*>(src) + end * dtype_size(T), T, w, n - end);
+    }
+  };
 
   static void scale(void* dst, const void* src, DType t, float w, size_t n) {
-    switch (t) {
-      case DType::kF32:
-        return scale_typed<DType::kF32>(dst, src, w, n);
-      case DType::kBF16:
-        return scale_typed<DType::kBF16>(dst, src, w, n);
-      case DType::kFP8:
-        return scale_typed<DType::kFP8>(dst, src, w, n);
-    }
+    on_dtype<Scale>(t, dst, src, w, n);
   }
 
   static void store_row(const float* acc, void* dst, DType t, size_t n) {

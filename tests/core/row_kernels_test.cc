@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,13 @@ std::vector<uint8_t> random_row(DType t, size_t n, uint32_t seed, bool allow_nan
   return row;
 }
 
+template <typename... A>
+std::string fmt(const A&... a) {
+  std::ostringstream o;
+  (o << ... << a);
+  return o.str();
+}
+
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() &&
@@ -104,6 +112,17 @@ std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
   return b;
 }
 
+// Runs `run(table, dst)` for the scalar table and for k into `bytes` bytes plus a guard byte;
+// the outputs must be equal bit for bit and the guard untouched.
+template <class Run>
+void expect_same_output(const RowKernels& k, size_t bytes, const std::string& what, Run run) {
+  std::vector<uint8_t> want(bytes + 1, 0xcd), got(want);
+  run(internal::scalar_kernels(), want.data());
+  run(k, got.data());
+  EXPECT_TRUE(same_bits(got, want)) << k.isa << " " << what;
+  EXPECT_EQ(got.back(), 0xcd) << k.isa << " " << what << " wrote past the end";
+}
+
 // Weights: ordinary, negative, both zeros, tiny (denormal products), huge (overflow to inf).
 const float kWeights[] = {1.0f, 0.3f, -2.5f, 0.0f, -0.0f, 1e-30f, 3e38f};
 
@@ -111,17 +130,13 @@ class RowTables : public ::testing::TestWithParam<const RowKernels*> {};
 
 TEST_P(RowTables, ConvertEqualsScalar) {
   const RowKernels& k = *GetParam();
-  const RowKernels& ref = internal::scalar_kernels();
   for (size_t n : kLengths) {
     for (DType st : kTypes) {
       for (DType dt : kTypes) {
         const auto src = random_row(st, n, uint32_t(n * 9 + int(st) * 3 + int(dt)));
-        std::vector<uint8_t> want(n * dtype_size(dt) + 1, 0xcd), got(want);
-        ref.convert(src.data(), st, want.data(), dt, n);
-        k.convert(src.data(), st, got.data(), dt, n);
-        EXPECT_TRUE(same_bits(got, want))
-            << k.isa << " " << dtype_name(st) << " -> " << dtype_name(dt) << " n = " << n;
-        EXPECT_EQ(got.back(), 0xcd) << "wrote past the end";
+        expect_same_output(
+            k, n * dtype_size(dt), fmt(dtype_name(st), " -> ", dtype_name(dt), " n = ", n),
+            [&](const RowKernels& r, void* dst) { r.convert(src.data(), st, dst, dt, n); });
       }
     }
   }
@@ -166,25 +181,17 @@ TEST_P(RowTables, AccumulateFamilyEqualsScalar) {
 
 TEST_P(RowTables, StoreAndScaleEqualScalar) {
   const RowKernels& k = *GetParam();
-  const RowKernels& ref = internal::scalar_kernels();
   for (size_t n : kLengths) {
     for (DType t : kTypes) {
       const auto acc = special_floats(n, uint32_t(n + 11));
-      std::vector<uint8_t> want(n * dtype_size(t) + 1, 0xcd), got(want);
-      ref.store(acc.data(), want.data(), t, n);
-      k.store(acc.data(), got.data(), t, n);
-      EXPECT_TRUE(same_bits(got, want)) << k.isa << " store " << dtype_name(t) << " n = " << n;
-      EXPECT_EQ(got.back(), 0xcd) << "wrote past the end";
-
+      expect_same_output(k, n * dtype_size(t), fmt("store ", dtype_name(t), " n = ", n),
+                         [&](const RowKernels& r, void* dst) { r.store(acc.data(), dst, t, n); });
       // Sources with NaN are fine here (w is never NaN, so a product has one NaN operand).
       const auto src = random_row(t, n, uint32_t(n + 13 * int(t)));
       for (float w : kWeights) {
-        std::vector<uint8_t> s_want(n * dtype_size(t) + 1, 0xcd), s_got(s_want);
-        ref.scale(s_want.data(), src.data(), t, w, n);
-        k.scale(s_got.data(), src.data(), t, w, n);
-        EXPECT_TRUE(same_bits(s_got, s_want))
-            << k.isa << " scale " << dtype_name(t) << " w = " << w << " n = " << n;
-        EXPECT_EQ(s_got.back(), 0xcd) << "wrote past the end";
+        expect_same_output(
+            k, n * dtype_size(t), fmt("scale ", dtype_name(t), " w = ", w, " n = ", n),
+            [&](const RowKernels& r, void* dst) { r.scale(dst, src.data(), t, w, n); });
       }
     }
   }

@@ -308,6 +308,11 @@ TEST(RoundTrip, CombineOfDispatchIsXTimesSumOfProbs) {
   }
 }
 
+void expect_error(const Status& s, const std::string& text) {
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find(text), std::string::npos) << s.message();
+}
+
 TEST(PermuteErrors, NameTheOffendingValue) {
   const RoutingMap m = random_map(10, 4, 2, 41, Skew::kOneExpert);
   const TokenTensor x = random_tokens(DType::kBF16, 10, 16, 42);
