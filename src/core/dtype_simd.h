@@ -1,9 +1,9 @@
 // The vector row kernels of core/row_kernels.h, written once over an instruction-set traits
-// class V (Avx2 in dtype_avx2.cc, Avx512 in dtype_avx512.cc). Include it only from those files,
-// after their target pragma, and include every other header (this one's includes too) *before* that
-// pragma: everything defined here has internal linkage, so no copy compiled for one ISA can
-// be picked by the linker for another, while inline functions from other headers keep the
-// baseline ISA. For the same reason nothing here calls a template from another header.
+// class V (Avx2 in dtype_avx2.cc, Avx512 in dtype_avx512.cc). Include it only from those
+// files, after their target pragma, and include every other header (this one's includes too)
+// *before* that pragma: everything defined here has internal linkage, so no copy compiled for
+// one ISA can be picked by the linker for another, while inline functions from other headers
+// keep the baseline ISA. For the same reason nothing here calls a template from another header.
 //
 // Each conversion is the integer form of the scalar one in moed/dtype.h, lane by lane, so the
 // results are equal bit for bit; tails shorter than a vector go to the scalar table.
