@@ -15,29 +15,35 @@
 namespace moed::internal {
 namespace {
 
-float load_scalar(const void* p, DType t, size_t i) {
+// NOTE: the element type is switched on once per row, not per element: body(load) gets a
+// typed reader (with_store: a typed writer), so each loop is compiled per type and runs at
+// memory speed even without vector code. The formulas are those of moed/dtype.h.
+template <class Body>
+void with_load(DType t, Body body) {
   switch (t) {
     case DType::kF32:
-      return static_cast<const float*>(p)[i];
+      return body([](const void* p, size_t i) { return static_cast<const float*>(p)[i]; });
     case DType::kBF16:
-      return bf16_to_float(static_cast<const bf16*>(p)[i]);
+      return body(
+          [](const void* p, size_t i) { return bf16_to_float(static_cast<const bf16*>(p)[i]); });
     case DType::kFP8:
-      return fp8_e4m3_to_float(static_cast<const fp8_e4m3*>(p)[i]);
+      return body([](const void* p, size_t i) {
+        return fp8_e4m3_to_float(static_cast<const fp8_e4m3*>(p)[i]);
+      });
   }
   MOED_CHECK(false, "bad dtype ", int(t));
 }
 
-void store_scalar(void* p, DType t, size_t i, float v) {
+template <class Body>
+void with_store(DType t, Body body) {
   switch (t) {
     case DType::kF32:
-      static_cast<float*>(p)[i] = v;
-      return;
+      return body([](void* p, size_t i, float v) { static_cast<float*>(p)[i] = v; });
     case DType::kBF16:
-      static_cast<bf16*>(p)[i] = float_to_bf16(v);
-      return;
+      return body([](void* p, size_t i, float v) { static_cast<bf16*>(p)[i] = float_to_bf16(v); });
     case DType::kFP8:
-      static_cast<fp8_e4m3*>(p)[i] = float_to_fp8_e4m3(v);
-      return;
+      return body(
+          [](void* p, size_t i, float v) { static_cast<fp8_e4m3*>(p)[i] = float_to_fp8_e4m3(v); });
   }
   MOED_CHECK(false, "bad dtype ", int(t));
 }
@@ -47,35 +53,55 @@ void convert_scalar(const void* src, DType st, void* dst, DType dt, size_t n) {
     if (n) std::memmove(dst, src, n * dtype_size(st));
     return;
   }
-  for (size_t i = 0; i < n; ++i) store_scalar(dst, dt, i, load_scalar(src, st, i));
+  with_load(st, [&](auto load) {
+    with_store(dt, [&](auto store) {
+      for (size_t i = 0; i < n; ++i) store(dst, i, load(src, i));
+    });
+  });
 }
 
 void accumulate_scalar(float* acc, const void* x, DType t, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + load_scalar(x, t, i);
+  with_load(t, [&](auto load) {
+    for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + load(x, i);
+  });
 }
 
 void accumulate_weighted_scalar(float* acc, const void* x, DType t, float w, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + w * load_scalar(x, t, i);
+  with_load(t, [&](auto load) {
+    for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + w * load(x, i);
+  });
 }
 
 void start_scalar(float* acc, const void* x, DType t, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] = 0.0f + load_scalar(x, t, i);
+  with_load(t, [&](auto load) {
+    for (size_t i = 0; i < n; ++i) acc[i] = 0.0f + load(x, i);
+  });
 }
 
 void start_weighted_scalar(float* acc, const void* x, DType t, float w, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] = 0.0f + w * load_scalar(x, t, i);
+  with_load(t, [&](auto load) {
+    for (size_t i = 0; i < n; ++i) acc[i] = 0.0f + w * load(x, i);
+  });
 }
 
 void add_term_scalar(float* acc, const void* x, DType t, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + (0.0f + load_scalar(x, t, i));
+  with_load(t, [&](auto load) {
+    for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + (0.0f + load(x, i));
+  });
 }
 
 void add_term_weighted_scalar(float* acc, const void* x, DType t, float w, size_t n) {
-  for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + w * (0.0f + load_scalar(x, t, i));
+  with_load(t, [&](auto load) {
+    for (size_t i = 0; i < n; ++i) acc[i] = acc[i] + w * (0.0f + load(x, i));
+  });
 }
 
 void scale_scalar(void* dst, const void* x, DType t, float w, size_t n) {
-  for (size_t i = 0; i < n; ++i) store_scalar(dst, t, i, w * load_scalar(x, t, i));
+  with_load(t, [&](auto load) {
+    with_store(t, [&](auto store) {
+      for (size_t i = 0; i < n; ++i) store(dst, i, w * load(x, i));
+    });
+  });
 }
 
 void store_row_scalar(const float* acc, void* dst, DType t, size_t n) {
@@ -87,13 +113,14 @@ void quantize_fp8_scalar(const void* x, DType t, bool round_scale, fp8_e4m3* out
   for (size_t b = 0; b < n / kFp8BlockSize; ++b) {
     const size_t base = b * kFp8BlockSize;
     // NaN inputs do not take part in amax (std::max keeps its first argument).
-    float amax = 0.0f;
-    for (int i = 0; i < kFp8BlockSize; ++i)
-      amax = std::max(amax, std::fabs(load_scalar(x, t, base + i)));
-    const float scale = fp8_block_scale(amax, round_scale, &scales_inv[b]);
-    for (int i = 0; i < kFp8BlockSize; ++i) {
-      out[base + i] = float_to_fp8_e4m3(load_scalar(x, t, base + i) * scale);
-    }
+    with_load(t, [&](auto load) {
+      float amax = 0.0f;
+      for (int i = 0; i < kFp8BlockSize; ++i) amax = std::max(amax, std::fabs(load(x, base + i)));
+      const float scale = fp8_block_scale(amax, round_scale, &scales_inv[b]);
+      for (int i = 0; i < kFp8BlockSize; ++i) {
+        out[base + i] = float_to_fp8_e4m3(load(x, base + i) * scale);
+      }
+    });
   }
 }
 
