@@ -10,6 +10,7 @@
 #include <memory>
 #include <thread>
 
+#include "moed/dtype.h"
 #include "moed/threads_world.h"
 #include "tools/moed/registry.h"
 #ifdef MOED_WITH_MPI
@@ -231,6 +232,7 @@ void add_mpi_baseline(nlohmann::json& record, double mpi_seconds) {
 void Report::add(nlohmann::json r) {
   const double bytes = r.value("bytes", 0.0);
   const double seconds = r.value("seconds", 0.0);
+  if (!r.contains("isa")) r["isa"] = active_isa_name();  // the row kernels that ran
   if (!r.contains("gbps")) r["gbps"] = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
   if (!r.contains("ratio_to_copy")) {
     const double copy = r.value("copy_gbps", 0.0);
@@ -238,7 +240,7 @@ void Report::add(nlohmann::json r) {
   }
   if (!json_) {
     std::string extra;
-    for (const char* k : {"world", "ranks", "dispatcher", "phase"}) {
+    for (const char* k : {"world", "ranks", "dispatcher", "phase", "isa"}) {
       if (r.contains(k))
         extra +=
             std::string(" ") + k + "=" + (r[k].is_string() ? r[k].get<std::string>() : r[k].dump());

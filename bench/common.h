@@ -3,8 +3,8 @@
 // the record format (one JSON object per figure, also printed as a table row).
 //
 // Every record carries at least: suite, shape, dtype, threads, bytes, seconds, gbps,
-// copy_gbps, ratio_to_copy, verified. Commands add their own fields (world, ranks,
-// dispatcher, phase, network_bytes, ...).
+// copy_gbps, ratio_to_copy, verified, isa (the row kernels' instruction set). Commands add their
+// own fields (world, ranks, dispatcher, phase, network_bytes, ...).
 #pragma once
 
 #include <cstdint>

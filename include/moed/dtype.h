@@ -139,9 +139,10 @@ void accumulate_row_weighted_f32(float* acc, const void* src, DType t, float w, 
 // dst[i] = acc[i] rounded once to t.
 void store_row(const float* acc, void* dst, DType t, size_t n);
 
-// The instruction set the row conversions above run on: "avx512", "avx2" or "scalar".
-// Chosen once from the CPU; the environment variable MOED_ISA=scalar|avx2|avx512 can lower
-// it (benchmarks, checking a fallback), never raise it past what the CPU supports.
-const char* row_kernel_isa();
+// The instruction set every row kernel of moed runs on (these row functions, permute, the
+// dispatchers' combine loops): "avx512", "avx2" or "scalar". Chosen once from the CPU; the
+// environment variable MOED_ISA=scalar|avx2|avx512 can lower it (benchmarks, checking a
+// fallback), never raise it past what the CPU supports.
+const char* active_isa_name();
 
 }  // namespace moed

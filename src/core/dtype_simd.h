@@ -1,9 +1,9 @@
-// The vector row kernels, written once over an instruction-set traits class V (Avx2 in
-// dtype_avx2.cc, Avx512 in dtype_avx512.cc). Include it only from those files, after their
-// target pragma, and include every other header (this one's includes too) *before* that
-// pragma: everything defined here has internal linkage, so no copy compiled for one ISA can
-// be picked by the linker for another, while inline functions from other headers keep the
-// baseline ISA. For the same reason nothing here calls a template from another header.
+// The vector row kernels of core/row_kernels.h, written once over an instruction-set traits
+// class V (Avx2 in dtype_avx2.cc, Avx512 in dtype_avx512.cc). Include it only from those
+// files, after their target pragma, and include every other header (this one's includes too)
+// *before* that pragma: everything defined here has internal linkage, so no copy compiled for
+// one ISA can be picked by the linker for another, while inline functions from other headers
+// keep the baseline ISA. For the same reason nothing here calls a template from another header.
 //
 // Each conversion is the integer form of the scalar one in moed/dtype.h, lane by lane, so the
 // results are equal bit for bit; tails shorter than a vector go to the scalar table.
@@ -17,7 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/dtype_kernels.h"
+#include "core/row_kernels.h"
 
 namespace moed::internal {
 namespace {
@@ -92,80 +92,142 @@ struct Simd {
   // Elements [done, n) go to the scalar table.
   static size_t vector_end(size_t n) { return n - n % V::kWidth; }
 
-  template <DType S, DType D>
-  static void convert_typed(const void* src, void* dst, size_t n) {
-    const size_t end = vector_end(n);
-    for (size_t i = 0; i < end; i += V::kWidth) store<D>(dst, i, load<S>(src, i));
-    scalar_kernels().convert(static_cast<const char*>(src) + end * dtype_size(S), S,
-                             static_cast<char*>(dst) + end * dtype_size(D), D, n - end);
+  // K::template run<T>(a...) for the element type t: the one switch over DTypes.
+  template <class K, class... A>
+  static void on_dtype(DType t, A... a) {
+    switch (t) {
+      case DType::kF32:
+        return K::template run<DType::kF32>(a...);
+      case DType::kBF16:
+        return K::template run<DType::kBF16>(a...);
+      case DType::kFP8:
+        return K::template run<DType::kFP8>(a...);
+    }
   }
 
   template <DType S>
-  static void convert_from(const void* src, void* dst, DType dt, size_t n) {
-    switch (dt) {
-      case DType::kF32:
-        return convert_typed<S, DType::kF32>(src, dst, n);
-      case DType::kBF16:
-        return convert_typed<S, DType::kBF16>(src, dst, n);
-      case DType::kFP8:
-        return convert_typed<S, DType::kFP8>(src, dst, n);
+  struct ConvertFrom {
+    template <DType D>
+    static void run(const void* src, void* dst, size_t n) {
+      const size_t end = vector_end(n);
+      for (size_t i = 0; i < end; i += V::kWidth) store<D>(dst, i, load<S>(src, i));
+      scalar_kernels().convert(static_cast<const char*>(src) + end * dtype_size(S), S,
+                               static_cast<char*>(dst) + end * dtype_size(D), D, n - end);
     }
-  }
+  };
+  struct Convert {
+    template <DType S>
+    static void run(const void* src, void* dst, DType dt, size_t n) {
+      on_dtype<ConvertFrom<S>>(dt, src, dst, n);
+    }
+  };
 
   static void convert(const void* src, DType st, void* dst, DType dt, size_t n) {
     if (st == dt) return scalar_kernels().convert(src, st, dst, dt, n);  // a copy
-    switch (st) {
-      case DType::kF32:
-        return convert_from<DType::kF32>(src, dst, dt, n);
-      case DType::kBF16:
-        return convert_from<DType::kBF16>(src, dst, dt, n);
-      case DType::kFP8:
-        return convert_from<DType::kFP8>(src, dst, dt, n);
-    }
+    on_dtype<Convert>(st, src, dst, dt, n);
   }
+
+  // ---- the accumulate family: acc[i] = Op(acc[i], x[i], w) ----
+  // NOTE: rows are read from other ranks' memory at scattered places, so each one starts a
+  // new stream and every 4 KiB page boundary stops the hardware prefetcher: the loop walks a
+  // row in blocks and asks for the block two ahead. The arithmetic per element is unchanged.
+  static constexpr size_t kBlock = 512;
 
   template <DType S>
-  static void accumulate_typed(float* acc, const void* src, size_t n) {
-    const size_t end = vector_end(n);
-    for (size_t i = 0; i < end; i += V::kWidth) {
-      V::storef(acc + i, V::addf(V::loadf(acc + i), load<S>(src, i)));
-    }
-    scalar_kernels().accumulate(acc + end, static_cast<const char*>(src) + end * dtype_size(S), S,
-                                n - end);
+  static void prefetch_ahead(const void* src, size_t b, size_t n) {
+    const size_t ahead = b + 2 * kBlock;
+    if (ahead >= n) return;
+    const char* p = static_cast<const char*>(src) + ahead * dtype_size(S);
+    const size_t bytes = (n - ahead < kBlock ? n - ahead : kBlock) * dtype_size(S);
+    for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
   }
 
-  static void accumulate(float* acc, const void* src, DType t, size_t n) {
-    switch (t) {
-      case DType::kF32:
-        return accumulate_typed<DType::kF32>(acc, src, n);
-      case DType::kBF16:
-        return accumulate_typed<DType::kBF16>(acc, src, n);
-      case DType::kFP8:
-        return accumulate_typed<DType::kFP8>(acc, src, n);
+  // Each Op: kReadsAcc, apply() on one vector (a separate multiply and add, never an FMA, as
+  // the scalar path rounds twice) and tail(), the scalar entry for the last elements.
+  struct Add {
+    static constexpr bool kReadsAcc = true;
+    static F apply(F acc, F x, F) { return V::addf(acc, x); }
+    static void tail(float* a, const void* x, DType t, float, size_t n) {
+      scalar_kernels().accumulate(a, x, t, n);
     }
+  };
+  struct AddWeighted {
+    static constexpr bool kReadsAcc = true;
+    static F apply(F acc, F x, F w) { return V::addf(acc, V::mulf(w, x)); }
+    static void tail(float* a, const void* x, DType t, float w, size_t n) {
+      scalar_kernels().accumulate_weighted(a, x, t, w, n);
+    }
+  };
+  struct Start {
+    static constexpr bool kReadsAcc = false;
+    static F apply(F, F x, F) { return V::addf(V::set1f(0.0f), x); }
+    static void tail(float* a, const void* x, DType t, float, size_t n) {
+      scalar_kernels().start(a, x, t, n);
+    }
+  };
+  struct StartWeighted {
+    static constexpr bool kReadsAcc = false;
+    static F apply(F, F x, F w) { return V::addf(V::set1f(0.0f), V::mulf(w, x)); }
+    static void tail(float* a, const void* x, DType t, float w, size_t n) {
+      scalar_kernels().start_weighted(a, x, t, w, n);
+    }
+  };
+  struct Term {
+    static constexpr bool kReadsAcc = true;
+    static F apply(F acc, F x, F) { return V::addf(acc, V::addf(V::set1f(0.0f), x)); }
+    static void tail(float* a, const void* x, DType t, float, size_t n) {
+      scalar_kernels().add_term(a, x, t, n);
+    }
+  };
+  struct TermWeighted {
+    static constexpr bool kReadsAcc = true;
+    static F apply(F acc, F x, F w) { return V::addf(acc, V::mulf(w, V::addf(V::set1f(0.0f), x))); }
+    static void tail(float* a, const void* x, DType t, float w, size_t n) {
+      scalar_kernels().add_term_weighted(a, x, t, w, n);
+    }
+  };
+
+  template <class Op>
+  struct Fold {
+    template <DType S>
+    static void run(float* acc, const void* src, float w, size_t n) {
+      const F wv = V::set1f(w);
+      const size_t end = vector_end(n);
+      for (size_t b = 0; b < end; b += kBlock) {
+        prefetch_ahead<S>(src, b, n);
+        const size_t e = end - b < kBlock ? end : b + kBlock;
+        for (size_t i = b; i < e; i += V::kWidth) {
+          const F a = Op::kReadsAcc ? V::loadf(acc + i) : V::set1f(0.0f);
+          V::storef(acc + i, Op::apply(a, load<S>(src, i), wv));
+        }
+      }
+      Op::tail(acc + end, static_cast<const char*>(src) + end * dtype_size(S), S, w, n - end);
+    }
+  };
+
+  template <class Op>
+  static void fold(float* acc, const void* src, DType t, float w, size_t n) {
+    on_dtype<Fold<Op>>(t, acc, src, w, n);
   }
 
-  template <DType S>
-  static void accumulate_weighted_typed(float* acc, const void* src, float w, size_t n) {
-    const F wv = V::set1f(w);
-    const size_t end = vector_end(n);
-    for (size_t i = 0; i < end; i += V::kWidth) {
-      // NOTE: a separate multiply and add (never an FMA), as the scalar path rounds twice.
-      V::storef(acc + i, V::addf(V::loadf(acc + i), V::mulf(wv, load<S>(src, i))));
-    }
-    scalar_kernels().accumulate_weighted(
-        acc + end, static_cast<const char*>(src) + end * dtype_size(S), S, w, n - end);
+  template <class Op>
+  static void fold_unweighted(float* acc, const void* src, DType t, size_t n) {
+    fold<Op>(acc, src, t, 0.0f, n);
   }
 
-  static void accumulate_weighted(float* acc, const void* src, DType t, float w, size_t n) {
-    switch (t) {
-      case DType::kF32:
-        return accumulate_weighted_typed<DType::kF32>(acc, src, w, n);
-      case DType::kBF16:
-        return accumulate_weighted_typed<DType::kBF16>(acc, src, w, n);
-      case DType::kFP8:
-        return accumulate_weighted_typed<DType::kFP8>(acc, src, w, n);
+  struct Scale {
+    template <DType T>
+    static void run(void* dst, const void* src, float w, size_t n) {
+      const F wv = V::set1f(w);
+      const size_t end = vector_end(n);
+      for (size_t i = 0; i < end; i += V::kWidth) store<T>(dst, i, V::mulf(wv, load<T>(src, i)));
+      scalar_kernels().scale(static_cast<char*>(dst) + end * dtype_size(T),
+                             static_cast<const char*>(src) + end * dtype_size(T), T, w, n - end);
     }
+  };
+
+  static void scale(void* dst, const void* src, DType t, float w, size_t n) {
+    on_dtype<Scale>(t, dst, src, w, n);
   }
 
   static void store_row(const float* acc, void* dst, DType t, size_t n) {
@@ -210,8 +272,19 @@ struct Simd {
   }
 
   static constexpr RowKernels table(const char* isa) {
-    return RowKernels{isa,       convert,      accumulate,    accumulate_weighted,
-                      store_row, quantize_fp8, dequantize_fp8};
+    return RowKernels{isa,
+                      convert,
+                      fold_unweighted<Add>,
+                      fold<AddWeighted>,
+                      fold_unweighted<Start>,
+                      fold<StartWeighted>,
+                      fold_unweighted<Term>,
+                      fold<TermWeighted>,
+                      scale,
+                      store_row,
+                      dot_chains,
+                      quantize_fp8,
+                      dequantize_fp8};
   }
 };
 

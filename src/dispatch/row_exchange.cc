@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/row_kernels.h"
+
 namespace moed {
 
 namespace {
@@ -261,7 +263,7 @@ Tensor RowExchangeDispatcher::sum_partials(const ReturnState& st) const {
   const int64_t H = st.received.cols;
   const std::vector<int64_t> recv_off = prefix(plan.home_rows_of_rank);
   Tensor out = Tensor::empty(DType::kF32, plan.home.num_rows, H);
-  const bool bf = st.received.dtype == DType::kBF16;
+  const internal::RowKernels& kernels = internal::row_kernels();
   world_->pool().parallel_for(
       plan.home.num_rows,
       [&](int64_t begin, int64_t end, int) {
@@ -271,17 +273,12 @@ Tensor RowExchangeDispatcher::sum_partials(const ReturnState& st) const {
               end, plan.home_offset_of_rank[size_t(g0)] + plan.home_rows_of_rank[size_t(g0)]);
           for (int64_t i = lo; i < hi; ++i) {
             float* acc = out.row<float>(i);
-            std::fill(acc, acc + H, 0.0f);
             const int64_t k = i - plan.home_offset_of_rank[size_t(g0)];
+            // fp32 from 0: the first partial is 0 + y (P > 1 here).
             for (int p = 0; p < P; ++p) {
               const int64_t r = recv_off[size_t(g0 + p)] + k;
-              if (bf) {
-                const bf16* y = st.received.row<bf16>(r);
-                for (int64_t h = 0; h < H; ++h) acc[h] += bf16_to_float(y[h]);
-              } else {
-                const float* y = st.received.row<float>(r);
-                for (int64_t h = 0; h < H; ++h) acc[h] += y[h];
-              }
+              (p == 0 ? kernels.start : kernels.accumulate)(acc, st.received.row_ptr(r),
+                                                            st.received.dtype, size_t(H));
             }
           }
         }

@@ -5,8 +5,8 @@
 
 #include <cstring>
 
+#include "core/row_kernels.h"
 #include "permute/checks.h"
-#include "permute/row_kernels.h"
 
 namespace moed {
 
@@ -31,9 +31,8 @@ Status permute_rows_into(const TokenRows& tokens, const PermuteLayout& layout, c
   const int32_t* idx = layout.sorted_indices.data();
   // NOTE: a large output goes around the caches (as a large memcpy does); a small one stays
   // in them for the experts that read it next.
-  const bool stream =
-      size_t(layout.num_rows) * row_bytes >= permute_internal::kStreamThresholdBytes;
-  const auto copy = stream ? permute_internal::stream_copy
+  const bool stream = size_t(layout.num_rows) * row_bytes >= internal::kStreamThresholdBytes;
+  const auto copy = stream ? internal::stream_copy
                            : +[](void* d, const void* s, size_t n) { std::memcpy(d, s, n); };
   // NOTE: rows of several KB each; 16 rows per chunk keeps tiny problems on one thread.
   pool.parallel_for(
@@ -42,7 +41,7 @@ Status permute_rows_into(const TokenRows& tokens, const PermuteLayout& layout, c
         for (int64_t r = b; r < e; ++r) {
           const int32_t t = idx[r];
           if (r + 1 < e && idx[r + 1] >= 0) {
-            permute_internal::prefetch_row(tokens.x.row_ptr(idx[r + 1]), row_bytes);
+            internal::prefetch_row(tokens.x.row_ptr(idx[r + 1]), row_bytes);
           }
           if (t >= 0) {
             copy(out.x.row_ptr(r), tokens.x.row_ptr(t), row_bytes);
@@ -52,7 +51,7 @@ Status permute_rows_into(const TokenRows& tokens, const PermuteLayout& layout, c
             if (fp8) std::memset(out.scales.row_ptr(r), 0, scale_bytes);  // 0.0f
           }
         }
-        if (stream) permute_internal::stream_fence();
+        if (stream) internal::stream_fence();
       },
       16);
   return ok_status();

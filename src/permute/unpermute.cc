@@ -7,18 +7,17 @@
 // the result is bitwise identical for any thread count.
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
+#include "core/row_kernels.h"
 #include "moed/permute.h"
 #include "permute/checks.h"
-#include "permute/row_kernels.h"
 
 namespace moed {
 
+using internal::row_kernels;
+using internal::RowKernels;
 using permute_internal::check_float_rows;
-using permute_internal::row_kernels;
-using permute_internal::RowKernels;
 
 namespace {
 
@@ -43,7 +42,8 @@ Status check_indices(std::span<const int32_t> sorted_indices, int64_t num_tokens
 void reduce_token(const RowKernels& k, const TensorView& rows, const int64_t* list, int64_t count,
                   const float* probs, void* out_row, float* acc, bool stream, bf16* tmp) {
   const int64_t H = rows.cols;
-  const bool bf = rows.dtype == DType::kBF16;
+  const DType dt = rows.dtype;
+  const bool bf = dt == DType::kBF16;
   if (count == 0) {
     std::memset(out_row, 0, rows.row_bytes());
     return;
@@ -52,80 +52,51 @@ void reduce_token(const RowKernels& k, const TensorView& rows, const int64_t* li
     const int64_t n = std::min(kBlock, H - hb);
     for (int64_t c = 0; c < count; ++c) {
       const int64_t r = list[c];
-      if (bf) {
-        const bf16* y = rows.row<bf16>(r) + hb;
-        if (probs) {
-          (c == 0 ? k.first_weighted_bf16 : k.add_weighted_bf16)(acc, y, probs[r], n);
-        } else {
-          (c == 0 ? k.first_bf16 : k.add_bf16)(acc, y, n);
-        }
+      const void* y = static_cast<const char*>(rows.row_ptr(r)) + size_t(hb) * dtype_size(dt);
+      if (probs) {
+        (c == 0 ? k.start_weighted : k.accumulate_weighted)(acc, y, dt, probs[r], size_t(n));
       } else {
-        const float* y = rows.row<float>(r) + hb;
-        if (probs) {
-          (c == 0 ? k.first_weighted_f32 : k.add_weighted_f32)(acc, y, probs[r], n);
-        } else {
-          (c == 0 ? k.first_f32 : k.add_f32)(acc, y, n);
-        }
+        (c == 0 ? k.start : k.accumulate)(acc, y, dt, size_t(n));
       }
     }
     if (bf && stream) {
-      k.store_bf16(tmp, acc, n);
-      permute_internal::stream_copy(static_cast<bf16*>(out_row) + hb, tmp, size_t(n) * 2);
+      k.store(acc, tmp, DType::kBF16, size_t(n));
+      internal::stream_copy(static_cast<bf16*>(out_row) + hb, tmp, size_t(n) * 2);
     } else if (bf) {
-      k.store_bf16(static_cast<bf16*>(out_row) + hb, acc, n);
+      k.store(acc, static_cast<bf16*>(out_row) + hb, DType::kBF16, size_t(n));
     } else if (stream) {
-      permute_internal::stream_copy(static_cast<float*>(out_row) + hb, acc, size_t(n) * 4);
+      internal::stream_copy(static_cast<float*>(out_row) + hb, acc, size_t(n) * 4);
     } else {
       std::memcpy(static_cast<float*>(out_row) + hb, acc, size_t(n) * 4);
     }
   }
 }
 
-template <typename T>
-float load_as_float(const T* p, int64_t h) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    return bf16_to_float(p[h]);
-  } else {
-    return p[h];
-  }
-}
-
-// d = fp32 0; for h ascending: d += float(g[h]) * float(y[h]). Each chain is sequential by
-// definition; Q rows at a time keep Q independent chains in flight.
-template <int Q, typename G, typename Y>
-void dot_group(const TensorView& grad_out, const TensorView& rows, const int32_t* idx,
-               const int64_t* group, float* out) {
-  const G* g[Q];
-  const Y* y[Q];
-  float d[Q];
-  for (int q = 0; q < Q; ++q) {
-    g[q] = grad_out.row<G>(idx[group[q]]);
-    y[q] = rows.row<Y>(group[q]);
-    d[q] = 0.0f;
-  }
-  for (int64_t h = 0; h < rows.cols; ++h) {
-    for (int q = 0; q < Q; ++q) d[q] = d[q] + load_as_float(g[q], h) * load_as_float(y[q], h);
-  }
-  for (int q = 0; q < Q; ++q) out[group[q]] = d[q];
-}
-
-template <typename G, typename Y>
-void dot_rows(const TensorView& grad_out, const TensorView& rows, const int32_t* idx, int64_t b,
-              int64_t e, float* out) {
+// d = fp32 0; for h ascending: d += float(g[h]) * float(y[h]) for rows b..e of one worker.
+// Each chain is sequential by definition; the kernel keeps up to 4 chains in flight.
+void dot_rows(const RowKernels& k, const TensorView& grad_out, const TensorView& rows,
+              const int32_t* idx, int64_t b, int64_t e, float* out) {
+  const void* g[4];
+  const void* y[4];
   int64_t group[4];
+  float d[4];
   int n = 0;
+  auto flush = [&] {
+    k.dot(g, grad_out.dtype, y, rows.dtype, n, size_t(rows.cols), d);
+    for (int q = 0; q < n; ++q) out[group[q]] = d[q];
+    n = 0;
+  };
   for (int64_t i = b; i < e; ++i) {
     if (idx[i] < 0) {
       out[i] = 0.0f;
       continue;
     }
+    g[n] = grad_out.row_ptr(idx[i]);
+    y[n] = rows.row_ptr(i);
     group[n++] = i;
-    if (n == 4) {
-      dot_group<4, G, Y>(grad_out, rows, idx, group, out);
-      n = 0;
-    }
+    if (n == 4) flush();
   }
-  for (int q = 0; q < n; ++q) dot_group<1, G, Y>(grad_out, rows, idx, group + q, out);
+  if (n) flush();
 }
 
 }  // namespace
@@ -153,7 +124,7 @@ Status unpermute_into(const TensorView& rows, std::span<const int32_t> sorted_in
   const RowKernels& k = row_kernels();
   const int32_t* idx = sorted_indices.data();
   const float* p = probs.empty() ? nullptr : probs.data();
-  const bool stream = size_t(T) * out.row_bytes() >= permute_internal::kStreamThresholdBytes;
+  const bool stream = size_t(T) * out.row_bytes() >= internal::kStreamThresholdBytes;
   pool.parallel_for(T, [&](int64_t tb, int64_t te, int) {
     // This worker's tokens' rows, grouped by token, each group in row order (counting sort).
     std::vector<int64_t> start(size_t(te - tb) + 1, 0);
@@ -174,7 +145,7 @@ Status unpermute_into(const TensorView& rows, std::span<const int32_t> sorted_in
       reduce_token(k, rows, list.data() + start[j], start[j + 1] - start[j], p, out.row_ptr(t),
                    acc.data(), stream, tmp.data());
     }
-    if (stream) permute_internal::stream_fence();
+    if (stream) internal::stream_fence();
   });
   return ok_status();
 }
@@ -229,7 +200,6 @@ StatusOr<UnpermuteGrad> unpermute_backward(const TensorView& grad_out,
   const TensorView out = g.grad_rows.view();
   const RowKernels& k = row_kernels();
   const int32_t* idx = sorted_indices.data();
-  const bool bf = grad_out.dtype == DType::kBF16;
   const size_t row_bytes = grad_out.row_bytes();
   pool.parallel_for(
       N,
@@ -240,19 +210,13 @@ StatusOr<UnpermuteGrad> unpermute_backward(const TensorView& grad_out,
             std::memset(out.row_ptr(i), 0, row_bytes);
           } else if (!weighted) {
             std::memcpy(out.row_ptr(i), grad_out.row_ptr(t), row_bytes);
-          } else if (bf) {
-            k.scale_bf16(out.row<bf16>(i), grad_out.row<bf16>(t), probs[size_t(i)], out.cols);
           } else {
-            k.scale_f32(out.row<float>(i), grad_out.row<float>(t), probs[size_t(i)], out.cols);
+            k.scale(out.row_ptr(i), grad_out.row_ptr(t), grad_out.dtype, probs[size_t(i)],
+                    size_t(out.cols));
           }
         }
         if (!weighted) return;
-        float* d = g.grad_row_probs.data();
-        const bool ybf = rows.dtype == DType::kBF16;
-        if (bf && ybf) dot_rows<bf16, bf16>(grad_out, rows, idx, b, e, d);
-        if (bf && !ybf) dot_rows<bf16, float>(grad_out, rows, idx, b, e, d);
-        if (!bf && ybf) dot_rows<float, bf16>(grad_out, rows, idx, b, e, d);
-        if (!bf && !ybf) dot_rows<float, float>(grad_out, rows, idx, b, e, d);
+        dot_rows(k, grad_out, rows, idx, b, e, g.grad_row_probs.data());
       },
       16);
   return g;

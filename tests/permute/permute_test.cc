@@ -6,7 +6,6 @@
 
 #include <memory>
 
-#include "permute/row_kernels.h"
 #include "permute/test_util.h"
 
 namespace moed {
@@ -306,53 +305,6 @@ TEST(RoundTrip, CombineOfDispatchIsXTimesSumOfProbs) {
         ASSERT_EQ(permute_test::to_float(pg->grad_tokens.view(), t, h), want);
       }
     }
-  }
-}
-
-TEST(RowKernels, VectorPathsEqualPortableBitForBit) {
-  using permute_internal::row_kernels_variant;
-  const permute_internal::RowKernels* portable = row_kernels_variant("portable");
-  ASSERT_NE(portable, nullptr);
-  std::mt19937 rng(5);
-  const int64_t n = 1000;
-  std::vector<float> a(n), acc0(n), acc1(n);
-  std::vector<bf16> b(n), o0(n), o1(n);
-  for (int64_t i = 0; i < n; ++i) {
-    // Random bit patterns: NaNs, infinities, subnormals, signed zeros all appear.
-    a[size_t(i)] = bits_to_float(rng());
-    b[size_t(i)] = bf16{uint16_t(rng())};
-  }
-  a[0] = -0.0f;
-  a[1] = bits_to_float(0x7f800000u);
-  b[0] = bf16{0x8000};
-  for (const char* name : {"avx2", "avx512"}) {
-    const permute_internal::RowKernels* k = row_kernels_variant(name);
-    if (!k) continue;
-    SCOPED_TRACE(name);
-    auto same = [&](const std::vector<float>& x, const std::vector<float>& y) {
-      return std::memcmp(x.data(), y.data(), size_t(n) * 4) == 0;
-    };
-    portable->first_f32(acc0.data(), a.data(), n);
-    k->first_f32(acc1.data(), a.data(), n);
-    EXPECT_TRUE(same(acc0, acc1));
-    portable->add_bf16(acc0.data(), b.data(), n);
-    k->add_bf16(acc1.data(), b.data(), n);
-    EXPECT_TRUE(same(acc0, acc1));
-    portable->add_weighted_f32(acc0.data(), a.data(), 0.3f, n);
-    k->add_weighted_f32(acc1.data(), a.data(), 0.3f, n);
-    EXPECT_TRUE(same(acc0, acc1));
-    portable->first_weighted_bf16(acc0.data(), b.data(), 1.7f, n);
-    k->first_weighted_bf16(acc1.data(), b.data(), 1.7f, n);
-    EXPECT_TRUE(same(acc0, acc1));
-    portable->store_bf16(o0.data(), a.data(), n);
-    k->store_bf16(o1.data(), a.data(), n);
-    EXPECT_EQ(std::memcmp(o0.data(), o1.data(), size_t(n) * 2), 0);
-    for (int64_t i = 0; i < n; ++i) {
-      ASSERT_EQ(o0[size_t(i)].bits, float_to_bf16(a[size_t(i)]).bits) << i;
-    }
-    portable->scale_bf16(o0.data(), b.data(), 0.7f, n);
-    k->scale_bf16(o1.data(), b.data(), 0.7f, n);
-    EXPECT_EQ(std::memcmp(o0.data(), o1.data(), size_t(n) * 2), 0);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/row_kernels.h"
 #include "dispatch/prepare.h"
 #include "moed/dispatcher.h"
 #include "moed/flex.h"
@@ -168,19 +169,44 @@ class Signals {
   std::shared_ptr<SharedBuffer> buffer_;
 };
 
-// ---- row kernels (vectorised where the CPU allows; bit-identical to scalar) ----
+// ---- row kernels: thin names over core's one table (core/row_kernels.h) ----
 // acc[i] = acc[i] + (0 + float(src[i]))     (weighted: acc[i] + w * (0 + float(src[i])))
-void add_term_raw(float* acc, const void* src, DType dt, bool weighted, float w, int64_t n);
+inline void add_term_raw(float* acc, const void* src, DType dt, bool weighted, float w, int64_t n) {
+  const internal::RowKernels& k = internal::row_kernels();
+  if (weighted) {
+    k.add_term_weighted(acc, src, dt, w, size_t(n));
+  } else {
+    k.add_term(acc, src, dt, size_t(n));
+  }
+}
 // term[i] = term[i] + float(src[i])
-void accumulate_raw(float* term, const void* src, DType dt, int64_t n);
+inline void accumulate_raw(float* term, const void* src, DType dt, int64_t n) {
+  internal::row_kernels().accumulate(term, src, dt, size_t(n));
+}
 // acc[i] = acc[i] + term[i]   (weighted: acc[i] + w * term[i])
-void add_term_f32(float* acc, const float* term, bool weighted, float w, int64_t n);
+inline void add_term_f32(float* acc, const float* term, bool weighted, float w, int64_t n) {
+  const internal::RowKernels& k = internal::row_kernels();
+  if (weighted) {
+    k.accumulate_weighted(acc, term, DType::kF32, w, size_t(n));
+  } else {
+    k.accumulate(acc, term, DType::kF32, size_t(n));
+  }
+}
 // dst = round(w * float(src)) in dt
-void scale_row(void* dst, const void* src, DType dt, float w, int64_t n);
+inline void scale_row(void* dst, const void* src, DType dt, float w, int64_t n) {
+  internal::row_kernels().scale(dst, src, dt, w, size_t(n));
+}
 // f32 acc -> dt (bf16: round to nearest even)
-void store_row(void* dst, const float* acc, DType dt, int64_t n);
+inline void store_row(void* dst, const float* acc, DType dt, int64_t n) {
+  internal::row_kernels().store(acc, dst, dt, size_t(n));
+}
 // d = 0; for h ascending: d += float(g[h]) * term[h]
-float dot_row(const void* g, DType dt, const float* term, int64_t n);
+inline float dot_row(const void* g, DType dt, const float* term, int64_t n) {
+  const void* t = term;
+  float d;
+  internal::row_kernels().dot(&g, dt, &t, DType::kF32, 1, size_t(n), &d);
+  return d;
+}
 
 // ---- engines ----
 struct DispatchContext {

@@ -6,10 +6,7 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
+#include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
 
 namespace moed {
@@ -80,33 +77,6 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
   return ok_status();
 }
 
-// acc[h] += w * float(y[h]) for h < n: one rounded multiply and one rounded add per element,
-// so every vector width gives the scalar loop's bits.
-void accumulate_scalar(float* acc, const bf16* y, float w, int n) {
-  for (int h = 0; h < n; ++h) acc[h] += w * bf16_to_float(y[h]);
-}
-
-#if defined(__x86_64__)
-__attribute__((target("avx2"))) void accumulate_avx2(float* acc, const bf16* y, float w, int n) {
-  const __m256 wv = _mm256_set1_ps(w);
-  int h = 0;
-  for (; h + 8 <= n; h += 8) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(y + h));
-    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
-    _mm256_storeu_ps(acc + h, _mm256_add_ps(_mm256_loadu_ps(acc + h), _mm256_mul_ps(wv, f)));
-  }
-  accumulate_scalar(acc + h, y + h, w, n - h);
-}
-#endif
-
-using AccumulateFn = void (*)(float*, const bf16*, float, int);
-AccumulateFn pick_accumulate() {
-#if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2")) return accumulate_avx2;
-#endif
-  return accumulate_scalar;
-}
-
 // Rows [from, from + n) of x, packed at `to`.
 void copy_rows(std::byte* to, const TensorView& x, int64_t from, int32_t n, size_t row_bytes) {
   if (x.contiguous()) {
@@ -137,7 +107,7 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   MOED_RETURN_IF_ERROR(net);
 
   const auto* y = reinterpret_cast<const bf16*>(st.local() + lay.combine_y[half]);
-  static const AccumulateFn accumulate = pick_accumulate();
+  const internal::RowKernels& k = internal::row_kernels();
   w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
     std::vector<float> acc(static_cast<size_t>(H));
     struct Term {
@@ -156,9 +126,9 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (const Term& term : terms) {
         const bf16* row = y + (size_t(term.e) * size_t(lay.max_tokens) + size_t(term.slot)) * H;
-        accumulate(acc.data(), row, term.weight, H);
+        k.accumulate_weighted(acc.data(), row, DType::kBF16, term.weight, size_t(H));
       }
-      convert_f32_to_bf16(acc, std::span<bf16>(out.row<bf16>(t), size_t(H)));
+      k.store(acc.data(), out.row<bf16>(t), DType::kBF16, size_t(H));
     }
   });
   return ok_status();
