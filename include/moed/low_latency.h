@@ -85,7 +85,9 @@ struct LowLatencyDispatchOutput {
   std::span<const int32_t> src_info;              // [L * R * M] source token index of each row
   std::span<const LowLatencyRange> layout_range;  // [L * R]: rows of source s in expert j
   std::shared_ptr<const LowLatencyHandle> handle;
-  Request hook;  // non-null with return_recv_hook
+  // Never null: with return_recv_hook the receive half (wait() runs it; ready() is false
+  // until then), else an already-completed request.
+  Request hook;
 
   TensorView expert_x(int j) const {
     return recv.x.slice_rows(j * rows_per_expert, rows_per_expert);
@@ -106,7 +108,7 @@ struct LowLatencyCombineOutput {
   // [T, H] bf16: for each token, fp32 acc = 0; for its experts e ascending: acc += w_e * y_e;
   // rounded once. Tokens with no expert are 0. Valid after hook->wait() with a hook.
   Tensor combined_x;
-  Request hook;  // non-null with return_recv_hook
+  Request hook;  // never null: the receive half with return_recv_hook, else completed
 };
 
 class LowLatencyBuffer {

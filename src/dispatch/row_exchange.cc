@@ -343,7 +343,7 @@ Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
 
 StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
   MOED_RETURN_IF_ERROR(send_return(combine_));
-  return Request();
+  return completed_request();
 }
 
 StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
@@ -392,7 +392,7 @@ Status RowExchangeDispatcher::dispatch_postprocess_backward(const DispatchGradIn
 
 StatusOr<Request> RowExchangeDispatcher::token_dispatch_backward(bool async) {
   MOED_RETURN_IF_ERROR(send_return(dispatch_grad_));
-  return Request();
+  return completed_request();
 }
 
 StatusOr<DispatchGrad> RowExchangeDispatcher::dispatch_preprocess_backward() {

@@ -111,7 +111,7 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
       T, g.probs.data()));
   d_.hidden = TokenRows{};
   d_.stage = 2;
-  return Request();
+  return completed_request();
 }
 
 StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
@@ -175,7 +175,7 @@ StatusOr<Request> AllGatherDispatcher::token_combine_backward(bool async) {
     cg_.home.grad_rows = Tensor();
   }
   cg_.stage = 2;
-  return Request();
+  return completed_request();
 }
 
 StatusOr<CombineGrad> AllGatherDispatcher::combine_preprocess_backward() {

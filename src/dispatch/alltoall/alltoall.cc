@@ -91,7 +91,7 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
       move(plan.home.sorted_indices.data(), d_.received_tokens.data(), sizeof(int32_t)));
   d_.permuted = TokenRows{};
   d_.stage = 2;
-  return Request();
+  return completed_request();
 }
 
 StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
@@ -154,7 +154,7 @@ StatusOr<Request> AlltoAllDispatcher::token_combine_backward(bool async) {
                                            cg_.received.data, cg_.received.row_bytes()));
   cg_.home.grad_rows = Tensor();
   cg_.stage = 3;
-  return Request();
+  return completed_request();
 }
 
 StatusOr<CombineGrad> AlltoAllDispatcher::combine_preprocess_backward() {

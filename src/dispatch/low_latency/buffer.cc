@@ -27,6 +27,7 @@ class ReceiveHook final : public PendingOp {
     }
     return result_;
   }
+  bool ready() override { return done_; }  // the receive runs inside wait()
 
  private:
   std::function<Status()> receive_;
