@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "dispatch/flex/flex_internal.h"
+#include "routing/dispatch_layout.h"
 
 namespace moed::flex {
 
@@ -82,12 +83,23 @@ std::shared_ptr<FlexHandle> notify_local(World& world, const DispatchConfig& con
   const int C = config.num_channels > 0 ? config.num_channels : world.pool().num_threads();
   h->send = make_send_plan(topo, h->routes, C, world.pool());
 
-  // This rank's row of the exchange: [T, C_s, counts[E], tokens_per_node[N]].
+  // This rank's row of the exchange: [T, C_s, counts[E], tokens_per_node[N]], the counts from
+  // routing's dispatch layout (DeepEP's get_dispatch_layout) of the effective routing.
+  const DispatchLayout layout =
+      count_dispatch_layout(input.effective, topo.num_ranks, topo.ranks_per_node, topo.etp_size);
   row->assign(notify_row_width(topo), 0);
   (*row)[0] = input.num_tokens;
   (*row)[1] = input.capacity;
-  std::copy(input.tokens_per_expert.begin(), input.tokens_per_expert.end(), row->begin() + 2);
-  for (int m = 0; m < N; ++m) (*row)[2 + size_t(E) + m] = h->send.node_tokens[size_t(C) * N + m];
+  std::copy(layout.num_tokens_per_expert.begin(), layout.num_tokens_per_expert.end(),
+            row->begin() + 2);
+  std::copy(layout.num_tokens_per_node.begin(), layout.num_tokens_per_node.end(),
+            row->begin() + 2 + E);
+  // The send plan's channel prefixes must end where the layout's totals are.
+  for (int m = 0; m < N; ++m) {
+    MOED_CHECK(h->send.node_tokens[size_t(C) * N + m] == layout.num_tokens_per_node[size_t(m)],
+               "node ", m, ": send plan ", h->send.node_tokens[size_t(C) * N + m], " != layout ",
+               layout.num_tokens_per_node[size_t(m)]);
+  }
 
   h->kind = DispatcherKind::kFlex;
   h->hidden = input.hidden;
