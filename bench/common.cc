@@ -192,10 +192,11 @@ StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn) {
   const TrafficCounters before = w.counters();
   MOED_RETURN_IF_ERROR(fn());
   const TrafficCounters& after = w.counters();
-  const int64_t mine[2] = {int64_t(after.network_bytes - before.network_bytes),
-                           int64_t(after.shared_bytes - before.shared_bytes)};
+  const int64_t mine[3] = {int64_t(after.network_bytes - before.network_bytes),
+                           int64_t(after.shared_bytes - before.shared_bytes),
+                           int64_t(after.collectives - before.collectives)};
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> sums, sum_ranks(w, mine));
-  return Traffic{uint64_t(sums[0]), uint64_t(sums[1])};
+  return Traffic{uint64_t(sums[0]), uint64_t(sums[1]), double(sums[2]) / double(w.size())};
 }
 
 nlohmann::json shape_record(std::string_view suite, const Shape& s, int threads, int iters,

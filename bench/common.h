@@ -98,6 +98,7 @@ StatusOr<bool> all_ranks_ok(World& w, bool ok);
 struct Traffic {
   uint64_t network_bytes = 0;
   uint64_t shared_bytes = 0;
+  double collectives = 0;  // TrafficCounters::collectives of one call, mean over ranks
 };
 // Runs fn once, untimed, and returns the traffic the world's counters saw it move.
 StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn);

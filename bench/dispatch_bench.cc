@@ -10,7 +10,8 @@
 // outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
 // flex_expert_output_buffer, where experts write them). Every dispatcher's output is checked
 // against the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes
-// and shared_bytes are the world's counters for one iteration, summed over ranks. With several
+// and shared_bytes are the world's counters for one iteration, summed over ranks; collectives
+// is the collectives one call entered on each rank (TrafficCounters, mean over ranks). With several
 // nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a flat all-to-all of
 // the same routing would send between nodes, and network_vs_flat = network_bytes / that.
 //
@@ -157,7 +158,10 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     DispatchOutput out;
     TokenRows expert_output;
     CombineOutput comb;
+    // NOTE: the previous output is dropped first, so its memory is reused (moed/dispatcher.h's
+    // lifetime rule: a held output would make the dispatcher write elsewhere).
     auto dispatch = [&]() -> Status {
+      out = DispatchOutput{};
       MOED_ASSIGN_OR_RETURN(out, d->dispatch(in));
       return ok_status();
     };
@@ -177,6 +181,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
       MOED_ASSIGN_OR_RETURN(comb, d->combine(CombineInput{expert_output, out.handle}));
       return ok_status();
     };
+    MOED_RETURN_IF_ERROR(dispatch());  // warm-up: the counted call allocates nothing
     MOED_ASSIGN_OR_RETURN(const Traffic dispatch_traffic, traffic_of(w, dispatch));
     MOED_RETURN_IF_ERROR(run_experts());
     MOED_ASSIGN_OR_RETURN(const Traffic combine_traffic, traffic_of(w, combine));
@@ -286,6 +291,7 @@ void run(const Args& a) {
                       {"seconds", f.seconds},
                       {"network_bytes", f.traffic.network_bytes},
                       {"shared_bytes", f.traffic.shared_bytes},
+                      {"collectives", f.traffic.collectives},
                       {"copy_gbps", measure_copy_gbps(bytes, threads)},
                       {"peak_rss_bytes", peak_rss_bytes()},
                       {"verified", f.verified}});

@@ -5,11 +5,29 @@
 //   MOED_ASSIGN_OR_RETURN(auto d, moed::TokenDispatcher::create(world, config));
 //   MOED_ASSIGN_OR_RETURN(moed::DispatchOutput out, d->dispatch({.hidden = x, .topk = &routing}));
 //   ... experts read out.expert_input, segment j has out.tokens_per_expert[j] rows ...
-//   MOED_ASSIGN_OR_RETURN(moed::CombineOutput y, d->combine({.expert_output = ey, .handle = out.handle}));
+//   MOED_ASSIGN_OR_RETURN(moed::CombineOutput y, d->combine({.expert_output = ey, .handle =
+//   out.handle}));
 //
 // Results are bitwise identical across dispatchers, backends and EP sizes (spec §3-§4).
 // Every call is collective over the world: all ranks call it, each with its own tokens.
 // Bad input on any rank is an error on every rank (World::agree), never a hang.
+//
+// Lifetime rule (every dispatcher, both worlds): an output stays valid and unchanged while the
+// caller holds it, whatever later calls on the dispatcher do.
+//   - DispatchOutput: holding it means holding any copy of its `storage` (the whole output, or
+//     just the shared_ptr). expert_input lives there; permuted_probs and tokens_per_expert live
+//     in `handle`, which is immutable once returned. A later dispatch writes elsewhere when
+//     the storage is still held (AllGather / AlltoAll: a fresh buffer from their pool; Flex: the
+//     next region of its ring) and reuses the memory once every copy is dropped, so a caller
+//     that drops each output before the next dispatch allocates nothing in the steady state.
+//     Flex in the MPI world only: the memory is an MPI shared window, freed collectively, so
+//     the output is valid while its dispatcher also lives (everywhere else it may outlive it).
+//   - CombineOutput, DispatchGrad, CombineGrad: owning Tensors and vectors; the caller's.
+//   - Inputs are read, never kept: views passed to a step must stay valid until the step that
+//     communicates (token_*) has completed (its request waited on).
+//   - flex_expert_output_buffer (moed/flex.h) is the one buffer the caller writes into that the
+//     dispatcher owns; its own rule is documented there.
+// Requests (moed/world.h) are never null: a step that ran synchronously returns a completed one.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +44,8 @@
 namespace moed {
 
 enum class DispatcherKind : uint8_t { kAllGather = 0, kAlltoAll = 1, kFlex = 2, kLowLatency = 3 };
-const char* dispatcher_kind_name(DispatcherKind k);  // "allgather", "alltoall", "flex", "low_latency"
+const char* dispatcher_kind_name(
+    DispatcherKind k);  // "allgather", "alltoall", "flex", "low_latency"
 StatusOr<DispatcherKind> parse_dispatcher_kind(std::string_view name);
 
 // One validated configuration for every dispatcher (DeepEP's Config, Megatron's
@@ -43,8 +62,12 @@ struct DispatchConfig {
   int64_t num_worst_tokens = 0;  // > 0: size the output for this many rows up front
   int num_channels = 0;          // worker threads owning token ranges; 0 = the world's pool
 
-  int effective_ep_size(int world_size) const { return ep_size > 0 ? ep_size : world_size / etp_size; }
-  int num_local_experts(int world_size) const { return num_experts / effective_ep_size(world_size); }
+  int effective_ep_size(int world_size) const {
+    return ep_size > 0 ? ep_size : world_size / etp_size;
+  }
+  int num_local_experts(int world_size) const {
+    return num_experts / effective_ep_size(world_size);
+  }
   // EP * ETP == world size, E % EP == 0, layout options valid, kind-specific options, ...
   Status validate(int world_size) const;
 };
@@ -71,8 +94,8 @@ class DispatchHandle {
 };
 
 struct DispatchInput {
-  TokenRows hidden;                    // [T, H] f32, bf16, or fp8 with scales; T may be 0
-  const TopkRouting* topk = nullptr;   // exactly one of topk / map
+  TokenRows hidden;                   // [T, H] f32, bf16, or fp8 with scales; T may be 0
+  const TopkRouting* topk = nullptr;  // exactly one of topk / map
   const RoutingMap* map = nullptr;
   // Flex cached mode: same routing as the dispatch that made this handle; skips notify.
   std::shared_ptr<const DispatchHandle> cached_handle;
@@ -80,10 +103,10 @@ struct DispatchInput {
 
 struct DispatchOutput {
   TokenRows expert_input;  // [num_rows, H] canonical layout, payload dtype (+ scales for fp8)
-  std::span<const float> permuted_probs;          // [num_rows] (owned by handle)
-  std::span<const int64_t> tokens_per_expert;     // [L] (owned by handle)
+  std::span<const float> permuted_probs;       // [num_rows] (owned by handle)
+  std::span<const int64_t> tokens_per_expert;  // [L] (owned by handle)
   std::shared_ptr<const DispatchHandle> handle;
-  std::shared_ptr<void> storage;  // keeps expert_input alive
+  std::shared_ptr<void> storage;  // holds expert_input unchanged (see the lifetime rule above)
   int64_t num_rows() const { return expert_input.x.rows; }
 };
 
@@ -93,13 +116,13 @@ struct CombineInput {
 };
 
 struct CombineOutput {
-  Tensor hidden;                     // [T, H], dtype of expert_output
-  std::vector<float> combined_probs; // [T] fp32 sum of each token's kept probs (as DeepEP returns)
+  Tensor hidden;                      // [T, H], dtype of expert_output
+  std::vector<float> combined_probs;  // [T] fp32 sum of each token's kept probs (as DeepEP returns)
 };
 
 // Backward of dispatch: gradients w.r.t. the dispatch outputs, back to the inputs.
 struct DispatchGradInput {
-  TensorView grad_expert_input;             // [num_rows, H] f32 or bf16
+  TensorView grad_expert_input;                // [num_rows, H] f32 or bf16
   std::span<const float> grad_permuted_probs;  // [num_rows] or empty
   std::shared_ptr<const DispatchHandle> handle;
 };
@@ -123,7 +146,8 @@ class TokenDispatcher {
  public:
   // Builds the dispatcher named by config.kind (not kLowLatency: see moed/low_latency.h).
   // Validates config against the world; collective (every rank must call it).
-  static StatusOr<std::unique_ptr<TokenDispatcher>> create(World& world, const DispatchConfig& config);
+  static StatusOr<std::unique_ptr<TokenDispatcher>> create(World& world,
+                                                           const DispatchConfig& config);
   virtual ~TokenDispatcher() = default;
 
   const DispatchConfig& config() const { return config_; }
@@ -133,8 +157,10 @@ class TokenDispatcher {
   // Megatron; one dispatch and one combine may be in progress at a time.
   virtual Status dispatch_preprocess(const DispatchInput& input) = 0;  // local only
   // Communicates. async = true may return before the data has moved: wait on the request
-  // before dispatch_postprocess (run the shared expert meanwhile). async = false returns a
-  // completed (possibly null) request.
+  // before dispatch_postprocess (run the shared expert meanwhile); it really runs in the
+  // background only where the world allows calls from any thread (World::calls_from_any_thread),
+  // else it runs now. async = false runs now. The request is never null (ready() polls).
+  // Errors in the input of the preprocess step show here (or in wait()), on every rank.
   virtual StatusOr<Request> token_dispatch(bool async) = 0;
   virtual StatusOr<DispatchOutput> dispatch_postprocess() = 0;  // local only
   virtual Status combine_preprocess(const CombineInput& input) = 0;

@@ -66,7 +66,7 @@ struct LowLatencyHandle {
 
 struct LowLatencyDispatchInput {
   TensorView x;                       // [T, H] bf16, T <= max_tokens_per_rank (T may be 0)
-  const TopkRouting* topk = nullptr;  // topk_idx [T, K] in [-1, E); weights are not read
+  const TopkRouting* topk = nullptr;  // topk_idx [T, K] in [-1, E); weights travel as recv_probs
   bool use_fp8 = false;               // cast to FP8 E4M3 on the sending side, per 128 channels
   bool round_scale = false;           // FP8 scales rounded up to powers of two (UE8M0)
   bool return_recv_hook = false;      // return after the send phase; hook->wait() receives
@@ -81,11 +81,16 @@ struct LowLatencyDispatchOutput {
   // recv_x: [L * R * M, H] bf16 or fp8; expert j's rows start at j * rows_per_expert and the
   // first recv_count[j] are valid. recv_scales: [L * R * M, H / 128] f32 (fp8 only).
   TokenRows recv;
-  std::span<const int32_t> recv_count;            // [L]
-  std::span<const int32_t> src_info;              // [L * R * M] source token index of each row
+  std::span<const int32_t> recv_count;  // [L]
+  std::span<const int32_t> src_info;    // [L * R * M] source token index of each row
+  // [L * R * M] each row's prob: its token's topk_weights entry for the row's expert (0 when
+  // the dispatch's routing had no weights), so the expert side needs no routing of its own.
+  std::span<const float> recv_probs;
   std::span<const LowLatencyRange> layout_range;  // [L * R]: rows of source s in expert j
   std::shared_ptr<const LowLatencyHandle> handle;
-  Request hook;  // non-null with return_recv_hook
+  // Never null: with return_recv_hook the receive half (wait() runs it; ready() is false
+  // until then), else an already-completed request.
+  Request hook;
 
   TensorView expert_x(int j) const {
     return recv.x.slice_rows(j * rows_per_expert, rows_per_expert);
@@ -106,7 +111,7 @@ struct LowLatencyCombineOutput {
   // [T, H] bf16: for each token, fp32 acc = 0; for its experts e ascending: acc += w_e * y_e;
   // rounded once. Tokens with no expert are 0. Valid after hook->wait() with a hook.
   Tensor combined_x;
-  Request hook;  // non-null with return_recv_hook
+  Request hook;  // never null: the receive half with return_recv_hook, else completed
 };
 
 class LowLatencyBuffer {

@@ -41,8 +41,16 @@ class ThreadPool {
   // The range worker w of `workers` gets for n items (the same split parallel_for uses).
   static void split(int64_t n, int workers, int w, int64_t* begin, int64_t* end);
 
-  // The process-wide default pool (one thread per core), created on first use.
+  // The process-wide default pool, created on first use with set_global_threads()'s size if
+  // set, else one thread per core. Used by calls made without a World (permute, routing).
   static ThreadPool& global();
+  // Sets the size of the global pool (0 = one per core; negative: false). A pool already made
+  // with another size is replaced for later global() calls; the old one stays alive, idle,
+  // so references taken earlier stay valid. Thread-safe; call it before the hot loops start
+  // (e.g. right after import, with torch.get_num_threads()).
+  static bool set_global_threads(int num_threads);
+  // The size the global pool has or will have (without creating it).
+  static int global_threads();
 
  private:
   void worker_loop(int index);

@@ -47,18 +47,34 @@ struct TrafficCounters {
   uint64_t network_bytes = 0;  // sent over the network path (between nodes)
   uint64_t shared_rows = 0;    // token rows, where a dispatcher counts them
   uint64_t network_rows = 0;
+  // Collective calls this rank entered: each byte-level collective of World (barrier,
+  // broadcast, all-gather, all-to-all, reduce-scatter, all-reduce) and each alloc_shared
+  // (collective over the node) counts one, whatever the backend. agree() is one all-gather
+  // when every rank is OK. Point-to-point calls and shared-memory signals do not count.
+  uint64_t collectives = 0;
 };
 
 // A non-blocking operation to wait on (network send/recv, an asynchronous dispatch, ...).
 // Dropping a network request before wait() cancels it where it is still unmatched (as with
 // MPI, every send and receive should be waited on).
+//
+// NOTE: moed never hands out a null Request: a step that ran synchronously (or eagerly, as
+// the MPI world's async dispatch does) returns an already-completed one (completed_request),
+// whose ready() is true and whose wait() returns the step's status at once.
 class PendingOp {
  public:
   virtual ~PendingOp() = default;
-  // Blocks until done. Returns an error on peer failure or timeout.
+  // Blocks until done. Returns an error on peer failure or timeout. Calling it again returns
+  // the same status without blocking.
   virtual Status wait() = 0;
+  // Non-blocking poll: true once wait() would return without blocking. Never blocks, never
+  // fails (an error shows in wait()). A receive hook (moed/low_latency.h) runs its receive
+  // inside wait(), so it is ready only after wait().
+  virtual bool ready() = 0;
 };
 using Request = std::unique_ptr<PendingOp>;
+// A request that is already done with `status` (ready() is true; wait() returns status).
+Request completed_request(Status status = Status());
 // Waits for all, returns the first error (still waits for the rest where it can).
 Status wait_all(std::vector<Request>& requests);
 
@@ -104,9 +120,20 @@ struct WorldOptions {
   int ranks_per_node = 0;
   // How long any call waits for a peer before returning kDeadlineExceeded.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
-  // Worker threads per rank for hot loops. 0 = cores / ranks on this host, at least 1.
+  // Worker threads per rank for hot loops (the rank's ThreadPool, World::pool()). 0 = the
+  // process default: set_default_threads_per_rank() if set, else cores / ranks on this host,
+  // at least 1.
   int threads_per_rank = 0;
 };
+
+// The process-wide default for WorldOptions::threads_per_rank = 0, read when a world is made
+// (worlds made earlier keep their pools). 0 restores the built-in choice (cores / ranks on
+// this host). Lets moed share the cores with another runtime's threads, e.g. Python's
+// torch.get_num_threads(). Negative values are an error. Thread-safe.
+Status set_default_threads_per_rank(int threads);
+int default_threads_per_rank();  // 0 = the built-in choice
+// What a world of `ranks_on_host` ranks on this host uses for threads_per_rank = 0.
+int resolve_threads_per_rank(int threads_per_rank, int ranks_on_host);
 
 class World {
  public:
@@ -121,8 +148,17 @@ class World {
   int node_of(int rank) const { return rank / ranks_per_node_; }
   bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  // "threads" or "mpi".
+  // "threads" or "mpi". For display only: ask capabilities below, not names.
   virtual const char* backend_name() const = 0;
+  // True when every rank of the world lives in this process's address space (the threads
+  // world): a pointer from one rank's memory is readable by every other rank, so node-shared
+  // staging copies can be skipped. False for separate processes (MPI), where only memory from
+  // alloc_shared is shared within a node.
+  virtual bool shares_address_space() const = 0;
+  // True when this rank's World calls may be made from a thread other than the one that made
+  // the world (one at a time). The threads world allows it; MPI calls belong to the owning
+  // thread, so there an "async" step runs eagerly and returns a completed request.
+  virtual bool calls_from_any_thread() const { return false; }
 
   // This rank's worker pool for hot loops.
   ThreadPool& pool() { return *pool_; }

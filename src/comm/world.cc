@@ -9,6 +9,40 @@
 
 namespace moed {
 
+namespace {
+class CompletedOp final : public PendingOp {
+ public:
+  explicit CompletedOp(Status s) : status_(std::move(s)) {}
+  Status wait() override { return status_; }
+  bool ready() override { return true; }
+
+ private:
+  Status status_;
+};
+std::atomic<int> g_default_threads_per_rank{0};
+}  // namespace
+
+Request completed_request(Status status) {
+  return std::make_unique<CompletedOp>(std::move(status));
+}
+
+Status set_default_threads_per_rank(int threads) {
+  if (threads < 0) {
+    return invalid_argument("default threads_per_rank = ", threads, " must be >= 0 (0 = auto)");
+  }
+  g_default_threads_per_rank.store(threads);
+  return ok_status();
+}
+int default_threads_per_rank() { return g_default_threads_per_rank.load(); }
+
+int resolve_threads_per_rank(int threads_per_rank, int ranks_on_host) {
+  if (threads_per_rank > 0) return threads_per_rank;
+  const int d = g_default_threads_per_rank.load();
+  if (d > 0) return d;
+  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks_on_host));
+}
+
 Status wait_all(std::vector<Request>& requests) {
   Status first;
   for (auto& r : requests) {

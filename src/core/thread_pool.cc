@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <memory>
 
 namespace moed {
 
@@ -126,9 +127,47 @@ void ThreadPool::worker_loop(int index) {
   }
 }
 
+namespace {
+struct GlobalPool {
+  std::mutex mu;
+  int wanted = 0;  // 0 = one per core
+  ThreadPool* current = nullptr;
+  // NOTE: replaced pools are never destroyed: a caller may still hold a reference from an
+  // earlier global(), and idle workers only sleep on their condition variable.
+  std::vector<std::unique_ptr<ThreadPool>> pools;
+};
+GlobalPool& global_pool() {
+  static GlobalPool* g = new GlobalPool();  // never destroyed: no exit-order hazards
+  return *g;
+}
+int cores() { return int(std::max(1u, std::thread::hardware_concurrency())); }
+}  // namespace
+
 ThreadPool& ThreadPool::global() {
-  static ThreadPool pool(0);
-  return pool;
+  GlobalPool& g = global_pool();
+  std::lock_guard<std::mutex> lock(g.mu);
+  if (g.current == nullptr) {
+    g.pools.push_back(std::make_unique<ThreadPool>(g.wanted));
+    g.current = g.pools.back().get();
+  }
+  return *g.current;
+}
+
+bool ThreadPool::set_global_threads(int num_threads) {
+  if (num_threads < 0) return false;
+  GlobalPool& g = global_pool();
+  std::lock_guard<std::mutex> lock(g.mu);
+  g.wanted = num_threads;
+  const int n = num_threads > 0 ? num_threads : cores();
+  if (g.current != nullptr && g.current->num_threads() != n) g.current = nullptr;
+  return true;
+}
+
+int ThreadPool::global_threads() {
+  GlobalPool& g = global_pool();
+  std::lock_guard<std::mutex> lock(g.mu);
+  if (g.current != nullptr) return g.current->num_threads();
+  return g.wanted > 0 ? g.wanted : cores();
 }
 
 }  // namespace moed

@@ -6,10 +6,14 @@ namespace moed {
 
 const char* dispatcher_kind_name(DispatcherKind k) {
   switch (k) {
-    case DispatcherKind::kAllGather: return "allgather";
-    case DispatcherKind::kAlltoAll: return "alltoall";
-    case DispatcherKind::kFlex: return "flex";
-    case DispatcherKind::kLowLatency: return "low_latency";
+    case DispatcherKind::kAllGather:
+      return "allgather";
+    case DispatcherKind::kAlltoAll:
+      return "alltoall";
+    case DispatcherKind::kFlex:
+      return "flex";
+    case DispatcherKind::kLowLatency:
+      return "low_latency";
   }
   return "?";
 }
@@ -27,7 +31,8 @@ Status DispatchConfig::validate(int world_size) const {
   if (world_size <= 0) return invalid_argument("world size = ", world_size, " must be positive");
   if (num_experts <= 0) return invalid_argument("num_experts = ", num_experts, " must be positive");
   if (etp_size <= 0) return invalid_argument("etp_size = ", etp_size, " must be positive");
-  if (ep_size < 0) return invalid_argument("ep_size = ", ep_size, " must be positive (or 0 = auto)");
+  if (ep_size < 0)
+    return invalid_argument("ep_size = ", ep_size, " must be positive (or 0 = auto)");
   if (world_size % etp_size != 0 && ep_size == 0) {
     return invalid_argument("etp_size = ", etp_size, " does not divide world size ", world_size);
   }
@@ -54,7 +59,8 @@ Status DispatchConfig::validate(int world_size) const {
 namespace {
 Status wait_request(StatusOr<Request> r) {
   if (!r.ok()) return r.status();
-  return *r ? (*r)->wait() : ok_status();
+  MOED_CHECK(*r != nullptr, "a dispatcher step returned a null request");
+  return (*r)->wait();
 }
 }  // namespace
 

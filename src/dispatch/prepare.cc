@@ -41,33 +41,32 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
   } else {
     MOED_RETURN_IF_ERROR(validate(*input.map, config.num_experts));
     if (config.layout.capacity_factor && input.map->num_topk <= 0) {
-      return invalid_argument("capacity_factor needs the routing's num_topk; the routing map has "
-                              "num_topk = ", input.map->num_topk);
+      return invalid_argument(
+          "capacity_factor needs the routing's num_topk; the routing map has "
+          "num_topk = ",
+          input.map->num_topk);
     }
   }
   return ok_status();
 }
 
-}  // namespace
-
-StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfig& config,
-                                               const DispatchInput& input) {
-  MOED_RETURN_IF_ERROR(world.agree(check_local(config, input)));
-
+PreparedInput prepared_shapes(const DispatchInput& input) {
   PreparedInput p;
   p.num_tokens = input.hidden.x.rows;
   p.hidden = int(input.hidden.x.cols);
   p.dtype = input.hidden.x.dtype;
   p.num_topk = input.topk ? input.topk->num_topk : input.map->num_topk;
+  return p;
+}
 
-  // Shapes that must agree across ranks; every rank sees the same table and decides alike.
-  const std::array<int64_t, 3> mine = {p.hidden, int64_t(p.dtype), p.num_topk};
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
+}  // namespace
+
+Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t offset,
+                          int world_size) {
   static const char* const kNames[3] = {"hidden", "dtype", "num_topk"};
-  for (int r = 1; r < world.size(); ++r) {
-    for (int i = 0; i < 3; ++i) {
-      const int64_t a = all[i], b = all[size_t(r) * 3 + i];
+  for (int r = 1; r < world_size; ++r) {
+    for (size_t i = 0; i < 3; ++i) {
+      const int64_t a = table[offset + i], b = table[size_t(r) * width + offset + i];
       if (a == b) continue;
       if (i == 1) {
         return invalid_argument("dtype is ", dtype_name(DType(a)), " on rank 0 but ",
@@ -76,7 +75,13 @@ StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfi
       return invalid_argument(kNames[i], " = ", a, " on rank 0 but ", b, " on rank ", r);
     }
   }
+  return ok_status();
+}
 
+StatusOr<PreparedInput> prepare_dispatch_input_local(const DispatchConfig& config,
+                                                     const DispatchInput& input, ThreadPool& pool) {
+  MOED_RETURN_IF_ERROR(check_local(config, input));
+  PreparedInput p = prepared_shapes(input);
   const bool reshapes = config.layout.capacity_factor || config.layout.router_padding_multiple > 0;
   if (input.topk) {
     p.effective = to_map(*input.topk, config.num_experts);
@@ -87,8 +92,8 @@ StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfi
     // NOTE: the rank's own pool, never the global one: rank threads of the threads world would
     // otherwise queue behind each other on one pool.
     const RoutingMap& source = input.topk ? p.effective : *input.map;
-    MOED_ASSIGN_OR_RETURN(p.effective, apply_layout_options(source, p.num_topk, config.layout,
-                                                            &world.pool()));
+    MOED_ASSIGN_OR_RETURN(p.effective,
+                          apply_layout_options(source, p.num_topk, config.layout, &pool));
   }
   if (config.layout.capacity_factor) {
     p.capacity = expert_capacity(p.num_tokens, p.num_topk, config.num_experts,
@@ -101,6 +106,18 @@ StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfi
     for (int e = 0; e < E; ++e) p.tokens_per_expert[size_t(e)] += row[e];
   }
   return p;
+}
+
+StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfig& config,
+                                               const DispatchInput& input) {
+  MOED_RETURN_IF_ERROR(world.agree(check_local(config, input)));
+  // Shapes that must agree across ranks; every rank sees the same table and decides alike.
+  const PreparedInput shapes = prepared_shapes(input);
+  const std::array<int64_t, 3> mine = {shapes.hidden, int64_t(shapes.dtype), shapes.num_topk};
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
+  MOED_RETURN_IF_ERROR(check_shapes_agree(all, 3, 0, world.size()));
+  return prepare_dispatch_input_local(config, input, world.pool());
 }
 
 ExpertLayout compute_expert_layout(const DispatchConfig& config, int world_size, int rank,

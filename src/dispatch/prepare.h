@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "moed/dispatcher.h"
@@ -19,8 +20,8 @@ struct PreparedInput {
   int64_t num_tokens = 0;  // T on this rank
   int hidden = 0;          // H, the same on every rank (checked)
   DType dtype = DType::kF32;
-  int num_topk = 0;        // K, the same on every rank (checked)
-  RoutingMap effective;    // after dropping and router padding
+  int num_topk = 0;      // K, the same on every rank (checked)
+  RoutingMap effective;  // after dropping and router padding
   // Rows this rank sends to each global expert (count of routed tokens in `effective`), [E].
   std::vector<int64_t> tokens_per_expert;
   // C_s of this rank when capacity_factor is set (else 0).
@@ -33,6 +34,17 @@ struct PreparedInput {
 // Collective: every rank must call it.
 StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfig& config,
                                                const DispatchInput& input);
+
+// The same without any collective, for a dispatcher that folds the agreement into a count
+// exchange of its own (Flex): the local checks and the effective routing only. The caller
+// must then agree on the verdict and on hidden, dtype and num_topk itself (check_shapes_agree).
+StatusOr<PreparedInput> prepare_dispatch_input_local(const DispatchConfig& config,
+                                                     const DispatchInput& input, ThreadPool& pool);
+// Checks that hidden, dtype and num_topk are the same on every rank: table holds one row of
+// `width` int64 per rank, with {hidden, dtype, num_topk} at `offset`. The same error on every
+// rank ("hidden = 128 on rank 0 but 256 on rank 1").
+Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t offset,
+                          int world_size);
 
 // The canonical layout of rank `rank` (spec §3), from counts[s * E + e] (rows source s sends to
 // global expert e) and capacity[s] (C_s; used only with pad_to_capacity).

@@ -230,12 +230,13 @@ Status RowExchangeDispatcher::pack_return(ReturnState& st,
         value_rows(values), plan.chunk_sizes, plan.chunk_order, value_rows(st.packed_values),
         plan.chunk_offsets, world_->pool()));
   }
-  st.stage = 1;
+  st.stage = Stage::kPrepared;
   return ok_status();
 }
 
 Status RowExchangeDispatcher::send_return(ReturnState& st) {
-  if (st.stage != 1) return failed_precondition("the return exchange runs after its preprocess");
+  if (st.stage != Stage::kPrepared)
+    return failed_precondition("the return exchange runs after its preprocess");
   const RowExchangePlan& plan = st.handle->plan;
   int64_t n = 0;
   for (int64_t r : plan.home_rows_of_rank) n += r;
@@ -248,7 +249,7 @@ Status RowExchangeDispatcher::send_return(ReturnState& st) {
                                           st.received_values.data(), sizeof(float)));
   }
   st.packed = TensorView();
-  st.stage = 2;
+  st.stage = Stage::kExchanged;
   return ok_status();
 }
 
@@ -340,11 +341,12 @@ Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
 
 StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
   MOED_RETURN_IF_ERROR(send_return(combine_));
-  return Request();
+  return completed_request();
 }
 
 StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
-  if (combine_.stage != 2) return failed_precondition("combine_postprocess before token_combine");
+  if (combine_.stage != Stage::kExchanged)
+    return failed_precondition("combine_postprocess before token_combine");
   const ExchangeHandle& h = *combine_.handle;
   const Tensor summed = sum_partials(combine_);
   std::span<const float> probs;
@@ -389,11 +391,11 @@ Status RowExchangeDispatcher::dispatch_postprocess_backward(const DispatchGradIn
 
 StatusOr<Request> RowExchangeDispatcher::token_dispatch_backward(bool async) {
   MOED_RETURN_IF_ERROR(send_return(dispatch_grad_));
-  return Request();
+  return completed_request();
 }
 
 StatusOr<DispatchGrad> RowExchangeDispatcher::dispatch_preprocess_backward() {
-  if (dispatch_grad_.stage != 2) {
+  if (dispatch_grad_.stage != Stage::kExchanged) {
     return failed_precondition("dispatch_preprocess_backward before token_dispatch_backward");
   }
   const ExchangeHandle& h = *dispatch_grad_.handle;
@@ -438,12 +440,12 @@ Status RowExchangeDispatcher::start_combine_backward(const CombineGradInput& gra
     combine_grad_.expert_output = grad.expert_output.x;
     MOED_RETURN_IF_ERROR(pack_return(combine_grad_.y, *h, grad.expert_output.x, {}));
   }
-  combine_grad_.stage = 1;
+  combine_grad_.stage = Stage::kPrepared;
   return ok_status();
 }
 
 StatusOr<UnpermuteGrad> RowExchangeDispatcher::home_combine_backward() {
-  if (combine_grad_.stage != 1) {
+  if (combine_grad_.stage != Stage::kPrepared) {
     return failed_precondition("token_combine_backward before combine_postprocess_backward");
   }
   const RowExchangePlan& plan = combine_grad_.handle->plan;

@@ -33,6 +33,12 @@
 
 namespace moed {
 
+// Where a step's state is between the six steps (each dispatcher's per-step structs use it):
+// kPrepared after the preprocess step (rows permuted / packed, inputs checked), kHomeReady
+// when the home-side rows of a combine backward are ready to send (AlltoAll), kExchanged once
+// the communicating step has moved the rows (received / gathered).
+enum class Stage : uint8_t { kIdle, kPrepared, kHomeReady, kExchanged };
+
 // What every rank learns about every other in one all_gather.
 struct GlobalCounts {
   std::vector<int64_t> counts;      // [R * E] rows source s sends to global expert e
@@ -146,7 +152,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
     TensorView received;                 // [sum of home_rows_of_rank, H], rank-major
     std::vector<float> received_values;  // when values were sent
     bool has_values = false;
-    int stage = 0;  // 0 idle, 1 packed, 2 received
+    Stage stage = Stage::kIdle;  // kPrepared: packed; kExchanged: received
     ScratchBuffer packed_buffer;
     ScratchBuffer received_buffer;
 
@@ -157,7 +163,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
       packed_values.clear();
       received_values.clear();
       has_values = false;
-      stage = 0;
+      stage = Stage::kIdle;
     }
   };
   // Local: sorts rows (canonical layout of handle) back source-major, without padding.
@@ -189,14 +195,14 @@ class RowExchangeDispatcher : public TokenDispatcher {
     TensorView grad_out;       // [T, H], caller-owned until combine_preprocess_backward
     TensorView expert_output;  // when weighted
     ReturnState y;
-    int stage = 0;
+    Stage stage = Stage::kIdle;
 
     void reset() {
       handle.reset();
       grad_out = TensorView();
       expert_output = TensorView();
       y.reset();
-      stage = 0;
+      stage = Stage::kIdle;
     }
   };
   Status start_combine_backward(const CombineGradInput& grad);

@@ -1,10 +1,10 @@
 // The MoE layer on the low-latency dispatcher (moed/low_latency.h): bf16, fixed slots.
 //
-// NOTE: low-latency dispatch carries no probs, and its combine weights each expert's output.
-// To keep the layer's arithmetic identical to the other dispatchers (prob applied inside the
-// expert, unweighted combine: bitwise equal to the reference layer), the expert ranks learn
-// each received row's prob from one all-gather of the routing (T * K' ints and floats per
-// rank, small at decode sizes), and combine runs with unit weights, where acc += 1 * y is
+// NOTE: the low-latency combine weights each expert's output. To keep the layer's arithmetic
+// identical to the other dispatchers (prob applied inside the expert, unweighted combine:
+// bitwise equal to the reference layer), the experts take each received row's prob from the
+// dispatch's slots (recv_probs: the row's topk_weights entry travels with it, so no rank
+// gathers anyone's routing), and combine runs with unit weights, where acc += 1 * y is
 // exactly the unweighted sum. Backward reuses the same two calls: the combine's backward is a
 // low-latency dispatch of grad_output, the dispatch's backward a unit-weight low-latency
 // combine of the row gradients; the probs' gradients go home by one all-to-all.
@@ -64,11 +64,6 @@ StatusOr<Tensor> ll_forward(MoELayer::State& s, const TensorView& x) {
   std::fill(s.ll_unit_topk.topk_weights.begin(), s.ll_unit_topk.topk_weights.end(), 1.0f);
   MOED_ASSIGN_OR_RETURN(s.ll_dispatched, s.ll_buffer->low_latency_dispatch(
                                              {.x = x, .topk = &ro.topk, .return_recv_hook = true}));
-  // Every rank's routing, to find the prob of each received row.
-  const int kk = ro.topk.num_topk;
-  MOED_ASSIGN_OR_RETURN(std::vector<int> all_k, all_gather<int>(w, std::span<const int>(&kk, 1)));
-  MOED_ASSIGN_OR_RETURN(auto all_idx, all_gather_v<int32_t>(w, ro.topk.topk_idx));
-  MOED_ASSIGN_OR_RETURN(auto all_wt, all_gather_v<float>(w, ro.topk.topk_weights));
   double dispatch_s = seconds_since(t0);
 
   Tensor shared_y;
@@ -88,21 +83,13 @@ StatusOr<Tensor> ll_forward(MoELayer::State& s, const TensorView& x) {
   s.stats.tokens_per_local_expert.assign(size_t(L), 0);
   s.stats.dispatch_rows = 0;
   for (int j = 0; j < L; ++j) {
-    const int e = s.ep_rank * L + j;
     s.stats.tokens_per_local_expert[size_t(j)] = d.recv_count[size_t(j)];
     s.stats.dispatch_rows += d.recv_count[size_t(j)];
     for (int src = 0; src < R; ++src) {
       const LowLatencyRange range = d.layout_range[size_t(j) * R + size_t(src)];
-      const int ks = all_k[size_t(src)];
       for (int32_t i = range.begin; i < range.begin + range.count; ++i) {
         const int64_t row = j * rpe + i;
-        const int64_t t = d.src_info[size_t(row)];
-        float p = 0.0f;
-        for (int k = 0; k < ks; ++k) {
-          if (all_idx[size_t(src)][size_t(t * ks + k)] == e)
-            p = all_wt[size_t(src)][size_t(t * ks + k)];
-        }
-        s.ll_probs[size_t(row)] = p;
+        s.ll_probs[size_t(row)] = d.recv_probs[size_t(row)];
         s.ll_row_src_rank[size_t(row)] = src;
       }
     }

@@ -94,6 +94,9 @@ StatusOr<Tensor> MoELayer::forward(const TensorView& x) {
   // NOTE: the shared expert runs between token_dispatch(async) and its wait, so a dispatcher
   // that moves tokens in the background overlaps it (Megatron's shared-expert overlap).
   t0 = Clock::now();
+  // The previous step's output is not needed any more; dropped first, its memory is reused
+  // (a held output would make the dispatcher write elsewhere: moed/dispatcher.h).
+  s.dispatched = DispatchOutput{};
   MOED_RETURN_IF_ERROR(s.dispatcher->dispatch_preprocess({.hidden = TokenRows{s.x.view(), {}},
                                                           .map = &s.route.out.routing,
                                                           .cached_handle = nullptr}));

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "dispatch/flex/flex.h"
+#include "dispatch/flex/steps.h"
 #include "dispatch/harness.h"
 #include "moed/flex.h"
 #include "moed/reference.h"
@@ -115,7 +116,7 @@ TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
     DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
     MOED_RETURN_IF_ERROR(d->dispatch_preprocess(input));
     MOED_ASSIGN_OR_RETURN(Request req, d->token_dispatch(/*async=*/true));
-    if (req) MOED_RETURN_IF_ERROR(req->wait());  // null: already complete (MPI world)
+    MOED_RETURN_IF_ERROR(req->wait());  // never null; already complete in the MPI world
     MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch_postprocess());
     MOED_RETURN_IF_ERROR(expect(out.num_rows() == kWorst, "rows != num_worst_tokens"));
     MOED_RETURN_IF_ERROR(
@@ -150,7 +151,7 @@ TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
     MOED_ASSIGN_OR_RETURN(Request creq,
                           (d->combine_preprocess({.expert_output = {y, {}}, .handle = out.handle}),
                            d->token_combine(/*async=*/true)));
-    if (creq) MOED_RETURN_IF_ERROR(creq->wait());
+    MOED_RETURN_IF_ERROR(creq->wait());
     MOED_ASSIGN_OR_RETURN(CombineOutput got, d->combine_postprocess());
     std::vector<Tensor> ys;
     std::vector<TensorView> views;
@@ -196,11 +197,10 @@ TEST_P(FlexFeatures, NetworkBytesMatchAnalyticCount) {
     MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
     DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
     MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input));
-    // What cached mode's agreement costs on its own (one all-gather and one agree).
+    // What cached mode's agreement costs on its own (one all-gather of its row).
     w.reset_counters();
-    const int32_t one = 1;
-    MOED_RETURN_IF_ERROR(all_gather<int32_t>(w, std::span<const int32_t>(&one, 1)).status());
-    MOED_RETURN_IF_ERROR(w.agree(ok_status()));
+    const std::vector<int64_t> row(flex::dispatch_agreement_width(flex::Topology::of(w, cfg)));
+    MOED_RETURN_IF_ERROR(all_gather<int64_t>(w, std::span<const int64_t>(row)).status());
     const uint64_t overhead = w.counters().network_bytes;
     w.reset_counters();
     MOED_ASSIGN_OR_RETURN(DispatchOutput again,

@@ -37,6 +37,7 @@ void sum_rows(ThreadPool& pool, const float* rows, int ranks, size_t n, float* o
 
 Status MpiWorld::barrier() {
   MOED_RETURN_IF_ERROR(failure());
+  ++counters_.collectives;
   MPI_Request req;
   MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier"));
   auto what = [&] { return str_cat("rank ", rank_, " in barrier"); };
@@ -45,6 +46,7 @@ Status MpiWorld::barrier() {
 
 Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   MOED_RETURN_IF_ERROR(failure());
+  ++counters_.collectives;
   // Everyone's (root, bytes), so every rank can name the disagreement.
   CallBuffers buf;
   const uint64_t root_and_bytes[2] = {uint64_t(int64_t(root)), bytes};
@@ -85,6 +87,7 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
 Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
                                     std::span<const size_t> recv_bytes) {
   MOED_RETURN_IF_ERROR(failure());
+  ++counters_.collectives;
   auto what = [&] { return str_cat("rank ", rank_, " in all_gather_v"); };
   CallBuffers buf;
   uint64_t* sizes = buf.make<uint64_t>(size_t(size_));
@@ -129,6 +132,7 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
                                     std::span<const size_t> recv_bytes,
                                     std::span<const size_t> recv_offsets) {
   MOED_RETURN_IF_ERROR(failure());
+  ++counters_.collectives;
   auto what = [&] { return str_cat("rank ", rank_, " in all_to_all_v"); };
   const size_t n = size_t(size_);
   Status local;
@@ -182,6 +186,7 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
 Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
                                       float* recv) {
   MOED_RETURN_IF_ERROR(failure());
+  ++counters_.collectives;
   auto what = [&] { return str_cat("rank ", rank_, " in reduce_scatter_v_f32"); };
   const size_t n = size_t(size_);
   Status local;
@@ -236,6 +241,7 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
 
 Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   MOED_RETURN_IF_ERROR(failure());
+  ++counters_.collectives;
   auto what = [&] { return str_cat("rank ", rank_, " in all_reduce_f32"); };
   CallBuffers buf;
   uint64_t* counts = buf.make<uint64_t>(size_t(size_));

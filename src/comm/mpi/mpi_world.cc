@@ -360,9 +360,7 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
   MPI_Comm node_comm = MPI_COMM_NULL;
   MPI_Comm_split(world_comm, rank / g, rank, &node_comm);
   MPI_Comm_set_errhandler(node_comm, MPI_ERRORS_RETURN);
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads =
-      options.threads_per_rank > 0 ? options.threads_per_rank : std::max(1, cores / host_size);
+  const int threads = resolve_threads_per_rank(options.threads_per_rank, host_size);
   return std::unique_ptr<World>(std::make_unique<mpi::MpiWorld>(world_comm, node_comm, rank, size,
                                                                 g, options.timeout, threads));
 }

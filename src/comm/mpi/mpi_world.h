@@ -58,6 +58,7 @@ class MpiWorld final : public World {
   ~MpiWorld() override;
 
   const char* backend_name() const override { return "mpi"; }
+  bool shares_address_space() const override { return false; }
   Status barrier() override;
   Status broadcast_bytes(void* data, size_t bytes, int root) override;
   Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,

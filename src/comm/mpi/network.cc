@@ -21,6 +21,16 @@ class MpiRequest final : public PendingOp {
         bytes_(bytes) {}
   ~MpiRequest() override { abandon(); }
 
+  bool ready() override {
+    if (done_) return true;
+    int flag = 0;
+    MPI_Status st;
+    const int rc = MPI_Test(&request_, &flag, &st);
+    if (rc == MPI_SUCCESS && flag == 0) return false;
+    finish(rc, st, ok_status());
+    return true;
+  }
+
   Status wait() override {
     if (done_) return result_;
     MPI_Status st;
@@ -39,22 +49,27 @@ class MpiRequest final : public PendingOp {
                           : str_cat("rank ", w->rank(), " sending ", bytes_, " bytes to rank ",
                                     peer_, " with tag ", tag_);
         });
+    finish(rc, st, s);
+    return result_;
+  }
+
+ private:
+  // Records the outcome once MPI_Test said done (or the wait failed with `s`).
+  void finish(int rc, const MPI_Status& st, Status s) {
     if (s.ok()) s = check(rc, is_recv_ ? "MPI_Irecv" : "MPI_Isend");
     if (s.ok() && is_recv_) {
       int got = 0;
       MPI_Get_count(&st, MPI_BYTE, &got);
       if (size_t(got) != bytes_) {
-        s = invalid_argument("rank ", w->rank(), " receives ", bytes_, " bytes from rank ", peer_,
-                             " with tag ", tag_, ", which sends ", got);
+        s = invalid_argument("rank ", world_->rank(), " receives ", bytes_, " bytes from rank ",
+                             peer_, " with tag ", tag_, ", which sends ", got);
       }
     }
     if (!s.ok()) abandon();
     done_ = true;
     result_ = s;
-    return s;
   }
 
- private:
   // A receive that never completes must not write into the caller's buffer later: cancel it.
   // A send is released to MPI (it completes, or dies with the job).
   void abandon() {

@@ -29,6 +29,7 @@ char* align_up(void* p) {
 
 StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
+  ++counters_.collectives;
   const int g = ranks_per_node_;
   const int lr = local_rank();
   auto what = [&] { return str_cat("rank ", rank_, " in alloc_shared on node ", node()); };

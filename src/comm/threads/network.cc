@@ -42,6 +42,10 @@ class ThreadsRequest final : public PendingOp {
       : world_(world), op_(std::move(op)), is_recv_(is_recv) {}
   ~ThreadsRequest() override { cancel(); }
 
+  bool ready() override {
+    return waited_ || cancelled_ || op_->state.load(std::memory_order_acquire) == P2pOp::kDone;
+  }
+
   Status wait() override {
     if (waited_) return op_->error;
     if (cancelled_) return failed_precondition("wait() on a request that already failed");

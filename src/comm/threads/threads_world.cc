@@ -120,9 +120,7 @@ Status run_threads(int world_size, const WorldOptions& options,
   if (options.threads_per_rank < 0) {
     return invalid_argument("threads_per_rank = ", options.threads_per_rank, " must be >= 0");
   }
-  const int cores = int(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads_per_rank =
-      options.threads_per_rank > 0 ? options.threads_per_rank : std::max(1, cores / world_size);
+  const int threads_per_rank = resolve_threads_per_rank(options.threads_per_rank, world_size);
 
   threads::Context ctx(world_size, g);
   std::vector<std::unique_ptr<threads::ThreadsWorld>> worlds;

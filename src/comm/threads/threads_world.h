@@ -115,6 +115,8 @@ class ThreadsWorld final : public World {
   ThreadsWorld(Context* ctx, int rank, std::chrono::milliseconds timeout, int threads_per_rank);
 
   const char* backend_name() const override { return "threads"; }
+  bool shares_address_space() const override { return true; }
+  bool calls_from_any_thread() const override { return true; }
   Status barrier() override;
   Status broadcast_bytes(void* data, size_t bytes, int root) override;
   Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,

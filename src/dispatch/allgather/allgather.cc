@@ -50,13 +50,13 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
     TokenRows hidden;    // the caller's tokens, valid until token_dispatch returns
     TokenRows gathered;  // in gathered_x_ / gathered_scales_
     RoutingMap gathered_map;
-    int stage = 0;  // 0 idle, 1 prepared, 2 gathered
+    Stage stage = Stage::kIdle;  // kPrepared; kExchanged: gathered
   };
   struct CombineGradRows {
     std::shared_ptr<const AllGatherHandle> handle;
-    UnpermuteGrad home;   // weighted: grad_row_probs in home order
-    TensorView gathered;  // every rank's grad_out (in gathered_x_)
-    int stage = 0;        // 0 idle, 1 started, 2 gathered
+    UnpermuteGrad home;          // weighted: grad_row_probs in home order
+    TensorView gathered;         // every rank's grad_out (in gathered_x_)
+    Stage stage = Stage::kIdle;  // kPrepared: started; kExchanged: gathered
   };
 
   DispatchState d_;
@@ -78,12 +78,13 @@ Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
   for (int64_t t : d_.counts.num_tokens) h->source_offsets.push_back(h->source_offsets.back() + t);
   d_.hidden = input.hidden;
   d_.handle = std::move(h);
-  d_.stage = 1;
+  d_.stage = Stage::kPrepared;
   return ok_status();
 }
 
 StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
-  if (d_.stage != 1) return failed_precondition("token_dispatch before dispatch_preprocess");
+  if (d_.stage != Stage::kPrepared)
+    return failed_precondition("token_dispatch before dispatch_preprocess");
   const AllGatherHandle& h = *d_.handle;
   const int E = config_.num_experts;
   const std::span<const int64_t> T = d_.counts.num_tokens;
@@ -110,12 +111,13 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
       *world_, TensorView(const_cast<float*>(mine.probs.data()), DType::kF32, mine.num_tokens, E),
       T, g.probs.data()));
   d_.hidden = TokenRows{};
-  d_.stage = 2;
-  return Request();
+  d_.stage = Stage::kExchanged;
+  return completed_request();
 }
 
 StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
-  if (d_.stage != 2) return failed_precondition("dispatch_postprocess before token_dispatch");
+  if (d_.stage != Stage::kExchanged)
+    return failed_precondition("dispatch_postprocess before token_dispatch");
   AllGatherHandle& h = *d_.handle;
   const int R = world_->size();
   const int first = first_local_expert(config_, R, world_->rank());
@@ -154,12 +156,12 @@ Status AllGatherDispatcher::combine_postprocess_backward(const CombineGradInput&
   cg_ = CombineGradRows{};
   MOED_RETURN_IF_ERROR(start_combine_backward(grad));
   cg_.handle = std::static_pointer_cast<const AllGatherHandle>(combine_grad_.handle);
-  cg_.stage = 1;
+  cg_.stage = Stage::kPrepared;
   return ok_status();
 }
 
 StatusOr<Request> AllGatherDispatcher::token_combine_backward(bool async) {
-  if (cg_.stage != 1) {
+  if (cg_.stage != Stage::kPrepared) {
     return failed_precondition("token_combine_backward before combine_postprocess_backward");
   }
   const AllGatherHandle& h = *cg_.handle;
@@ -174,12 +176,12 @@ StatusOr<Request> AllGatherDispatcher::token_combine_backward(bool async) {
     MOED_ASSIGN_OR_RETURN(cg_.home, home_combine_backward());
     cg_.home.grad_rows = Tensor();
   }
-  cg_.stage = 2;
-  return Request();
+  cg_.stage = Stage::kExchanged;
+  return completed_request();
 }
 
 StatusOr<CombineGrad> AllGatherDispatcher::combine_preprocess_backward() {
-  if (cg_.stage != 2) {
+  if (cg_.stage != Stage::kExchanged) {
     return failed_precondition("combine_preprocess_backward before token_combine_backward");
   }
   const AllGatherHandle& h = *cg_.handle;

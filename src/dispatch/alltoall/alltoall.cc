@@ -29,12 +29,12 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
     TokenRows received;  // source-major chunks (s, j) (in received_*_)
     std::vector<float> received_probs;
     std::vector<int32_t> received_tokens;
-    int stage = 0;  // 0 idle, 1 permuted, 2 received
+    Stage stage = Stage::kIdle;  // kPrepared: permuted; kExchanged: received
   };
   struct CombineGradRows {
-    UnpermuteGrad home;   // rows in home order (+ grad_row_probs when weighted)
-    TensorView received;  // source-major chunks on the expert side (in received_x_)
-    int stage = 0;        // 0 idle, 1 started, 2 home rows ready, 3 received
+    UnpermuteGrad home;          // rows in home order (+ grad_row_probs when weighted)
+    TensorView received;         // source-major chunks on the expert side (in received_x_)
+    Stage stage = Stage::kIdle;  // kPrepared: started; kHomeReady; kExchanged: received
   };
 
   DispatchState d_;
@@ -64,12 +64,13 @@ Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   }
   MOED_RETURN_IF_ERROR(permute_rows_into(input.hidden, h->plan.home, d_.permuted, world_->pool()));
   d_.handle = std::move(h);
-  d_.stage = 1;
+  d_.stage = Stage::kPrepared;
   return ok_status();
 }
 
 StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
-  if (d_.stage != 1) return failed_precondition("token_dispatch before dispatch_preprocess");
+  if (d_.stage != Stage::kPrepared)
+    return failed_precondition("token_dispatch before dispatch_preprocess");
   const ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
   const int64_t n = plan.expert_rows;
@@ -90,12 +91,13 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
   MOED_RETURN_IF_ERROR(
       move(plan.home.sorted_indices.data(), d_.received_tokens.data(), sizeof(int32_t)));
   d_.permuted = TokenRows{};
-  d_.stage = 2;
-  return Request();
+  d_.stage = Stage::kExchanged;
+  return completed_request();
 }
 
 StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
-  if (d_.stage != 2) return failed_precondition("dispatch_postprocess before token_dispatch");
+  if (d_.stage != Stage::kExchanged)
+    return failed_precondition("dispatch_postprocess before token_dispatch");
   ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
   TokenRows expert_input;
@@ -129,22 +131,22 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
 Status AlltoAllDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
   cg_ = CombineGradRows{};
   MOED_RETURN_IF_ERROR(start_combine_backward(grad));
-  cg_.stage = 1;
+  cg_.stage = Stage::kPrepared;
   if (!config_.weighted_combine) {
     // Local: the home rows are grad_out permuted; no expert output needed.
     MOED_ASSIGN_OR_RETURN(cg_.home, home_combine_backward());
-    cg_.stage = 2;
+    cg_.stage = Stage::kHomeReady;
   }
   return ok_status();
 }
 
 StatusOr<Request> AlltoAllDispatcher::token_combine_backward(bool async) {
-  if (cg_.stage == 1) {
+  if (cg_.stage == Stage::kPrepared) {
     // Weighted: the expert outputs come home first (grad_row_probs needs their fp32 terms).
     MOED_ASSIGN_OR_RETURN(cg_.home, home_combine_backward());
-    cg_.stage = 2;
+    cg_.stage = Stage::kHomeReady;
   }
-  if (cg_.stage != 2) {
+  if (cg_.stage != Stage::kHomeReady) {
     return failed_precondition("token_combine_backward before combine_postprocess_backward");
   }
   const RowExchangePlan& plan = combine_grad_.handle->plan;
@@ -153,12 +155,12 @@ StatusOr<Request> AlltoAllDispatcher::token_combine_backward(bool async) {
   MOED_RETURN_IF_ERROR(exchange_to_experts(*world_, plan, cg_.home.grad_rows.data(),
                                            cg_.received.data, cg_.received.row_bytes()));
   cg_.home.grad_rows = Tensor();
-  cg_.stage = 3;
-  return Request();
+  cg_.stage = Stage::kExchanged;
+  return completed_request();
 }
 
 StatusOr<CombineGrad> AlltoAllDispatcher::combine_preprocess_backward() {
-  if (cg_.stage != 3) {
+  if (cg_.stage != Stage::kExchanged) {
     return failed_precondition("combine_preprocess_backward before token_combine_backward");
   }
   const ExchangeHandle& h = *combine_grad_.handle;

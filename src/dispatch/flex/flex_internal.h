@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "core/row_kernels.h"
@@ -280,6 +281,19 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
 // plan and the handle. Errors (num_worst_tokens exceeded) are the same on every rank.
 StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig& config,
                                              PreparedInput input, uint64_t dispatcher_id);
+// notify in two halves, for a caller that carries more in the same exchange (the Flex
+// dispatcher folds its agreement into it, steps.h): notify_local makes the handle's home side
+// (routes, send plan; takes input.effective as the routing) and this rank's row of the
+// exchange (notify_row_width(topo) int64); notify_finish reads every rank's row (rank r's at
+// table[r * stride + offset]) into the GlobalInfo and the expert-side fields.
+inline size_t notify_row_width(const Topology& topo) {
+  return 2 + size_t(topo.num_experts) + size_t(topo.num_nodes);
+}
+std::shared_ptr<FlexHandle> notify_local(World& world, const DispatchConfig& config,
+                                         PreparedInput input, uint64_t dispatcher_id,
+                                         std::vector<int64_t>* row);
+Status notify_finish(const DispatchConfig& config, FlexHandle& h, std::span<const int64_t> table,
+                     size_t stride, size_t offset);
 
 size_t dtype_row_bytes(DType dt, int64_t hidden);
 size_t scale_row_bytes(DType dt, int64_t hidden);

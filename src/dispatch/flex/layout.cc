@@ -1,70 +1,11 @@
-// Flex phase 1, layout (local, spec §5.1): DeepEP's get_dispatch_layout, the token -> experts
-// lists the other phases walk, and the rank arithmetic and wire/segment layouts they share.
+// Flex phase 1, layout (local, spec §5.1): the token -> experts lists the other phases walk, and
+// the rank arithmetic and wire/segment layouts they share. The dispatch layout itself
+// (DeepEP's get_dispatch_layout) is routing's (src/routing/dispatch_layout.cc); notify uses it.
 #include <algorithm>
 
 #include "dispatch/flex/flex_internal.h"
 
 namespace moed {
-
-namespace {
-
-Status check_topology(int num_experts, int world_size, int ranks_per_node, int etp_size) {
-  if (world_size <= 0) return invalid_argument("world_size = ", world_size, " must be positive");
-  if (ranks_per_node <= 0 || world_size % ranks_per_node != 0) {
-    return invalid_argument("ranks_per_node = ", ranks_per_node,
-                            " does not divide world_size = ", world_size);
-  }
-  if (etp_size <= 0 || world_size % etp_size != 0) {
-    return invalid_argument("etp_size = ", etp_size, " does not divide world_size = ", world_size);
-  }
-  const int ep = world_size / etp_size;
-  if (num_experts <= 0 || num_experts % ep != 0) {
-    return invalid_argument("num_experts = ", num_experts,
-                            " is not a positive multiple of ep_size = ", ep);
-  }
-  return ok_status();
-}
-
-}  // namespace
-
-StatusOr<DispatchLayout> get_dispatch_layout(const RoutingMap& map, int world_size,
-                                             int ranks_per_node, int etp_size) {
-  MOED_RETURN_IF_ERROR(check_topology(map.num_experts, world_size, ranks_per_node, etp_size));
-  MOED_RETURN_IF_ERROR(validate(map, map.num_experts));
-  const int R = world_size, E = map.num_experts, G = ranks_per_node, N = R / G;
-  const int L = E / (R / etp_size);
-  DispatchLayout l;
-  l.num_ranks = R;
-  l.num_nodes = N;
-  l.num_tokens_per_rank.assign(size_t(R), 0);
-  l.num_tokens_per_node.assign(size_t(N), 0);
-  l.num_tokens_per_expert.assign(size_t(E), 0);
-  l.is_token_in_rank.assign(size_t(map.num_tokens) * R, 0);
-  std::vector<uint8_t> in_node(static_cast<size_t>(N));
-  for (int64_t t = 0; t < map.num_tokens; ++t) {
-    uint8_t* in_rank = &l.is_token_in_rank[size_t(t) * R];
-    std::fill(in_node.begin(), in_node.end(), 0);
-    for (int e = 0; e < E; ++e) {
-      if (!map.routed(t, e)) continue;
-      ++l.num_tokens_per_expert[size_t(e)];
-      for (int p = 0; p < etp_size; ++p) {
-        const int r = (e / L) * etp_size + p;
-        in_rank[r] = 1;
-        in_node[size_t(r / G)] = 1;
-      }
-    }
-    for (int r = 0; r < R; ++r) l.num_tokens_per_rank[size_t(r)] += in_rank[r];
-    for (int m = 0; m < N; ++m) l.num_tokens_per_node[size_t(m)] += in_node[size_t(m)];
-  }
-  return l;
-}
-
-StatusOr<DispatchLayout> get_dispatch_layout(const TopkRouting& topk, int num_experts,
-                                             int world_size, int ranks_per_node, int etp_size) {
-  MOED_RETURN_IF_ERROR(check_topology(num_experts, world_size, ranks_per_node, etp_size));
-  MOED_RETURN_IF_ERROR(validate(topk, num_experts));
-  return get_dispatch_layout(to_map(topk, num_experts), world_size, ranks_per_node, etp_size);
-}
 
 namespace flex {
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "dispatch/flex/flex_internal.h"
+#include "routing/dispatch_layout.h"
 
 namespace moed::flex {
 
@@ -70,10 +71,11 @@ SendPlan make_send_plan(const Topology& topo, const TokenRoutes& routes, int num
 
 }  // namespace
 
-StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig& config,
-                                             PreparedInput input, uint64_t dispatcher_id) {
+std::shared_ptr<FlexHandle> notify_local(World& world, const DispatchConfig& config,
+                                         PreparedInput input, uint64_t dispatcher_id,
+                                         std::vector<int64_t>* row) {
   const Topology topo = Topology::of(world, config);
-  const int R = topo.num_ranks, E = topo.num_experts, N = topo.num_nodes;
+  const int E = topo.num_experts, N = topo.num_nodes;
   auto h = std::make_shared<FlexHandle>();
   h->dispatcher_id = dispatcher_id;
   h->topo = topo;
@@ -81,16 +83,36 @@ StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig&
   const int C = config.num_channels > 0 ? config.num_channels : world.pool().num_threads();
   h->send = make_send_plan(topo, h->routes, C, world.pool());
 
-  // The one exchange: [T, C_s, counts[E], tokens_per_node[N]] from every rank.
-  const size_t width = 2 + size_t(E) + size_t(N);
-  std::vector<int64_t> mine(width);
-  mine[0] = input.num_tokens;
-  mine[1] = input.capacity;
-  std::copy(input.tokens_per_expert.begin(), input.tokens_per_expert.end(), mine.begin() + 2);
-  for (int m = 0; m < N; ++m) mine[2 + size_t(E) + m] = h->send.node_tokens[size_t(C) * N + m];
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
+  // This rank's row of the exchange: [T, C_s, counts[E], tokens_per_node[N]], the counts from
+  // routing's dispatch layout (DeepEP's get_dispatch_layout) of the effective routing.
+  const DispatchLayout layout =
+      count_dispatch_layout(input.effective, topo.num_ranks, topo.ranks_per_node, topo.etp_size);
+  row->assign(notify_row_width(topo), 0);
+  (*row)[0] = input.num_tokens;
+  (*row)[1] = input.capacity;
+  std::copy(layout.num_tokens_per_expert.begin(), layout.num_tokens_per_expert.end(),
+            row->begin() + 2);
+  std::copy(layout.num_tokens_per_node.begin(), layout.num_tokens_per_node.end(),
+            row->begin() + 2 + E);
+  // The send plan's channel prefixes must end where the layout's totals are.
+  for (int m = 0; m < N; ++m) {
+    MOED_CHECK(h->send.node_tokens[size_t(C) * N + m] == layout.num_tokens_per_node[size_t(m)],
+               "node ", m, ": send plan ", h->send.node_tokens[size_t(C) * N + m], " != layout ",
+               layout.num_tokens_per_node[size_t(m)]);
+  }
 
+  h->kind = DispatcherKind::kFlex;
+  h->hidden = input.hidden;
+  h->dtype = input.dtype;
+  h->num_topk = input.num_topk;
+  h->routing = std::move(input.effective);
+  return h;
+}
+
+Status notify_finish(const DispatchConfig& config, FlexHandle& h, std::span<const int64_t> table,
+                     size_t stride, size_t offset) {
+  const Topology& topo = h.topo;
+  const int R = topo.num_ranks, E = topo.num_experts, N = topo.num_nodes;
   auto g = std::make_shared<GlobalInfo>();
   g->num_ranks = R;
   g->num_experts = E;
@@ -100,7 +122,7 @@ StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig&
   g->counts.resize(size_t(R) * E);
   g->tokens_per_node.resize(size_t(R) * N);
   for (int s = 0; s < R; ++s) {
-    const int64_t* row = &all[size_t(s) * width];
+    const int64_t* row = &table[size_t(s) * stride + offset];
     g->num_tokens[size_t(s)] = row[0];
     g->capacity[size_t(s)] = row[1];
     std::copy(row + 2, row + 2 + E, g->counts.begin() + size_t(s) * E);
@@ -127,17 +149,23 @@ StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig&
   }
 
   const ExpertLayout& my = g->layouts[size_t(topo.rank / topo.etp_size)];
-  h->kind = DispatcherKind::kFlex;
-  h->hidden = input.hidden;
-  h->dtype = input.dtype;
-  h->num_topk = input.num_topk;
-  h->exact_rows = my.num_rows;
-  h->worst_rows = config.num_worst_tokens > 0 ? config.num_worst_tokens : my.num_rows;
-  h->num_rows = h->worst_rows;
-  h->tokens_per_expert = my.tokens_per_expert;
-  h->tokens_per_expert_unpadded = my.tokens_per_expert_unpadded;
-  h->routing = std::move(input.effective);
-  h->global = std::move(g);
+  h.exact_rows = my.num_rows;
+  h.worst_rows = config.num_worst_tokens > 0 ? config.num_worst_tokens : my.num_rows;
+  h.num_rows = h.worst_rows;
+  h.tokens_per_expert = my.tokens_per_expert;
+  h.tokens_per_expert_unpadded = my.tokens_per_expert_unpadded;
+  h.global = std::move(g);
+  return ok_status();
+}
+
+StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig& config,
+                                             PreparedInput input, uint64_t dispatcher_id) {
+  std::vector<int64_t> mine;
+  std::shared_ptr<FlexHandle> h =
+      notify_local(world, config, std::move(input), dispatcher_id, &mine);
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
+  MOED_RETURN_IF_ERROR(notify_finish(config, *h, all, mine.size(), 0));
   return h;
 }
 

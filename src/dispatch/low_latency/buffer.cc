@@ -27,6 +27,7 @@ class ReceiveHook final : public PendingOp {
     }
     return result_;
   }
+  bool ready() override { return done_; }  // the receive runs inside wait()
 
  private:
   std::function<Status()> receive_;
@@ -55,6 +56,8 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
     off += align64(rows * size_t(l.num_scales) * sizeof(float));
     l.dispatch_src[h] = off;
     off += align64(rows * sizeof(int32_t));
+    l.dispatch_prob[h] = off;
+    off += align64(rows * sizeof(float));
     l.combine_y[h] = off;
     off += align64(rows * size_t(hidden) * sizeof(bf16));
   }

@@ -90,7 +90,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank();
   const size_t payload = fp8 ? size_t(lay.hidden) : size_t(lay.hidden) * sizeof(bf16);
   const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
-  const size_t row_bytes = sizeof(int32_t) + payload + scale_bytes;
+  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
   // Whatever happens below, this half is no longer in flight.
   dh.pending = false;
 
@@ -166,6 +166,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   std::byte* xs = seg + lay.dispatch_x[half];
   std::byte* scales = seg + lay.dispatch_scales[half];
   auto* src = reinterpret_cast<int32_t*>(seg + lay.dispatch_src[half]);
+  auto* prob = reinterpret_cast<float*>(seg + lay.dispatch_prob[half]);
   w.pool().parallel_for(L, [&](int64_t j0, int64_t j1, int) {
     for (int j = int(j0); j < int(j1); ++j) {
       std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
@@ -185,14 +186,17 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
           std::memmove(scales + size_t(to) * scale_bytes, scales + size_t(from) * scale_bytes,
                        n * scale_bytes);
           std::memmove(src + to, src + from, n * sizeof(int32_t));
+          std::memmove(prob + to, prob + from, n * sizeof(float));
         } else {
-          // Message of source s: [token index x rows][payload x rows][scales x rows].
+          // Message of source s: [token index x rows][prob x rows][payload x rows][scales x rows].
           int64_t rows = 0;
           for (int j2 = 0; j2 < L; ++j2) rows += count[size_t(j2) * R + s];
           const std::byte* m = dh.net_recv.data() + block[size_t(s)];
           const size_t first = size_t(net_row[size_t(s)]);
           std::memcpy(src + to, m + first * sizeof(int32_t), n * sizeof(int32_t));
           m += size_t(rows) * sizeof(int32_t);
+          std::memcpy(prob + to, m + first * sizeof(float), n * sizeof(float));
+          m += size_t(rows) * sizeof(float);
           std::memcpy(xs + size_t(to) * payload, m + first * payload, n * payload);
           m += size_t(rows) * payload;
           std::memcpy(scales + size_t(to) * scale_bytes, m + first * scale_bytes, n * scale_bytes);
@@ -247,7 +251,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
 
   const size_t payload = fp8 ? size_t(H) : size_t(H) * sizeof(bf16);
   const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
-  const size_t row_bytes = sizeof(int32_t) + payload + scale_bytes;
+  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
   if (fp8) {
     // Cast each token once; every destination gets a copy of the same bytes.
     dh.fp8_rows.resize(size_t(T) * (payload + scale_bytes));
@@ -263,7 +267,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   }
 
   // Network staging: one message per remote destination d, rows ordered by (j, i), laid out
-  // as [token index x rows][payload x rows][scales x rows].
+  // as [token index x rows][prob x rows][payload x rows][scales x rows].
   std::vector<size_t> block(size_t(R), 0);
   std::vector<int64_t> block_rows(size_t(R), 0);
   std::vector<int64_t> chunk_row(size_t(E), 0);  // row of (d, j) chunk inside d's message
@@ -279,6 +283,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   }
   dh.net_send.resize(net_total);
 
+  const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -289,6 +294,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
         if (e < 0) continue;
         const int d = e / L, j = e % L;
         const int64_t i = handle->slot[size_t(t) * K + k];
+        const float p = has_weights ? routing.weight(t, k) : 0.0f;
         if (w.same_node(d, me)) {
           std::byte* seg = st.segment(st.local_of(d));
           const int64_t r = lay.fixed_row(j, me, i);
@@ -298,6 +304,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
           const int32_t token = int32_t(t);
           std::memcpy(seg + lay.dispatch_src[half] + size_t(r) * sizeof(int32_t), &token,
                       sizeof(token));
+          std::memcpy(seg + lay.dispatch_prob[half] + size_t(r) * sizeof(float), &p, sizeof(p));
           ++shared_rows[size_t(worker)];
         } else {
           std::byte* m = dh.net_send.data() + block[size_t(d)];
@@ -306,6 +313,8 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
           const int32_t token = int32_t(t);
           std::memcpy(m + at * sizeof(int32_t), &token, sizeof(token));
           m += rows * sizeof(int32_t);
+          std::memcpy(m + at * sizeof(float), &p, sizeof(p));
+          m += rows * sizeof(float);
           std::memcpy(m + at * payload, row, payload);
           m += rows * payload;
           std::memcpy(m + at * scale_bytes, row + payload, scale_bytes);
@@ -365,6 +374,8 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   out.recv_count = std::span<const int32_t>(dh.recv_count);
   out.src_info = std::span<const int32_t>(
       reinterpret_cast<const int32_t*>(seg + lay.dispatch_src[half]), size_t(rows));
+  out.recv_probs = std::span<const float>(
+      reinterpret_cast<const float*>(seg + lay.dispatch_prob[half]), size_t(rows));
   out.layout_range = std::span<const LowLatencyRange>(dh.layout_range);
   out.handle = handle;
 

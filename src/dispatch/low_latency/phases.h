@@ -30,15 +30,17 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// The receive phase: run now, or handed back as `hook` when the caller asked for one
-// (return_recv_hook).
+// The receive phase: run now (hook = an already-completed request), or handed back as `hook`
+// when the caller asked for one (return_recv_hook).
 template <typename Receive>
 Status receive_now_or_hook(bool return_hook, Receive receive, Request& hook) {
   if (return_hook) {
     hook = make_hook(std::move(receive));
     return ok_status();
   }
-  return receive();
+  Status s = receive();
+  hook = completed_request(s);
+  return s;
 }
 
 }  // namespace low_latency

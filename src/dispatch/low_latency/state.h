@@ -8,7 +8,8 @@
 //                    rows for local expert j
 //   dispatch_x[h]    [L][R][M] fixed slots (j, s, i) of H bf16 (or H fp8 bytes); the receive
 //                    phase packs expert j's rows in place to j * R * M + begin(j, s) + i
-//   dispatch_scales[h], dispatch_src[h]: the same rows' FP8 scales and source token indices
+//   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
+//                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
 #pragma once
 
@@ -48,6 +49,7 @@ struct SegmentLayout {
   size_t dispatch_x[2] = {0, 0};
   size_t dispatch_scales[2] = {0, 0};
   size_t dispatch_src[2] = {0, 0};
+  size_t dispatch_prob[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
   size_t total = 0;
 

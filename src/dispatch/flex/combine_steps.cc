@@ -1,0 +1,259 @@
+// The Flex dispatcher's combine and the backward of dispatch and combine (steps.h): each step
+// checks its input locally, agrees in one collective at the start of its communicating call
+// (agree_in_one, see flex_dispatcher.cc), then pushes or pulls rows.
+#include <algorithm>
+#include <cstring>
+
+#include "dispatch/flex/steps.h"
+
+namespace moed::flex {
+
+namespace {
+
+Status check_float_rows(const char* what, const TensorView& v, int64_t rows, int64_t cols) {
+  if (v.dtype != DType::kF32 && v.dtype != DType::kBF16) {
+    return invalid_argument(what, " dtype is ", dtype_name(v.dtype), "; it must be f32 or bf16");
+  }
+  if (v.rows != rows || v.cols != cols) {
+    return invalid_argument(what, " is [", v.rows, ", ", v.cols, "]; expected [", rows, ", ", cols,
+                            "]");
+  }
+  if (v.rows > 0 && v.data == nullptr) return invalid_argument(what, ".data is null");
+  if (v.row_stride < v.cols)
+    return invalid_argument(what, " row_stride = ", v.row_stride, " < ", v.cols);
+  return ok_status();
+}
+
+}  // namespace
+
+// ---- combine ----
+
+Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
+  combine_ = CombineStep{};
+  CombineStep& c = combine_;
+  MOED_ASSIGN_OR_RETURN(c.handle, own_handle(input.handle, &c.local));
+  if (c.local.ok()) {
+    c.local = check_float_rows("expert_output", input.expert_output.x, c.handle->num_rows,
+                               c.handle->hidden);
+  }
+  c.rows = input.expert_output.x;
+  c.staged = true;
+  return ok_status();  // agreed in token_combine, so every rank reports the same error
+}
+
+StatusOr<Request> FlexDispatcher::token_combine(bool async) {
+  if (!combine_.staged) return failed_precondition("token_combine before combine_preprocess");
+  combine_.staged = false;
+  return run(async, &combine_.op, [this] { return combine_body(); });
+}
+
+Status FlexDispatcher::combine_body() {
+  CombineStep& c = combine_;
+  const AgreedField fields[] = {
+      {"expert_output dtype", int64_t(c.rows.dtype), AgreedField::kAgreeDType}};
+  MOED_RETURN_IF_ERROR(agree_in_one(*world_, c.local, fields).status());
+  const FlexHandle& h = *c.handle;
+  c.out = Tensor::empty(c.rows.dtype, h.routes.num_tokens(), h.hidden);
+  PullSpec spec;
+  spec.mode = PullMode::kCombine;
+  spec.dtype = c.rows.dtype;
+  spec.weighted = config_.weighted_combine;
+  spec.out = c.out.view();
+  return pull_step(h, c.rows, {}, spec, kTagCombine);
+}
+
+StatusOr<CombineOutput> FlexDispatcher::combine_postprocess() {
+  CombineStep& c = combine_;
+  MOED_RETURN_IF_ERROR(finished(c.op, "token_combine"));
+  CombineOutput out;
+  out.hidden = std::move(c.out);
+  const TokenRoutes& routes = c.handle->routes;
+  out.combined_probs.resize(size_t(routes.num_tokens()));
+  for (int64_t t = 0; t < routes.num_tokens(); ++t) {
+    float s = 0.0f;
+    for (int64_t k = routes.begin[size_t(t)]; k < routes.begin[size_t(t) + 1]; ++k)
+      s += routes.prob[size_t(k)];
+    out.combined_probs[size_t(t)] = s;
+  }
+  combine_ = CombineStep{};
+  return out;
+}
+
+// ---- backward of dispatch: an unweighted combine of the row gradients ----
+
+Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) {
+  dispatch_grad_ = DispatchBackwardStep{};
+  DispatchBackwardStep& g = dispatch_grad_;
+  MOED_ASSIGN_OR_RETURN(g.handle, own_handle(grad.handle, &g.local));
+  if (g.local.ok()) {
+    g.local = check_float_rows("grad_expert_input", grad.grad_expert_input, g.handle->num_rows,
+                               g.handle->hidden);
+  }
+  if (g.local.ok() && !grad.grad_permuted_probs.empty() &&
+      int64_t(grad.grad_permuted_probs.size()) != g.handle->num_rows) {
+    g.local = invalid_argument("grad_permuted_probs has ", grad.grad_permuted_probs.size(),
+                               " entries; expected ", g.handle->num_rows);
+  }
+  g.rows = grad.grad_expert_input;
+  g.grad_permuted_probs = grad.grad_permuted_probs;
+  g.staged = true;
+  return ok_status();
+}
+
+StatusOr<Request> FlexDispatcher::token_dispatch_backward(bool async) {
+  if (!dispatch_grad_.staged) {
+    return failed_precondition("token_dispatch_backward before dispatch_postprocess_backward");
+  }
+  dispatch_grad_.staged = false;
+  return run(async, &dispatch_grad_.op, [this] { return dispatch_backward_body(); });
+}
+
+Status FlexDispatcher::dispatch_backward_body() {
+  DispatchBackwardStep& g = dispatch_grad_;
+  // NOTE: a rank with no rows passes no grad_permuted_probs even when the others do, so the
+  // prob gradients flow when any rank gives them (missing ones count as zeros).
+  const AgreedField fields[] = {
+      {"grad_expert_input dtype", int64_t(g.rows.dtype), AgreedField::kAgreeDType},
+      {"grad_permuted_probs given", g.grad_permuted_probs.empty() ? 0 : 1, AgreedField::kFree}};
+  MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, g.local, fields));
+  bool with_scalars = false;
+  for (int r = 0; r < world_->size(); ++r) with_scalars = with_scalars || t.row(r)[2] != 0;
+  const FlexHandle& h = *g.handle;
+  std::vector<float> zeros;
+  std::span<const float> scalars = g.grad_permuted_probs;
+  if (with_scalars && scalars.empty()) {
+    zeros.assign(size_t(h.num_rows), 0.0f);
+    scalars = zeros;
+  }
+  g.out = Tensor::empty(g.rows.dtype, h.routes.num_tokens(), h.hidden);
+  g.probs.assign(size_t(h.routes.num_tokens()) * topo_.num_experts, 0.0f);
+  PullSpec spec;
+  spec.mode = PullMode::kDispatchBackward;
+  spec.dtype = g.rows.dtype;
+  spec.with_scalars = with_scalars;
+  spec.out = g.out.view();
+  spec.out_probs = g.probs.data();
+  return pull_step(h, g.rows, scalars, spec, kTagDispatchBackward);
+}
+
+StatusOr<DispatchGrad> FlexDispatcher::dispatch_preprocess_backward() {
+  DispatchBackwardStep& g = dispatch_grad_;
+  MOED_RETURN_IF_ERROR(finished(g.op, "token_dispatch_backward"));
+  DispatchGrad out;
+  out.grad_hidden = std::move(g.out);
+  out.grad_probs = std::move(g.probs);
+  dispatch_grad_ = DispatchBackwardStep{};
+  return out;
+}
+
+// ---- backward of combine: a dispatch of grad_out (times the prob when weighted) ----
+
+Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
+  combine_grad_ = CombineBackwardStep{};
+  CombineBackwardStep& g = combine_grad_;
+  MOED_ASSIGN_OR_RETURN(g.handle, own_handle(grad.handle, &g.local));
+  if (g.local.ok()) {
+    g.local = check_float_rows("grad_hidden", grad.grad_hidden, g.handle->routes.num_tokens(),
+                               g.handle->hidden);
+  }
+  if (g.local.ok() && config_.weighted_combine) {
+    g.local = check_float_rows("expert_output", grad.expert_output.x, g.handle->num_rows,
+                               g.handle->hidden);
+  }
+  g.grad = grad.grad_hidden;
+  g.rows = grad.expert_output.x;
+  g.staged = true;
+  return ok_status();
+}
+
+StatusOr<Request> FlexDispatcher::token_combine_backward(bool async) {
+  if (!combine_grad_.staged) {
+    return failed_precondition("token_combine_backward before combine_postprocess_backward");
+  }
+  combine_grad_.staged = false;
+  return run(async, &combine_grad_.op, [this] { return combine_backward_body(); });
+}
+
+Status FlexDispatcher::combine_backward_body() {
+  CombineBackwardStep& g = combine_grad_;
+  const bool weighted = config_.weighted_combine;
+  const AgreedField fields[] = {
+      {"grad_hidden dtype", int64_t(g.grad.dtype), AgreedField::kAgreeDType},
+      {"expert_output dtype", weighted ? int64_t(g.rows.dtype) : -1,
+       weighted ? AgreedField::kAgreeDType : AgreedField::kFree}};
+  MOED_RETURN_IF_ERROR(agree_in_one(*world_, g.local, fields).status());
+  const FlexHandle& h = *g.handle;
+  const PushLayout layout =
+      PushLayout::of(node_cap_rows(h), dtype_row_bytes(g.grad.dtype, h.hidden), 0, false);
+  MOED_RETURN_IF_ERROR(grad_region_.ensure(*world_, layout.bytes));
+  PushSpec spec{TokenRows{g.grad, {}}, weighted, &grad_region_, layout};
+  DispatchContext ctx{world_, &config_, &h, nullptr};
+  MOED_RETURN_IF_ERROR(push_step(ctx, spec, kTagCombineBackward));
+  g.out = Tensor::copy_of(TensorView(grad_region_.local(), g.grad.dtype, h.num_rows, h.hidden));
+  g.probs.assign(size_t(h.routes.num_tokens()) * topo_.num_experts, 0.0f);
+  if (!weighted) return ok_status();
+  // grad_prob(t, e) = dot(grad_out[t], term_e): the terms come back as in combine.
+  PullSpec pspec;
+  pspec.mode = PullMode::kProbGrad;
+  pspec.dtype = g.rows.dtype;
+  pspec.grad_out = g.grad;
+  pspec.out_probs = g.probs.data();
+  return pull_step(h, g.rows, {}, pspec, kTagProbGrad);
+}
+
+StatusOr<CombineGrad> FlexDispatcher::combine_preprocess_backward() {
+  CombineBackwardStep& g = combine_grad_;
+  MOED_RETURN_IF_ERROR(finished(g.op, "token_combine_backward"));
+  CombineGrad out;
+  out.grad_expert_output = std::move(g.out);
+  out.grad_probs = std::move(g.probs);
+  combine_grad_ = CombineBackwardStep{};
+  return out;
+}
+
+// Pull: publish this rank's rows (and scalars) to its node, fold, then hold the rows until
+// every local reader is done with them (the caller may free them when the step returns).
+Status FlexDispatcher::pull_step(const FlexHandle& h, const TensorView& rows,
+                                 std::span<const float> scalars, PullSpec spec, int tag) {
+  const int G = topo_.ranks_per_node, me = topo_.local_rank;
+  PullSource mine;
+  if (in_place_) {
+    mine = {static_cast<const char*>(rows.data), size_t(rows.row_stride) * rows.element_size(),
+            scalars.empty() ? nullptr : scalars.data()};
+    std::memcpy(signals_.board(me), &mine, sizeof(mine));
+  } else {
+    MOED_RETURN_IF_ERROR(pull_region_.ensure(*world_, pull_bytes(h, rows.dtype)));
+    char* seg = pull_region_.local();
+    const size_t row_bytes = rows.row_bytes();
+    if (!(rows.data == seg && rows.contiguous())) {
+      for (int64_t i = 0; i < rows.rows; ++i)
+        std::memcpy(seg + size_t(i) * row_bytes, rows.row_ptr(i), row_bytes);
+      world_->add_shared_bytes(uint64_t(rows.rows) * row_bytes, uint64_t(rows.rows));
+    }
+    if (!scalars.empty()) {
+      std::memcpy(seg + pull_scalars_off(h, rows.dtype), scalars.data(), scalars.size_bytes());
+    }
+  }
+  signals_.signal_all(++epoch_);
+  MOED_RETURN_IF_ERROR(signals_.wait_all(epoch_));
+  spec.sources.resize(size_t(G));
+  for (int lr = 0; lr < G; ++lr) {
+    if (in_place_) {
+      std::memcpy(&spec.sources[size_t(lr)], signals_.board(lr), sizeof(PullSource));
+    } else {
+      const char* seg = pull_region_.peer(lr);
+      spec.sources[size_t(lr)] = {seg, rows.row_bytes(),
+                                  !spec.with_scalars ? nullptr
+                                                     : reinterpret_cast<const float*>(
+                                                           seg + pull_scalars_off(h, rows.dtype))};
+    }
+  }
+  DispatchContext ctx{world_, &config_, &h, nullptr};
+  Status s = pull(ctx, spec, tag);
+  // NOTE: released even after an error, so no peer waits for this rank's release in vain.
+  signals_.signal_all(++epoch_);
+  MOED_RETURN_IF_ERROR(s);
+  return signals_.wait_all(epoch_);
+}
+
+}  // namespace moed::flex

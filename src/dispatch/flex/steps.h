@@ -1,0 +1,184 @@
+// The Flex dispatcher's class: one state struct per step (dispatch, combine and the backward of
+// each), the ring of dispatch-output regions and the one agreement each step starts with.
+// flex_dispatcher.cc has the dispatch steps and the design notes; combine_steps.cc the rest.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "dispatch/flex/flex_internal.h"
+
+namespace moed::flex {
+
+constexpr int kTagDispatch = 0x4d10;
+constexpr int kTagCombine = 0x4d11;
+constexpr int kTagDispatchBackward = 0x4d12;
+constexpr int kTagCombineBackward = 0x4d13;
+constexpr int kTagProbGrad = 0x4d14;
+
+// The outcome of one communicating step, read by the step after it.
+struct OpState {
+  std::atomic<bool> finished{false};  // the body returned (ready() of the async request)
+  bool done = false;                  // the status was collected (wait() or a sync run)
+  Status status;
+};
+
+// Dispatch outputs live in a ring of node-shared regions. A slot is held while any copy of an
+// output's storage made from it is alive on any local rank; the next dispatch writes into the
+// lowest slot no local rank holds (agreed in the step's one collective), adding a slot when all
+// are held. So an output never changes while its caller holds it.
+class OutputRing {
+ public:
+  static constexpr int kMaxSlots = 64;  // one bit each in the agreement's held mask
+
+  // Slots whose output this rank's caller still holds (bit i = slot i).
+  uint64_t held_mask() const;
+  // The lowest slot free in `node_mask` (the union of the local ranks' held masks), a new one
+  // when every slot is held; the same answer on every local rank. Error past kMaxSlots.
+  StatusOr<int> pick(uint64_t node_mask);
+  Region& region(int slot) { return slots_[size_t(slot)]->region; }
+  // What DispatchOutput.storage holds: the slot's token (so the slot counts as held) and, where
+  // the memory may outlive the dispatcher (shares_address_space), the buffer itself.
+  std::shared_ptr<void> hold(int slot, bool keep_memory) const;
+  int size() const { return int(slots_.size()); }
+
+ private:
+  struct Slot {
+    Region region;
+    std::shared_ptr<int> token = std::make_shared<int>(0);
+  };
+  std::vector<std::unique_ptr<Slot>> slots_;
+};
+
+// One row of the step agreement: every rank's verdict and values, gathered in one collective.
+// Field kinds: kAgree values must be equal on every rank (kAgreeDType prints dtype names);
+// kFree values may differ (counts, held masks).
+struct AgreedField {
+  // kFirst: must be equal, checked before the verdicts (a mode every rank must share).
+  enum Kind { kAgree, kAgreeDType, kFree, kFirst };
+  const char* name;
+  int64_t value;
+  Kind kind = kFree;
+};
+// All-gathers [code, fields..., payload...] of every rank. Any rank's local error: every rank
+// returns World::agree's error for it (its message travels in further collectives, on the
+// error path only). A kAgree field that differs: "name = a on rank 0 but b on rank r" on every
+// rank. Else the table: rank r's fields at table[r * width + 1 ...], payload after them.
+struct AgreedTable {
+  std::vector<int64_t> table;
+  size_t width = 0;
+  const int64_t* row(int r) const { return &table[size_t(r) * width]; }
+};
+StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
+                                   std::span<const AgreedField> fields,
+                                   std::span<const int64_t> payload = {});
+
+// Width in int64 of a dispatch's agreement row (flex_dispatcher.cc): the code, five fields and
+// notify's counts. Tests use it to tell the agreement's bytes from the payload's.
+inline size_t dispatch_agreement_width(const Topology& topo) {
+  return 1 + 5 + notify_row_width(topo);
+}
+
+class FlexDispatcher final : public TokenDispatcher {
+ public:
+  FlexDispatcher(World& world, const DispatchConfig& config);
+  Status init() { return signals_.init(*world_); }
+
+  Status dispatch_preprocess(const DispatchInput& input) override;
+  StatusOr<Request> token_dispatch(bool async) override;
+  StatusOr<DispatchOutput> dispatch_postprocess() override;
+  Status combine_preprocess(const CombineInput& input) override;
+  StatusOr<Request> token_combine(bool async) override;
+  StatusOr<CombineOutput> combine_postprocess() override;
+  Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
+  StatusOr<Request> token_dispatch_backward(bool async) override;
+  StatusOr<DispatchGrad> dispatch_preprocess_backward() override;
+  Status combine_postprocess_backward(const CombineGradInput& grad) override;
+  StatusOr<Request> token_combine_backward(bool async) override;
+  StatusOr<CombineGrad> combine_preprocess_backward() override;
+
+  // flex_expert_output_buffer (moed/flex.h).
+  StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype);
+
+ private:
+  // ---- per-step state (reset by the step's first call) ----
+  struct DispatchStep {
+    TokenRows rows;                         // the caller's tokens, until token_dispatch returns
+    bool staged = false;                    // dispatch_preprocess ran, token_dispatch not yet
+    bool cached_mode = false;               // cached_handle given (agreed in the exchange)
+    Status local;                           // this rank's verdict on its input
+    std::optional<PreparedInput> prepared;  // uncached
+    std::shared_ptr<const FlexHandle> cached;
+    std::shared_ptr<FlexHandle> fresh;  // made by notify (uncached)
+    int slot = -1;                      // ring slot written
+    PushLayout layout;
+    std::shared_ptr<OpState> op;
+    const FlexHandle& handle() const { return cached ? *cached : *fresh; }
+  };
+  struct CombineStep {
+    std::shared_ptr<const FlexHandle> handle;
+    bool staged = false;  // preprocess ran, the communicating call not yet
+    Status local;
+    TensorView rows;  // expert outputs
+    Tensor out;
+    std::shared_ptr<OpState> op;
+  };
+  struct DispatchBackwardStep {
+    std::shared_ptr<const FlexHandle> handle;
+    bool staged = false;  // preprocess ran, the communicating call not yet
+    Status local;
+    TensorView rows;  // grad of expert_input
+    std::span<const float> grad_permuted_probs;
+    Tensor out;
+    std::vector<float> probs;
+    std::shared_ptr<OpState> op;
+  };
+  struct CombineBackwardStep {
+    std::shared_ptr<const FlexHandle> handle;
+    bool staged = false;  // preprocess ran, the communicating call not yet
+    Status local;
+    TensorView grad;  // grad of hidden
+    TensorView rows;  // expert outputs (weighted combine)
+    Tensor out;
+    std::vector<float> probs;
+    std::shared_ptr<OpState> op;
+  };
+
+  StatusOr<Request> run(bool async, std::shared_ptr<OpState>* state, std::function<Status()> body);
+  static Status finished(const std::shared_ptr<OpState>& state, const char* step);
+  StatusOr<std::shared_ptr<const FlexHandle>> own_handle(
+      const std::shared_ptr<const DispatchHandle>& handle, Status* local) const;
+  Status check_cached(const DispatchInput& input);
+
+  int64_t node_cap_rows(const FlexHandle& h) const;
+  size_t pull_scalars_off(const FlexHandle& h, DType dt) const;
+  size_t pull_bytes(const FlexHandle& h, DType dt) const;
+
+  Status dispatch_body();
+  Status combine_body();
+  Status dispatch_backward_body();
+  Status combine_backward_body();
+  Status push_step(const DispatchContext& ctx, const PushSpec& spec, int tag);
+  Status pull_step(const FlexHandle& h, const TensorView& rows, std::span<const float> scalars,
+                   PullSpec spec, int tag);
+
+  uint64_t id_;
+  Topology topo_;
+  bool in_place_;  // world shares one address space: pull sources are read where they are
+  Signals signals_;
+  OutputRing outputs_;
+  Region pull_region_, grad_region_;
+  uint64_t epoch_ = 0;
+
+  DispatchStep dispatch_;
+  CombineStep combine_;
+  DispatchBackwardStep dispatch_grad_;
+  CombineBackwardStep combine_grad_;
+};
+
+}  // namespace moed::flex

@@ -1,0 +1,244 @@
+// The rules of moed/dispatcher.h and moed/world.h that the Python package builds on, for every
+// dispatcher on both worlds: a held output stays bitwise unchanged through later calls,
+// requests are never null, a Flex step makes one collective, the pools are settable.
+#include <gtest/gtest.h>
+
+#include <tuple>
+
+#include "dispatch/harness.h"
+#include "moed/dispatcher.h"
+#include "moed/thread_pool.h"
+
+namespace moed {
+namespace {
+
+using testing::Backend;
+
+struct Held {
+  Tensor x;
+  std::vector<float> probs;
+  std::vector<int64_t> tokens_per_expert;
+};
+Held copy_of(const DispatchOutput& out) {
+  return {Tensor::copy_of(out.expert_input.x),
+          std::vector<float>(out.permuted_probs.begin(), out.permuted_probs.end()),
+          std::vector<int64_t>(out.tokens_per_expert.begin(), out.tokens_per_expert.end())};
+}
+Status same(const DispatchOutput& out, const Held& h, const std::string& what) {
+  if (!bitwise_equal(out.expert_input.x, h.x.view()))
+    return internal_error(what, ": expert_input changed");
+  if (std::vector<float>(out.permuted_probs.begin(), out.permuted_probs.end()) != h.probs)
+    return internal_error(what, ": permuted_probs changed");
+  if (std::vector<int64_t>(out.tokens_per_expert.begin(), out.tokens_per_expert.end()) !=
+      h.tokens_per_expert)
+    return internal_error(what, ": tokens_per_expert changed");
+  return ok_status();
+}
+
+testing::DispatchCase make_case(int ranks, int g, uint64_t seed) {
+  testing::DispatchCase c;
+  c.ranks = ranks;
+  c.ranks_per_node = g;
+  c.num_experts = 2 * ranks;
+  c.num_topk = 2;
+  c.tokens.assign(size_t(ranks), 0);
+  for (int r = 0; r < ranks; ++r) c.tokens[size_t(r)] = 5 + 3 * r + int(seed);
+  c.tokens[1] = 0;  // a rank with no tokens
+  c.hidden = 72;    // not a multiple of 16
+  c.seed = seed;
+  return c;
+}
+
+class OutputLifetime : public ::testing::TestWithParam<std::tuple<Backend, DispatcherKind>> {};
+
+// Hold output 1 (and its combine), dispatch and combine again with other routing and data:
+// output 1 is bitwise unchanged. Then with the outputs dropped, the steps run again.
+TEST_P(OutputLifetime, HeldOutputsStayUnchanged) {
+  const auto [backend, kind] = GetParam();
+  for (auto [R, G] : {std::pair{4, 2}, std::pair{3, 0}}) {
+    const testing::DispatchCase c1 = make_case(R, G, 1), c2 = make_case(R, G, 2);
+    const testing::CaseInput in1 = testing::make_case_input(c1), in2 = testing::make_case_input(c2);
+    Status s = testing::run_world(backend, R, G, [&](World& w) -> Status {
+      const int r = w.rank();
+      DispatchConfig cfg{.kind = kind, .num_experts = c1.num_experts};
+      MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
+      MOED_ASSIGN_OR_RETURN(DispatchOutput o1, d->dispatch({.hidden = in1.hidden[size_t(r)].rows(),
+                                                            .topk = &in1.topk[size_t(r)]}));
+      const Held h1 = copy_of(o1);
+      MOED_ASSIGN_OR_RETURN(CombineOutput y1,
+                            d->combine({.expert_output = o1.expert_input, .handle = o1.handle}));
+      const Tensor y1_copy = Tensor::copy_of(y1.hidden.view());
+      for (int round = 0; round < 3; ++round) {
+        const testing::CaseInput& in = round % 2 == 0 ? in2 : in1;
+        MOED_ASSIGN_OR_RETURN(DispatchOutput o2, d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
+                                                              .topk = &in.topk[size_t(r)]}));
+        MOED_ASSIGN_OR_RETURN(CombineOutput y2,
+                              d->combine({.expert_output = o2.expert_input, .handle = o2.handle}));
+        MOED_RETURN_IF_ERROR(same(o1, h1, str_cat("rank ", r, " round ", round)));
+        if (!bitwise_equal(y1.hidden.view(), y1_copy.view()))
+          return internal_error("rank ", r, ": combine output 1 changed");
+      }
+      // Cached mode writes a new output too; the held one stays.
+      if (kind == DispatcherKind::kFlex) {
+        MOED_ASSIGN_OR_RETURN(
+            DispatchOutput o3,
+            d->dispatch({.hidden = in1.hidden[size_t(r)].rows(), .cached_handle = o1.handle}));
+        MOED_RETURN_IF_ERROR(same(o3, h1, str_cat("rank ", r, ": cached dispatch")));
+        MOED_RETURN_IF_ERROR(same(o1, h1, str_cat("rank ", r, " after cached")));
+      }
+      return ok_status();
+    });
+    ASSERT_TRUE(s.ok()) << "R " << R << " G " << G << ": " << s.to_string();
+  }
+}
+
+// Every token_* returns a non-null request, done after wait() (async or not).
+TEST_P(OutputLifetime, RequestsAreNeverNull) {
+  const auto [backend, kind] = GetParam();
+  const testing::DispatchCase c = make_case(3, 0, 1);
+  const testing::CaseInput in = testing::make_case_input(c);
+  Status s = testing::run_world(backend, 3, 0, [&](World& w) -> Status {
+    const int r = w.rank();
+    MOED_ASSIGN_OR_RETURN(auto d,
+                          TokenDispatcher::create(w, {.kind = kind, .num_experts = c.num_experts}));
+    for (bool async : {false, true}) {
+      MOED_RETURN_IF_ERROR(d->dispatch_preprocess(
+          {.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]}));
+      MOED_ASSIGN_OR_RETURN(Request q, d->token_dispatch(async));
+      if (!q) return internal_error("token_dispatch(", async, ") returned null");
+      MOED_RETURN_IF_ERROR(q->wait());
+      if (!q->ready()) return internal_error("ready() false after wait()");
+      MOED_ASSIGN_OR_RETURN(DispatchOutput o, d->dispatch_postprocess());
+      MOED_RETURN_IF_ERROR(
+          d->combine_preprocess({.expert_output = o.expert_input, .handle = o.handle}));
+      MOED_ASSIGN_OR_RETURN(Request cq, d->token_combine(async));
+      if (!cq) return internal_error("token_combine(", async, ") returned null");
+      MOED_RETURN_IF_ERROR(cq->wait());
+      MOED_RETURN_IF_ERROR(d->combine_postprocess().status());
+      const Tensor g = Tensor::zeros(DType::kF32, o.num_rows(), c.hidden);
+      MOED_RETURN_IF_ERROR(
+          d->dispatch_postprocess_backward({.grad_expert_input = g.view(), .handle = o.handle}));
+      MOED_ASSIGN_OR_RETURN(Request bq, d->token_dispatch_backward(async));
+      if (!bq) return internal_error("token_dispatch_backward returned null");
+      MOED_RETURN_IF_ERROR(bq->wait());
+      MOED_RETURN_IF_ERROR(d->dispatch_preprocess_backward().status());
+      const Tensor gh = Tensor::zeros(DType::kF32, in.topk[size_t(r)].num_tokens, c.hidden);
+      MOED_RETURN_IF_ERROR(d->combine_postprocess_backward(
+          {.grad_hidden = gh.view(), .expert_output = o.expert_input, .handle = o.handle}));
+      MOED_ASSIGN_OR_RETURN(Request cbq, d->token_combine_backward(async));
+      if (!cbq) return internal_error("token_combine_backward returned null");
+      MOED_RETURN_IF_ERROR(cbq->wait());
+      MOED_RETURN_IF_ERROR(d->combine_preprocess_backward().status());
+    }
+    return ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, DispatcherKind>>& info) {
+  return std::string(testing::backend_name(std::get<0>(info.param))) + "_" +
+         dispatcher_kind_name(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime,
+                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
+                                            ::testing::Values(DispatcherKind::kAllGather,
+                                                              DispatcherKind::kAlltoAll,
+                                                              DispatcherKind::kFlex)),
+                         param_name);
+
+// One collective before data moves in each Flex step, in the steady state (same shapes, the
+// previous outputs dropped, so no region grows): dispatch 1, cached dispatch, combine and the
+// backward steps at most 1; on one node and on two.
+class FlexCollectives : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(FlexCollectives, OnePerStep) {
+  for (auto [R, G] : {std::pair{4, 0}, std::pair{4, 2}, std::pair{5, 0}}) {
+    const testing::DispatchCase c = make_case(R, G, 3);
+    const testing::CaseInput in = testing::make_case_input(c);
+    Status s = testing::run_world(GetParam(), R, G, [&](World& w) -> Status {
+      const int r = w.rank();
+      MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, {.kind = DispatcherKind::kFlex,
+                                                                .num_experts = c.num_experts}));
+      const DispatchInput input{.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]};
+      auto count = [&](const char* what, uint64_t limit, bool exact,
+                       const std::function<Status()>& step) -> Status {
+        const uint64_t before = w.counters().collectives;
+        MOED_RETURN_IF_ERROR(step());
+        const uint64_t n = w.counters().collectives - before;
+        if (n > limit || (exact && n != limit))
+          return internal_error("rank ", r, ": ", what, " made ", n, " collectives");
+        return ok_status();
+      };
+      std::shared_ptr<const DispatchHandle> handle;
+      for (int round = 0; round < 3; ++round) {
+        const bool steady = round > 0;  // round 0 allocates the regions
+        const uint64_t any = ~uint64_t(0);
+        DispatchOutput out;
+        MOED_RETURN_IF_ERROR(count("dispatch", steady ? 1 : any, steady, [&]() -> Status {
+          MOED_ASSIGN_OR_RETURN(out, d->dispatch(input));
+          return ok_status();
+        }));
+        handle = out.handle;
+        const Tensor y = Tensor::copy_of(out.expert_input.x);
+        out = DispatchOutput{};
+        MOED_RETURN_IF_ERROR(count("cached dispatch", steady ? 1 : any, false, [&]() -> Status {
+          MOED_ASSIGN_OR_RETURN(DispatchOutput o,
+                                d->dispatch({.hidden = input.hidden, .cached_handle = handle}));
+          return ok_status();
+        }));
+        MOED_RETURN_IF_ERROR(count("combine", steady ? 1 : any, false, [&]() -> Status {
+          return d->combine({.expert_output = {y.view(), {}}, .handle = handle}).status();
+        }));
+        MOED_RETURN_IF_ERROR(count("dispatch backward", steady ? 1 : any, false, [&]() -> Status {
+          return d->dispatch_backward({.grad_expert_input = y.view(), .handle = handle}).status();
+        }));
+        const Tensor gh = Tensor::zeros(DType::kF32, input.hidden.x.rows, c.hidden);
+        MOED_RETURN_IF_ERROR(count("combine backward", steady ? 1 : any, false, [&]() -> Status {
+          return d->combine_backward({.grad_hidden = gh.view(), .handle = handle}).status();
+        }));
+      }
+      return ok_status();
+    });
+    ASSERT_TRUE(s.ok()) << "R " << R << " G " << G << ": " << s.to_string();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, FlexCollectives, ::testing::ValuesIn(testing::backends()),
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
+
+// The per-process pool settings (threads world: its worlds are made inside the test).
+TEST(ProcessSettings, DefaultThreadsPerRankAndGlobalPool) {
+  ASSERT_FALSE(set_default_threads_per_rank(-1).ok());
+  ASSERT_TRUE(set_default_threads_per_rank(3).ok());
+  EXPECT_EQ(default_threads_per_rank(), 3);
+  EXPECT_EQ(resolve_threads_per_rank(0, 2), 3);
+  EXPECT_EQ(resolve_threads_per_rank(5, 2), 5);
+  if (testing::backends()[0] == Backend::kThreads) {
+    Status s = testing::run_world(Backend::kThreads, 2, 0, [](World& w) -> Status {
+      if (w.pool().num_threads() != 3)
+        return internal_error("pool has ", w.pool().num_threads(), " threads");
+      return ok_status();
+    });
+    EXPECT_TRUE(s.ok()) << s.to_string();
+  }
+  ASSERT_TRUE(set_default_threads_per_rank(0).ok());
+
+  ThreadPool& before = ThreadPool::global();
+  ASSERT_TRUE(ThreadPool::set_global_threads(2));
+  EXPECT_EQ(ThreadPool::global_threads(), 2);
+  EXPECT_EQ(ThreadPool::global().num_threads(), 2);
+  EXPECT_FALSE(ThreadPool::set_global_threads(-1));
+  // A reference taken before stays usable.
+  int64_t sum = 0;
+  std::mutex mu;
+  before.parallel_for(10, [&](int64_t b, int64_t e, int) {
+    std::lock_guard<std::mutex> lock(mu);
+    sum += e - b;
+  });
+  EXPECT_EQ(sum, 10);
+  ASSERT_TRUE(ThreadPool::set_global_threads(0));
+}
+
+}  // namespace
+}  // namespace moed
