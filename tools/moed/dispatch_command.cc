@@ -25,18 +25,14 @@
 #include <string>
 #include <vector>
 
-#include "bench/common.h"
 #include "moed/dispatcher.h"
 #include "moed/npy.h"
 #include "moed/world.h"
 #include "tools/moed/registry.h"
+#include "tools/moed/world_choice.h"
 
 namespace moed::cli {
 namespace {
-
-using bench::launched_by_mpirun;
-using bench::mpi_world_size;
-using bench::run_in_world;
 
 struct DispatchArgs {
   std::string x, topk_idx, topk_probs, out;
