@@ -216,7 +216,7 @@ void run(const RunArgs& a) {
   std::optional<ReferenceMoEResult> ref;
   double ref_s = 0;
   const auto start = std::chrono::steady_clock::now();
-  auto body = [&](World& w) -> Status {
+  auto steps = [&](World& w, std::unique_ptr<MoELayer>& layer) -> Status {
     // The reference runs on one rank thread (every process under MPI), before the timed steps.
     if (w.rank() == 0 || world_name == "mpi") {
       auto t0 = std::chrono::steady_clock::now();
@@ -226,7 +226,7 @@ void run(const RunArgs& a) {
       ref_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     }
     MOED_RETURN_IF_ERROR(w.barrier());
-    MOED_ASSIGN_OR_RETURN(std::unique_ptr<MoELayer> layer, MoELayer::create(w, c));
+    MOED_ASSIGN_OR_RETURN(layer, MoELayer::create(w, c));
     const int r = w.rank();
     std::vector<std::vector<double>> stage(kNumStages);
     Tensor y0;
@@ -310,6 +310,14 @@ void run(const RunArgs& a) {
       }
     }
     return ok_status();
+  };
+  auto body = [&](World& w) -> Status {
+    std::unique_ptr<MoELayer> layer;
+    Status st = steps(w, layer);
+    // NOTE: announced while the layer still holds its shared buffers: dropping them is a
+    // collective free under MPI, which would keep the other ranks waiting for the timeout.
+    if (!st.ok()) fail_world(w, st);
+    return st;
   };
   int my_rank = 0;
   Status s = run_in_world(world_name, R, opts, body, &my_rank);

@@ -54,4 +54,10 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& opt
   return invalid_argument("world '", world, "' is not one of threads, mpi");
 }
 
+void fail_world(World& w, const Status& reason) {
+#ifdef MOED_WITH_MPI
+  mpi_world_fail(w, reason);  // a no-op for a world that is not an MPI world
+#endif
+}
+
 }  // namespace moed::cli
