@@ -21,6 +21,7 @@
 #include "moed/tensor.h"
 #include "moed/thread_pool.h"
 #include "moed/world.h"
+#include "tools/moed/world_choice.h"
 
 namespace CLI {
 class App;
@@ -132,11 +133,10 @@ class Report {
   std::vector<nlohmann::json> records_;
 };
 
-// ---- choosing a world (shared by `moed run` and `moed bench`) ----
-// True when this process was started by mpirun / mpiexec (OpenMPI or a PMI launcher).
-bool launched_by_mpirun();
-// The number of processes mpirun started (an error when not under mpirun).
-StatusOr<int> mpi_world_size();
+// ---- choosing a world (tools/moed/world_choice.h, shared with `moed run`) ----
+using cli::launched_by_mpirun;
+using cli::mpi_world_size;
+using cli::run_in_world;
 // What a multi-rank command runs on: its ranks (under --world mpi the job's size, which mpirun
 // decides, else `ranks`) and the named shape with E adjusted so that they divide it.
 struct WorldShape {
@@ -144,10 +144,5 @@ struct WorldShape {
   Shape shape;
 };
 StatusOr<WorldShape> world_shape(std::string_view shape, const std::string& world, int ranks);
-// Runs body on `ranks` ranks of the world named "threads" or "mpi" (under mpirun `ranks` is
-// the job's size) and returns the root-cause error, the same on every rank. *my_rank is 0 for
-// the threads world (the process speaks for all ranks) and the process's rank under MPI.
-Status run_in_world(const std::string& world, int ranks, const WorldOptions& options,
-                    const std::function<Status(World&)>& body, int* my_rank);
 
 }  // namespace moed::bench

@@ -107,6 +107,30 @@ Status compare_values(const std::string& what, const std::vector<T>& got,
 
 TokenRows rows_of(const TokenTensor& t) { return t.rows(); }
 
+// Copies of inputs with row_stride = cols + pad (the pad 0xff bytes: NaN in f32 and bf16),
+// kept alive for the case.
+class StridedCopies {
+ public:
+  explicit StridedCopies(bool on) : on_(on) {}
+  TensorView operator()(const TensorView& v) {
+    if (!on_) return v;
+    const int64_t pad = v.cols % 2 == 0 ? 3 : 2;  // odd strides too
+    Tensor t = Tensor::empty(v.dtype, v.rows, v.cols + pad);
+    if (t.rows() > 0) std::memset(t.data(), 0xff, size_t(t.rows()) * t.view().row_bytes());
+    TensorView out(t.data(), v.dtype, v.rows, v.cols, v.cols + pad);
+    for (int64_t r = 0; r < v.rows; ++r) std::memcpy(out.row_ptr(r), v.row_ptr(r), v.row_bytes());
+    keep_.push_back(std::move(t));
+    return out;
+  }
+  TokenRows operator()(const TokenRows& r) {
+    return TokenRows{(*this)(r.x), r.scales.data ? (*this)(r.scales) : r.scales};
+  }
+
+ private:
+  bool on_;
+  std::vector<Tensor> keep_;
+};
+
 }  // namespace
 
 std::string DispatchCase::name() const {
@@ -124,6 +148,7 @@ std::string DispatchCase::name() const {
   if (layout.router_padding_multiple > 0) os << " router_pad" << layout.router_padding_multiple;
   if (weighted) os << " weighted";
   if (map_form) os << " map";
+  if (strided) os << " strided";
   os << " H" << hidden << " seed" << seed;
   return os.str();
 }
@@ -213,10 +238,11 @@ Status check_case(World& w, const DispatchCase& c, DispatcherKind kind,
   cfg.layout = c.layout;
   cfg.weighted_combine = c.weighted;
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, make(w, cfg));
+  StridedCopies strided(c.strided);
 
   // ---- dispatch ----
   DispatchInput din;
-  din.hidden = in.hidden[size_t(me)].rows();
+  din.hidden = strided(in.hidden[size_t(me)].rows());
   if (c.map_form) {
     din.map = &in.map[size_t(me)];
   } else {
@@ -259,8 +285,9 @@ Status check_case(World& w, const DispatchCase& c, DispatcherKind kind,
         random_rows(c.out_dtype, ref[size_t(g)].expert_input.x.rows(), H, mix(c.seed, 100 + g)));
     y_views.push_back(y.back().view());
   }
+  const TensorView my_y = strided(y[size_t(me)].view());
   MOED_ASSIGN_OR_RETURN(CombineOutput co,
-                        d->combine(CombineInput{TokenRows{y[size_t(me)].view(), {}}, out.handle}));
+                        d->combine(CombineInput{TokenRows{my_y, {}}, out.handle}));
   MOED_ASSIGN_OR_RETURN(std::vector<Tensor> ref_out, reference_combine(p, y_views));
   MOED_RETURN_IF_ERROR(compare_rows("combine out", co.hidden, ref_out[size_t(me)]));
   {
@@ -292,7 +319,7 @@ Status check_case(World& w, const DispatchCase& c, DispatcherKind kind,
       }
     }
     MOED_ASSIGN_OR_RETURN(DispatchGrad dg,
-                          d->dispatch_backward(DispatchGradInput{gr[size_t(me)].view(),
+                          d->dispatch_backward(DispatchGradInput{strided(gr[size_t(me)].view()),
                                                                  gpp[size_t(me)], out.handle}));
     MOED_ASSIGN_OR_RETURN(ReferenceDispatchGrad rdg, reference_dispatch_backward(p, gr_views, gpp));
     MOED_RETURN_IF_ERROR(
@@ -309,9 +336,9 @@ Status check_case(World& w, const DispatchCase& c, DispatcherKind kind,
       go.push_back(random_rows(c.out_dtype, c.tokens[size_t(s)], H, mix(c.seed, 400 + s)));
       go_views.push_back(go.back().view());
     }
-    MOED_ASSIGN_OR_RETURN(CombineGrad cg, d->combine_backward(CombineGradInput{
-                                              go[size_t(me)].view(),
-                                              TokenRows{y[size_t(me)].view(), {}}, out.handle}));
+    MOED_ASSIGN_OR_RETURN(CombineGrad cg,
+                          d->combine_backward(CombineGradInput{strided(go[size_t(me)].view()),
+                                                               TokenRows{my_y, {}}, out.handle}));
     MOED_ASSIGN_OR_RETURN(ReferenceCombineGrad rcg,
                           reference_combine_backward(p, go_views, y_views));
     MOED_RETURN_IF_ERROR(compare_rows("combine backward grad_expert_output", cg.grad_expert_output,
@@ -461,6 +488,79 @@ std::vector<DispatchCase> sweep_cases() {
           ++combo;
         }
       }
+    }
+  }
+  return cases;
+}
+
+std::vector<DispatchCase> edge_cases() {
+  std::vector<DispatchCase> cases;
+  uint64_t seed = 5000;
+  auto add = [&](int R, int G, int E, int K, std::vector<int64_t> tokens, DType dt, int H) {
+    DispatchCase c;
+    c.ranks = R;
+    c.ranks_per_node = G;
+    c.num_experts = E;
+    c.num_topk = K;
+    c.tokens = std::move(tokens);
+    c.dtype = dt;
+    c.out_dtype = seed % 2 ? DType::kBF16 : DType::kF32;
+    c.hidden = H;
+    c.map_form = seed % 3 == 0;
+    c.weighted = seed % 4 == 1;
+    c.seed = seed++;
+    cases.push_back(c);
+    return &cases.back();
+  };
+  std::vector<LayoutOptions> layouts(5);
+  layouts[1].capacity_factor = 0.5;
+  layouts[2].capacity_factor = 0.5;
+  layouts[2].drop_policy = DropPolicy::kPosition;
+  layouts[2].pad_to_capacity = true;
+  layouts[3].expert_alignment = 16;
+  layouts[4].router_padding_multiple = 16;
+  const DType dtypes[3] = {DType::kF32, DType::kBF16, DType::kFP8};
+
+  // Strided inputs: every dtype, every layout, one and two nodes, ETP 2.
+  for (int i = 0; i < 6; ++i) {
+    const int R = i < 2 ? 1 + i : 4;
+    DispatchCase* c = add(R, i == 5 ? 2 : 0, 2 * R, 2, std::vector<int64_t>(size_t(R), 9),
+                          dtypes[i % 3], i % 3 == 2 ? 128 : 100);
+    c->strided = true;
+    c->layout = layouts[size_t(i) % layouts.size()];
+    c->skewed = i == 3;
+    if (i == 4) c->etp = 2;
+  }
+  // R = 5 and 7 (one node, and nodes of 1 for 5 ranks), some ranks with no tokens, K = 1, 2, E.
+  for (int R : {5, 7}) {
+    for (int i = 0; i < 4; ++i) {
+      std::vector<int64_t> t;
+      for (int s = 0; s < R; ++s) t.push_back((s * 3 + i) % 7);
+      const int E = i < 2 ? R : 2 * R;
+      const int K = i == 0 ? 1 : i == 3 ? E : 2;
+      DispatchCase* c =
+          add(R, R == 5 && i == 2 ? 1 : 0, E, K, t, dtypes[i % 3], i % 3 == 2 ? 128 : 17 + 16 * i);
+      c->layout = layouts[size_t(i + R) % layouts.size()];
+      c->strided = i == 1;
+      c->skewed = i == 2;
+    }
+  }
+  // Every rank with T = 0, every layout.
+  for (int R : {2, 3, 5}) {
+    for (size_t l = 0; l < layouts.size(); ++l) {
+      DispatchCase* c = add(R, 0, 2 * R, 2, std::vector<int64_t>(size_t(R), 0), dtypes[l % 3],
+                            l % 3 == 2 ? 128 : 17);
+      c->layout = layouts[l];
+      c->strided = l % 2 == 1;
+    }
+  }
+  // Hidden sizes that are not a multiple of 16 (vector tails), a large one with few tokens.
+  for (int H : {17, 100, 4099}) {
+    for (int i = 0; i < 2; ++i) {
+      const int R = 2 + i;
+      const int64_t T = H > 1000 ? 3 : 6;
+      DispatchCase* c = add(R, 0, 2 * R, 2, std::vector<int64_t>(size_t(R), T), dtypes[i], H);
+      c->strided = i == 1;
     }
   }
   return cases;

@@ -38,6 +38,9 @@ struct DispatchCase {
   DType out_dtype = DType::kF32;  // expert outputs and gradients: f32 or bf16
   int hidden = 128;
   bool map_form = false;  // pass the routing as a RoutingMap instead of top-k
+  // Every input view (hidden, fp8 scales, expert outputs, gradients) strided: row_stride =
+  // cols + a few elements of 0xff bytes, so a dispatcher that assumes packed rows shows.
+  bool strided = false;
   uint64_t seed = 1;
 
   std::string name() const;
@@ -71,5 +74,10 @@ Status run_cases(Backend b, const std::vector<DispatchCase>& cases, DispatcherKi
 // forms, f32 and bf16 expert outputs. Not the full product: every value of every axis, and
 // every (layout, dtype) pair for every (R, ETP).
 std::vector<DispatchCase> sweep_cases();
+
+// The corners the sweep leaves out, for every dispatcher: strided inputs (every dtype and
+// layout), R = 5 and 7, every rank with T = 0 (R > 1, every layout), hidden sizes that are not
+// a multiple of 16 (17, 100, 4099 with few tokens; fp8 needs H % 128 == 0 and keeps 128).
+std::vector<DispatchCase> edge_cases();
 
 }  // namespace moed::testing

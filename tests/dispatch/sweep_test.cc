@@ -35,6 +35,36 @@ TEST_P(DispatchSweep, AlltoAll) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
+// Strided inputs, R = 5 and 7, all ranks empty, H not a multiple of 16 (harness.h).
+class DispatchEdges : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(DispatchEdges, AllGather) {
+  Status s = testing::run_cases(GetParam(), testing::edge_cases(), DispatcherKind::kAllGather,
+                                make_allgather_dispatcher);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST_P(DispatchEdges, AlltoAll) {
+  Status s = testing::run_cases(GetParam(), testing::edge_cases(), DispatcherKind::kAlltoAll,
+                                make_alltoall_dispatcher);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+TEST(DispatchEdgeCases, CoverEveryCorner) {
+  bool strided = false, r5 = false, r7 = false, all_empty = false, h17 = false, h4099 = false;
+  for (const auto& c : testing::edge_cases()) {
+    strided |= c.strided;
+    r5 |= c.ranks == 5;
+    r7 |= c.ranks == 7;
+    bool empty = c.ranks > 1;
+    for (int64_t t : c.tokens) empty &= t == 0;
+    all_empty |= empty;
+    h17 |= c.hidden == 17;
+    h4099 |= c.hidden == 4099;
+  }
+  EXPECT_TRUE(strided && r5 && r7 && all_empty && h17 && h4099);
+}
+
 TEST(DispatchSweepCases, CoverEveryAxis) {
   const auto cases = testing::sweep_cases();
   bool zero_tokens = false, skewed = false, fp8 = false, pad = false, align = false,
@@ -60,6 +90,8 @@ std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, int>>&
          std::to_string(std::get<1>(info.param));
 }
 
+INSTANTIATE_TEST_SUITE_P(Worlds, DispatchEdges, ::testing::ValuesIn(testing::backends()),
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 INSTANTIATE_TEST_SUITE_P(Worlds, DispatchSweep,
                          ::testing::Combine(::testing::ValuesIn(testing::backends()),
                                             ::testing::Values(1, 2, 3, 4, 8)),

@@ -23,6 +23,15 @@ TEST_P(FlexSweep, OneNode) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
+// Strided inputs, R = 5 and 7, all ranks empty, H not a multiple of 16 (harness.h).
+class FlexEdges : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(FlexEdges, Cases) {
+  Status s = testing::run_cases(GetParam(), testing::edge_cases(), DispatcherKind::kFlex,
+                                make_flex_dispatcher);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 // Every sweep case of R ranks again, with the ranks split into nodes of G (cross-node traffic
 // then takes the two hops). Cases whose ETP group would straddle nodes are skipped (Flex
 // rejects them as unimplemented; see NodeSplitErrors).
@@ -67,6 +76,8 @@ std::string nodes_name(
          "x" + std::to_string(g);
 }
 
+INSTANTIATE_TEST_SUITE_P(Worlds, FlexEdges, ::testing::ValuesIn(testing::backends()),
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 INSTANTIATE_TEST_SUITE_P(Worlds, FlexSweep,
                          ::testing::Combine(::testing::ValuesIn(testing::backends()),
                                             ::testing::Values(1, 2, 3, 4, 8)),

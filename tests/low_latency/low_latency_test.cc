@@ -38,7 +38,8 @@ struct Case {
   int ranks, per_node, num_experts, hidden, num_topk;
   int64_t max_tokens;
   uint32_t seed;
-  bool skewed = false;  // every token's first expert is expert 0
+  bool skewed = false;     // every token's first expert is expert 0
+  bool all_empty = false;  // every rank has T = 0
 };
 
 bf16 random_bf16(std::mt19937& rng) {
@@ -61,9 +62,10 @@ StatusOr<Problem> make_problem(const Case& c) {
   rp.num_topk = c.num_topk;
   for (int s = 0; s < c.ranks; ++s) {
     // Token counts from 0 to max_tokens: rank 0 has none, the last rank is full.
-    int64_t T = s == 0 && c.ranks > 1 ? 0
-                : s == c.ranks - 1    ? c.max_tokens
-                                      : int64_t(rng() % uint32_t(c.max_tokens + 1));
+    int64_t T = c.all_empty             ? 0
+                : s == 0 && c.ranks > 1 ? 0
+                : s == c.ranks - 1      ? c.max_tokens
+                                        : int64_t(rng() % uint32_t(c.max_tokens + 1));
     Tensor x = Tensor::empty(DType::kBF16, T, c.hidden);
     for (int64_t t = 0; t < T; ++t) {
       for (int h = 0; h < c.hidden; ++h) x.row<bf16>(t)[h] = random_bf16(rng);
@@ -307,6 +309,66 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
         MOED_RETURN_IF_ERROR(ca.hook->wait());
         MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
         MOED_RETURN_IF_ERROR(check_combine(*b, me, cb.combined_x));
+      }
+      return ok_status();
+    });
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+}
+
+// A copy of t's rows with row_stride = cols + 3 (the pad NaN bits), kept in *keep.
+TensorView strided_copy(const Tensor& t, Tensor* keep) {
+  *keep = Tensor::empty(t.dtype(), t.rows(), t.cols() + 3);
+  TensorView v(keep->data(), t.dtype(), t.rows(), t.cols(), t.cols() + 3);
+  for (int64_t i = 0; i < t.rows(); ++i) {
+    for (int64_t h = 0; h < t.cols() + 3; ++h) keep->row<bf16>(i)[h] = bf16{0x7fc0};
+    std::memcpy(v.row_ptr(i), t.row<bf16>(i), size_t(t.cols()) * 2);
+  }
+  return v;
+}
+
+// The corners the sweep leaves out: R = 5 and 7, every rank with T = 0, hidden sizes that are
+// not a multiple of 16 (bf16 only; FP8 needs H % 128 == 0), and strided x and expert outputs.
+TEST_P(LowLatencyTest, EdgesMatchTheReference) {
+  const Case cases[] = {
+      {5, 0, 10, 17, 2, 4, 41},
+      {7, 0, 7, 100, 1, 3, 42},
+      {5, 1, 5, 128, 5, 3, 43},
+      {7, 0, 14, 4099, 2, 2, 44},
+      {3, 0, 6, 128, 2, 4, 45, false, true},
+      {5, 0, 5, 17, 2, 3, 46, false, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "R=" << c.ranks << " G=" << c.per_node << " E="
+                                      << c.num_experts << " H=" << c.hidden << " seed=" << c.seed);
+    auto p = make_problem(c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
+      MOED_ASSIGN_OR_RETURN(auto buffer,
+                            LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+      const int me = w.rank();
+      Tensor x_keep;
+      const TensorView x = strided_copy(p->x[size_t(me)], &x_keep);
+      for (int mode = 0; mode < 4; ++mode) {
+        const bool fp8 = mode >= 2, hook = mode % 2 == 1;
+        if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
+        MOED_ASSIGN_OR_RETURN(
+            LowLatencyDispatchOutput d,
+            buffer->low_latency_dispatch(
+                {.x = x, .topk = &p->topk[size_t(me)], .use_fp8 = fp8, .return_recv_hook = hook}));
+        if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
+        Status ds = check_dispatch(*p, me, d, fp8, false);
+        if (!ds.ok()) return ds.with_context(str_cat("mode ", mode));
+        Tensor y_keep;
+        const TensorView y = strided_copy(expert_output(*p, me, d), &y_keep);
+        MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
+                              buffer->low_latency_combine({.x = y,
+                                                           .topk = &p->topk[size_t(me)],
+                                                           .handle = d.handle,
+                                                           .return_recv_hook = hook}));
+        if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
+        Status cs = check_combine(*p, me, out.combined_x);
+        if (!cs.ok()) return cs.with_context(str_cat("mode ", mode));
       }
       return ok_status();
     });

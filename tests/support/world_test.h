@@ -39,6 +39,11 @@
 //     a collective forever: failures are sent to the others (kAborted), but a body that
 //     calls World::abort() ends the MPI job. Fault tests that need abort() belong to threads
 //     only (skip with `if (GetParam() == Backend::kMpi) GTEST_SKIP();`).
+//   - MPI: run_world announces a body's error after the body returns, i.e. after its locals
+//     (dispatchers, buffers) are dropped, and dropping a shared buffer is a collective free
+//     that waits for the other local ranks. A body that fails on purpose while holding them
+//     calls mpi_world_fail first (tests/faults/fault_world.h does), or the others see
+//     kDeadlineExceeded after the timeout instead of kAborted naming it.
 #pragma once
 
 #include <cstring>

@@ -25,18 +25,14 @@
 #include <string>
 #include <vector>
 
-#include "bench/common.h"
 #include "moed/dispatcher.h"
 #include "moed/npy.h"
 #include "moed/world.h"
 #include "tools/moed/registry.h"
+#include "tools/moed/world_choice.h"
 
 namespace moed::cli {
 namespace {
-
-using bench::launched_by_mpirun;
-using bench::mpi_world_size;
-using bench::run_in_world;
 
 struct DispatchArgs {
   std::string x, topk_idx, topk_probs, out;
@@ -90,9 +86,8 @@ Tensor identity_experts(const TensorView& rows, std::span<const float> probs) {
   return y;
 }
 
-Status run_rank(World& w, const DispatchConfig& config, const Tensor& x, const TopkRouting& all,
-                int64_t tokens_per_rank, RankResult& out) {
-  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, config));
+Status run_steps(World& w, TokenDispatcher* d, const Tensor& x, const TopkRouting& all,
+                 int64_t tokens_per_rank, RankResult& out) {
   const int64_t first = int64_t(w.rank()) * tokens_per_rank;
   const size_t K = size_t(all.num_topk);
   TopkRouting mine;
@@ -121,6 +116,15 @@ Status run_rank(World& w, const DispatchConfig& config, const Tensor& x, const T
   MOED_ASSIGN_OR_RETURN(CombineOutput combined, d->combine(combine_input));
   out.combined = std::move(combined.hidden);
   return ok_status();
+}
+
+Status run_rank(World& w, const DispatchConfig& config, const Tensor& x, const TopkRouting& all,
+                int64_t tokens_per_rank, RankResult& out) {
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, config));
+  Status s = run_steps(w, d.get(), x, all, tokens_per_rank, out);
+  // NOTE: announced while d still holds its shared buffers (their free is collective under MPI).
+  if (!s.ok()) fail_world(w, s);
+  return s;
 }
 
 // The inputs, checked against each other and the configuration.

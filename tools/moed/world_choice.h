@@ -1,0 +1,36 @@
+// Choosing the world a command runs on (shared by `moed run`, `moed dispatch` and the
+// `moed bench` commands): threads in this process, or the MPI job mpirun started.
+//
+//   int my_rank = 0;
+//   Status s = moed::cli::run_in_world("mpi", 4, WorldOptions{}, body, &my_rank);
+//   if (my_rank == 0) ... print the report ...
+//
+// NOTE: bench/ depends on tools/ (its commands register here and use this), never the
+// reverse, so tools/moed builds without bench/.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "moed/status.h"
+#include "moed/world.h"
+
+namespace moed::cli {
+
+// True when this process was started by mpirun / mpiexec (OpenMPI or a PMI launcher).
+bool launched_by_mpirun();
+// The number of processes mpirun started (an error when not under mpirun).
+StatusOr<int> mpi_world_size();
+// Runs body on `ranks` ranks of the world named "threads" or "mpi" (under mpirun `ranks` is
+// the job's size) and returns the root-cause error, the same on every rank. *my_rank is 0 for
+// the threads world (the process speaks for all ranks) and the process's rank under MPI.
+Status run_in_world(const std::string& world, int ranks, const WorldOptions& options,
+                    const std::function<Status(World&)>& body, int* my_rank);
+// Tells the other ranks now that this rank failed with `reason` (mpi_world_fail under MPI;
+// nothing in the threads world, where the returned error does it). run_in_world does it after
+// body returns; a body that holds shared buffers (dispatchers, layers) calls it before they
+// drop, since freeing them under MPI is collective and would wait for ranks still waiting on
+// this one.
+void fail_world(World& w, const Status& reason);
+
+}  // namespace moed::cli
