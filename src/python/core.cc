@@ -33,7 +33,7 @@ void bind_core(py::module_& m) {
     d["misses"] = s.misses;
     return d;
   });
-  m.def("row_kernel_isa", [] { return std::string(row_kernel_isa()); });
+  m.def("row_kernel_isa", [] { return std::string(active_isa_name()); });
   m.def("has_fp8_dtype", [] {
     return torch_dtype(DType::kFP8).ptr() != py::module_::import("torch").attr("uint8").ptr();
   });

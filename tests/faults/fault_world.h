@@ -41,6 +41,8 @@ class FaultWorld final : public World {
   void fail_now(const Status& reason);
 
   const char* backend_name() const override { return inner_.backend_name(); }
+  bool shares_address_space() const override { return inner_.shares_address_space(); }
+  bool calls_from_any_thread() const override { return inner_.calls_from_any_thread(); }
   Status barrier() override;
   Status broadcast_bytes(void* data, size_t bytes, int root) override;
   Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
