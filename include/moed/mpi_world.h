@@ -44,10 +44,12 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
 // that is not an MPI world.
 void mpi_world_fail(World& world, const Status& reason);
 
-// True once any MPI world of this process has failed (its own error, a timeout, or a failure
-// another rank reported). Then a peer may be stopped, dead or unreachable, and MPI_Finalize
-// (which waits for every process) could wait forever: exit without it (mpirun ends the job).
-// A failed world's destructor and its shared buffers skip their collective frees likewise.
-bool mpi_world_failed_in_process();
+// True once a rank of an MPI world of this process gave no sign of life after a timeout (the
+// census found it silent here, or on a rank whose failure message said so). Then a peer may be stopped, dead or unreachable, and
+// MPI_Finalize (which waits for every process) could wait forever: exit without it (mpirun
+// then ends the job). Such a world's destructor and its shared buffers skip their collective
+// frees likewise. After other failures (a bad input, a rank that raised) every peer is alive,
+// and teardown stays collective.
+bool mpi_peer_may_be_gone();
 
 }  // namespace moed

@@ -234,7 +234,7 @@ void bind_world(py::module_& m) {
     MPI_Finalized(&fin);
     // After a failed world a peer may never reach MPI_Finalize (it waits for every process):
     // leave without it, and mpirun ends the job.
-    if (g_mpi_we_initialized && !fin && !mpi_world_failed_in_process()) {
+    if (g_mpi_we_initialized && !fin && !mpi_peer_may_be_gone()) {
       py::gil_scoped_release nogil;
       MPI_Finalize();
     }

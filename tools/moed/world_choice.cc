@@ -59,7 +59,7 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& wor
       // NOTE: every World is dropped before exit, so finalising at exit is safe, unless a
       // world failed: then a peer may never reach MPI_Finalize, so exit without it.
       std::atexit([] {
-        if (mpi_world_failed_in_process()) {
+        if (mpi_peer_may_be_gone()) {
           std::fflush(nullptr);
           std::_Exit(1);
         }

@@ -19,8 +19,12 @@ constexpr size_t kFaultBytes = 4096;  // code (int32) + message, truncated to fi
 constexpr int kCensusTag = 2;
 constexpr int kAliveTag = 3;
 
-// Set once any MPI world of this process has failed (mpi_world_failed_in_process()).
-std::atomic<bool> g_any_failed{false};
+// Set once a census of an MPI world of this process went unanswered, here or on a rank that
+// told us (mpi_peer_may_be_gone()).
+std::atomic<bool> g_peer_lost{false};
+// Set in a failure message's code when its sender found a peer gone (its census went
+// unanswered), so the receivers skip collective teardown too.
+constexpr int32_t kPeerLostBit = 1 << 30;
 
 // Blocking agreement used only while constructing the world (there is no world to poll yet):
 // every rank returns the lowest failing rank's error.
@@ -76,14 +80,21 @@ MpiWorld::MpiWorld(MPI_Comm comm, MPI_Comm node_comm, int rank, int size, int ra
   if (has_ub && ub != nullptr) tag_ub_ = *static_cast<int*>(ub);
   MPI_Irecv(fault_buffer_.data(), int(kFaultBytes), MPI_CHAR, MPI_ANY_SOURCE, kFaultTag,
             fault_comm_, &fault_request_);
-  MPI_Irecv(&census_in_, 1, MPI_INT, MPI_ANY_SOURCE, kCensusTag, fault_comm_, &census_request_);
+  MPI_Irecv(census_in_.data(), 1, MPI_INT, MPI_ANY_SOURCE, kCensusTag, fault_comm_,
+            &census_request_);
 }
 
 MpiWorld::~MpiWorld() {
-  // NOTE: after a failure (here or on any rank we heard of) a peer may be stopped, dead or
-  // cut off, and every call below is collective or waits for peers: skip them and leak the
-  // communicators, so a failed rank can always exit (mpirun then ends the job).
-  if (failed_.load(std::memory_order_acquire) || g_any_failed.load()) return;
+  // NOTE: after an unanswered census (here or on a rank that told us) a peer may be stopped,
+  // dead or cut off, and every call below is collective or waits for peers: skip them and leak the
+  // communicators, so this rank can always exit (mpirun then ends the job). The buffers of
+  // the still-posted receives are leaked too, since MPI may yet write into them. After any
+  // other failure every peer is alive and tears down with us as usual.
+  if (g_peer_lost.load()) {
+    new std::vector<char>(std::move(fault_buffer_));  // leaked on purpose
+    new std::vector<int>(std::move(census_in_));      // leaked on purpose
+    return;
+  }
   if (census_request_ != MPI_REQUEST_NULL) {
     MPI_Cancel(&census_request_);
     MPI_Wait(&census_request_, MPI_STATUS_IGNORE);
@@ -124,7 +135,7 @@ void MpiWorld::record_failure(int rank, const Status& reason) const {
   if (failed_.load(std::memory_order_relaxed)) return;
   failure_ = aborted("rank ", rank, " failed: ", reason.message());
   failed_.store(true, std::memory_order_release);
-  g_any_failed.store(true);
+
 }
 
 void MpiWorld::answer_census() const {
@@ -137,7 +148,8 @@ void MpiWorld::answer_census() const {
         MPI_SUCCESS) {
       census_sends_.push_back(r);
     }
-    MPI_Irecv(&census_in_, 1, MPI_INT, MPI_ANY_SOURCE, kCensusTag, fault_comm_, &census_request_);
+    MPI_Irecv(census_in_.data(), 1, MPI_INT, MPI_ANY_SOURCE, kCensusTag, fault_comm_,
+              &census_request_);
   }
 }
 
@@ -185,6 +197,8 @@ Status MpiWorld::census(const Status& timed_out) {
   for (int r = 0; r < size_; ++r) {
     if (!alive[size_t(r)]) silent += str_cat(silent.empty() ? "" : ", ", r);
   }
+  // A rank that gave no sign of life may never come to a collective again.
+  if (!silent.empty()) g_peer_lost.store(true);
   const auto g = std::chrono::duration_cast<std::chrono::milliseconds>(grace).count();
   if (silent.empty()) {
     return Status(timed_out.code(), str_cat(timed_out.message(), "; every rank answered within ", g,
@@ -213,7 +227,8 @@ Status MpiWorld::failure() const {
       MPI_Get_count(&st, MPI_CHAR, &len);
       std::string msg(fault_buffer_.data() + sizeof(code),
                       size_t(std::max(0, len - int(sizeof(code)))));
-      record_failure(st.MPI_SOURCE, Status(StatusCode(code), msg));
+      if (code & kPeerLostBit) g_peer_lost.store(true);
+      record_failure(st.MPI_SOURCE, Status(StatusCode(code & ~kPeerLostBit), msg));
     }
   }
   if (!failed_.load(std::memory_order_acquire)) return ok_status();
@@ -225,6 +240,7 @@ void MpiWorld::fail(const Status& reason) {
   if (failed_.load(std::memory_order_acquire)) return;  // a failure seen first is the cause
   record_failure(rank_, reason);
   int32_t code = int32_t(reason.ok() ? StatusCode::kAborted : reason.code());
+  if (g_peer_lost.load()) code |= kPeerLostBit;
   fault_message_.assign(reinterpret_cast<const char*>(&code), sizeof(code));
   fault_message_ += reason.message().substr(0, kFaultBytes - sizeof(code));
   for (int r = 0; r < size_; ++r) {
@@ -365,7 +381,7 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
                                                                 g, options.timeout, threads));
 }
 
-bool mpi_world_failed_in_process() { return mpi::g_any_failed.load(); }
+bool mpi_peer_may_be_gone() { return mpi::g_peer_lost.load(); }
 
 void mpi_world_fail(World& world, const Status& reason) {
   if (auto* w = dynamic_cast<mpi::MpiWorld*>(&world)) w->fail(reason);

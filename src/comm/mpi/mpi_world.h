@@ -108,7 +108,7 @@ class MpiWorld final : public World {
   std::vector<MPI_Request> fault_sends_;
   std::string fault_message_;
   mutable MPI_Request census_request_ = MPI_REQUEST_NULL;
-  mutable int census_in_ = 0;
+  mutable std::vector<int> census_in_ = std::vector<int>(1);
   mutable int alive_token_ = 1;
   mutable std::vector<MPI_Request> census_sends_;
   mutable std::atomic<bool> failed_{false};

@@ -97,7 +97,7 @@ StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
   }
   return make_shared_buffer(bytes, std::move(segments), std::move(in), std::move(out), [win] {
     // After a failure a local rank may never come to the collective free: leak the window.
-    if (mpi_world_failed_in_process()) return;
+    if (mpi_peer_may_be_gone()) return;
     MPI_Win w = win;
     MPI_Win_unlock_all(w);
     // NOTE: collective over the node: every local rank drops its buffers in the same order.
