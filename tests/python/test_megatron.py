@@ -19,6 +19,7 @@ LAYOUTS = {
                           moe_pad_expert_input_to_capacity=True),
     "align4": dict(moe_expert_alignment=4),
     "router_pad4": dict(moe_router_padding_multiple=4),
+    "flex_zero_copy": dict(moe_flex_zero_copy=True),  # no layout change; Flex skips its copy
 }
 
 
