@@ -130,8 +130,9 @@ def broadcast(tensor, src, group=None, async_op=False):
 
 
 def destroy_process_group(group=None):
-    """Ends moed.init()'s MPI world; a moed.launch group ends with its launch (no-op here)."""
+    """Ends moed.init()'s MPI world (and finalises MPI); a moed.launch group ends with its
+    launch, so for it this is a no-op."""
     from . import _world
-    if group is None or group is _world._mpi_group:
-        if _world._mpi_group is not None and (group is not None or _world.current_group() is _world._mpi_group):
-            shutdown()
+    g = group if group is not None else (getattr(_world._local, "group", None) or _world._mpi_group)
+    if g is not None and g is _world._mpi_group:
+        shutdown()

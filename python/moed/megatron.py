@@ -44,6 +44,10 @@ class MoEConfig:
     moe_weighted_combine: bool = False
     moe_num_worst_tokens: int = 0  # Flex: size the output up front
     moe_num_channels: int = 0  # Flex: worker threads owning token ranges; 0 = the rank's pool
+    # Flex: dispatched_input stays in moed's receive region instead of a copy, and the NEXT
+    # dispatch on this dispatcher overwrites it: only for callers that drop it (and every
+    # autograd graph holding it) before then. Threads world only (MPI: always a copy).
+    moe_flex_zero_copy: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -130,7 +134,7 @@ class MoETokenDispatcher:
             expert_alignment=int(c.moe_expert_alignment),
             router_padding_multiple=int(c.moe_router_padding_multiple),
             weighted_combine=bool(c.moe_weighted_combine), num_worst_tokens=int(c.moe_num_worst_tokens),
-            num_channels=int(c.moe_num_channels))
+            num_channels=int(c.moe_num_channels), zero_copy=bool(c.moe_flex_zero_copy))
         R = self.group.size()
         self.tp_size = int(c.expert_tensor_parallel_size)
         self.ep_size = int(c.expert_model_parallel_size) or R // self.tp_size
@@ -203,7 +207,7 @@ class MoETokenDispatcher:
         """The combined tokens in dispatch_preprocess's hidden_states shape."""
         eo, s = self._need(self._combine_in, "combine_postprocess", "combine_preprocess")
         self._combine_in = None
-        out, self.combined_probs = self._box.combine_postprocess()
+        out, _ = self._box.combine_postprocess()
         probs = s.probs if s.weighted else None
         if torch.is_grad_enabled() and (eo.requires_grad or (probs is not None and probs.requires_grad)):
             out = _CombineFn.apply(eo, probs, s, [out])

@@ -6,12 +6,14 @@
 // capsule holds DispatchOutput::storage, so the dispatcher's output pool never reuses it while
 // torch holds it). Flex's expert_input points into a region the NEXT dispatch on the same
 // dispatcher overwrites (and which an MPI world never hands out), so Flex outputs are copied
-// here. permuted_probs and tokens_per_expert are copied (the handle's own vectors are what a
-// weighted combine reads, so torch must not be able to write them).
+// here, unless zero_copy (the caller promises not to keep an output past the next dispatch; the
+// threads world only). permuted_probs and tokens_per_expert are copied (the handle's own vectors
+// are what a weighted combine reads, so torch must not be able to write them).
 #include "moed/dispatcher.h"
 
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <mutex>
 
 #include "python/bindings.h"
@@ -49,6 +51,7 @@ class DispatcherBox : public Closable {
   RoutingMap map;
   TopkRouting topk;
   Request d_req, c_req;
+  bool zero_copy = false;  // Flex: expert_input stays in the region the next dispatch overwrites
 };
 
 // Runs a C++ call without the GIL and raises its error.
@@ -78,7 +81,9 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
 }
 
 py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
-  const bool copy = b.get().config().kind == DispatcherKind::kFlex;
+  // Flex: a copy unless the caller opted into zero_copy and the output owns its region (the
+  // threads world; an MPI window stays the dispatcher's).
+  const bool copy = b.get().config().kind == DispatcherKind::kFlex && !(b.zero_copy && out.storage);
   py::object x, scales = py::none();
   if (copy) {
     TokenTensor t;
@@ -151,7 +156,7 @@ void bind_dispatcher(py::module_& m) {
                        int ep_size, int etp_size, py::handle capacity_factor,
                        const std::string& drop_policy, bool pad_to_capacity, int expert_alignment,
                        int router_padding_multiple, bool weighted_combine, int64_t num_worst_tokens,
-                       int num_channels) {
+                       int num_channels, bool zero_copy) {
              DispatchConfig c;
              c.kind = check(parse_dispatcher_kind(kind));
              c.num_experts = num_experts;
@@ -165,6 +170,7 @@ void bind_dispatcher(py::module_& m) {
              World& w = world->get();
              auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
              auto box = std::make_shared<DispatcherBox>(world, std::move(d));
+             box->zero_copy = zero_copy;
              world->add(box);
              return box;
            }),
@@ -173,7 +179,7 @@ void bind_dispatcher(py::module_& m) {
            py::arg("drop_policy") = "probs", py::arg("pad_to_capacity") = false,
            py::arg("expert_alignment") = 1, py::arg("router_padding_multiple") = 0,
            py::arg("weighted_combine") = false, py::arg("num_worst_tokens") = 0,
-           py::arg("num_channels") = 0)
+           py::arg("num_channels") = 0, py::arg("zero_copy") = false)
       .def_property_readonly(
           "kind",
           [](DispatcherBox& b) { return std::string(dispatcher_kind_name(b.get().config().kind)); })
@@ -240,21 +246,26 @@ void bind_dispatcher(py::module_& m) {
             b.c_req = check(nogil([&] { return d.token_combine(async); }));
           },
           py::arg("async_op") = false)
-      .def("combine_postprocess",
-           [](DispatcherBox& b) {
-             TokenDispatcher& d = b.get();
-             CombineOutput out = check(nogil([&]() -> StatusOr<CombineOutput> {
-               if (b.c_req) {
-                 Request r = std::move(b.c_req);
-                 MOED_RETURN_IF_ERROR(r->wait());
-               }
-               return d.combine_postprocess();
-             }));
-             b.keep_eo = py::object();
-             int64_t T = out.hidden.rows();
-             return py::make_tuple(to_torch(std::move(out.hidden)),
-                                   vector_to_torch<float>(std::move(out.combined_probs), {T}));
-           })
+      // Returns (hidden [T, H], combined_probs [T] f32 or None unless asked for).
+      .def(
+          "combine_postprocess",
+          [](DispatcherBox& b, bool combined_probs) {
+            TokenDispatcher& d = b.get();
+            CombineOutput out = check(nogil([&]() -> StatusOr<CombineOutput> {
+              if (b.c_req) {
+                Request r = std::move(b.c_req);
+                MOED_RETURN_IF_ERROR(r->wait());
+              }
+              return d.combine_postprocess();
+            }));
+            b.keep_eo = py::object();
+            int64_t T = out.hidden.rows();
+            py::object probs = combined_probs
+                                   ? vector_to_torch<float>(std::move(out.combined_probs), {T})
+                                   : py::object(py::none());
+            return py::make_tuple(to_torch(std::move(out.hidden)), probs);
+          },
+          py::arg("combined_probs") = false)
       // ---- one call each ----
       .def(
           "dispatch",
@@ -284,6 +295,34 @@ void bind_dispatcher(py::module_& m) {
                                   vector_to_torch<float>(std::move(out.combined_probs), {T}));
           },
           py::arg("expert_output"), py::arg("handle"))
+      // The C++ API's own loop, for the benchmark beside the Python steps (same process, same
+      // run): per iteration dispatch(map form) then combine(expert_output = expert_input);
+      // returns each iteration's seconds.
+      .def(
+          "_bench_cpp",
+          [](DispatcherBox& b, py::handle x, py::handle routing_map, py::handle probs, int num_topk,
+             int iters, int warmup) {
+            DispatchInput in;
+            in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload);
+            RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
+            in.map = &map;
+            TokenDispatcher& d = b.get();
+            std::vector<double> times;
+            Status st = nogil([&]() -> Status {
+              for (int i = 0; i < warmup + iters; ++i) {
+                auto t0 = std::chrono::steady_clock::now();
+                MOED_ASSIGN_OR_RETURN(DispatchOutput out, d.dispatch(in));
+                MOED_ASSIGN_OR_RETURN(CombineOutput y, d.combine({out.expert_input, out.handle}));
+                auto t1 = std::chrono::steady_clock::now();
+                if (i >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
+              }
+              return Status();
+            });
+            check(st);
+            return times;
+          },
+          py::arg("hidden_states"), py::arg("routing_map"), py::arg("probs"), py::arg("num_topk"),
+          py::arg("iters"), py::arg("warmup"))
       // ---- backward ----
       .def(
           "dispatch_backward",

@@ -186,26 +186,43 @@ TensorInfo tensor_info(py::handle t, const char* name) {
         fmt::format("{} must be a torch.Tensor, got {}", name,
                     py::str(py::type::handle_of(t).attr("__name__")).cast<std::string>()));
   }
+  // Raw C-API reads with interned names: torch's device.type builds a string stream per call,
+  // so the CPU check reads is_cpu and names the device only on error.
+  static PyObject* s_is_cpu = PyUnicode_InternFromString("is_cpu");
+  static PyObject* s_dtype = PyUnicode_InternFromString("dtype");
+  static PyObject* s_shape = PyUnicode_InternFromString("shape");
+  static PyObject* s_stride = PyUnicode_InternFromString("stride");
+  static PyObject* s_data_ptr = PyUnicode_InternFromString("data_ptr");
   TensorInfo info;
-  py::object dev = t.attr("device");
-  std::string dev_type = py::str(dev.attr("type"));
-  if (dev_type != "cpu") {
+  py::object is_cpu = py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), s_is_cpu));
+  if (!is_cpu) throw py::error_already_set();
+  if (is_cpu.ptr() != Py_True) {
     throw py::type_error(fmt::format("{} must be a CPU tensor, got device {}", name,
-                                     py::str(dev).cast<std::string>()));
+                                     py::str(t.attr("device")).cast<std::string>()));
   }
-  info.type = elem_type_of(t.attr("dtype"));
-  py::tuple shape = t.attr("shape");
-  if (shape.size() > 4) {
-    throw py::value_error(
-        fmt::format("{} has {} dimensions; at most 4 are supported", name, shape.size()));
+  py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), s_dtype));
+  if (!dtype) throw py::error_already_set();
+  info.type = elem_type_of(dtype);
+  py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), s_shape));
+  if (!shape) throw py::error_already_set();
+  const Py_ssize_t nd = PyTuple_Size(shape.ptr());
+  if (nd < 0) throw py::error_already_set();
+  if (nd > 4) {
+    throw py::value_error(fmt::format("{} has {} dimensions; at most 4 are supported", name, nd));
   }
-  py::tuple stride = t.attr("stride")();
-  info.ndim = int(shape.size());
+  py::object stride =
+      py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), s_stride));
+  if (!stride || !PyTuple_Check(stride.ptr())) throw py::error_already_set();
+  info.ndim = int(nd);
   for (int i = 0; i < info.ndim; ++i) {
-    info.shape[i] = shape[size_t(i)].cast<int64_t>();
-    info.stride[i] = stride[size_t(i)].cast<int64_t>();
+    info.shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    info.stride[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(stride.ptr(), i));
   }
-  info.data = reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>());
+  py::object ptr =
+      py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), s_data_ptr));
+  if (!ptr) throw py::error_already_set();
+  info.data = reinterpret_cast<void*>(uintptr_t(PyLong_AsUnsignedLongLong(ptr.ptr())));
+  if (PyErr_Occurred()) throw py::error_already_set();
   return info;
 }
 

@@ -172,3 +172,37 @@ def test_settings():
     moed.set_tensor_cache_limit(1 << 20)
     assert moed.tensor_cache_stats()["limit_bytes"] == 1 << 20
     moed.set_tensor_cache_limit(old)
+
+
+def test_dist_explicit_group_strided_and_async():
+    def body(g):
+        base = torch.zeros(4, 6)
+        view = base[:, 1:3]  # not contiguous: reduced through a copy, written back in place
+        view.fill_(g.rank() + 1.0)
+        work = moed.dist.all_reduce(view, group=g, async_op=True)
+        assert work.wait() and work.is_completed()
+        b = torch.zeros(3, 2).t()
+        if g.rank() == 0:
+            b.copy_(torch.arange(6.0).view(2, 3))
+        moed.dist.broadcast(b, src=0, group=g)
+        moed.dist.destroy_process_group()  # a launch group: no-op
+        return base, b
+    for base, b in run(body, (3, 0)):
+        assert torch.equal(base[:, 1:3], torch.full((4, 2), 6.0)) and base[:, 0].abs().sum() == 0
+        assert torch.equal(b, torch.arange(6.0).view(2, 3))
+
+
+def test_dist_bad_arguments_every_rank():
+    def body(g):
+        errs = []
+        for call in (lambda: moed.dist.broadcast(torch.zeros(2), src=g.size()),
+                     lambda: moed.dist.all_gather([torch.zeros(2)], torch.zeros(2)),
+                     lambda: moed.dist.all_reduce([1.0])):
+            try:
+                call()
+            except ValueError as e:
+                errs.append(str(e))
+        return errs
+    for errs in run(body, (2, 0)):
+        assert len(errs) == 3
+        assert "src = 2" in errs[0] and "tensor_list has 1" in errs[1] and "torch.Tensor" in errs[2]

@@ -19,6 +19,7 @@ LAYOUTS = {
                           moe_pad_expert_input_to_capacity=True),
     "align4": dict(moe_expert_alignment=4),
     "router_pad4": dict(moe_router_padding_multiple=4),
+    "flex_zero_copy": dict(moe_flex_zero_copy=True),  # no layout change; Flex skips its copy
 }
 
 
@@ -59,19 +60,20 @@ def combine_steps(d, eo, async_op):
     return d.combine_postprocess(y)
 
 
-def body(g, kind, H, K, dtype, layout, weighted, async_op, skew):
+def body(g, kind, H, K, dtype, layout, weighted, async_op, skew, etp=1):
     r = g.rank()
     x, rmap, probs, topi, w = inputs(r, H, K, dtype, skew)
     x.requires_grad_()
     probs.requires_grad_()
-    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_weighted_combine=weighted, **layout)
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_weighted_combine=weighted,
+                    expert_tensor_parallel_size=etp, **layout)
     d = make_dispatcher(kind, cfg)
     ei, tpe, pprobs = six_steps(d, x, rmap, probs, async_op)
     eo = expert_fn(ei, r)
     out = combine_steps(d, eo, async_op)
     (out.float() * w.float()).sum().backward()
     # The C++ API directly (one call per op) on the same inputs, through a second dispatcher.
-    c = _C.TokenDispatcher(g.handle, kind, E, weighted_combine=weighted, **ref_layout(layout))
+    c = _C.TokenDispatcher(g.handle, kind, E, etp_size=etp, weighted_combine=weighted, **ref_layout(layout))
     cx, _, cpp, ctpe, ch = c.dispatch(x.detach(), routing_map=rmap, probs=probs.detach(), num_topk=K)
     cout, _ = c.combine(expert_fn(cx, r), ch)
     ceo_grad, cgp_combine = c.combine_backward(w, expert_fn(cx, r) if weighted else None, ch)
@@ -81,10 +83,10 @@ def body(g, kind, H, K, dtype, layout, weighted, async_op, skew):
                 gx=x.grad, gp=probs.grad, cpp=cpp_api)
 
 
-def reference(world, H, K, dtype, layout, weighted, skew):
+def reference(world, H, K, dtype, layout, weighted, skew, etp=1):
     R = world[0]
     ins = [inputs(r, H, K, dtype, skew) for r in range(R)]
-    p = _C.ReferenceProblem(num_experts=E, ep_size=R, weighted_combine=weighted, num_topk=K,
+    p = _C.ReferenceProblem(num_experts=E, ep_size=R // etp, etp_size=etp, weighted_combine=weighted, num_topk=K,
                             routing_maps=[i[1] for i in ins], probs=[i[2] for i in ins],
                             hidden=[i[0] for i in ins], **ref_layout(layout))
     disp = _C.reference_dispatch(p)
@@ -96,10 +98,10 @@ def reference(world, H, K, dtype, layout, weighted, skew):
 
 
 def check_against_reference(world, kind, H=40, K=2, dtype=torch.float32, layout="dropless",
-                            weighted=True, async_op=False, skew=False):
+                            weighted=True, async_op=False, skew=False, etp=1):
     lay = LAYOUTS[layout]
-    got = run(body, world, kind, H, K, dtype, lay, weighted, async_op, skew)
-    disp, out, gx, gp = reference(world, H, K, dtype, lay, weighted, skew)
+    got = run(body, world, kind, H, K, dtype, lay, weighted, async_op, skew, etp)
+    disp, out, gx, gp = reference(world, H, K, dtype, lay, weighted, skew, etp)
     for r, o in enumerate(got):
         assert torch.equal(o["ei"], disp[r]["expert_input"]), f"rank {r} expert_input"
         assert torch.equal(o["tpe"], disp[r]["tokens_per_expert"]), f"rank {r} tokens_per_expert"
@@ -129,6 +131,12 @@ def test_bf16_unweighted_async_k1_and_k_equals_e(kind):
     check_against_reference((3, 0), kind, H=130, dtype=torch.bfloat16, weighted=False, async_op=True)
     check_against_reference((2, 0), kind, K=1)
     check_against_reference((2, 0), kind, K=E, H=17)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_tensor_parallel(kind):
+    check_against_reference((4, 2), kind, etp=2)
+    check_against_reference((8, 4), kind, etp=4, dtype=torch.bfloat16, layout="cap1_probs")
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])

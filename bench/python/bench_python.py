@@ -1,0 +1,112 @@
+"""Python overhead of moed: dispatch + combine through the Megatron-style API beside the C++
+API's own loop, same shapes, same world, same run (interleaved per round), plus the cost of one
+tensor argument crossing into moed.
+
+    python3 bench/python/bench_python.py --shape mixtral --ranks 4 --iters 10
+    python3 bench/python/bench_python.py --shape decode --kinds alltoall,flex --json
+
+Shapes as `moed bench dispatch` has them (tokens per rank, hidden, experts, top-k), bf16.
+Per iteration: dispatch then combine with expert_output = dispatched_input. Figures are the
+median over iterations of rank 0 (every rank waits for the others in each collective).
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import moed
+from moed import _C
+from moed.megatron import MoEConfig, make_dispatcher
+
+SHAPES = {"tiny": (64, 256, 8, 2), "mixtral": (2048, 4096, 8, 2), "dsv3": (4096, 7168, 256, 8),
+          "decode": (128, 7168, 256, 8)}
+
+
+def routing(seed, T, E, K):
+    g = torch.Generator().manual_seed(seed)
+    topv, topi = torch.randn(T, E, generator=g).topk(K, dim=1)
+    rmap = torch.zeros(T, E, dtype=torch.bool).scatter_(1, topi, True)
+    probs = torch.zeros(T, E).scatter_(1, topi, torch.softmax(topv, 1))
+    return rmap, probs
+
+
+def body(group, shape, kinds, iters, warmup, rounds, zero_copy):
+    T, H, E, K = SHAPES[shape]
+    E = max(E, group.size()) // group.size() * group.size()
+    rmap, probs = routing(7 + group.rank(), T, E, K)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(group.rank())).bfloat16()
+    res = {}
+    for kind in kinds:
+        cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_flex_zero_copy=zero_copy)
+        d = make_dispatcher(kind, cfg, group=group)
+        c = _C.TokenDispatcher(group.handle, kind, E)
+        py_t, cpp_t = [], []
+        for r in range(rounds):  # interleaved, so load from elsewhere hits both alike
+            cpp_t += c._bench_cpp(x, rmap, probs, K, iters, warmup if r == 0 else 1)
+            for i in range((warmup if r == 0 else 1) + iters):
+                t0 = time.perf_counter()
+                h, p = d.dispatch_preprocess(x, rmap, probs)
+                h, p = d.token_dispatch(h, p)
+                ei, tpe, pp = d.dispatch_postprocess(h, p)
+                y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
+                t1 = time.perf_counter()
+                if i >= (warmup if r == 0 else 1):
+                    py_t.append(t1 - t0)
+                del h, p, ei, tpe, pp, y
+        res[kind] = (statistics.median(cpp_t), statistics.median(py_t))
+        d.close()
+        c.close()
+    return res
+
+
+def call_overhead(n=20000):
+    x = torch.empty(128, 7168, dtype=torch.bfloat16)
+    for _ in range(1000):
+        _C._noop(x)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        _C._noop(x)
+    parse = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n // 10):
+        _C._copy_rows(x[:1])
+    ret = (time.perf_counter() - t0) / (n // 10)
+    return parse, ret
+
+
+def main():
+    ap = argparse.ArgumentParser(description="moed Python overhead benchmark")
+    ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--ranks-per-node", type=int, default=0)
+    ap.add_argument("--kinds", default="allgather,alltoall,flex")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--flex-zero-copy", action="store_true",
+                    help="Flex outputs stay in moed's region (no copy; see MoEConfig)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    kinds = a.kinds.split(",")
+    parse, ret = call_overhead()
+    out = moed.launch(body, a.ranks, a.shape, kinds, a.iters, a.warmup, a.rounds, a.flex_zero_copy,
+                      ranks_per_node=a.ranks_per_node)[0]
+    recs = []
+    for kind, (cpp, py) in out.items():
+        recs.append(dict(shape=a.shape, ranks=a.ranks, kind=kind, cpp_us=cpp * 1e6, python_us=py * 1e6,
+                         extra_us=(py - cpp) * 1e6, ratio=py / cpp, flex_zero_copy=a.flex_zero_copy))
+    if a.json:
+        print(json.dumps(dict(tensor_arg_us=parse * 1e6, dlpack_return_us=ret * 1e6, records=recs)))
+        return
+    print(f"one tensor argument in (parse + GIL release): {parse * 1e6:.2f} us; "
+          f"a moed tensor out (DLPack, 1 row copy): {ret * 1e6:.2f} us")
+    print(f"{'shape':8} {'kind':10} {'C++ API us':>12} {'Megatron-style us':>18} {'extra us':>10} {'ratio':>7}")
+    for r in recs:
+        print(f"{r['shape']:8} {r['kind']:10} {r['cpp_us']:12.1f} {r['python_us']:18.1f} "
+              f"{r['extra_us']:10.1f} {r['ratio']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
