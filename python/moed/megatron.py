@@ -44,9 +44,10 @@ class MoEConfig:
     moe_weighted_combine: bool = False
     moe_num_worst_tokens: int = 0  # Flex: size the output up front
     moe_num_channels: int = 0  # Flex: worker threads owning token ranges; 0 = the rank's pool
-    # Flex: dispatched_input stays in moed's receive region instead of a copy, and the NEXT
-    # dispatch on this dispatcher overwrites it: only for callers that drop it (and every
-    # autograd graph holding it) before then. Threads world only (MPI: always a copy).
+    # Flex, MPI world: dispatched_input stays in moed's node-shared window instead of a copy;
+    # the window lives as long as the dispatcher, so only for callers that drop it (and every
+    # autograd graph holding it) before the dispatcher. (Threads world: always zero-copy; no
+    # later dispatch writes an output while it is held.)
     moe_flex_zero_copy: bool = False
     extra: dict = field(default_factory=dict)
 

@@ -216,8 +216,8 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
         (same ? ac.shared : ac.network)[size_t(d)] += pairs[size_t(d)] * row_c;
       }
       // moed's low-latency buffer: a copy into the slots of every rank of the node (its own
-      // included); across nodes a message of (int32 token index + fp32 prob + row) per pair. Combine
-      // returns one bf16 row per pair, counted on the expert side.
+      // included); across nodes a message of (int32 token index + fp32 prob + row) per pair.
+      // Combine returns one bf16 row per pair, counted on the expert side.
       CounterBytes& ld = m.low_latency_dispatch;
       (same ? ld.shared : ld.network)[size_t(s)] += pairs[size_t(d)] * (row_d + (same ? 0 : 8));
       CounterBytes& lc = m.low_latency_combine;

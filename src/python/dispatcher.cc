@@ -2,13 +2,12 @@
 // classes of python/moed/megatron.py: the six steps, one-call dispatch / combine, and both
 // backward passes, over torch tensors.
 //
-// Lifetime of returned tensors: AllGather / AlltoAll outputs own their storage (the DLPack
-// capsule holds DispatchOutput::storage, so the dispatcher's output pool never reuses it while
-// torch holds it). Flex's expert_input points into a region the NEXT dispatch on the same
-// dispatcher overwrites (and which an MPI world never hands out), so Flex outputs are copied
-// here, unless zero_copy (the caller promises not to keep an output past the next dispatch; the
-// threads world only). permuted_probs and tokens_per_expert are copied (the handle's own vectors
-// are what a weighted combine reads, so torch must not be able to write them).
+// Lifetime of returned tensors: every dispatcher's outputs stay unchanged while their
+// DispatchOutput::storage is held (moed/dispatcher.h), and the DLPack capsule holds it. Flex's
+// storage keeps its memory in the threads world (zero-copy); in the MPI world a window lives
+// only as long as the dispatcher, so Flex outputs are copied there unless zero_copy (the caller
+// drops outputs before the dispatcher). permuted_probs and tokens_per_expert are copied (the
+// handle's own vectors are what a weighted combine reads, so torch must not be able to write them).
 #include "moed/dispatcher.h"
 
 #include <pybind11/stl.h>
@@ -81,9 +80,13 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
 }
 
 py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
-  // Flex: a copy unless the caller opted into zero_copy and the output owns its region (the
-  // threads world; an MPI window stays the dispatcher's).
-  const bool copy = b.get().config().kind == DispatcherKind::kFlex && !(b.zero_copy && out.storage);
+  // Flex (the C++ lifetime rule, moed/dispatcher.h): an output's storage holds its slot of
+  // the output ring, so no later dispatch writes it while torch holds the tensor. In the
+  // threads world the storage also keeps the memory, so the tensor is zero-copy; an MPI window
+  // lives only as long as the dispatcher, which a tensor may outlive, so there it is copied
+  // (unless zero_copy: the caller promises to drop outputs before the dispatcher).
+  const bool copy = b.get().config().kind == DispatcherKind::kFlex &&
+                    !(out.storage && (b.zero_copy || b.get().world().shares_address_space()));
   py::object x, scales = py::none();
   if (copy) {
     TokenTensor t;

@@ -323,3 +323,25 @@ def test_example_layer_trains_on_threads(kind):
     if kind != "allgather":  # every dispatcher trains to the same bits
         ref = moed.launch(ex.train, 4, "allgather", 3, ranks_per_node=2)
         assert losses == ref
+
+
+def held_output_body(g, kind):
+    """An output torch still holds is never written by a later dispatch (the lifetime rule)."""
+    r = g.rank()
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=2)
+    d = make_dispatcher(kind, cfg)
+    x, rmap, probs, _, _ = inputs(r, 20, 2, torch.float32)
+    first, _, _ = six_steps(d, x, rmap, probs, False)
+    kept = first.clone()
+    for step in range(3):
+        later, _, _ = six_steps(d, x * (3 + step) + 1, rmap, probs, False)
+        d.combine_postprocess(d.token_combine(d.combine_preprocess(later), async_op=False))
+    d.combine_postprocess(d.token_combine(d.combine_preprocess(first), async_op=False))
+    return torch.equal(first, kept)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world", [(4, 0), (4, 2)], ids=["R4", "R4_2nodes"])
+def test_held_output_is_never_overwritten(kind, world):
+    ranks, rpn = world
+    assert all(moed.launch(held_output_body, ranks, kind, ranks_per_node=rpn))

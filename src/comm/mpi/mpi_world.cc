@@ -135,7 +135,6 @@ void MpiWorld::record_failure(int rank, const Status& reason) const {
   if (failed_.load(std::memory_order_relaxed)) return;
   failure_ = aborted("rank ", rank, " failed: ", reason.message());
   failed_.store(true, std::memory_order_release);
-
 }
 
 void MpiWorld::answer_census() const {
