@@ -346,11 +346,12 @@ void run(const RunArgs& a) {
   auto part = [](bool bitwise, const char* what) {
     return std::string(what) + (bitwise ? " bitwise equal" : " differ");
   };
-  std::string verify = std::string("verify: ") + (pass ? "PASS" : "FAIL") + " (" +
-                       part(v.output_bitwise, "output") + ", " + part(v.grads_bitwise, "grads") +
-                       (v.first_grad.empty() ? "" : ", first at " + v.first_grad) +
-                       " to the reference layer; max rel err output " + fmt_err(v.output_err) +
-                       ", grads " + fmt_err(v.grads_err) + ")";
+  std::string verify = std::string("verify: ") + (pass ? "PASS" : "FAIL") +
+                       " (vs the reference layer: " + part(v.output_bitwise, "output") + ", " +
+                       part(v.grads_bitwise, "grads") +
+                       (v.first_grad.empty() ? "" : " (first: " + v.first_grad + ")") +
+                       "; max rel err output " + fmt_err(v.output_err) + ", grads " +
+                       fmt_err(v.grads_err) + ")";
 
   if (a.json) {
     nlohmann::json j;

@@ -91,8 +91,10 @@ MpiWorld::~MpiWorld() {
   // the still-posted receives are leaked too, since MPI may yet write into them. After any
   // other failure every peer is alive and tears down with us as usual.
   if (g_peer_lost.load()) {
-    new std::vector<char>(std::move(fault_buffer_));  // leaked on purpose
-    new std::vector<int>(std::move(census_in_));      // leaked on purpose
+    static auto* parked_bytes = new std::vector<std::vector<char>>();  // never freed
+    static auto* parked_ints = new std::vector<std::vector<int>>();    // never freed
+    parked_bytes->push_back(std::move(fault_buffer_));  // moving keeps the buffer in place
+    parked_ints->push_back(std::move(census_in_));
     return;
   }
   if (census_request_ != MPI_REQUEST_NULL) {
