@@ -49,11 +49,13 @@ RmMessage RmMessage::of(int64_t n, size_t row_bytes, size_t scale_bytes, int num
                         int ranks_per_node, int num_channels) {
   RmMessage m;
   const size_t t = size_t(n);
+  // Each section starts on 8 bytes, so its int64 / float / int32 entries are aligned.
+  auto up8 = [](size_t v) { return (v + 7) / 8 * 8; };
   m.rows_off = t * sizeof(RmHeader);
-  m.scales_off = m.rows_off + t * row_bytes;
-  m.idx_off = m.scales_off + t * scale_bytes;
-  m.weights_off = m.idx_off + t * size_t(num_topk) * 8;
-  m.cpm_off = m.weights_off + t * size_t(num_topk) * 4;
+  m.scales_off = up8(m.rows_off + t * row_bytes);
+  m.idx_off = up8(m.scales_off + t * scale_bytes);
+  m.weights_off = up8(m.idx_off + t * size_t(num_topk) * 8);
+  m.cpm_off = up8(m.weights_off + t * size_t(num_topk) * 4);
   m.bytes = m.cpm_off + size_t(ranks_per_node) * size_t(num_channels) * 4;
   return m;
 }

@@ -148,8 +148,16 @@ struct RowWriter {
     auto* w = reinterpret_cast<float*>(block + lay->weights_off) + size_t(row) * K;
     const int64_t lo = int64_t(r) * L;
     for (int k = 0; k < K; ++k) {
-      const int64_t e = topk ? topk->at(t, k) : msg_idx[k];
-      const float wt = topk ? topk->weights[size_t(t) * K + k] : msg_w[k];
+      // NOTE: a network message packs its entries without padding, so read them unaligned.
+      int64_t e = 0;
+      float wt = 0.0f;
+      if (topk) {
+        e = topk->at(t, k);
+        wt = topk->weights[size_t(t) * K + k];
+      } else {
+        std::memcpy(&e, msg_idx + k, sizeof(e));
+        std::memcpy(&wt, msg_w + k, sizeof(wt));
+      }
       const bool local = e >= lo && e < lo + L;
       idx[k] = local ? e - lo : -1;
       w[k] = local ? wt : 0.0f;
