@@ -1,10 +1,23 @@
-// MPI backend node-shared memory: one MPI shared window per alloc_shared call over the
-// node's communicator. Each local rank's part of the window is
-//   [pad to 64][G signal counters, one per 64-byte line][data, bytes long]
-// and every rank maps every part (MPI_Win_shared_query). Counters are std::atomic<uint64_t>
-// living in the shared pages, so signals are plain release/acquire atomics between processes.
+// MPI backend node-shared memory: each local rank creates one POSIX shared-memory segment per
+// alloc_shared call, and every local rank maps every other's. A segment is
+//   [G signal counters, one per 64-byte line][data, bytes long, rounded up to 64]
+// Counters are std::atomic<uint64_t> living in the shared pages, so signals are plain
+// release/acquire atomics between processes.
+//
+// NOTE: not MPI shared windows. Allocating and freeing a window are blocking collectives over
+// the node: a rank that saw a peer's failure and left could leave another local rank inside
+// MPI_Win_allocate_shared or MPI_Win_free for good. Here every wait is a polled non-blocking
+// collective, and freeing is a local munmap. Each segment is unlinked as soon as every local
+// rank has mapped it (or the call failed), so none outlives its processes in /dev/shm.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <new>
 
 #include "comm/mpi/mpi_world.h"
@@ -20,9 +33,55 @@ namespace {
 
 constexpr size_t kLine = 64;
 
-char* align_up(void* p) {
-  const auto v = reinterpret_cast<uintptr_t>(p);
-  return reinterpret_cast<char*>((v + kLine - 1) / kLine * kLine);
+// What a local rank tells the others about its segment.
+struct SegmentInfo {
+  uint64_t bytes;  // as asked for (must match on every local rank)
+  uint64_t pid;
+  uint64_t seq;
+};
+
+std::string segment_name(const SegmentInfo& s) {
+  return str_cat("/moed-mpi-", s.pid, "-", s.seq);
+}
+
+// The mappings of one buffer on this rank; unmapped when the buffer is dropped.
+struct Mappings {
+  std::vector<void*> base;
+  size_t part = 0;
+  ~Mappings() {
+    for (void* p : base) {
+      if (p != nullptr) munmap(p, part);
+    }
+  }
+};
+
+Status errno_error(const char* call, const std::string& name) {
+  return internal_error(call, "(", name, "): ", std::strerror(errno));
+}
+
+// Maps `name` (part bytes) into this process; creates it when `create`.
+StatusOr<void*> map_segment(const std::string& name, size_t part, bool create) {
+  const int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
+                        : shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) return errno_error("shm_open", name);
+  Status s;
+  if (create && ftruncate(fd, off_t(part)) != 0) s = errno_error("ftruncate", name);
+  struct stat st {};
+  if (s.ok() && fstat(fd, &st) != 0) s = errno_error("fstat", name);
+  if (s.ok() && size_t(st.st_size) != part) {
+    s = internal_error("shared segment ", name, " has ", st.st_size, " bytes, expected ", part);
+  }
+  void* p = MAP_FAILED;
+  if (s.ok()) {
+    p = mmap(nullptr, part, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) s = errno_error("mmap", name);
+  }
+  close(fd);
+  if (!s.ok()) {
+    if (create) shm_unlink(name.c_str());
+    return s;
+  }
+  return p;
 }
 
 }  // namespace
@@ -30,79 +89,83 @@ char* align_up(void* p) {
 StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
   ++counters_.collectives;
+  static std::atomic<uint64_t> next_seq{0};
   const int g = ranks_per_node_;
   const int lr = local_rank();
   auto what = [&] { return str_cat("rank ", rank_, " in alloc_shared on node ", node()); };
-  // Same size on every local rank (checked and agreed over the node before allocating, so
-  // the blocking window allocation below never waits for a rank that isn't coming).
-  CallBuffers buf;
-  uint64_t* sizes = buf.make<uint64_t>(size_t(g));
-  uint64_t* mine = buf.make<uint64_t>(1);
-  *mine = bytes;
-  MPI_Request req;
-  MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(mine, 1, MPI_UINT64_T, sizes, 1, MPI_UINT64_T, node_comm_, &req),
-            "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
-  for (int r = 0; r < g; ++r) {
-    if (sizes[size_t(r)] != sizes[0]) {
-      return invalid_argument("alloc_shared: local rank ", r, " of node ", node(), " asked for ",
-                              sizes[size_t(r)], " bytes, local rank 0 for ", sizes[0]);
-    }
-  }
   const size_t data_bytes = (bytes + kLine - 1) / kLine * kLine;
-  const size_t part = kLine + size_t(g) * kLine + data_bytes;
-  MPI_Info info;
-  MPI_Info_create(&info);
-  // Each part in its own pages: local first-touch placement, no false sharing at edges.
-  MPI_Info_set(info, "alloc_shared_noncontig", "true");
-  void* base = nullptr;
-  MPI_Win win = MPI_WIN_NULL;
-  Status s = check(MPI_Win_allocate_shared(MPI_Aint(part), 1, info, node_comm_, &base, &win),
-                   "MPI_Win_allocate_shared");
-  MPI_Info_free(&info);
-  MOED_RETURN_IF_ERROR(s);
-  // Passive-target epoch for the window's lifetime: direct loads/stores are then allowed.
-  MPI_Win_lock_all(MPI_MODE_NOCHECK, win);
+  const size_t part = size_t(g) * kLine + std::max<size_t>(data_bytes, kLine);
 
-  std::vector<char*> parts(static_cast<size_t>(g));
-  for (int r = 0; r < g; ++r) {
-    MPI_Aint size = 0;
-    int disp = 0;
-    void* p = nullptr;
-    MPI_Win_shared_query(win, r, &size, &disp, &p);
-    // NOTE: each part is mapped page-aligned in every process, so aligning up lands on
-    // the same byte of the part everywhere.
-    parts[size_t(r)] = align_up(p);
-  }
+  auto maps = std::make_shared<Mappings>();
+  maps->base.assign(size_t(g), nullptr);
+  maps->part = part;
+  const SegmentInfo me{bytes, uint64_t(getpid()), next_seq.fetch_add(1)};
+  const std::string my_name = segment_name(me);
+  MOED_ASSIGN_OR_RETURN(maps->base[size_t(lr)], map_segment(my_name, part, /*create=*/true));
+  // Unlinked on every path out of this call: by then every local rank has mapped it, or the
+  // call failed.
+  struct Unlink {
+    const std::string& name;
+    ~Unlink() { shm_unlink(name.c_str()); }
+  } unlink_mine{my_name};
   auto counter = [&](int owner, int from) {
-    return reinterpret_cast<std::atomic<uint64_t>*>(parts[size_t(owner)] + size_t(from) * kLine);
+    return reinterpret_cast<std::atomic<uint64_t>*>(static_cast<char*>(maps->base[size_t(owner)]) +
+                                                    size_t(from) * kLine);
   };
   for (int from = 0; from < g; ++from) new (counter(lr, from)) std::atomic<uint64_t>(0);
-  MPI_Win_sync(win);
-  // Nobody signals into a counter before its owner has constructed it.
-  MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(node_comm_, &req), "MPI_Ibarrier"));
-  s = wait(&req, what, nullptr);
-  if (!s.ok()) {
-    MPI_Win_unlock_all(win);
-    // The window is leaked: freeing it is collective and a local rank is missing.
-    return s;
+
+  // Every local rank's segment (and the same size everywhere, checked).
+  CallBuffers buf;
+  auto* infos = buf.make<SegmentInfo>(size_t(g));
+  auto* mine = buf.make_from(&me, 1);
+  MPI_Request req;
+  MOED_RETURN_IF_ERROR(check(MPI_Iallgather(mine, int(sizeof(SegmentInfo)), MPI_BYTE, infos,
+                                            int(sizeof(SegmentInfo)), MPI_BYTE, node_comm_, &req),
+                             "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  Status local;
+  for (int r = 0; r < g && local.ok(); ++r) {
+    if (infos[r].bytes != infos[0].bytes) {
+      local = invalid_argument("alloc_shared: local rank ", r, " of node ", node(), " asked for ",
+                               infos[r].bytes, " bytes, local rank 0 for ", infos[0].bytes);
+    }
+  }
+  for (int r = 0; r < g && local.ok(); ++r) {
+    if (r == lr) continue;
+    StatusOr<void*> p = map_segment(segment_name(infos[r]), part, /*create=*/false);
+    if (!p.ok()) {
+      local = Status(p.status().code(), str_cat("alloc_shared: local rank ", lr, " of node ",
+                                                node(), ": ", p.status().message()));
+    } else {
+      maps->base[size_t(r)] = *p;
+    }
+  }
+  // Every local rank has mapped every segment (so each may unlink its own), and agrees on
+  // the outcome; nobody signals into a counter before its owner has constructed it.
+  int* verdicts = buf.make<int>(size_t(g));
+  int* verdict = buf.make<int>(1);
+  *verdict = int(local.code());
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Iallgather(verdict, 1, MPI_INT, verdicts, 1, MPI_INT, node_comm_, &req), "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  MOED_RETURN_IF_ERROR(local);
+  for (int r = 0; r < g; ++r) {
+    if (verdicts[r] != 0) {
+      return Status(StatusCode(verdicts[r]),
+                    str_cat("alloc_shared: local rank ", r, " of node ", node(),
+                            " could not map the node's segments"));
+    }
   }
   std::vector<void*> segments(static_cast<size_t>(g));
   std::vector<std::atomic<uint64_t>*> in(static_cast<size_t>(g)), out(static_cast<size_t>(g));
   for (int r = 0; r < g; ++r) {
-    segments[size_t(r)] = parts[size_t(r)] + size_t(g) * kLine;
+    segments[size_t(r)] = static_cast<char*>(maps->base[size_t(r)]) + size_t(g) * kLine;
     in[size_t(r)] = counter(lr, r);   // r -> me
     out[size_t(r)] = counter(r, lr);  // me -> r
   }
-  return make_shared_buffer(bytes, std::move(segments), std::move(in), std::move(out), [win] {
-    // After a failure a local rank may never come to the collective free: leak the window.
-    if (mpi_peer_may_be_gone()) return;
-    MPI_Win w = win;
-    MPI_Win_unlock_all(w);
-    // NOTE: collective over the node: every local rank drops its buffers in the same order.
-    MPI_Win_free(&w);
-  });
+  // Freeing is local: the mappings go with the last owner on this rank.
+  return make_shared_buffer(bytes, std::move(segments), std::move(in), std::move(out),
+                            [maps]() mutable { maps.reset(); });
 }
 
 }  // namespace moed::mpi
