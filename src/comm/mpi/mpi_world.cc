@@ -26,24 +26,75 @@ std::atomic<bool> g_peer_lost{false};
 // unanswered), so the receivers skip collective teardown too.
 constexpr int32_t kPeerLostBit = 1 << 30;
 
-// Blocking agreement used only while constructing the world (there is no world to poll yet):
-// every rank returns the lowest failing rank's error.
-Status agree_blocking(const Status& local, MPI_Comm comm) {
+// While the world is being made there is no world to poll yet: a bootstrap wait polls one
+// request until `deadline`. On a timeout the buffers MPI may still write are leaked on
+// purpose, and the process counts a peer as lost, so no collective teardown (nor
+// MPI_Finalize, where the caller asks mpi_peer_may_be_gone()) waits for it either.
+struct Bootstrap {
+  int rank = 0;
+  std::chrono::milliseconds timeout{0};
+  std::chrono::steady_clock::time_point deadline;
+
+  Status wait(MPI_Request* request, const char* step) const {
+    for (int i = 0;; ++i) {
+      int flag = 0;
+      int rc = MPI_Test(request, &flag, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return check(rc, step);
+      if (flag != 0) return ok_status();
+      if (std::chrono::steady_clock::now() >= deadline) {
+        g_peer_lost.store(true);
+        return deadline_exceeded("make_mpi_world: rank ", rank, " in ", step,
+                                 ": not every rank answered within ", timeout.count(),
+                                 " ms (a rank is stopped, dead, unreachable, or has not called "
+                                 "make_mpi_world)");
+      }
+      if (i < 1024) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+  }
+  // Every rank of `comm` has reached this point (a non-blocking barrier, bounded), so the
+  // blocking communicator constructor that follows has every rank in it.
+  Status gate(MPI_Comm comm, const char* step) const {
+    MPI_Request req;
+    MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(comm, &req), "MPI_Ibarrier"));
+    return wait(&req, step);
+  }
+};
+
+// Every rank returns the lowest failing rank's error (bounded by the bootstrap deadline).
+// The buffers are leaked if a wait fails, since MPI may still write them.
+Status agree_bootstrap(const Status& local, MPI_Comm comm, const Bootstrap& boot) {
   int size = 0, me = 0;
   MPI_Comm_size(comm, &size);
   MPI_Comm_rank(comm, &me);
-  int code = int(local.code());
-  std::vector<int> codes(static_cast<size_t>(size));
-  MPI_Allgather(&code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm);
+  auto* codes = new std::vector<int>(static_cast<size_t>(size) + 2);
+  int* code = codes->data() + size;
+  int* len = code + 1;
+  *code = int(local.code());
+  MPI_Request req;
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Iallgather(code, 1, MPI_INT, codes->data(), 1, MPI_INT, comm, &req), "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(boot.wait(&req, "checking options"));
   for (int r = 0; r < size; ++r) {
-    if (codes[size_t(r)] == 0) continue;
-    std::string msg = me == r ? local.message() : std::string();
-    int len = int(msg.size());
-    MPI_Bcast(&len, 1, MPI_INT, r, comm);
-    msg.resize(size_t(len));
-    MPI_Bcast(msg.data(), len, MPI_CHAR, r, comm);
-    return Status(StatusCode(codes[size_t(r)]), msg);
+    const int c = (*codes)[size_t(r)];
+    if (c == 0) continue;
+    auto* msg = new std::string(me == r ? local.message() : std::string());
+    *len = int(msg->size());
+    MOED_RETURN_IF_ERROR(check(MPI_Ibcast(len, 1, MPI_INT, r, comm, &req), "MPI_Ibcast"));
+    MOED_RETURN_IF_ERROR(boot.wait(&req, "checking options"));
+    msg->resize(size_t(*len));
+    MOED_RETURN_IF_ERROR(
+        check(MPI_Ibcast(msg->data(), *len, MPI_CHAR, r, comm, &req), "MPI_Ibcast"));
+    MOED_RETURN_IF_ERROR(boot.wait(&req, "checking options"));
+    Status verdict(StatusCode(c), *msg);
+    delete msg;
+    delete codes;
+    return verdict;
   }
+  delete codes;
   return ok_status();
 }
 
@@ -65,14 +116,17 @@ Status check(int rc, const char* call) {
   return internal_error(call, ": ", std::string(text, size_t(len)));
 }
 
-MpiWorld::MpiWorld(MPI_Comm comm, MPI_Comm node_comm, int rank, int size, int ranks_per_node,
-                   std::chrono::milliseconds timeout, int threads_per_rank)
+MpiWorld::MpiWorld(MPI_Comm comm, MPI_Comm node_comm, MPI_Comm fault_comm, int rank, int size,
+                   int ranks_per_node, std::chrono::milliseconds timeout, int threads_per_rank)
     : World(rank, size, ranks_per_node, timeout, threads_per_rank),
       comm_(comm),
       node_comm_(node_comm),
+      fault_comm_(fault_comm),
       owner_(std::this_thread::get_id()),
       fault_buffer_(kFaultBytes) {
-  MPI_Comm_dup(comm_, &fault_comm_);
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  thread_multiple_ = level == MPI_THREAD_MULTIPLE;
   MPI_Comm_set_errhandler(fault_comm_, MPI_ERRORS_RETURN);
   void* ub = nullptr;
   int has_ub = 0;
@@ -91,10 +145,7 @@ MpiWorld::~MpiWorld() {
   // the still-posted receives are leaked too, since MPI may yet write into them. After any
   // other failure every peer is alive and tears down with us as usual.
   if (g_peer_lost.load()) {
-    static auto* parked_bytes = new std::vector<std::vector<char>>();  // never freed
-    static auto* parked_ints = new std::vector<std::vector<int>>();    // never freed
-    parked_bytes->push_back(std::move(fault_buffer_));  // moving keeps the buffer in place
-    parked_ints->push_back(std::move(census_in_));
+    leave_without_teardown();
     return;
   }
   if (census_request_ != MPI_REQUEST_NULL) {
@@ -107,8 +158,28 @@ MpiWorld::~MpiWorld() {
   // message addressed to this rank first: one all-to-all says how many there are.
   std::vector<int> sent(static_cast<size_t>(size_), fault_sends_.empty() ? 0 : 1);
   sent[size_t(rank_)] = 0;
+  // Bounded: a rank that never heard of a lost peer would otherwise wait here for it.
   std::vector<int> incoming(static_cast<size_t>(size_));
-  MPI_Alltoall(sent.data(), 1, MPI_INT, incoming.data(), 1, MPI_INT, fault_comm_);
+  MPI_Request req;
+  int flag = 0;
+  MPI_Ialltoall(sent.data(), 1, MPI_INT, incoming.data(), 1, MPI_INT, fault_comm_, &req);
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  while (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag == 0) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      g_peer_lost.store(true);
+      std::fprintf(stderr,
+                   "moed: rank %d: a peer did not join the world's teardown within %lld ms; "
+                   "leaving without it\n",
+                   rank_, static_cast<long long>(timeout_.count()));
+      CallBuffers parked;  // MPI may still write the all-to-all's buffers
+      std::swap(*parked.make<std::vector<int>>(1), sent);  // swapping keeps the buffers in place
+      std::swap(*parked.make<std::vector<int>>(1), incoming);
+      parked.park();
+      leave_without_teardown();
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   int pending = 0;
   for (int n : incoming) pending += n;
   if (fault_request_ != MPI_REQUEST_NULL) {
@@ -130,6 +201,15 @@ MpiWorld::~MpiWorld() {
   MPI_Comm_free(&fault_comm_);
   MPI_Comm_free(&node_comm_);
   MPI_Comm_free(&comm_);
+}
+
+void MpiWorld::leave_without_teardown() {
+  static auto* parked_bytes = new std::vector<std::vector<char>>();  // never freed
+  static auto* parked_ints = new std::vector<std::vector<int>>();    // never freed
+  static auto* parked_text = new std::vector<std::string>();         // never freed
+  parked_bytes->push_back(std::move(fault_buffer_));  // moving keeps the buffer in place
+  parked_ints->push_back(std::move(census_in_));
+  parked_text->push_back(std::move(fault_message_));  // on the heap: see fail()
 }
 
 void MpiWorld::record_failure(int rank, const Status& reason) const {
@@ -211,11 +291,16 @@ Status MpiWorld::census(const Status& timed_out) {
 }
 
 Status MpiWorld::failure() const {
-  // NOTE: only the owning thread touches MPI; pool workers waiting on shared-memory signals
-  // see a failure once the owner has noticed it.
-  if (!failed_.load(std::memory_order_acquire) && std::this_thread::get_id() == owner_)
-    answer_census();
-  if (!failed_.load(std::memory_order_acquire) && std::this_thread::get_id() == owner_ &&
+  // NOTE: without MPI_THREAD_MULTIPLE only the owning thread touches MPI; pool workers
+  // waiting on shared-memory signals see a failure once the owner has noticed it. With it,
+  // whichever thread gets the poll lock polls; the others skip (they poll again soon).
+  std::unique_lock<std::mutex> polling(poll_mu_, std::defer_lock);
+  if (!failed_.load(std::memory_order_acquire) &&
+      (thread_multiple_ || std::this_thread::get_id() == owner_)) {
+    polling.try_lock();
+  }
+  if (polling.owns_lock()) answer_census();
+  if (polling.owns_lock() && !failed_.load(std::memory_order_acquire) &&
       fault_request_ != MPI_REQUEST_NULL) {
     int flag = 0;
     MPI_Status st;
@@ -242,6 +327,7 @@ void MpiWorld::fail(const Status& reason) {
   record_failure(rank_, reason);
   int32_t code = int32_t(reason.ok() ? StatusCode::kAborted : reason.code());
   if (g_peer_lost.load()) code |= kPeerLostBit;
+  fault_message_.reserve(kFaultBytes);  // on the heap, so moving it keeps the sends' buffer
   fault_message_.assign(reinterpret_cast<const char*>(&code), sizeof(code));
   fault_message_ += reason.message().substr(0, kFaultBytes - sizeof(code));
   for (int r = 0; r < size_; ++r) {
@@ -327,14 +413,24 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
   MPI_Initialized(&initialized);
   if (!initialized) return failed_precondition("make_mpi_world: MPI is not initialised");
   if (comm == MPI_COMM_NULL) return invalid_argument("make_mpi_world: comm is MPI_COMM_NULL");
-  MPI_Comm world_comm = MPI_COMM_NULL;
-  MOED_RETURN_IF_ERROR(mpi::check(MPI_Comm_dup(comm, &world_comm), "MPI_Comm_dup"));
-  MPI_Comm_set_errhandler(world_comm, MPI_ERRORS_RETURN);
   int size = 0, rank = 0;
-  MPI_Comm_size(world_comm, &size);
-  MPI_Comm_rank(world_comm, &rank);
+  MPI_Comm_size(comm, &size);
+  MPI_Comm_rank(comm, &rank);
+  // Every step below waits for the other ranks, each bounded by the timeout (a bad timeout
+  // is reported on every rank by the agreement; until then the default bounds the waits).
+  mpi::Bootstrap boot;
+  boot.rank = rank;
+  boot.timeout = options.timeout.count() > 0 ? options.timeout : WorldOptions{}.timeout;
+  boot.deadline = std::chrono::steady_clock::now() + boot.timeout;
+
+  MPI_Comm world_comm = MPI_COMM_NULL;
+  MPI_Request req;
+  MOED_RETURN_IF_ERROR(mpi::check(MPI_Comm_idup(comm, &world_comm, &req), "MPI_Comm_idup"));
+  MOED_RETURN_IF_ERROR(boot.wait(&req, "MPI_Comm_idup"));
+  MPI_Comm_set_errhandler(world_comm, MPI_ERRORS_RETURN);
 
   // The host: the ranks that can share memory with this one.
+  MOED_RETURN_IF_ERROR(boot.gate(world_comm, "MPI_Comm_split_type (finding the host)"));
   MPI_Comm host = MPI_COMM_NULL;
   MPI_Comm_split_type(world_comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host);
   int host_size = 0;
@@ -369,17 +465,23 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
     MPI_Group_free(&host_group);
   }
   MPI_Comm_free(&host);
-  Status verdict = mpi::agree_blocking(local, world_comm);
+  // The agreement is also the gate of the node split below.
+  Status verdict = mpi::agree_bootstrap(local, world_comm, boot);
   if (!verdict.ok()) {
-    MPI_Comm_free(&world_comm);
+    if (!mpi_peer_may_be_gone()) MPI_Comm_free(&world_comm);
     return verdict;
   }
   MPI_Comm node_comm = MPI_COMM_NULL;
   MPI_Comm_split(world_comm, rank / g, rank, &node_comm);
   MPI_Comm_set_errhandler(node_comm, MPI_ERRORS_RETURN);
+  // The failure channel's own communicator, so its messages never match a data receive.
+  MPI_Comm fault_comm = MPI_COMM_NULL;
+  MOED_RETURN_IF_ERROR(
+      mpi::check(MPI_Comm_idup(world_comm, &fault_comm, &req), "MPI_Comm_idup"));
+  MOED_RETURN_IF_ERROR(boot.wait(&req, "MPI_Comm_idup (failure channel)"));
   const int threads = resolve_threads_per_rank(options.threads_per_rank, host_size);
-  return std::unique_ptr<World>(std::make_unique<mpi::MpiWorld>(world_comm, node_comm, rank, size,
-                                                                g, options.timeout, threads));
+  return std::unique_ptr<World>(std::make_unique<mpi::MpiWorld>(
+      world_comm, node_comm, fault_comm, rank, size, g, options.timeout, threads));
 }
 
 bool mpi_peer_may_be_gone() { return mpi::g_peer_lost.load(); }

@@ -53,12 +53,16 @@ class CallBuffers {
 
 class MpiWorld final : public World {
  public:
-  MpiWorld(MPI_Comm comm, MPI_Comm node_comm, int rank, int size, int ranks_per_node,
-           std::chrono::milliseconds timeout, int threads_per_rank);
+  MpiWorld(MPI_Comm comm, MPI_Comm node_comm, MPI_Comm fault_comm, int rank, int size,
+           int ranks_per_node, std::chrono::milliseconds timeout, int threads_per_rank);
   ~MpiWorld() override;
 
   const char* backend_name() const override { return "mpi"; }
   bool shares_address_space() const override { return false; }
+  // Where MPI was initialised with MPI_THREAD_MULTIPLE, an async step runs on its own thread
+  // (so the network transfer overlaps the caller's work); otherwise MPI belongs to the
+  // owning thread and async steps run eagerly.
+  bool calls_from_any_thread() const override { return thread_multiple_; }
   Status barrier() override;
   Status broadcast_bytes(void* data, size_t bytes, int root) override;
   Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
@@ -91,6 +95,9 @@ class MpiWorld final : public World {
   // (same on every rank), so input checks never leave a rank waiting in the real call.
   Status agree_verdict(const Status& local, const char* op);
   void record_failure(int rank, const Status& reason) const;
+  // Leaks what MPI may still write (posted receives, unfinished sends) and the communicators,
+  // so a rank whose peer is lost can exit without a collective teardown.
+  void leave_without_teardown();
   // After `timed_out`: asks every rank whether it is there and returns `timed_out` extended
   // with the ranks that gave no answer (or another rank's failure, if one arrives first).
   Status census(const Status& timed_out);
@@ -102,6 +109,10 @@ class MpiWorld final : public World {
   MPI_Comm fault_comm_ = MPI_COMM_NULL;
   int tag_ub_ = 32767;
   std::thread::id owner_;
+  bool thread_multiple_ = false;
+  // Serialises failure()'s polling of the failure channel, which any thread may do under
+  // MPI_THREAD_MULTIPLE (the rank's calls themselves are one at a time: World's contract).
+  mutable std::mutex poll_mu_;
   // Failure channel: one receive posted for the first failure message from any rank.
   mutable MPI_Request fault_request_ = MPI_REQUEST_NULL;
   mutable std::vector<char> fault_buffer_;
