@@ -40,6 +40,9 @@ struct MoEConfig {
   int num_experts = 0;        // E
   int num_topk = 0;           // K
   int shared_expert_ffn = 0;  // F of the shared expert; 0 = none
+  // Run the shared expert while the dispatch moves tokens (Megatron's shared-expert overlap);
+  // false runs the dispatch to its end first (to measure what the overlap saves).
+  bool overlap_shared_expert = true;
   int etp_size = 1;           // P; EP = world size / P
   DType dtype = DType::kF32;  // activations and weights: f32 or bf16
   DispatcherKind dispatcher = DispatcherKind::kFlex;

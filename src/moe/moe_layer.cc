@@ -100,7 +100,7 @@ StatusOr<Tensor> MoELayer::forward(const TensorView& x) {
   MOED_RETURN_IF_ERROR(s.dispatcher->dispatch_preprocess({.hidden = TokenRows{s.x.view(), {}},
                                                           .map = &s.route.out.routing,
                                                           .cached_handle = nullptr}));
-  StatusOr<Request> pending = s.dispatcher->token_dispatch(/*async=*/true);
+  StatusOr<Request> pending = s.dispatcher->token_dispatch(s.config.overlap_shared_expert);
   double dispatch_s = seconds_since(t0);
   Tensor shared_y;
   if (s.config.shared_expert_ffn > 0) {

@@ -59,6 +59,7 @@ struct RunArgs {
   std::optional<double> capacity_factor;
   std::string drop_policy = "probs";
   bool pad_to_capacity = false;
+  bool no_overlap = false;
   int steps = 3;
   uint64_t seed = 1;
   bool json = false;
@@ -190,6 +191,7 @@ void run(const RunArgs& a) {
   c.layout.capacity_factor = a.capacity_factor;
   c.layout.drop_policy = value_or(parse_drop_policy(a.drop_policy));
   c.layout.pad_to_capacity = a.pad_to_capacity;
+  c.overlap_shared_expert = !a.no_overlap;
   c.seed = a.seed;
   if (tokens < 0) fail(invalid_argument("--tokens = ", tokens, " must be >= 0"));
   const std::string world_name =
@@ -369,6 +371,7 @@ void run(const RunArgs& a) {
     j["etp_size"] = c.etp_size;
     j["dtype"] = dtype_name(c.dtype);
     j["steps"] = a.steps;
+    j["overlap_shared_expert"] = c.overlap_shared_expert;
     for (int i = 0; i < kNumStages; ++i) {
       j["stages"][kStages[i]]["seconds"] = median(sum.stage_s[size_t(i)]);
     }
@@ -413,12 +416,17 @@ void run(const RunArgs& a) {
         std::snprintf(buf, sizeof buf, "%6.1f GFLOP/s", t > 0 ? sum.expert_flops / t / 1e9 : 0.0);
         rate = buf;
       } else if (i == 4 && c.shared_expert_ffn > 0) {
-        rate = "(overlaps dispatch)";
+        rate = c.overlap_shared_expert ? "(overlaps dispatch)" : "(after dispatch)";
       }
       std::printf("  %-10s %10.3f %12s\n", kStages[i], t * 1e3, rate.c_str());
     }
     std::printf("  (GB/s: %lld rows received over all ranks x %d bytes per row, aggregate)\n",
                 (long long)sum.rows, int(row_bytes));
+    if (c.shared_expert_ffn > 0) {
+      std::printf("  dispatch + shared expert: %.3f ms (%s)\n",
+                  (median(sum.stage_s[1]) + median(sum.stage_s[4])) * 1e3,
+                  c.overlap_shared_expert ? "overlapped" : "one after the other, --no-overlap");
+    }
     std::printf(
         "\nload: tokens per expert min %lld  mean %.1f  max %lld  imbalance %.2f  "
         "routed %lld  dropped %lld\n",
@@ -473,6 +481,8 @@ void setup(CLI::App& app) {
       ->check(CLI::IsMember({"probs", "position"}));
   c->add_flag("--pad-to-capacity", a->pad_to_capacity,
               "pad every (rank, expert) chunk to capacity");
+  c->add_flag("--no-overlap", a->no_overlap,
+              "run the shared expert after the dispatch instead of during it");
   c->add_option("--steps", a->steps, "forward + backward steps")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -55,7 +55,10 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& wor
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized) {
-      MPI_Init(nullptr, nullptr);
+      // MPI_THREAD_MULTIPLE lets an async dispatch run on its own thread (World::
+      // calls_from_any_thread); with less, moed runs async steps eagerly.
+      int provided = 0;
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
       // NOTE: every World is dropped before exit, so finalising at exit is safe, unless a
       // world failed: then a peer may never reach MPI_Finalize, so exit without it.
       std::atexit([] {
