@@ -77,7 +77,7 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   if (bytes == 0) return ok_status();
   MOED_RETURN_IF_ERROR(
       check(MPI_Ibcast(data, int(bytes), MPI_BYTE, root, comm_, &req), "MPI_Ibcast"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   if (rank_ == root) {
     for (int d = 0; d < size_; ++d) count_send(d, bytes);
   }
@@ -122,7 +122,7 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
   MOED_RETURN_IF_ERROR(check(
       MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts, displs, MPI_BYTE, comm_, &req),
       "MPI_Iallgatherv"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
   return ok_status();
 }
@@ -178,7 +178,7 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
   MOED_RETURN_IF_ERROR(
       check(MPI_Ialltoallv(send, sc, sd, MPI_BYTE, recv, rc, rd, MPI_BYTE, comm_, &req),
             "MPI_Ialltoallv"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   for (int d = 0; d < size_; ++d) count_send(d, send_bytes[size_t(d)]);
   return ok_status();
 }
@@ -233,7 +233,7 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
   MOED_RETURN_IF_ERROR(
       check(MPI_Ialltoallv(send, sc, sd, MPI_FLOAT, blocks, rc, rd, MPI_FLOAT, comm_, &req),
             "MPI_Ialltoallv"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   sum_rows(pool(), blocks, size_, mine_count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
   return ok_status();
@@ -266,7 +266,7 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   MOED_RETURN_IF_ERROR(
       check(MPI_Iallgather(send, int(count), MPI_FLOAT, rows, int(count), MPI_FLOAT, comm_, &req),
             "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   sum_rows(pool(), rows, size_, count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
   return ok_status();

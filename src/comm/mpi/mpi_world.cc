@@ -356,17 +356,37 @@ void MpiWorld::count_send(int dst, uint64_t bytes) {
 }
 
 Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& what,
-                      CallBuffers* buffers) {
+                      CallBuffers* buffers, Completion completion) {
   MPI_Status st;
   int rc = MPI_SUCCESS;
-  Status s = internal::poll_until(
-      *this,
-      [&] {
-        int flag = 0;
-        rc = MPI_Test(request, &flag, &st);
-        return rc != MPI_SUCCESS || flag != 0;
-      },
-      what);
+  auto done = [&] {
+    int flag = 0;
+    rc = MPI_Test(request, &flag, &st);
+    return rc != MPI_SUCCESS || flag != 0;
+  };
+  Status s;
+  if (completion == Completion::kEvenAfterFailure) {
+    // Every rank has posted this one, so it completes unless a rank is stalled or gone;
+    // leaving at another rank's failure would let MPI write the caller's memory later.
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; !done(); ++i) {
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (waited >= timeout_) {
+        s = deadline_exceeded(
+            what(), ": waited ",
+            std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
+            " ms (timeout ", timeout_.count(), " ms)");
+        break;
+      }
+      if (i < 2048) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+    }
+  } else {
+    s = internal::poll_until(*this, done, what);
+  }
   if (s.ok()) s = check(rc, "MPI_Test");
   if (!s.ok()) {
     if (buffers != nullptr) buffers->park();

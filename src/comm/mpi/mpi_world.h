@@ -85,7 +85,11 @@ class MpiWorld final : public World {
   // Waits for `request` (MPI_Test polled against failure() and the timeout). On an error
   // the request is abandoned, `buffers` (the call's MPI buffers) are parked and this rank's
   // world is marked failed.
-  Status wait(MPI_Request* request, const std::function<std::string()>& what, CallBuffers* buffers);
+  // kEvenAfterFailure: for a collective on caller memory that every rank has agreed to post:
+  // it is waited for to its end (or the timeout), since MPI may write that memory until then.
+  enum class Completion { kOrFailure, kEvenAfterFailure };
+  Status wait(MPI_Request* request, const std::function<std::string()>& what, CallBuffers* buffers,
+              Completion completion = Completion::kOrFailure);
   void count_send(int dst, uint64_t bytes);
   MPI_Comm comm() const { return comm_; }
   int tag_ub() const { return tag_ub_; }

@@ -21,6 +21,7 @@
 #include <new>
 
 #include "comm/mpi/mpi_world.h"
+#include "comm/wait.h"
 
 namespace moed::mpi {
 
@@ -140,22 +141,18 @@ StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
       maps->base[size_t(r)] = *p;
     }
   }
-  // Every local rank has mapped every segment (so each may unlink its own), and agrees on
-  // the outcome; nobody signals into a counter before its owner has constructed it.
-  int* verdicts = buf.make<int>(size_t(g));
-  int* verdict = buf.make<int>(1);
-  *verdict = int(local.code());
-  MOED_RETURN_IF_ERROR(check(
-      MPI_Iallgather(verdict, 1, MPI_INT, verdicts, 1, MPI_INT, node_comm_, &req), "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
-  MOED_RETURN_IF_ERROR(local);
-  for (int r = 0; r < g; ++r) {
-    if (verdicts[r] != 0) {
-      return Status(StatusCode(verdicts[r]),
-                    str_cat("alloc_shared: local rank ", r, " of node ", node(),
-                            " could not map the node's segments"));
-    }
+  if (!local.ok()) {
+    // A peer's segment is gone only if its owner left this call already, which it does when
+    // it saw the world fail: then report that failure (it names the failed rank) once it
+    // reaches this rank too. Any other mapping error (no memory) costs the timeout here and
+    // in the other local ranks' barrier below.
+    Status failed = internal::poll_until(*this, [] { return false; }, what);
+    return failed.code() == StatusCode::kDeadlineExceeded ? local : failed;
   }
+  // Every local rank has mapped every segment (so each may unlink its own); nobody signals
+  // into a counter before its owner has constructed it.
+  MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(node_comm_, &req), "MPI_Ibarrier"));
+  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
   std::vector<void*> segments(static_cast<size_t>(g));
   std::vector<std::atomic<uint64_t>*> in(static_cast<size_t>(g)), out(static_cast<size_t>(g));
   for (int r = 0; r < g; ++r) {
