@@ -311,6 +311,9 @@ void Report::add(nlohmann::json r) {
   if (!json_) {
     std::string extra;
     for (const char* k : {"world", "ranks", "dispatcher", "phase", "isa"}) {
+      if (std::string_view(k) == "dispatcher" && r.value("suite", "") == "low_latency") {
+        extra += " T=" + r["num_tokens"].dump();  // --tokens runs several T under one shape
+      }
       if (r.contains(k))
         extra +=
             std::string(" ") + k + "=" + (r[k].is_string() ? r[k].get<std::string>() : r[k].dump());
