@@ -153,14 +153,20 @@ StatusOr<Paired> paired_time_max(World& w, int iters, size_t total_bytes, CopyBu
   return p;
 }
 
-uint64_t peak_rss_bytes() {
+namespace {
+uint64_t status_kb(const char* key) {
   std::ifstream f("/proc/self/status");
   std::string line;
+  const size_t n = std::strlen(key);
   while (std::getline(f, line)) {
-    if (line.rfind("VmHWM:", 0) == 0) return uint64_t(std::stoull(line.substr(6))) * 1024;
+    if (line.compare(0, n, key) == 0) return uint64_t(std::stoull(line.substr(n))) * 1024;
   }
   return 0;
 }
+}  // namespace
+
+uint64_t peak_rss_bytes() { return status_kb("VmHWM:"); }
+uint64_t current_rss_bytes() { return status_kb("VmRSS:"); }
 
 int host_threads() { return int(std::max(1u, std::thread::hardware_concurrency())); }
 

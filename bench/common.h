@@ -104,6 +104,8 @@ double median(std::vector<double> v);
 
 // Peak resident memory of this process so far, bytes (VmHWM).
 uint64_t peak_rss_bytes();
+// Resident memory of this process now, bytes (VmRSS).
+uint64_t current_rss_bytes();
 
 // Every hardware thread of this host (at least 1).
 int host_threads();
