@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/wait.h"
 #include "dispatch/low_latency/state.h"
 
 namespace moed {
@@ -28,6 +29,29 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   uint64_t rows = 0;
   for (uint64_t n : rows_per_worker) rows += n;
   w.add_shared_bytes(rows * row_bytes, rows);
+}
+
+// Pull mode, at the end of a receive: tells every in-node peer that this rank has finished
+// reading its memory for op `seq`, then waits until every in-node peer has finished reading
+// this rank's (so that the caller may reuse its rows once the hook returns).
+inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
+  World& w = *st.world;
+  const int G = w.ranks_per_node(), me = w.local_rank();
+  for (int p = 0; p < G; ++p) {
+    if (p != me) st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
+  }
+  std::atomic<uint64_t>* mine = st.acks(me, half, kind);
+  for (int p = 0; p < G; ++p) {
+    if (p == me) continue;
+    MOED_RETURN_IF_ERROR(internal::poll_until(
+        w, [&] { return mine[p].load(std::memory_order_acquire) >= seq; },
+        [&] {
+          return std::string("low-latency ") +
+                 (kind == PullKind::kDispatch ? "dispatch" : "combine") +
+                 ": waiting for local rank " + std::to_string(p) + " to read this rank's rows";
+        }));
+  }
+  return ok_status();
 }
 
 // The receive phase: run now (hook = an already-completed request), or handed back as `hook`
