@@ -376,6 +376,58 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
   }
 }
 
+// Once a rank's hook (or one-call dispatch / combine) has returned, no peer reads its rows any
+// more: each rank overwrites its tokens and expert outputs right after, and every rank's result
+// is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
+// two (in-node peers read each other's memory in the threads world; other nodes get messages).
+TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
+  for (const Case& c : {Case{3, 0, 6, 128, 2, 1, 51}, Case{4, 2, 8, 256, 3, 1, 52},
+                        Case{5, 0, 10, 100, 4, 3, 53}}) {
+    SCOPED_TRACE(::testing::Message() << "R=" << c.ranks << " G=" << c.per_node);
+    auto p = make_problem(c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
+      MOED_ASSIGN_OR_RETURN(auto buffer,
+                            LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+      const int me = w.rank();
+      auto scribble = [](Tensor& t) {
+        for (int64_t i = 0; i < t.rows(); ++i) {
+          for (int64_t h = 0; h < t.cols(); ++h) t.row<bf16>(i)[h] = bf16{0x7fc0};
+        }
+      };
+      for (int mode = 0; mode < 4; ++mode) {
+        const bool fp8 = mode >= 2, hook = mode % 2 == 1;
+        if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
+        Tensor x = Tensor::copy_of(p->x[size_t(me)].view());
+        MOED_ASSIGN_OR_RETURN(
+            LowLatencyDispatchOutput d,
+            buffer->low_latency_dispatch({.x = x.view(),
+                                          .topk = &p->topk[size_t(me)],
+                                          .use_fp8 = fp8,
+                                          .return_recv_hook = hook}));
+        if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
+        scribble(x);
+        MOED_RETURN_IF_ERROR(w.barrier());  // every rank has scribbled before anyone checks
+        Status ds = check_dispatch(*p, me, d, fp8, false);
+        if (!ds.ok()) return ds.with_context(str_cat("mode ", mode));
+        Tensor y = expert_output(*p, me, d);
+        MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
+                              buffer->low_latency_combine({.x = y.view(),
+                                                           .topk = &p->topk[size_t(me)],
+                                                           .handle = d.handle,
+                                                           .return_recv_hook = hook}));
+        if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
+        scribble(y);
+        MOED_RETURN_IF_ERROR(w.barrier());
+        Status cs = check_combine(*p, me, out.combined_x);
+        if (!cs.ok()) return cs.with_context(str_cat("mode ", mode));
+      }
+      return ok_status();
+    });
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+}
+
 // Runs `body` on 4 ranks (2 nodes) and expects the same error on every rank.
 void expect_error(Backend backend, const std::function<Status(World&)>& body, StatusCode code,
                   const std::string& text) {
