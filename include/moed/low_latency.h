@@ -22,13 +22,12 @@
 // Every call is collective over the world (all ranks call it, in the same order); bad input on
 // any rank is an error on every rank (World::agree), never a hang.
 //
-// In the threads world, in-node peers read each other's memory: the send phase only publishes
-// where its rows are, and each receiver copies them once, straight into their packed place
-// (dispatch), or reduces the expert outputs where they are (combine). So a call's input rows
-// (dispatch x, combine x) must stay valid and unchanged until the call has returned, or with
-// return_recv_hook until the hook has run: the receive phase returns only once every in-node
-// peer has finished reading this rank's rows. (The MPI world copies them into the receivers'
-// node-shared slots in the send phase.)
+// In the threads world a call without return_recv_hook lets its in-node peers read its rows
+// where they are: the send phase only publishes where they are, each receiver copies them once,
+// straight into their packed place (dispatch), or reduces the expert outputs where they are
+// (combine), and the call returns only once every in-node peer has finished reading. With a
+// hook (and in the MPI world) the send phase copies the rows into the receivers' node-shared
+// slots, so that dispatch's x is free once the send phase returns, as in DeepEP.
 #pragma once
 
 #include <cstddef>
@@ -73,8 +72,7 @@ struct LowLatencyHandle {
 };
 
 struct LowLatencyDispatchInput {
-  // [T, H] bf16, T <= max_tokens_per_rank (T may be 0); valid until the receive has run.
-  TensorView x;
+  TensorView x;                       // [T, H] bf16, T <= max_tokens_per_rank (T may be 0)
   const TopkRouting* topk = nullptr;  // topk_idx [T, K] in [-1, E); weights travel as recv_probs
   bool use_fp8 = false;               // cast to FP8 E4M3 on the sending side, per 128 channels
   bool round_scale = false;           // FP8 scales rounded up to powers of two (UE8M0)

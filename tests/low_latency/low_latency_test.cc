@@ -376,9 +376,9 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
   }
 }
 
-// Once a rank's hook (or one-call dispatch / combine) has returned, no peer reads its rows any
-// more: each rank overwrites its tokens and expert outputs right after, and every rank's result
-// is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
+// Once a call has returned (dispatch: its send phase; combine: the call or its hook), no peer
+// reads its input rows any more: each rank overwrites its tokens and expert outputs right after,
+// and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
 // two (in-node peers read each other's memory in the threads world; other nodes get messages).
 TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
   for (const Case& c : {Case{3, 0, 6, 128, 2, 1, 51}, Case{4, 2, 8, 256, 3, 1, 52},
@@ -405,8 +405,9 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
                                           .topk = &p->topk[size_t(me)],
                                           .use_fp8 = fp8,
                                           .return_recv_hook = hook}));
-        if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
+        // DeepEP's contract: dispatch's x is free once the send phase has returned.
         scribble(x);
+        if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
         MOED_RETURN_IF_ERROR(w.barrier());  // every rank has scribbled before anyone checks
         Status ds = check_dispatch(*p, me, d, fp8, false);
         if (!ds.ok()) return ds.with_context(str_cat("mode ", mode));

@@ -115,9 +115,10 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
       peer[size_t(d)] = *st.pull_source(st.local_of(d), half, low_latency::PullKind::kCombine);
     }
   }
+  auto pulled_from = [&](int d) { return st.pulls(d) && peer[size_t(d)].pulled; };
   auto row_of = [&](int32_t e, int32_t slot) -> const bf16* {
     const int d = e / L, j = e % L;
-    if (!st.pulls(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
+    if (!pulled_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
     const low_latency::PullSource& p = peer[size_t(d)];
     const int64_t row = int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
     return reinterpret_cast<const bf16*>(p.rows + size_t(row) * p.stride);
@@ -148,7 +149,7 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   });
   if (!st.pull) return ok_status();
   uint64_t pulled = 0;
-  for (int32_t e : handle.topk_idx) pulled += e >= 0 && st.pulls(e / L) ? 1 : 0;
+  for (int32_t e : handle.topk_idx) pulled += e >= 0 && pulled_from(e / L) ? 1 : 0;
   w.add_shared_bytes(pulled * size_t(H) * sizeof(bf16), pulled);
   return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq);
 }
@@ -199,12 +200,13 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     }
     ch.net_send.resize(staged * row_bytes);
   }
+  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int worker) {
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
       const LowLatencyRange range = handle.layout_range[size_t(c)];
-      if (range.count == 0 || !w.same_node(s, me) || st.pulls(s)) continue;
+      if (range.count == 0 || !w.same_node(s, me) || (pull_rows && st.pulls(s))) continue;
       const int e = me * L + j;
       std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
                       size_t(e) * size_t(lay.max_tokens) * row_bytes;
@@ -217,6 +219,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     // Where in-node homes find this rank's expert outputs; the signals below publish it.
     low_latency::PullSource* ps =
         st.pull_source(w.local_rank(), half, low_latency::PullKind::kCombine);
+    ps->pulled = pull_rows;
     ps->rows = static_cast<const std::byte*>(x.data);
     ps->stride = size_t(x.row_stride) * sizeof(bf16);
     ps->ranges = handle.layout_range.data();

@@ -180,10 +180,12 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
         if (range.count == 0) continue;
         const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
         const size_t n = size_t(range.count);
-        if (st.pulls(s)) {
+        const low_latency::PullSource* ps_at =
+            st.pulls(s) ? st.pull_source(st.local_of(s), half, low_latency::PullKind::kDispatch)
+                        : nullptr;
+        if (ps_at != nullptr && ps_at->pulled) {
           // Straight from the source's rows into their packed place.
-          const low_latency::PullSource ps =
-              *st.pull_source(st.local_of(s), half, low_latency::PullKind::kDispatch);
+          const low_latency::PullSource ps = *ps_at;
           const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
           for (size_t i = 0; i < n; ++i) {
             const int32_t t = ps.tokens[chunk + i];
@@ -301,6 +303,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   dh.net_send.resize(net_total);
 
   const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
+  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -312,7 +315,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
         const int d = e / L, j = e % L;
         const int64_t i = handle->slot[size_t(t) * K + k];
         const float p = has_weights ? routing.weight(t, k) : 0.0f;
-        if (st.pulls(d)) {
+        if (pull_rows && st.pulls(d)) {
           // d copies the row itself, from here (receive_dispatch).
           dh.pull_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
           dh.pull_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
@@ -346,9 +349,10 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   low_latency::add_shared_rows(w, shared_rows, payload + scale_bytes);
 
   if (st.pull) {
-    // Where in-node receivers find this rank's rows; the counts below publish it.
+    // Whether (and where) in-node receivers find this rank's rows; the counts below publish it.
     low_latency::PullSource* ps =
         st.pull_source(w.local_rank(), half, low_latency::PullKind::kDispatch);
+    ps->pulled = pull_rows;
     ps->rows = fp8 ? dh.fp8_rows.data() : static_cast<const std::byte*>(in.x.data);
     ps->stride = fp8 ? payload + scale_bytes : size_t(in.x.row_stride) * sizeof(bf16);
     ps->tokens = dh.pull_tokens.data();

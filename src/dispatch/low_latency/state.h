@@ -15,12 +15,14 @@
 //   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
 //                    which that peer has finished reading this rank's memory (pull mode)
 //
-// Pull mode (the threads world, where every rank's memory is readable by its node): in-node
-// rows are not copied by the sender into the receiver's slots (a copy the receiver would then
-// pack again); the sender publishes where its rows are (PullSource) before its counts, and the
-// receiver copies them once, straight into their packed place (dispatch) or reduces them where
-// they are (combine). Each receive then acks every in-node peer and waits for their acks, so a
-// sender's rows stay valid until every reader is done: the sender's hook returns after that.
+// Pull mode (the threads world, where every rank's memory is readable by its node; calls
+// without a receive hook): in-node rows are not copied by the sender into the receiver's slots
+// (a copy the receiver would then pack again); the sender publishes where its rows are
+// (PullSource) before its counts, and the receiver copies them once, straight into their packed
+// place (dispatch), or reduces them where they are (combine). Every receive in the threads world
+// then acks its in-node peers and waits for their acks, so the call returns only once nobody
+// reads its rows any more. With a hook the sender copies as before, so that its rows are free
+// once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
 #pragma once
 
 #include <atomic>
@@ -76,6 +78,9 @@ struct SegmentLayout {
 // What an in-node peer reads from this rank in pull mode, published in this rank's segment
 // before the counts (dispatch) or the signal (combine) that make it visible.
 struct PullSource {
+  // The sender left its in-node rows for the receivers to read (a call without a receive
+  // hook, which returns only after they have); else it copied them into their slots.
+  bool pulled = false;
   const std::byte* rows = nullptr;  // dispatch: token rows (x, or its FP8 rows + scales);
                                     // combine: the expert outputs
   size_t stride = 0;                // bytes from one row to the next
@@ -132,7 +137,7 @@ struct LowLatencyBuffer::State {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.counts[half]);
   }
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
-  // Pull mode: in-node peer `rank` reads this rank's memory directly.
+  // In-node peer `rank` can read this rank's memory directly (the threads world).
   bool pulls(int rank) const { return pull && world->same_node(rank, world->rank()); }
   low_latency::PullSource* pull_source(int local_rank, int half, low_latency::PullKind k) const {
     return reinterpret_cast<low_latency::PullSource*>(segment(local_rank) + layout.pull[half]) +
