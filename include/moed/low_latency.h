@@ -27,7 +27,9 @@
 // straight into their packed place (dispatch), or reduces the expert outputs where they are
 // (combine), and the call returns only once every in-node peer has finished reading. With a
 // hook (and in the MPI world) the send phase copies the rows into the receivers' node-shared
-// slots, so that dispatch's x is free once the send phase returns, as in DeepEP.
+// slots, so that dispatch's x is free once the send phase returns, as in DeepEP, and hooks may
+// run in any order. Every rank passes the same return_recv_hook to a call: a rank without one
+// waits in the call until its in-node peers have received (or the world's timeout).
 #pragma once
 
 #include <cstddef>

@@ -316,6 +316,48 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
   }
 }
 
+// Hooks need not run in the same order on every rank: even ranks receive the first of two
+// operations in flight first, odd ranks the second.
+TEST_P(LowLatencyTest, HooksRunInAnyOrderAcrossRanks) {
+  const Case c{4, 0, 8, 128, 3, 5, 61};
+  Case c2 = c;
+  c2.seed += 1000;
+  auto a = make_problem(c), b = make_problem(c2);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto buffer,
+                          LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+    const int me = w.rank();
+    auto in_order = [&](Request& first, Request& second) -> Status {
+      if (me % 2 == 1) std::swap(first, second);
+      MOED_RETURN_IF_ERROR(first->wait());
+      return second->wait();
+    };
+    MOED_ASSIGN_OR_RETURN(auto da, buffer->low_latency_dispatch({.x = a->x[size_t(me)].view(),
+                                                                 .topk = &a->topk[size_t(me)],
+                                                                 .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto db, buffer->low_latency_dispatch({.x = b->x[size_t(me)].view(),
+                                                                 .topk = &b->topk[size_t(me)],
+                                                                 .return_recv_hook = true}));
+    MOED_RETURN_IF_ERROR(in_order(da.hook, db.hook));
+    MOED_RETURN_IF_ERROR(check_dispatch(*a, me, da, false, false));
+    MOED_RETURN_IF_ERROR(check_dispatch(*b, me, db, false, false));
+    Tensor ya = expert_output(*a, me, da), yb = expert_output(*b, me, db);
+    MOED_ASSIGN_OR_RETURN(auto ca, buffer->low_latency_combine({.x = ya.view(),
+                                                                .topk = &a->topk[size_t(me)],
+                                                                .handle = da.handle,
+                                                                .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto cb, buffer->low_latency_combine({.x = yb.view(),
+                                                                .topk = &b->topk[size_t(me)],
+                                                                .handle = db.handle,
+                                                                .return_recv_hook = true}));
+    MOED_RETURN_IF_ERROR(in_order(ca.hook, cb.hook));
+    MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
+    return check_combine(*b, me, cb.combined_x);
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 // A copy of t's rows with row_stride = cols + 3 (the pad NaN bits), kept in *keep.
 TensorView strided_copy(const Tensor& t, Tensor* keep) {
   *keep = Tensor::empty(t.dtype(), t.rows(), t.cols() + 3);

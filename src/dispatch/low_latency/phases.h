@@ -31,15 +31,19 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// Pull mode, at the end of a receive: tells every in-node peer that this rank has finished
-// reading its memory for op `seq`, then waits until every in-node peer has finished reading
-// this rank's (so that the caller may reuse its rows once the hook returns).
+// Pull mode, at the end of a receive: acks every in-node peer that left its rows to be read
+// (its PullSource says so), then, if this rank left its own rows, waits until every in-node
+// peer has acked (so that the call may return and its rows be reused). Ranks that used the
+// hook copied their rows and wait for nobody, so hooks may run in any order.
 inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
   World& w = *st.world;
   const int G = w.ranks_per_node(), me = w.local_rank();
   for (int p = 0; p < G; ++p) {
-    if (p != me) st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
+    if (p != me && st.pull_source(p, half, kind)->pulled) {
+      st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
+    }
   }
+  if (!st.pull_source(me, half, kind)->pulled) return ok_status();
   std::atomic<uint64_t>* mine = st.acks(me, half, kind);
   for (int p = 0; p < G; ++p) {
     if (p == me) continue;
@@ -48,7 +52,8 @@ inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind
         [&] {
           return std::string("low-latency ") +
                  (kind == PullKind::kDispatch ? "dispatch" : "combine") +
-                 ": waiting for local rank " + std::to_string(p) + " to read this rank's rows";
+                 ": waiting for local rank " + std::to_string(p) +
+                 " to read this rank's rows (every rank must pass the same return_recv_hook)";
         }));
   }
   return ok_status();
