@@ -1,6 +1,7 @@
 // `moed bench dispatch`: the TokenDispatcher implementations (allgather, alltoall, flex) on a
 // world of R ranks, dispatch and combine timed separately, beside a plain copy of the same
-// bytes with the same total threads in the same run (spec §7).
+// bytes with the same total threads in the same run (spec §7), interleaved with the kernel's
+// iterations (bench/common.h: paired ratios, their spread, `noisy`).
 //
 //   moed bench dispatch --dispatcher allgather,alltoall --world threads --ranks 4 --shape mixtral
 //
@@ -14,6 +15,9 @@
 // is the collectives one call entered on each rank (TrafficCounters, mean over ranks). With several
 // nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a flat all-to-all of
 // the same routing would send between nodes, and network_vs_flat = network_bytes / that.
+// Every record says what holds the memory: peak_rss_bytes and `memory` (inputs_bytes,
+// reference_bytes, copy_bound_bytes, all ranks, and dispatcher_rss_bytes, the resident memory
+// the dispatcher's creation and first dispatch + combine added: its buffers and outputs).
 //
 //   mpirun -np 4 moed bench dispatch --world mpi --dispatcher alltoall,flex --shape mixtral
 //
@@ -54,10 +58,21 @@ struct Figure {
   std::string dispatcher;
   std::string phase;
   int64_t rows = 0;
-  double seconds = 0;
+  Paired times;  // the kernel's and the interleaved copy's, per iteration
   Traffic traffic;
   bool verified = false;
   double mpi_seconds = 0;  // the bare MPI_Alltoallv of the same rows (dispatch, MPI world)
+  // Resident memory that creating the dispatcher and its first dispatch + experts + combine
+  // added (its buffers, its outputs, the experts' outputs), all ranks; may be less than what
+  // it allocated where it reused memory a previous dispatcher freed.
+  int64_t dispatcher_rss_bytes = 0;
+};
+
+// What holds this run's memory besides the dispatchers (all ranks, bytes).
+struct Memory {
+  uint64_t inputs = 0;     // every rank's tokens and routing
+  uint64_t reference = 0;  // the reference's dispatched rows and combined tokens
+  uint64_t copy_bound = 0;  // the copy bound's buffers
 };
 
 // Every rank's input, rebuilt from the seeds by every process, and what the reference says each
@@ -141,13 +156,24 @@ StatusOr<double> time_bare_alltoallv(World& w, const Shape& s, const TopkRouting
   return seconds;
 }
 
+// RSS growth since `before`, summed over the processes of the world (one per rank under MPI;
+// the threads world is one process, counted once).
+StatusOr<int64_t> rss_growth(World& w, uint64_t before) {
+  MOED_RETURN_IF_ERROR(w.barrier());
+  const int64_t mine = int64_t(current_rss_bytes()) - int64_t(before);
+  return sum_ranks(w, w.shares_address_space() && w.rank() != 0 ? 0 : mine);
+}
+
 Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kinds, int iters,
-                const Problem& pr, std::vector<Figure>* figures) {
+                const Problem& pr, std::vector<Figure>* figures, Memory* memory) {
   const int me = w.rank();
   const Tensor& x = pr.x[size_t(me)];
   const TopkRouting& topk = pr.topk[size_t(me)];
   MOED_ASSIGN_OR_RETURN(const double mpi_seconds, time_bare_alltoallv(w, s, topk, iters));
+  CopyBuffers copy;  // this rank's share of the copy bound
   for (DispatcherKind kind : kinds) {
+    MOED_RETURN_IF_ERROR(w.barrier());
+    const uint64_t rss_before = current_rss_bytes();
     DispatchConfig config;
     config.kind = kind;
     config.num_experts = s.num_experts;
@@ -185,29 +211,38 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     MOED_ASSIGN_OR_RETURN(const Traffic dispatch_traffic, traffic_of(w, dispatch));
     MOED_RETURN_IF_ERROR(run_experts());
     MOED_ASSIGN_OR_RETURN(const Traffic combine_traffic, traffic_of(w, combine));
+    MOED_ASSIGN_OR_RETURN(const int64_t dispatcher_rss, rss_growth(w, rss_before));
     MOED_ASSIGN_OR_RETURN(
         const bool verified,
         all_ranks_ok(w, dispatch_ok(out, pr.dispatched[size_t(me)]) &&
                             bitwise_equal(comb.hidden.view(), pr.combined[size_t(me)].view())));
 
-    std::vector<double> dt, ct;
-    for (int i = 0; i < iters; ++i) {
-      MOED_ASSIGN_OR_RETURN(double a, time_max(w, dispatch));
-      MOED_RETURN_IF_ERROR(run_experts());
-      MOED_ASSIGN_OR_RETURN(double b, time_max(w, combine));
-      dt.push_back(a);
-      ct.push_back(b);
-    }
+    // copy, dispatch, copy, combine, ...: each phase paired with the copy just before it, of
+    // the same bytes (combine sends the dispatched rows back).
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, out.num_rows()));
+    const size_t bytes = size_t(rows) * size_t(s.hidden) * 2;
+    MOED_RETURN_IF_ERROR(time_copy(w, copy, bytes).status());  // warm-up: pages touched
+    Paired dt, ct;
+    for (int i = 0; i < iters; ++i) {
+      MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, bytes));
+      MOED_ASSIGN_OR_RETURN(const double a, time_max(w, dispatch));
+      MOED_RETURN_IF_ERROR(run_experts());
+      MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, bytes));
+      MOED_ASSIGN_OR_RETURN(const double b, time_max(w, combine));
+      dt.add(a, c1);
+      ct.add(b, c2);
+    }
     if (me == 0) {
       const std::string name = dispatcher_kind_name(kind);
-      figures->push_back(
-          {name, "dispatch", rows, median(dt), dispatch_traffic, verified, mpi_seconds});
-      figures->push_back({name, "combine", rows, median(ct), combine_traffic, verified});
+      figures->push_back({name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds,
+                          dispatcher_rss});
+      figures->push_back({name, "combine", rows, ct, combine_traffic, verified, 0, dispatcher_rss});
     }
     out = DispatchOutput{};
     comb = CombineOutput{};
   }
+  MOED_ASSIGN_OR_RETURN(const int64_t copy_bytes, sum_ranks(w, int64_t(copy.allocated_bytes())));
+  if (me == 0) memory->copy_bound = uint64_t(copy_bytes);
   return ok_status();
 }
 
@@ -261,14 +296,21 @@ void run(const Args& a) {
   // The world's G: the argument, or under MPI the ranks of one host (real hosts are nodes).
   int g = a.ranks_per_node == 0 ? ranks : a.ranks_per_node;
   int64_t flat_bytes = 0;
+  Memory memory;
   {
     StatusOr<Problem> pr = make_problem(s, ranks);
     if (!pr.ok()) fail("dispatch", pr.status());
+    for (int r = 0; r < ranks; ++r) {
+      memory.inputs += pr->x[size_t(r)].bytes() +
+                       pr->topk[size_t(r)].topk_idx.size() * (sizeof(int32_t) + sizeof(float));
+      memory.reference +=
+          pr->dispatched[size_t(r)].expert_input.x.bytes() + pr->combined[size_t(r)].bytes();
+    }
     Status st = run_in_world(
         a.world, ranks, opts,
         [&](World& w) {
           if (w.rank() == 0) g = w.ranks_per_node();
-          return run_rank(w, s, kinds, a.iters, *pr, &figures);
+          return run_rank(w, s, kinds, a.iters, *pr, &figures, &memory);
         },
         &my_rank);
     if (!st.ok()) fail("dispatch", st);
@@ -278,6 +320,7 @@ void run(const Args& a) {
 
   // The same total threads as the ranks' pools together.
   const int threads = threads_per_rank * ranks;
+  const uint64_t peak = peak_rss_bytes();
   Report report(a.json);
   for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
@@ -288,19 +331,33 @@ void run(const Args& a) {
                       {"dtype", "bf16"},
                       {"rows", f.rows},
                       {"bytes", bytes},
-                      {"seconds", f.seconds},
                       {"network_bytes", f.traffic.network_bytes},
                       {"shared_bytes", f.traffic.shared_bytes},
                       {"collectives", f.traffic.collectives},
-                      {"copy_gbps", measure_copy_gbps(bytes, threads)},
-                      {"peak_rss_bytes", peak_rss_bytes()},
+                      {"peak_rss_bytes", peak},
+                      {"memory",
+                       {{"inputs_bytes", memory.inputs},
+                        {"reference_bytes", memory.reference},
+                        {"copy_bound_bytes", memory.copy_bound},
+                        {"dispatcher_rss_bytes", f.dispatcher_rss_bytes}}},
                       {"verified", f.verified}});
+    add_paired(rec, f.times);
     if (flat_bytes > 0 && f.phase == "dispatch") {
       rec["flat_network_bytes"] = flat_bytes;
       rec["network_vs_flat"] = double(f.traffic.network_bytes) / double(flat_bytes);
     }
     add_mpi_baseline(rec, f.mpi_seconds);
     report.add(std::move(rec));
+  }
+  if (!a.json) {
+    std::printf("memory: peak RSS %.1f MB = inputs %.1f + reference %.1f + copy bound %.1f MB",
+                double(peak) / 1e6, double(memory.inputs) / 1e6, double(memory.reference) / 1e6,
+                double(memory.copy_bound) / 1e6);
+    for (size_t i = 0; i < figures.size(); i += 2) {
+      std::printf(" + %s %.1f MB", figures[i].dispatcher.c_str(),
+                  double(figures[i].dispatcher_rss_bytes) / 1e6);
+    }
+    std::printf(" (dispatchers: RSS growth over creation and one dispatch + combine) + the rest\n");
   }
   report.finish();
 }

@@ -3,6 +3,11 @@
 // Flex's normal mode at the same shape and the memory-copy bound, all in one run.
 //
 //   moed bench low-latency --shape decode --ranks 8 --world threads --json
+//   moed bench low-latency --ranks 4 --tokens 1,8,32     # small decode batches, T per rank
+//
+// Every record carries the latency floor measured at the start of the run (floor_seconds: the
+// larger of a bare signal round trip between ranks 0 and 1 and one empty collective; both are
+// in the record too) and floor_ratio = seconds / floor_seconds.
 //
 // A multi-rank time is the maximum over ranks of one iteration (every rank starts after a
 // barrier); figures are medians over iterations. Bandwidth counts the rows every rank received
@@ -14,6 +19,8 @@
 // from the seeds) and the verdicts are combined over ranks, so the MPI world (one rank per
 // process) runs the same checks; only rank 0 prints.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -28,6 +35,7 @@ namespace {
 
 struct Args {
   std::string shape = "decode";
+  std::vector<int64_t> tokens;  // T per rank to run (empty: the shape's)
   std::string world = "threads";
   int ranks = 8;
   int ranks_per_node = 0;
@@ -37,8 +45,9 @@ struct Args {
 
 // One figure as the ranks measured it: the per-iteration maximum over ranks, then the median.
 struct Figure {
+  int64_t num_tokens = 0;  // T per rank
   std::string dispatcher, phase, dtype;
-  double seconds = 0;
+  Paired times;  // the kernel's and the interleaved copy's, per iteration
   int64_t rows = 0;            // rows received, summed over ranks
   size_t row_bytes = 0;        // payload bytes per row
   uint64_t network_bytes = 0;  // per iteration, summed over ranks
@@ -94,26 +103,84 @@ bool fp8_rows_ok(const LowLatencyDispatchOutput& d, int ranks, int64_t T, int H)
   return true;
 }
 
-// Per iteration: one whole call, then the send half (return_recv_hook) and the receive half
-// (the hook's wait), each timed over the ranks.
+// Per iteration: a copy of the call's bytes, one whole call, another copy, then the send half
+// (return_recv_hook) and the receive half (the hook's wait), each timed over the ranks; both
+// halves are paired with the copy before the send.
 struct HalfTimes {
-  std::vector<double> one, send, recv;
+  Paired one, send, recv;
 };
-StatusOr<HalfTimes> time_halves(World& w, int iters, const std::function<Status(bool hook)>& call,
+StatusOr<HalfTimes> time_halves(World& w, int iters, size_t bytes, CopyBuffers& copy,
+                                const std::function<Status(bool hook)>& call,
                                 const std::function<Status()>& wait) {
   HalfTimes t;
+  MOED_RETURN_IF_ERROR(time_copy(w, copy, bytes).status());  // warm-up: pages touched
   for (int i = 0; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, bytes));
     MOED_ASSIGN_OR_RETURN(const double one, time_max(w, [&] { return call(false); }));
+    MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, bytes));
     MOED_ASSIGN_OR_RETURN(const double send, time_max(w, [&] { return call(true); }));
     MOED_ASSIGN_OR_RETURN(const double recv, time_max(w, wait));
-    t.one.push_back(one);
-    t.send.push_back(send);
-    t.recv.push_back(recv);
+    t.one.add(one, c1);
+    t.send.add(send, c2);
+    t.recv.add(recv, c2);
   }
   return t;
 }
 
-Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figures) {
+// The latency floor of this world, measured in the run: a bare signal round trip between ranks
+// 0 and 1 (node-shared signals when they share a node, else an 8-byte network message each
+// way), and one empty collective (a barrier, the slowest rank's time). A dispatch or combine
+// without a count exchange still has to hear from every peer, which is what the collective
+// does; floor_seconds is the larger of the two.
+struct Floor {
+  double round_trip = 0, collective = 0;
+  double seconds() const { return std::max(round_trip, collective); }
+};
+StatusOr<Floor> measure_floor(World& w, int iters) {
+  Floor f;
+  const int n = std::max(20, iters * 10), warmup = 5;
+  MOED_ASSIGN_OR_RETURN(f.collective,
+                        median_time_max(w, n, [&] { return w.barrier(); }, warmup));
+  if (w.size() < 2) return f;
+  const bool shared = w.same_node(0, 1);
+  std::shared_ptr<SharedBuffer> signals;
+  if (shared) {
+    MOED_ASSIGN_OR_RETURN(signals, w.alloc_shared(64));  // collective over each node
+  }
+  MOED_RETURN_IF_ERROR(w.barrier());
+  std::vector<double> times;
+  constexpr int kTag = 0x7f10;
+  uint64_t token = 0;
+  for (int i = -warmup; i < n && w.rank() <= 1; ++i) {
+    const uint64_t v = uint64_t(i + warmup + 1);
+    const int peer = 1 - w.rank();
+    const auto a = std::chrono::steady_clock::now();
+    if (w.rank() == 0) {
+      if (shared) {
+        signals->signal(1, v);
+        MOED_RETURN_IF_ERROR(signals->wait_signal(1, v));
+      } else {
+        MOED_RETURN_IF_ERROR(w.send(peer, kTag, &v, sizeof(v)));
+        MOED_RETURN_IF_ERROR(w.recv(peer, kTag, &token, sizeof(token)));
+      }
+    } else if (shared) {
+      MOED_RETURN_IF_ERROR(signals->wait_signal(0, v));
+      signals->signal(0, v);
+    } else {
+      MOED_RETURN_IF_ERROR(w.recv(peer, kTag, &token, sizeof(token)));
+      MOED_RETURN_IF_ERROR(w.send(peer, kTag, &token, sizeof(token)));
+    }
+    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+    if (i >= 0) times.push_back(t);
+  }
+  f.round_trip = median(std::move(times));
+  MOED_RETURN_IF_ERROR(w.barrier());
+  return f;
+}
+
+// One T per rank: low-latency dispatch and combine (bf16 and FP8, whole calls and halves) and
+// Flex's normal mode at the same shape.
+Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figures) {
   const int R = w.size(), E = s.num_experts, K = s.num_topk, H = s.hidden;
   const int64_t T = s.num_tokens;
   // Inputs: random bf16 rows (any rank can rebuild any other's, to check FP8 rows); each
@@ -135,8 +202,10 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
 
   MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, T, H, E));
   const bool root = w.rank() == 0;
-  auto add = [&](Figure f, std::vector<double> times, int64_t rows, uint64_t net) {
-    f.seconds = median(std::move(times));
+  CopyBuffers copy;  // this rank's share of the copy bound
+  auto add = [&](Figure f, const Paired& times, int64_t rows, uint64_t net) {
+    f.num_tokens = T;
+    f.times = times;
     f.rows = rows;
     f.network_bytes = net;
     if (root) figures->push_back(std::move(f));
@@ -146,7 +215,7 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
                         const HalfTimes& t, int64_t rows, uint64_t net, bool verified) {
     for (auto [suffix, times] :
          {std::pair{"", &t.one}, std::pair{"_send", &t.send}, std::pair{"_recv", &t.recv}}) {
-      Figure f{"low_latency", op + suffix, dtype, 0, 0, row_bytes};
+      Figure f{0, "low_latency", op + suffix, dtype, {}, 0, row_bytes};
       f.verified = verified;
       add(f, *times, rows, net);
     }
@@ -167,27 +236,31 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
     for (int32_t c : d.recv_count) mine += c;
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
     MOED_ASSIGN_OR_RETURN(const HalfTimes dtimes,
-                          time_halves(w, iters, dispatch, [&] { return d.hook->wait(); }));
+                          time_halves(w, iters, size_t(rows) * row_bytes, copy, dispatch,
+                                      [&] { return d.hook->wait(); }));
     // bf16: verified is set below from the round trip.
     MOED_ASSIGN_OR_RETURN(const bool rows_ok, all_ranks_ok(w, !fp8 || fp8_rows_ok(d, R, T, H)));
     add_halves("dispatch", dtype, row_bytes, dtimes, rows, dt.network_bytes, rows_ok);
     if (fp8) continue;
 
     // Combine of the bf16 dispatch: the received rows are the expert outputs.
-    Tensor y = Tensor::copy_of(d.recv.x);
+    // NOTE: read in place (no copy of the [L * R * M, H] slots, 470 MB a rank at decode): the
+    // dispatch's half stays untouched until the next dispatch.
+    const TensorView y = d.recv.x;
     std::shared_ptr<const LowLatencyHandle> handle = d.handle;
     LowLatencyCombineOutput c;
     auto combine = [&](bool hook) -> Status {
       MOED_ASSIGN_OR_RETURN(
           c, buffer->low_latency_combine(
-                 {.x = y.view(), .topk = &topk, .handle = handle, .return_recv_hook = hook}));
+                 {.x = y, .topk = &topk, .handle = handle, .return_recv_hook = hook}));
       return ok_status();
     };
     MOED_ASSIGN_OR_RETURN(const Traffic ct, traffic_of(w, [&] { return combine(false); }));
     MOED_ASSIGN_OR_RETURN(const bool ok,
                           all_ranks_ok(w, round_trip_ok(x, topk, c.combined_x.view())));
     MOED_ASSIGN_OR_RETURN(const HalfTimes ctimes,
-                          time_halves(w, iters, combine, [&] { return c.hook->wait(); }));
+                          time_halves(w, iters, size_t(rows) * size_t(H) * 2, copy, combine,
+                                      [&] { return c.hook->wait(); }));
     add_halves("combine", "bf16", size_t(H) * 2, ctimes, rows, ct.network_bytes, ok);
     if (root) {
       for (Figure& f : *figures) {
@@ -219,19 +292,45 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
   };
   MOED_ASSIGN_OR_RETURN(const Traffic fct, traffic_of(w, flex_combine));
   MOED_ASSIGN_OR_RETURN(const bool fok, all_ranks_ok(w, round_trip_ok(x, topk, fc.hidden.view())));
-  std::vector<double> fdtimes, fctimes;
+  const size_t fbytes = size_t(frows) * size_t(H) * 2;
+  Paired fdtimes, fctimes;
   for (int i = 0; i < iters; ++i) {
-    MOED_ASSIGN_OR_RETURN(double a, time_max(w, flex_dispatch));
-    MOED_ASSIGN_OR_RETURN(double b, time_max(w, flex_combine));
-    fdtimes.push_back(a);
-    fctimes.push_back(b);
+    MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, fbytes));
+    MOED_ASSIGN_OR_RETURN(const double a, time_max(w, flex_dispatch));
+    MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, fbytes));
+    MOED_ASSIGN_OR_RETURN(const double b, time_max(w, flex_combine));
+    fdtimes.add(a, c1);
+    fctimes.add(b, c2);
   }
-  Figure fdf{"flex", "dispatch", "bf16", 0, 0, size_t(H) * 2};
+  Figure fdf{0, "flex", "dispatch", "bf16", {}, 0, size_t(H) * 2};
   fdf.verified = fok;
   add(fdf, fdtimes, frows, fdt.network_bytes);
-  Figure fcf{"flex", "combine", "bf16", 0, 0, size_t(H) * 2};
+  Figure fcf{0, "flex", "combine", "bf16", {}, 0, size_t(H) * 2};
   fcf.verified = fok;
   add(fcf, fctimes, frows, fct.network_bytes);
+  return ok_status();
+}
+
+// What one run holds in memory, for the report: the low-latency buffers (node-shared, every
+// rank's), and peak RSS.
+struct Memory {
+  uint64_t low_latency_buffer_bytes = 0;  // summed over ranks, at the largest T
+};
+
+Status run_rank(World& w, const Shape& base, const std::vector<int64_t>& tokens, int iters,
+                Floor* floor, Memory* memory, std::vector<Figure>* figures) {
+  MOED_ASSIGN_OR_RETURN(const Floor f, measure_floor(w, iters));
+  if (w.rank() == 0) *floor = f;
+  for (int64_t T : tokens) {
+    Shape s = base;
+    s.num_tokens = T;
+    MOED_RETURN_IF_ERROR(run_tokens(w, s, iters, figures));
+  }
+  const int64_t T = *std::max_element(tokens.begin(), tokens.end());
+  MOED_ASSIGN_OR_RETURN(
+      const int64_t ll, sum_ranks(w, int64_t(get_low_latency_size_hint(T, base.hidden, w.size(),
+                                                                        base.num_experts))));
+  if (w.rank() == 0) memory->low_latency_buffer_bytes = uint64_t(ll);
   return ok_status();
 }
 
@@ -240,30 +339,59 @@ void run(const Args& a) {
   if (!ws.ok()) fail("low-latency", ws.status());
   const int ranks = ws->ranks;
   const Shape& s = ws->shape;
+  std::vector<int64_t> tokens = a.tokens;
+  if (tokens.empty()) tokens.push_back(s.num_tokens);
   WorldOptions opts;
   opts.ranks_per_node = a.ranks_per_node;
   std::vector<Figure> figures;
+  Floor floor;
+  Memory memory;
   int my_rank = 0;
+  int threads = 0;  // the ranks' pools together (the copy bound runs on them too)
   Status st = run_in_world(
-      a.world, ranks, opts, [&](World& w) { return run_rank(w, s, a.iters, &figures); }, &my_rank);
+      a.world, ranks, opts,
+      [&](World& w) {
+        if (w.rank() == 0) threads = w.pool().num_threads() * w.size();
+        return run_rank(w, s, tokens, a.iters, &floor, &memory, &figures);
+      },
+      &my_rank);
   if (!st.ok()) fail("low-latency", st);
   if (my_rank != 0) return;
 
-  const int threads = host_threads();
   Report report(a.json);
+  const uint64_t peak = peak_rss_bytes();
   for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * f.row_bytes;
-    report.add(world_record("low_latency", s, a.world, ranks, a.ranks_per_node, threads, a.iters,
-                            {{"dispatcher", f.dispatcher},
-                             {"phase", f.phase},
-                             {"dtype", f.dtype},
-                             {"rows", f.rows},
-                             {"bytes", bytes},
-                             {"seconds", f.seconds},
-                             {"microseconds", f.seconds * 1e6},
-                             {"network_bytes", f.network_bytes},
-                             {"copy_gbps", measure_copy_gbps(bytes, threads)},
-                             {"verified", f.verified}}));
+    Shape fs = s;
+    fs.num_tokens = f.num_tokens;
+    nlohmann::json rec =
+        world_record("low_latency", fs, a.world, ranks, a.ranks_per_node, threads, a.iters,
+                     {{"dispatcher", f.dispatcher},
+                      {"phase", f.phase},
+                      {"dtype", f.dtype},
+                      {"rows", f.rows},
+                      {"bytes", bytes},
+                      {"network_bytes", f.network_bytes},
+                      {"floor_seconds", floor.seconds()},
+                      {"floor_round_trip_seconds", floor.round_trip},
+                      {"floor_collective_seconds", floor.collective},
+                      {"low_latency_buffer_bytes", memory.low_latency_buffer_bytes},
+                      {"peak_rss_bytes", peak},
+                      {"verified", f.verified}});
+    add_paired(rec, f.times);
+    const double seconds = rec["seconds"].get<double>();
+    rec["microseconds"] = seconds * 1e6;
+    rec["floor_ratio"] = floor.seconds() > 0 ? seconds / floor.seconds() : 0.0;
+    report.add(std::move(rec));
+  }
+  if (!a.json) {
+    std::printf(
+        "floor: signal round trip (ranks 0-1) %.1f us, empty collective %.1f us; "
+        "floor_seconds = %.1f us\n"
+        "memory: peak RSS %.1f MB; low-latency buffers %.1f MB (all ranks, at T = %lld)\n",
+        floor.round_trip * 1e6, floor.collective * 1e6, floor.seconds() * 1e6, double(peak) / 1e6,
+        double(memory.low_latency_buffer_bytes) / 1e6,
+        static_cast<long long>(*std::max_element(tokens.begin(), tokens.end())));
   }
   report.finish();
 }
@@ -273,6 +401,10 @@ void setup(CLI::App& bench) {
   CLI::App* c = bench.add_subcommand(
       "low-latency", "low-latency dispatch / combine (bf16, fp8, send and receive halves) vs Flex");
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
+  c->add_option("--tokens", args->tokens,
+                "T per rank, overriding the shape's; a list runs each, e.g. --tokens 1,8,32")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   add_world_options(*c, &args->world, &args->ranks, &args->ranks_per_node);
   add_report_options(*c, &args->iters, &args->json);
   c->callback([args] { run(*args); });

@@ -21,6 +21,15 @@
 //
 // Every call is collective over the world (all ranks call it, in the same order); bad input on
 // any rank is an error on every rank (World::agree), never a hang.
+//
+// In the threads world a call without return_recv_hook lets its in-node peers read its rows
+// where they are: the send phase only publishes where they are, each receiver copies them once,
+// straight into their packed place (dispatch), or reduces the expert outputs where they are
+// (combine), and the call returns only once every in-node peer has finished reading. With a
+// hook (and in the MPI world) the send phase copies the rows into the receivers' node-shared
+// slots, so that dispatch's x is free once the send phase returns, as in DeepEP, and hooks may
+// run in any order. Every rank passes the same return_recv_hook to a call: a rank without one
+// waits in the call until its in-node peers have received (or the world's timeout).
 #pragma once
 
 #include <cstddef>

@@ -316,6 +316,48 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
   }
 }
 
+// Hooks need not run in the same order on every rank: even ranks receive the first of two
+// operations in flight first, odd ranks the second.
+TEST_P(LowLatencyTest, HooksRunInAnyOrderAcrossRanks) {
+  const Case c{4, 0, 8, 128, 3, 5, 61};
+  Case c2 = c;
+  c2.seed += 1000;
+  auto a = make_problem(c), b = make_problem(c2);
+  ASSERT_TRUE(a.ok() && b.ok());
+  Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto buffer,
+                          LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+    const int me = w.rank();
+    auto in_order = [&](Request& first, Request& second) -> Status {
+      if (me % 2 == 1) std::swap(first, second);
+      MOED_RETURN_IF_ERROR(first->wait());
+      return second->wait();
+    };
+    MOED_ASSIGN_OR_RETURN(auto da, buffer->low_latency_dispatch({.x = a->x[size_t(me)].view(),
+                                                                 .topk = &a->topk[size_t(me)],
+                                                                 .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto db, buffer->low_latency_dispatch({.x = b->x[size_t(me)].view(),
+                                                                 .topk = &b->topk[size_t(me)],
+                                                                 .return_recv_hook = true}));
+    MOED_RETURN_IF_ERROR(in_order(da.hook, db.hook));
+    MOED_RETURN_IF_ERROR(check_dispatch(*a, me, da, false, false));
+    MOED_RETURN_IF_ERROR(check_dispatch(*b, me, db, false, false));
+    Tensor ya = expert_output(*a, me, da), yb = expert_output(*b, me, db);
+    MOED_ASSIGN_OR_RETURN(auto ca, buffer->low_latency_combine({.x = ya.view(),
+                                                                .topk = &a->topk[size_t(me)],
+                                                                .handle = da.handle,
+                                                                .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto cb, buffer->low_latency_combine({.x = yb.view(),
+                                                                .topk = &b->topk[size_t(me)],
+                                                                .handle = db.handle,
+                                                                .return_recv_hook = true}));
+    MOED_RETURN_IF_ERROR(in_order(ca.hook, cb.hook));
+    MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
+    return check_combine(*b, me, cb.combined_x);
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 // A copy of t's rows with row_stride = cols + 3 (the pad NaN bits), kept in *keep.
 TensorView strided_copy(const Tensor& t, Tensor* keep) {
   *keep = Tensor::empty(t.dtype(), t.rows(), t.cols() + 3);
@@ -367,6 +409,59 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
                                                            .handle = d.handle,
                                                            .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
+        Status cs = check_combine(*p, me, out.combined_x);
+        if (!cs.ok()) return cs.with_context(str_cat("mode ", mode));
+      }
+      return ok_status();
+    });
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+}
+
+// Once a call has returned (dispatch: its send phase; combine: the call or its hook), no peer
+// reads its input rows any more: each rank overwrites its tokens and expert outputs right after,
+// and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
+// two (in-node peers read each other's memory in the threads world; other nodes get messages).
+TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
+  for (const Case& c : {Case{3, 0, 6, 128, 2, 1, 51}, Case{4, 2, 8, 256, 3, 1, 52},
+                        Case{5, 0, 10, 100, 4, 3, 53}}) {
+    SCOPED_TRACE(::testing::Message() << "R=" << c.ranks << " G=" << c.per_node);
+    auto p = make_problem(c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
+      MOED_ASSIGN_OR_RETURN(auto buffer,
+                            LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+      const int me = w.rank();
+      auto scribble = [](Tensor& t) {
+        for (int64_t i = 0; i < t.rows(); ++i) {
+          for (int64_t h = 0; h < t.cols(); ++h) t.row<bf16>(i)[h] = bf16{0x7fc0};
+        }
+      };
+      for (int mode = 0; mode < 4; ++mode) {
+        const bool fp8 = mode >= 2, hook = mode % 2 == 1;
+        if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
+        Tensor x = Tensor::copy_of(p->x[size_t(me)].view());
+        MOED_ASSIGN_OR_RETURN(
+            LowLatencyDispatchOutput d,
+            buffer->low_latency_dispatch({.x = x.view(),
+                                          .topk = &p->topk[size_t(me)],
+                                          .use_fp8 = fp8,
+                                          .return_recv_hook = hook}));
+        // DeepEP's contract: dispatch's x is free once the send phase has returned.
+        scribble(x);
+        if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
+        MOED_RETURN_IF_ERROR(w.barrier());  // every rank has scribbled before anyone checks
+        Status ds = check_dispatch(*p, me, d, fp8, false);
+        if (!ds.ok()) return ds.with_context(str_cat("mode ", mode));
+        Tensor y = expert_output(*p, me, d);
+        MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
+                              buffer->low_latency_combine({.x = y.view(),
+                                                           .topk = &p->topk[size_t(me)],
+                                                           .handle = d.handle,
+                                                           .return_recv_hook = hook}));
+        if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
+        scribble(y);
+        MOED_RETURN_IF_ERROR(w.barrier());
         Status cs = check_combine(*p, me, out.combined_x);
         if (!cs.ok()) return cs.with_context(str_cat("mode ", mode));
       }

@@ -60,6 +60,10 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
     off += align64(rows * sizeof(float));
     l.combine_y[h] = off;
     off += align64(rows * size_t(hidden) * sizeof(bf16));
+    l.pull[h] = off;
+    off += align64(2 * sizeof(PullSource));
+    l.acks[h] = off;
+    off += align64(2 * size_t(num_ranks) * sizeof(uint64_t));  // G <= R
   }
   l.total = off;
   return l;
@@ -121,6 +125,7 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(World& worl
   state->id = next_id.fetch_add(1, std::memory_order_relaxed);
   state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts);
   MOED_ASSIGN_OR_RETURN(state->shared, world.alloc_shared(state->layout.total));
+  state->pull = world.shares_address_space();
   // Counts start at sequence 0, which no operation uses. The output vectors get their final
   // size once, so the spans handed out never move.
   const int L = num_experts / R;
@@ -132,6 +137,14 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(World& worl
     dh.send_header.assign(size_t(R) * L, 0);
     std::atomic<uint64_t>* c = state->counts(world.local_rank(), h);
     for (int e = 0; e < num_experts; ++e) c[e].store(0, std::memory_order_relaxed);
+    for (auto k : {low_latency::PullKind::kDispatch, low_latency::PullKind::kCombine}) {
+      std::atomic<uint64_t>* a = state->acks(world.local_rank(), h, k);
+      for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
+    }
+    if (state->pull) {
+      dh.pull_tokens.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0);
+      dh.pull_probs.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0.0f);
+    }
   }
   MOED_RETURN_IF_ERROR(world.barrier());
   return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(state)));

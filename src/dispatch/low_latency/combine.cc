@@ -107,6 +107,22 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   MOED_RETURN_IF_ERROR(net);
 
   const auto* y = reinterpret_cast<const bf16*>(st.local() + lay.combine_y[half]);
+  // Pull mode: in-node experts' outputs are read where they are (their PullSource).
+  const int L = lay.num_local_experts;
+  std::vector<low_latency::PullSource> peer(static_cast<size_t>(R));
+  for (int d = 0; d < R; ++d) {
+    if (st.pulls(d)) {
+      peer[size_t(d)] = *st.pull_source(st.local_of(d), half, low_latency::PullKind::kCombine);
+    }
+  }
+  auto pulled_from = [&](int d) { return st.pulls(d) && peer[size_t(d)].pulled; };
+  auto row_of = [&](int32_t e, int32_t slot) -> const bf16* {
+    const int d = e / L, j = e % L;
+    if (!pulled_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
+    const low_latency::PullSource& p = peer[size_t(d)];
+    const int64_t row = int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
+    return reinterpret_cast<const bf16*>(p.rows + size_t(row) * p.stride);
+  };
   const internal::RowKernels& k = internal::row_kernels();
   w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
     std::vector<float> acc(static_cast<size_t>(H));
@@ -125,13 +141,17 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
       std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) { return a.e < b.e; });
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (const Term& term : terms) {
-        const bf16* row = y + (size_t(term.e) * size_t(lay.max_tokens) + size_t(term.slot)) * H;
+        const bf16* row = row_of(term.e, term.slot);
         k.accumulate_weighted(acc.data(), row, DType::kBF16, term.weight, size_t(H));
       }
       k.store(acc.data(), out.row<bf16>(t), DType::kBF16, size_t(H));
     }
   });
-  return ok_status();
+  if (!st.pull) return ok_status();
+  uint64_t pulled = 0;
+  for (int32_t e : handle.topk_idx) pulled += e >= 0 && pulled_from(e / L) ? 1 : 0;
+  w.add_shared_bytes(pulled * size_t(H) * sizeof(bf16), pulled);
+  return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq);
 }
 
 }  // namespace
@@ -180,12 +200,13 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     }
     ch.net_send.resize(staged * row_bytes);
   }
+  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int worker) {
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
       const LowLatencyRange range = handle.layout_range[size_t(c)];
-      if (range.count == 0 || !w.same_node(s, me)) continue;
+      if (range.count == 0 || !w.same_node(s, me) || (pull_rows && st.pulls(s))) continue;
       const int e = me * L + j;
       std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
                       size_t(e) * size_t(lay.max_tokens) * row_bytes;
@@ -194,6 +215,15 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     }
   });
   low_latency::add_shared_rows(w, shared_rows, row_bytes);
+  if (st.pull) {
+    // Where in-node homes find this rank's expert outputs; the signals below publish it.
+    low_latency::PullSource* ps =
+        st.pull_source(w.local_rank(), half, low_latency::PullKind::kCombine);
+    ps->pulled = pull_rows;
+    ps->rows = static_cast<const std::byte*>(x.data);
+    ps->stride = size_t(x.row_stride) * sizeof(bf16);
+    ps->ranges = handle.layout_range.data();
+  }
   for (int s = 0; s < R; ++s) {
     if (s != me && w.same_node(s, me)) st.shared->signal(st.local_of(s), seq);
   }

@@ -167,7 +167,8 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   std::byte* scales = seg + lay.dispatch_scales[half];
   auto* src = reinterpret_cast<int32_t*>(seg + lay.dispatch_src[half]);
   auto* prob = reinterpret_cast<float*>(seg + lay.dispatch_prob[half]);
-  w.pool().parallel_for(L, [&](int64_t j0, int64_t j1, int) {
+  std::vector<uint64_t> pulled(size_t(w.pool().num_threads()), 0);  // rows, per worker
+  w.pool().parallel_for(L, [&](int64_t j0, int64_t j1, int worker) {
     for (int j = int(j0); j < int(j1); ++j) {
       std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
       for (int s = 0; s < R; ++s) {
@@ -179,7 +180,23 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
         if (range.count == 0) continue;
         const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
         const size_t n = size_t(range.count);
-        if (w.same_node(s, me)) {
+        const low_latency::PullSource* ps_at =
+            st.pulls(s) ? st.pull_source(st.local_of(s), half, low_latency::PullKind::kDispatch)
+                        : nullptr;
+        if (ps_at != nullptr && ps_at->pulled) {
+          // Straight from the source's rows into their packed place.
+          const low_latency::PullSource ps = *ps_at;
+          const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
+          for (size_t i = 0; i < n; ++i) {
+            const int32_t t = ps.tokens[chunk + i];
+            const std::byte* row = ps.rows + size_t(t) * ps.stride;
+            std::memcpy(xs + size_t(to + int64_t(i)) * payload, row, payload);
+            std::memcpy(scales + size_t(to + int64_t(i)) * scale_bytes, row + payload, scale_bytes);
+            src[to + int64_t(i)] = t;
+            prob[to + int64_t(i)] = ps.probs[chunk + i];
+          }
+          pulled[size_t(worker)] += n;
+        } else if (w.same_node(s, me)) {
           const int64_t from = lay.fixed_row(j, s, 0);
           if (from == to) continue;
           std::memmove(xs + size_t(to) * payload, xs + size_t(from) * payload, n * payload);
@@ -207,7 +224,9 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
 
   handle.layout_range = dh.layout_range;
   handle.received = true;
-  return ok_status();
+  if (!st.pull) return ok_status();
+  low_latency::add_shared_rows(w, pulled, payload + scale_bytes);
+  return low_latency::exchange_acks(st, half, low_latency::PullKind::kDispatch, seq);
 }
 
 }  // namespace
@@ -284,6 +303,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   dh.net_send.resize(net_total);
 
   const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
+  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -295,7 +315,11 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
         const int d = e / L, j = e % L;
         const int64_t i = handle->slot[size_t(t) * K + k];
         const float p = has_weights ? routing.weight(t, k) : 0.0f;
-        if (w.same_node(d, me)) {
+        if (pull_rows && st.pulls(d)) {
+          // d copies the row itself, from here (receive_dispatch).
+          dh.pull_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
+          dh.pull_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
+        } else if (w.same_node(d, me)) {
           std::byte* seg = st.segment(st.local_of(d));
           const int64_t r = lay.fixed_row(j, me, i);
           std::memcpy(seg + lay.dispatch_x[half] + size_t(r) * payload, row, payload);
@@ -324,6 +348,16 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   });
   low_latency::add_shared_rows(w, shared_rows, payload + scale_bytes);
 
+  if (st.pull) {
+    // Whether (and where) in-node receivers find this rank's rows; the counts below publish it.
+    low_latency::PullSource* ps =
+        st.pull_source(w.local_rank(), half, low_latency::PullKind::kDispatch);
+    ps->pulled = pull_rows;
+    ps->rows = fp8 ? dh.fp8_rows.data() : static_cast<const std::byte*>(in.x.data);
+    ps->stride = fp8 ? payload + scale_bytes : size_t(in.x.row_stride) * sizeof(bf16);
+    ps->tokens = dh.pull_tokens.data();
+    ps->probs = dh.pull_probs.data();
+  }
   // Publish: every (me, expert) count, zero included (there is no notify), after its rows.
   for (int d = 0; d < R; ++d) {
     if (!w.same_node(d, me)) continue;

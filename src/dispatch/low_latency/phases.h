@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/wait.h"
 #include "dispatch/low_latency/state.h"
 
 namespace moed {
@@ -28,6 +29,34 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   uint64_t rows = 0;
   for (uint64_t n : rows_per_worker) rows += n;
   w.add_shared_bytes(rows * row_bytes, rows);
+}
+
+// Pull mode, at the end of a receive: acks every in-node peer that left its rows to be read
+// (its PullSource says so), then, if this rank left its own rows, waits until every in-node
+// peer has acked (so that the call may return and its rows be reused). Ranks that used the
+// hook copied their rows and wait for nobody, so hooks may run in any order.
+inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
+  World& w = *st.world;
+  const int G = w.ranks_per_node(), me = w.local_rank();
+  for (int p = 0; p < G; ++p) {
+    if (p != me && st.pull_source(p, half, kind)->pulled) {
+      st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
+    }
+  }
+  if (!st.pull_source(me, half, kind)->pulled) return ok_status();
+  std::atomic<uint64_t>* mine = st.acks(me, half, kind);
+  for (int p = 0; p < G; ++p) {
+    if (p == me) continue;
+    MOED_RETURN_IF_ERROR(internal::poll_until(
+        w, [&] { return mine[p].load(std::memory_order_acquire) >= seq; },
+        [&] {
+          return std::string("low-latency ") +
+                 (kind == PullKind::kDispatch ? "dispatch" : "combine") +
+                 ": waiting for local rank " + std::to_string(p) +
+                 " to read this rank's rows (every rank must pass the same return_recv_hook)";
+        }));
+  }
+  return ok_status();
 }
 
 // The receive phase: run now (hook = an already-completed request), or handed back as `hook`

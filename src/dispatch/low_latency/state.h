@@ -11,6 +11,18 @@
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
+//   pull[h]          two PullSource (dispatch, combine): what in-node peers read in pull mode
+//   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
+//                    which that peer has finished reading this rank's memory (pull mode)
+//
+// Pull mode (the threads world, where every rank's memory is readable by its node; calls
+// without a receive hook): in-node rows are not copied by the sender into the receiver's slots
+// (a copy the receiver would then pack again); the sender publishes where its rows are
+// (PullSource) before its counts, and the receiver copies them once, straight into their packed
+// place (dispatch), or reduces them where they are (combine). Every receive in the threads world
+// then acks its in-node peers and waits for their acks, so the call returns only once nobody
+// reads its rows any more. With a hook the sender copies as before, so that its rows are free
+// once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
 #pragma once
 
 #include <atomic>
@@ -51,6 +63,8 @@ struct SegmentLayout {
   size_t dispatch_src[2] = {0, 0};
   size_t dispatch_prob[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
+  size_t pull[2] = {0, 0};
+  size_t acks[2] = {0, 0};
   size_t total = 0;
 
   static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts);
@@ -60,6 +74,21 @@ struct SegmentLayout {
   }
   int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
 };
+
+// What an in-node peer reads from this rank in pull mode, published in this rank's segment
+// before the counts (dispatch) or the signal (combine) that make it visible.
+struct PullSource {
+  // The sender left its in-node rows for the receivers to read (a call without a receive
+  // hook, which returns only after they have); else it copied them into their slots.
+  bool pulled = false;
+  const std::byte* rows = nullptr;  // dispatch: token rows (x, or its FP8 rows + scales);
+                                    // combine: the expert outputs
+  size_t stride = 0;                // bytes from one row to the next
+  const int32_t* tokens = nullptr;  // dispatch: [E][M] token of row i of chunk (me, e)
+  const float* probs = nullptr;     // dispatch: [E][M] its prob
+  const LowLatencyRange* ranges = nullptr;  // combine: [L][R] this rank's dispatch layout
+};
+enum class PullKind : int { kDispatch = 0, kCombine = 1 };
 
 // Where a dispatch half's outputs live (the views handed out point here or into the segment).
 struct DispatchHalf {
@@ -75,6 +104,8 @@ struct DispatchHalf {
   std::vector<Request> header_requests;  // header receives of this op
   std::vector<Request> send_requests;    // this op's sends
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
+  std::vector<int32_t> pull_tokens;      // pull mode: [E][M], PullSource::tokens
+  std::vector<float> pull_probs;         // pull mode: [E][M], PullSource::probs
 };
 
 struct CombineHalf {
@@ -90,6 +121,7 @@ struct LowLatencyBuffer::State {
   uint64_t id = 0;
   low_latency::SegmentLayout layout;
   std::shared_ptr<SharedBuffer> shared;
+  bool pull = false;  // in-node peers read each other's memory (World::shares_address_space)
   // Every rank runs the same sequence of calls, so these agree across ranks.
   uint64_t seq = 0;  // operations started (dispatch and combine), 1-based tags
   uint64_t dispatches = 0;
@@ -105,6 +137,16 @@ struct LowLatencyBuffer::State {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.counts[half]);
   }
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
+  // In-node peer `rank` can read this rank's memory directly (the threads world).
+  bool pulls(int rank) const { return pull && world->same_node(rank, world->rank()); }
+  low_latency::PullSource* pull_source(int local_rank, int half, low_latency::PullKind k) const {
+    return reinterpret_cast<low_latency::PullSource*>(segment(local_rank) + layout.pull[half]) +
+           int(k);
+  }
+  std::atomic<uint64_t>* acks(int local_rank, int half, low_latency::PullKind k) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]) +
+           size_t(k) * size_t(world->ranks_per_node());
+  }
 };
 
 namespace low_latency {
