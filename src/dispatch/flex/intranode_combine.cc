@@ -56,7 +56,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
             }
             read += uint64_t(P);
           } else {
-            const std::vector<char>& msg = remote.recv_buffers[size_t(m)];
+            const Bytes& msg = remote.recv_buffers[size_t(m)];
             const int64_t i = cursor[size_t(m)]++;
             const char* piece = msg.data() + size_t(i) * remote.piece_bytes;
             if (P == 1) {
