@@ -5,7 +5,8 @@
 // Each rank routes its T tokens to K distinct experts, uniform at random (fixed seed per
 // rank), and sends one row of H bf16 per (token, expert) to the expert's rank (E adjusted so
 // that R divides it). bytes = sum over ranks of received rows * H * 2 (aggregate, spec §7);
-// a multi-rank time is the maximum over ranks, the figure the median over iterations.
+// a multi-rank time is the maximum over ranks, the figure the median over iterations, each
+// paired with a copy of the same bytes just before it (bench/common.h).
 //
 //   moed bench alltoallv --world threads --ranks 8 --shape mixtral --json
 //   mpirun --oversubscribe -np 8 moed bench alltoallv --world mpi --shape mixtral --json
@@ -109,18 +110,17 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
     s_off += int(sb[size_t(d)]);
     r_off += int(rb[size_t(d)]);
   }
-  w.reset_counters();
   auto exchange = [&] {
     return w.all_to_all_v_bytes(plan.send.data(), sb, so, plan.recv.data(), rb, ro);
   };
-  MOED_ASSIGN_OR_RETURN(double seconds, median_time_max(w, args.iters, exchange));
-  const TrafficCounters per_call = w.counters();  // warm-up + iters calls
+  // One counted call (the warm-up), then copy, exchange, copy, exchange, ...
+  MOED_ASSIGN_OR_RETURN(const Traffic per_call, traffic_of(w, exchange));
   MOED_ASSIGN_OR_RETURN(const bool verified, all_ranks_ok(w, verify(w, plan)));
-  const int64_t mine[3] = {int64_t(plan.recv.size()), int64_t(per_call.shared_bytes),
-                           int64_t(per_call.network_bytes)};
-  MOED_ASSIGN_OR_RETURN(const std::vector<int64_t> sums, sum_ranks(w, mine));
-  const uint64_t bytes = uint64_t(sums[0]), shared = uint64_t(sums[1]), network = uint64_t(sums[2]);
-  const uint64_t calls = uint64_t(args.iters) + 1;
+  MOED_ASSIGN_OR_RETURN(const int64_t recv_bytes, sum_ranks(w, int64_t(plan.recv.size())));
+  const uint64_t bytes = uint64_t(recv_bytes);
+  CopyBuffers copy;
+  MOED_ASSIGN_OR_RETURN(const Paired times,
+                        paired_time_max(w, args.iters, size_t(bytes), copy, exchange));
 
   double mpi_seconds = 0;
 #ifdef MOED_WITH_MPI
@@ -141,11 +141,9 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
                           }));
   }
 #endif
-  // The copy bound: the same aggregate bytes copied by as many threads as there are ranks
-  // (each rank copies its share in both worlds), measured on rank 0 while the rest wait.
-  double copy_gbps = 0;
+  // The copy bound: each rank copies its share of the aggregate bytes with its own pool, in both
+  // worlds, interleaved with the exchange above.
   if (w.rank() == 0) {
-    copy_gbps = measure_copy_gbps(size_t(bytes), std::min<int>(R, 64), args.iters);
     nlohmann::json rec = {{"suite", "alltoallv"},
                           {"shape", shape.name},
                           {"dtype", "bf16"},
@@ -154,11 +152,10 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
                           {"ranks", R},
                           {"ranks_per_node", w.ranks_per_node()},
                           {"bytes", bytes},
-                          {"seconds", seconds},
-                          {"copy_gbps", copy_gbps},
-                          {"shared_bytes", shared / calls},
-                          {"network_bytes", network / calls},
+                          {"shared_bytes", per_call.shared_bytes},
+                          {"network_bytes", per_call.network_bytes},
                           {"verified", verified}};
+    add_paired(rec, times);
     add_mpi_baseline(rec, mpi_seconds);
     report->add(rec);
   }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <new>
 #include <thread>
 
 #include "moed/dtype.h"
@@ -59,28 +60,97 @@ double median_seconds(const std::function<void()>& fn, int iters, int warmup) {
   return median(t);
 }
 
-double measure_copy_gbps(size_t bytes, int threads, int iters) {
-  if (bytes == 0) return 0;
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
+CopyBuffers::CopyBuffers() = default;
+
+CopyBuffers::~CopyBuffers() {
+  std::free(src_);
+  std::free(dst_);
+}
+
+void CopyBuffers::reserve(size_t bytes) {
+  bytes = std::min(bytes, kCopyChunkBytes);
+  if (bytes <= capacity_) return;
+  std::free(src_);
+  std::free(dst_);
   const size_t rounded = (bytes + 63) / 64 * 64;
-  std::unique_ptr<char, Free> src(static_cast<char*>(std::aligned_alloc(64, rounded)));
-  std::unique_ptr<char, Free> dst(static_cast<char*>(std::aligned_alloc(64, rounded)));
-  std::memset(src.get(), 1, bytes);
-  std::memset(dst.get(), 0, bytes);
-  ThreadPool pool(threads);
-  const double s = median_seconds(
-      [&] {
-        pool.parallel_for(
-            int64_t(bytes),
-            [&](int64_t b, int64_t e, int) {
-              std::memcpy(dst.get() + b, src.get() + b, size_t(e - b));
-            },
-            1 << 16);
-      },
-      iters, 2);
-  return double(bytes) / s / 1e9;
+  src_ = static_cast<char*>(std::aligned_alloc(64, rounded));
+  dst_ = static_cast<char*>(std::aligned_alloc(64, rounded));
+  if (src_ == nullptr || dst_ == nullptr) throw std::bad_alloc();
+  // Touch every page now, so that no timed copy takes page faults.
+  std::memset(src_, 1, rounded);
+  std::memset(dst_, 0, rounded);
+  capacity_ = rounded;
+}
+
+void CopyBuffers::copy(size_t bytes, ThreadPool& pool) {
+  reserve(bytes);
+  for (size_t done = 0; done < bytes; done += capacity_) {
+    const size_t n = std::min(capacity_, bytes - done);
+    pool.parallel_for(
+        int64_t(n),
+        [&](int64_t b, int64_t e, int) { std::memcpy(dst_ + b, src_ + b, size_t(e - b)); },
+        1 << 16);
+  }
+}
+
+namespace {
+double seconds_of(const std::function<void()>& fn) {
+  const auto a = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+}
+}  // namespace
+
+void add_paired(nlohmann::json& record, const Paired& p) {
+  const double bytes = record.value("bytes", 0.0);
+  std::vector<double> ratios;
+  for (size_t i = 0; i < p.kernel.size() && i < p.copy.size(); ++i) {
+    if (p.kernel[i] > 0) ratios.push_back(p.copy[i] / p.kernel[i]);
+  }
+  const double copy_seconds = median(p.copy);
+  const double ratio = median(ratios);
+  const double lo = ratios.empty() ? 0 : *std::min_element(ratios.begin(), ratios.end());
+  const double hi = ratios.empty() ? 0 : *std::max_element(ratios.begin(), ratios.end());
+  record["seconds"] = median(p.kernel);
+  record["copy_seconds"] = copy_seconds;
+  record["copy_gbps"] = copy_seconds > 0 ? bytes / copy_seconds / 1e9 : 0.0;
+  // The GB/s ratio of the same bytes is the inverse ratio of the times.
+  record["ratio_to_copy"] = ratio;
+  record["ratio_min"] = lo;
+  record["ratio_max"] = hi;
+  record["noisy"] = ratio > 0 && (hi - lo) / ratio > kNoisySpread;
+}
+
+Paired paired_seconds(const std::function<void()>& fn, size_t bytes, ThreadPool& pool, int iters,
+                      int warmup) {
+  CopyBuffers buffers;
+  Paired p;
+  for (int i = -warmup; i < std::max(1, iters); ++i) {
+    const double c = seconds_of([&] { buffers.copy(bytes, pool); });
+    const double k = seconds_of(fn);
+    if (i >= 0) p.add(k, c);
+  }
+  return p;
+}
+
+StatusOr<double> time_copy(World& w, CopyBuffers& buffers, size_t total_bytes) {
+  const size_t R = size_t(w.size()), me = size_t(w.rank());
+  const size_t share = total_bytes / R + (me < total_bytes % R ? 1 : 0);
+  return time_max(w, [&] {
+    buffers.copy(share, w.pool());
+    return ok_status();
+  });
+}
+
+StatusOr<Paired> paired_time_max(World& w, int iters, size_t total_bytes, CopyBuffers& buffers,
+                                 const std::function<Status()>& fn, int warmup) {
+  Paired p;
+  for (int i = -warmup; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(const double c, time_copy(w, buffers, total_bytes));
+    MOED_ASSIGN_OR_RETURN(const double k, time_max(w, fn));
+    if (i >= 0) p.add(k, c);
+  }
+  return p;
 }
 
 uint64_t peak_rss_bytes() {
@@ -233,6 +303,7 @@ void Report::add(nlohmann::json r) {
   const double seconds = r.value("seconds", 0.0);
   if (!r.contains("isa")) r["isa"] = active_isa_name();  // the row kernels that ran
   if (!r.contains("gbps")) r["gbps"] = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
+  // NOTE: commands fill ratio_to_copy from paired timings (add_paired); this is the fallback.
   if (!r.contains("ratio_to_copy")) {
     const double copy = r.value("copy_gbps", 0.0);
     r["ratio_to_copy"] = copy > 0 ? r["gbps"].get<double>() / copy : 0.0;
@@ -245,10 +316,12 @@ void Report::add(nlohmann::json r) {
             std::string(" ") + k + "=" + (r[k].is_string() ? r[k].get<std::string>() : r[k].dump());
     }
     std::printf(
-        "%-12s %-8s %-5s thr=%-2d%s  %10.3f ms  %8.2f GB/s  copy %8.2f GB/s  ratio %5.2f  %s\n",
+        "%-12s %-8s %-5s thr=%-2d%s  %10.3f ms  %8.2f GB/s  copy %8.2f GB/s  ratio %5.2f "
+        "[%4.2f-%4.2f]%s  %s\n",
         r.value("suite", "").c_str(), r.value("shape", "").c_str(), r.value("dtype", "").c_str(),
         r.value("threads", 0), extra.c_str(), seconds * 1e3, r["gbps"].get<double>(),
-        r.value("copy_gbps", 0.0), r["ratio_to_copy"].get<double>(),
+        r.value("copy_gbps", 0.0), r["ratio_to_copy"].get<double>(), r.value("ratio_min", 0.0),
+        r.value("ratio_max", 0.0), r.value("noisy", false) ? " NOISY" : "",
         r.value("verified", false) ? "verified" : "NOT VERIFIED");
     std::fflush(stdout);
   }

@@ -3,8 +3,16 @@
 // the record format (one JSON object per figure, also printed as a table row).
 //
 // Every record carries at least: suite, shape, dtype, threads, bytes, seconds, gbps,
-// copy_gbps, ratio_to_copy, verified, isa (the row kernels' instruction set). Commands add their
-// own fields (world, ranks, dispatcher, phase, network_bytes, ...).
+// copy_gbps, ratio_to_copy, ratio_min, ratio_max, noisy, verified, isa (the row kernels'
+// instruction set). Commands add their own fields (world, ranks, dispatcher, phase,
+// network_bytes, ...).
+//
+// The copy bound is measured interleaved with the kernel (copy, kernel, copy, kernel, ...: the
+// same bytes, the same threads, timed the same way), so that each kernel iteration has a copy
+// taken under the same load: ratio_to_copy is the median of the paired ratios copy_i / kernel_i,
+// ratio_min and ratio_max their spread, and noisy is true when (max - min) / median > 20%: such
+// a record is a sign of a loaded machine, not a result. seconds is the kernel's median and
+// copy_gbps = bytes / the copies' median.
 #pragma once
 
 #include <cstdint>
@@ -43,9 +51,52 @@ std::vector<std::string> shape_names();
 // E adjusted so that `ranks` divides it (spec §7: the nearest E that R divides; ties go up).
 int experts_for_ranks(int num_experts, int ranks);
 
-// GB/s of a plain parallel memcpy of `bytes` with `threads` threads, median of `iters` runs
-// after a warm-up. This is the bound a one-copy algorithm can reach on this machine now.
-double measure_copy_gbps(size_t bytes, int threads, int iters = 10);
+// ---- the copy bound, paired with the kernel ----
+// Source and destination buffers for a plain parallel memcpy (pages touched once, when they
+// grow). NOTE: copies of more than kCopyChunkBytes run in passes over one chunk-sized pair, so
+// that a 2 GB figure does not need 4 GB more memory; a chunk is far larger than any cache, so
+// the bandwidth is the same.
+class CopyBuffers {
+ public:
+  static constexpr size_t kCopyChunkBytes = size_t(64) << 20;
+  CopyBuffers();
+  ~CopyBuffers();
+  CopyBuffers(const CopyBuffers&) = delete;
+  CopyBuffers& operator=(const CopyBuffers&) = delete;
+  // Copies `bytes` with the pool's threads (64 KiB chunks per task).
+  void copy(size_t bytes, ThreadPool& pool);
+  size_t allocated_bytes() const { return 2 * capacity_; }  // src + dst
+
+ private:
+  void reserve(size_t bytes);
+  char* src_ = nullptr;
+  char* dst_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Kernel and copy seconds of the same iterations (pair i: copy_i measured just before
+// kernel_i).
+struct Paired {
+  std::vector<double> kernel, copy;
+  void add(double kernel_seconds, double copy_seconds) {
+    kernel.push_back(kernel_seconds);
+    copy.push_back(copy_seconds);
+  }
+};
+// Spread wider than this (of the median ratio) makes a record noisy.
+constexpr double kNoisySpread = 0.2;
+// Fills seconds, copy_seconds, copy_gbps, ratio_to_copy, ratio_min, ratio_max and noisy of
+// `record` from the pairs (bytes taken from the record's "bytes").
+void add_paired(nlohmann::json& record, const Paired& p);
+// One process, one pool: `iters` pairs (copy of `bytes`, then fn) after `warmup` of each.
+Paired paired_seconds(const std::function<void()>& fn, size_t bytes, ThreadPool& pool, int iters,
+                      int warmup = 1);
+// The copy bound of a world: every rank copies its share (1/R) of `total_bytes` with its own
+// pool, after a barrier; the slowest rank's seconds, as time_max times a kernel.
+StatusOr<double> time_copy(World& w, CopyBuffers& buffers, size_t total_bytes);
+// `iters` pairs (time_copy of total_bytes, then time_max of fn) after `warmup` of each.
+StatusOr<Paired> paired_time_max(World& w, int iters, size_t total_bytes, CopyBuffers& buffers,
+                                 const std::function<Status()>& fn, int warmup = 1);
 
 // Median wall time (seconds) of fn over `iters` runs after `warmup` runs.
 double median_seconds(const std::function<void()>& fn, int iters, int warmup = 1);

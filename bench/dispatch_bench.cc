@@ -1,6 +1,7 @@
 // `moed bench dispatch`: the TokenDispatcher implementations (allgather, alltoall, flex) on a
 // world of R ranks, dispatch and combine timed separately, beside a plain copy of the same
-// bytes with the same total threads in the same run (spec §7).
+// bytes with the same total threads in the same run (spec §7), interleaved with the kernel's
+// iterations (bench/common.h: paired ratios, their spread, `noisy`).
 //
 //   moed bench dispatch --dispatcher allgather,alltoall --world threads --ranks 4 --shape mixtral
 //
@@ -54,7 +55,7 @@ struct Figure {
   std::string dispatcher;
   std::string phase;
   int64_t rows = 0;
-  double seconds = 0;
+  Paired times;  // the kernel's and the interleaved copy's, per iteration
   Traffic traffic;
   bool verified = false;
   double mpi_seconds = 0;  // the bare MPI_Alltoallv of the same rows (dispatch, MPI world)
@@ -147,6 +148,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
   const Tensor& x = pr.x[size_t(me)];
   const TopkRouting& topk = pr.topk[size_t(me)];
   MOED_ASSIGN_OR_RETURN(const double mpi_seconds, time_bare_alltoallv(w, s, topk, iters));
+  CopyBuffers copy;  // this rank's share of the copy bound
   for (DispatcherKind kind : kinds) {
     DispatchConfig config;
     config.kind = kind;
@@ -190,20 +192,25 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
         all_ranks_ok(w, dispatch_ok(out, pr.dispatched[size_t(me)]) &&
                             bitwise_equal(comb.hidden.view(), pr.combined[size_t(me)].view())));
 
-    std::vector<double> dt, ct;
-    for (int i = 0; i < iters; ++i) {
-      MOED_ASSIGN_OR_RETURN(double a, time_max(w, dispatch));
-      MOED_RETURN_IF_ERROR(run_experts());
-      MOED_ASSIGN_OR_RETURN(double b, time_max(w, combine));
-      dt.push_back(a);
-      ct.push_back(b);
-    }
+    // copy, dispatch, copy, combine, ...: each phase paired with the copy just before it, of
+    // the same bytes (combine sends the dispatched rows back).
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, out.num_rows()));
+    const size_t bytes = size_t(rows) * size_t(s.hidden) * 2;
+    MOED_RETURN_IF_ERROR(time_copy(w, copy, bytes).status());  // warm-up: pages touched
+    Paired dt, ct;
+    for (int i = 0; i < iters; ++i) {
+      MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, bytes));
+      MOED_ASSIGN_OR_RETURN(const double a, time_max(w, dispatch));
+      MOED_RETURN_IF_ERROR(run_experts());
+      MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, bytes));
+      MOED_ASSIGN_OR_RETURN(const double b, time_max(w, combine));
+      dt.add(a, c1);
+      ct.add(b, c2);
+    }
     if (me == 0) {
       const std::string name = dispatcher_kind_name(kind);
-      figures->push_back(
-          {name, "dispatch", rows, median(dt), dispatch_traffic, verified, mpi_seconds});
-      figures->push_back({name, "combine", rows, median(ct), combine_traffic, verified});
+      figures->push_back({name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds});
+      figures->push_back({name, "combine", rows, ct, combine_traffic, verified});
     }
     out = DispatchOutput{};
     comb = CombineOutput{};
@@ -288,13 +295,12 @@ void run(const Args& a) {
                       {"dtype", "bf16"},
                       {"rows", f.rows},
                       {"bytes", bytes},
-                      {"seconds", f.seconds},
                       {"network_bytes", f.traffic.network_bytes},
                       {"shared_bytes", f.traffic.shared_bytes},
                       {"collectives", f.traffic.collectives},
-                      {"copy_gbps", measure_copy_gbps(bytes, threads)},
                       {"peak_rss_bytes", peak_rss_bytes()},
                       {"verified", f.verified}});
+    add_paired(rec, f.times);
     if (flat_bytes > 0 && f.phase == "dispatch") {
       rec["flat_network_bytes"] = flat_bytes;
       rec["network_vs_flat"] = double(f.traffic.network_bytes) / double(flat_bytes);

@@ -38,7 +38,7 @@ struct Args {
 // One figure as the ranks measured it: the per-iteration maximum over ranks, then the median.
 struct Figure {
   std::string dispatcher, phase, dtype;
-  double seconds = 0;
+  Paired times;  // the kernel's and the interleaved copy's, per iteration
   int64_t rows = 0;            // rows received, summed over ranks
   size_t row_bytes = 0;        // payload bytes per row
   uint64_t network_bytes = 0;  // per iteration, summed over ranks
@@ -94,21 +94,26 @@ bool fp8_rows_ok(const LowLatencyDispatchOutput& d, int ranks, int64_t T, int H)
   return true;
 }
 
-// Per iteration: one whole call, then the send half (return_recv_hook) and the receive half
-// (the hook's wait), each timed over the ranks.
+// Per iteration: a copy of the call's bytes, one whole call, another copy, then the send half
+// (return_recv_hook) and the receive half (the hook's wait), each timed over the ranks; both
+// halves are paired with the copy before the send.
 struct HalfTimes {
-  std::vector<double> one, send, recv;
+  Paired one, send, recv;
 };
-StatusOr<HalfTimes> time_halves(World& w, int iters, const std::function<Status(bool hook)>& call,
+StatusOr<HalfTimes> time_halves(World& w, int iters, size_t bytes, CopyBuffers& copy,
+                                const std::function<Status(bool hook)>& call,
                                 const std::function<Status()>& wait) {
   HalfTimes t;
+  MOED_RETURN_IF_ERROR(time_copy(w, copy, bytes).status());  // warm-up: pages touched
   for (int i = 0; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, bytes));
     MOED_ASSIGN_OR_RETURN(const double one, time_max(w, [&] { return call(false); }));
+    MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, bytes));
     MOED_ASSIGN_OR_RETURN(const double send, time_max(w, [&] { return call(true); }));
     MOED_ASSIGN_OR_RETURN(const double recv, time_max(w, wait));
-    t.one.push_back(one);
-    t.send.push_back(send);
-    t.recv.push_back(recv);
+    t.one.add(one, c1);
+    t.send.add(send, c2);
+    t.recv.add(recv, c2);
   }
   return t;
 }
@@ -135,8 +140,9 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
 
   MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, T, H, E));
   const bool root = w.rank() == 0;
-  auto add = [&](Figure f, std::vector<double> times, int64_t rows, uint64_t net) {
-    f.seconds = median(std::move(times));
+  CopyBuffers copy;  // this rank's share of the copy bound
+  auto add = [&](Figure f, const Paired& times, int64_t rows, uint64_t net) {
+    f.times = times;
     f.rows = rows;
     f.network_bytes = net;
     if (root) figures->push_back(std::move(f));
@@ -146,7 +152,7 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
                         const HalfTimes& t, int64_t rows, uint64_t net, bool verified) {
     for (auto [suffix, times] :
          {std::pair{"", &t.one}, std::pair{"_send", &t.send}, std::pair{"_recv", &t.recv}}) {
-      Figure f{"low_latency", op + suffix, dtype, 0, 0, row_bytes};
+      Figure f{"low_latency", op + suffix, dtype, {}, 0, row_bytes};
       f.verified = verified;
       add(f, *times, rows, net);
     }
@@ -167,7 +173,8 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
     for (int32_t c : d.recv_count) mine += c;
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
     MOED_ASSIGN_OR_RETURN(const HalfTimes dtimes,
-                          time_halves(w, iters, dispatch, [&] { return d.hook->wait(); }));
+                          time_halves(w, iters, size_t(rows) * row_bytes, copy, dispatch,
+                                      [&] { return d.hook->wait(); }));
     // bf16: verified is set below from the round trip.
     MOED_ASSIGN_OR_RETURN(const bool rows_ok, all_ranks_ok(w, !fp8 || fp8_rows_ok(d, R, T, H)));
     add_halves("dispatch", dtype, row_bytes, dtimes, rows, dt.network_bytes, rows_ok);
@@ -187,7 +194,8 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
     MOED_ASSIGN_OR_RETURN(const bool ok,
                           all_ranks_ok(w, round_trip_ok(x, topk, c.combined_x.view())));
     MOED_ASSIGN_OR_RETURN(const HalfTimes ctimes,
-                          time_halves(w, iters, combine, [&] { return c.hook->wait(); }));
+                          time_halves(w, iters, size_t(rows) * size_t(H) * 2, copy, combine,
+                                      [&] { return c.hook->wait(); }));
     add_halves("combine", "bf16", size_t(H) * 2, ctimes, rows, ct.network_bytes, ok);
     if (root) {
       for (Figure& f : *figures) {
@@ -219,17 +227,20 @@ Status run_rank(World& w, const Shape& s, int iters, std::vector<Figure>* figure
   };
   MOED_ASSIGN_OR_RETURN(const Traffic fct, traffic_of(w, flex_combine));
   MOED_ASSIGN_OR_RETURN(const bool fok, all_ranks_ok(w, round_trip_ok(x, topk, fc.hidden.view())));
-  std::vector<double> fdtimes, fctimes;
+  const size_t fbytes = size_t(frows) * size_t(H) * 2;
+  Paired fdtimes, fctimes;
   for (int i = 0; i < iters; ++i) {
-    MOED_ASSIGN_OR_RETURN(double a, time_max(w, flex_dispatch));
-    MOED_ASSIGN_OR_RETURN(double b, time_max(w, flex_combine));
-    fdtimes.push_back(a);
-    fctimes.push_back(b);
+    MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, fbytes));
+    MOED_ASSIGN_OR_RETURN(const double a, time_max(w, flex_dispatch));
+    MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, fbytes));
+    MOED_ASSIGN_OR_RETURN(const double b, time_max(w, flex_combine));
+    fdtimes.add(a, c1);
+    fctimes.add(b, c2);
   }
-  Figure fdf{"flex", "dispatch", "bf16", 0, 0, size_t(H) * 2};
+  Figure fdf{"flex", "dispatch", "bf16", {}, 0, size_t(H) * 2};
   fdf.verified = fok;
   add(fdf, fdtimes, frows, fdt.network_bytes);
-  Figure fcf{"flex", "combine", "bf16", 0, 0, size_t(H) * 2};
+  Figure fcf{"flex", "combine", "bf16", {}, 0, size_t(H) * 2};
   fcf.verified = fok;
   add(fcf, fctimes, frows, fct.network_bytes);
   return ok_status();
@@ -244,26 +255,32 @@ void run(const Args& a) {
   opts.ranks_per_node = a.ranks_per_node;
   std::vector<Figure> figures;
   int my_rank = 0;
+  int threads = 0;  // the ranks' pools together (the copy bound runs on them too)
   Status st = run_in_world(
-      a.world, ranks, opts, [&](World& w) { return run_rank(w, s, a.iters, &figures); }, &my_rank);
+      a.world, ranks, opts,
+      [&](World& w) {
+        if (w.rank() == 0) threads = w.pool().num_threads() * w.size();
+        return run_rank(w, s, a.iters, &figures);
+      },
+      &my_rank);
   if (!st.ok()) fail("low-latency", st);
   if (my_rank != 0) return;
 
-  const int threads = host_threads();
   Report report(a.json);
   for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * f.row_bytes;
-    report.add(world_record("low_latency", s, a.world, ranks, a.ranks_per_node, threads, a.iters,
-                            {{"dispatcher", f.dispatcher},
-                             {"phase", f.phase},
-                             {"dtype", f.dtype},
-                             {"rows", f.rows},
-                             {"bytes", bytes},
-                             {"seconds", f.seconds},
-                             {"microseconds", f.seconds * 1e6},
-                             {"network_bytes", f.network_bytes},
-                             {"copy_gbps", measure_copy_gbps(bytes, threads)},
-                             {"verified", f.verified}}));
+    nlohmann::json rec =
+        world_record("low_latency", s, a.world, ranks, a.ranks_per_node, threads, a.iters,
+                     {{"dispatcher", f.dispatcher},
+                      {"phase", f.phase},
+                      {"dtype", f.dtype},
+                      {"rows", f.rows},
+                      {"bytes", bytes},
+                      {"network_bytes", f.network_bytes},
+                      {"verified", f.verified}});
+    add_paired(rec, f.times);
+    rec["microseconds"] = rec["seconds"].get<double>() * 1e6;
+    report.add(std::move(rec));
   }
   report.finish();
 }

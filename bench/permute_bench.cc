@@ -1,5 +1,6 @@
 // `moed bench permute` and `moed bench unpermute`: the single-rank token path on bf16, beside
-// a plain copy of the same bytes with the same threads in the same run (spec §7).
+// a plain copy of the same bytes with the same threads in the same run (spec §7), interleaved
+// with the kernel's iterations (bench/common.h).
 //
 // permute is timed as make_permute_layout + permute_rows_into a preallocated buffer (the copy
 // bound copies into a preallocated buffer too); bytes = output rows * H * 2. unpermute is
@@ -57,14 +58,15 @@ void run(const Args& a, bool unpermute_suite) {
   if (!unpermute_suite) {
     TokenTensor out;
     out.x = Tensor::empty(DType::kBF16, N, s.hidden);
-    const double seconds = median_seconds(
+    const size_t bytes = size_t(N) * s.hidden * 2;
+    const Paired times = paired_seconds(
         [&] {
           StatusOr<PermuteLayout> l = make_permute_layout(map, {}, pool);
           if (!l.ok()) fail(what, l.status());
           const Status st = permute_rows_into(tokens, *l, out.rows(), pool);
           if (!st.ok()) fail(what, st);
         },
-        a.iters);
+        bytes, pool, a.iters);
     StatusOr<std::vector<ReferenceRankDispatch>> ref = reference_dispatch(problem);
     if (!ref.ok()) fail(what, ref.status());
     const ReferenceRankDispatch& d = (*ref)[0];
@@ -72,27 +74,24 @@ void run(const Args& a, bool unpermute_suite) {
                           layout.permuted_probs == d.permuted_probs &&
                           layout.tokens_per_expert == d.tokens_per_expert &&
                           std::vector<int32_t>(layout.sorted_indices) == d.row_src_token;
-    const size_t bytes = size_t(N) * s.hidden * 2;
     r["bytes"] = bytes;
-    r["seconds"] = seconds;
-    r["copy_gbps"] = measure_copy_gbps(bytes, threads, a.iters);
+    add_paired(r, times);
     r["verified"] = verified;
   } else {
     // Expert outputs: the permuted rows themselves (any bf16 rows would do).
     const Tensor& y = permuted->rows.x;
     Tensor out = Tensor::empty(DType::kBF16, s.num_tokens, s.hidden);
-    const double seconds = median_seconds(
+    const size_t bytes = size_t(N) * s.hidden * 2;
+    const Paired times = paired_seconds(
         [&] {
           const Status st = unpermute_into(y.view(), layout.sorted_indices, {}, out.view(), pool);
           if (!st.ok()) fail(what, st);
         },
-        a.iters);
+        bytes, pool, a.iters);
     StatusOr<std::vector<Tensor>> ref = reference_combine(problem, {y.view()});
     if (!ref.ok()) fail(what, ref.status());
-    const size_t bytes = size_t(N) * s.hidden * 2;
     r["bytes"] = bytes;
-    r["seconds"] = seconds;
-    r["copy_gbps"] = measure_copy_gbps(bytes, threads, a.iters);
+    add_paired(r, times);
     r["weighted"] = false;
     r["verified"] = bitwise_equal(out.view(), (*ref)[0].view());
   }

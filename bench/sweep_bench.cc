@@ -10,7 +10,8 @@
 // A multi-rank time is the slowest rank's, per iteration (every rank starts after a barrier);
 // figures are medians over iterations. Bandwidth is aggregate: rows received over all ranks
 // times the bf16 row bytes, divided by the time (DeepEP's count; combine sends the same rows
-// back). Combine's expert outputs are the dispatched rows themselves.
+// back). Combine's expert outputs are the dispatched rows themselves. The copy bound is
+// interleaved with the kernel's iterations (bench/common.h: paired ratios, `noisy`).
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -57,7 +58,7 @@ RankInput make_input(const Shape& s, int rank) {
 
 struct Figure {
   std::string dispatcher, phase;
-  double seconds = 0;
+  Paired times;  // the kernel's and the interleaved copy's, per iteration
   int64_t rows = 0;
   Traffic traffic;
   bool verified = false;
@@ -88,20 +89,27 @@ StatusOr<Ref> make_reference(const Shape& s, int R, const std::vector<RankInput>
   return ref;
 }
 
-// One call counting its traffic (which is also the warm-up), then the median of iters timed.
+// One call counting its traffic (which is also the warm-up), then iters pairs of a copy of
+// the call's bytes (its rows, summed over ranks, from my_rows() after the first call) and the
+// call, each timed over the ranks.
 struct Timed {
-  double seconds = 0;
+  Paired times;
   Traffic traffic;
+  int64_t rows = 0;
 };
-StatusOr<Timed> measure(World& w, int iters, const std::function<Status()>& fn) {
+StatusOr<Timed> measure(World& w, const Shape& s, int iters, CopyBuffers& copy,
+                        const std::function<Status()>& fn,
+                        const std::function<int64_t()>& my_rows) {
   Timed r;
   MOED_ASSIGN_OR_RETURN(r.traffic, traffic_of(w, fn));
-  MOED_ASSIGN_OR_RETURN(r.seconds, median_time_max(w, iters, fn, /*warmup=*/0));
+  MOED_ASSIGN_OR_RETURN(r.rows, sum_ranks(w, my_rows()));
+  const size_t bytes = size_t(r.rows) * size_t(s.hidden) * 2;
+  MOED_ASSIGN_OR_RETURN(r.times, paired_time_max(w, iters, bytes, copy, fn, /*warmup=*/0));
   return r;
 }
 
 Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput& in,
-                  const Ref& ref, int iters, std::vector<Figure>* out) {
+                  const Ref& ref, int iters, CopyBuffers& copy, std::vector<Figure>* out) {
   DispatchConfig config;
   config.kind = kind;
   config.num_experts = s.num_experts;
@@ -114,33 +122,35 @@ Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput
                                            .cached_handle = nullptr}));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(Timed td, measure(w, iters, dispatch));
+  MOED_ASSIGN_OR_RETURN(Timed td,
+                        measure(w, s, iters, copy, dispatch, [&] { return dd.num_rows(); }));
   const ReferenceRankDispatch& rd = ref.dispatch[size_t(w.rank())];
   bool ok = bitwise_equal(dd.expert_input.x, rd.expert_input.x.view()) &&
             std::equal(dd.tokens_per_expert.begin(), dd.tokens_per_expert.end(),
                        rd.tokens_per_expert.begin(), rd.tokens_per_expert.end()) &&
             std::equal(dd.permuted_probs.begin(), dd.permuted_probs.end(),
                        rd.permuted_probs.begin(), rd.permuted_probs.end());
-  MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, dd.num_rows()));
   MOED_ASSIGN_OR_RETURN(const bool dispatch_ok, all_ranks_ok(w, ok));
   CombineOutput cc;
   auto combine = [&]() -> Status {
     MOED_ASSIGN_OR_RETURN(cc, d->combine({.expert_output = dd.expert_input, .handle = dd.handle}));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, combine));
+  // Combine sends the dispatched rows back: the same bytes.
+  MOED_ASSIGN_OR_RETURN(Timed tc,
+                        measure(w, s, iters, copy, combine, [&] { return dd.num_rows(); }));
   MOED_ASSIGN_OR_RETURN(const bool combine_ok,
                         all_ranks_ok(w, bitwise_equal(cc.hidden, ref.combine[size_t(w.rank())])));
   if (w.rank() == 0) {
     const char* name = dispatcher_kind_name(kind);
-    out->push_back({name, "dispatch", td.seconds, rows, td.traffic, dispatch_ok});
-    out->push_back({name, "combine", tc.seconds, rows, tc.traffic, combine_ok});
+    out->push_back({name, "dispatch", td.times, td.rows, td.traffic, dispatch_ok});
+    out->push_back({name, "combine", tc.times, tc.rows, tc.traffic, combine_ok});
   }
   return ok_status();
 }
 
 Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref& ref, int iters,
-                       std::vector<Figure>* out) {
+                       CopyBuffers& copy, std::vector<Figure>* out) {
   MOED_ASSIGN_OR_RETURN(auto buffer,
                         LowLatencyBuffer::create(w, s.num_tokens, s.hidden, s.num_experts));
   LowLatencyDispatchOutput d;
@@ -148,20 +158,23 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
     MOED_ASSIGN_OR_RETURN(d, buffer->low_latency_dispatch({.x = in.x.view(), .topk = &in.topk}));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(Timed td, measure(w, iters, dispatch));
+  auto received = [&] {
+    int64_t n = 0;
+    for (int32_t c : d.recv_count) n += c;
+    return n;
+  };
+  MOED_ASSIGN_OR_RETURN(Timed td, measure(w, s, iters, copy, dispatch, received));
   // Expert j's received rows against the reference segment j.
   const ReferenceRankDispatch& rd = ref.dispatch[size_t(w.rank())];
   bool ok = true;
-  int64_t mine = 0, row = 0;
+  int64_t row = 0;
   for (int j = 0; j < d.num_local_experts; ++j) {
     const int64_t n = d.recv_count[size_t(j)];
     ok = ok && n == rd.tokens_per_expert[size_t(j)] &&
          bitwise_equal(d.recv.x.slice_rows(j * d.rows_per_expert, n),
                        rd.expert_input.x.view().slice_rows(row, n));
-    mine += n;
     row += n;
   }
-  MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
   MOED_ASSIGN_OR_RETURN(const bool dispatch_ok, all_ranks_ok(w, ok));
   Tensor y = Tensor::copy_of(d.recv.x);
   std::shared_ptr<const LowLatencyHandle> handle = d.handle;
@@ -171,13 +184,13 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
         c, buffer->low_latency_combine({.x = y.view(), .topk = &in.topk, .handle = handle}));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, combine));
+  MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, s, iters, copy, combine, received));
   MOED_ASSIGN_OR_RETURN(
       const bool combine_ok,
       all_ranks_ok(w, bitwise_equal(c.combined_x, ref.weighted_combine[size_t(w.rank())])));
   if (w.rank() == 0) {
-    out->push_back({"low_latency", "dispatch", td.seconds, rows, td.traffic, dispatch_ok});
-    out->push_back({"low_latency", "combine", tc.seconds, rows, tc.traffic, combine_ok});
+    out->push_back({"low_latency", "dispatch", td.times, td.rows, td.traffic, dispatch_ok});
+    out->push_back({"low_latency", "combine", tc.times, tc.rows, tc.traffic, combine_ok});
   }
   return ok_status();
 }
@@ -188,6 +201,7 @@ struct SummaryRow {
   double dispatch_gbps = 0, combine_gbps = 0, copy_gbps = 0;  // copy: the dispatch bytes'
   double dispatch_ratio = 0, combine_ratio = 0;
   double dispatch_us = 0, combine_us = 0;
+  bool noisy = false;  // either phase's paired ratios spread wider than kNoisySpread
   bool verified = true;
 };
 
@@ -211,7 +225,6 @@ void sweep(const SweepArgs& a) {
     if (!sh.ok()) fail("", sh.status());
     shapes.push_back(*sh);
   }
-  const int threads = host_threads();
   Report report(a.json);
   std::vector<SummaryRow> summary;
   int my_rank = 0;
@@ -233,19 +246,22 @@ void sweep(const SweepArgs& a) {
           double(get_low_latency_size_hint(s.num_tokens, s.hidden, R, s.num_experts)) * R;
       const bool ll_fits = ll_bytes <= kLowLatencyBudgetBytes;
       std::vector<Figure> figures;
+      int pool_threads = 0;  // the ranks' pools together (the copy bound runs on them too)
       WorldOptions opts;
       opts.ranks_per_node = a.ranks_per_node;
       Status st = run_in_world(
           world, R, opts,
           [&](World& w) -> Status {
+            if (w.rank() == 0) pool_threads = w.pool().num_threads() * w.size();
+            CopyBuffers copy;  // this rank's share of the copy bound
             for (DispatcherKind k : kinds) {
               if (k == DispatcherKind::kLowLatency) {
                 if (!ll_fits) continue;
                 MOED_RETURN_IF_ERROR(
-                    run_low_latency(w, s, inputs[size_t(w.rank())], *ref, a.iters, &figures));
+                    run_low_latency(w, s, inputs[size_t(w.rank())], *ref, a.iters, copy, &figures));
               } else {
                 MOED_RETURN_IF_ERROR(
-                    run_normal(w, k, s, inputs[size_t(w.rank())], *ref, a.iters, &figures));
+                    run_normal(w, k, s, inputs[size_t(w.rank())], *ref, a.iters, copy, &figures));
               }
             }
             return ok_status();
@@ -256,30 +272,34 @@ void sweep(const SweepArgs& a) {
       std::map<std::string, SummaryRow> rows;
       for (const Figure& f : figures) {
         const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
-        const double copy = measure_copy_gbps(bytes, threads);
-        report.add(world_record("sweep", s, world, R, a.ranks_per_node, threads, a.iters,
-                                {{"dispatcher", f.dispatcher},
-                                 {"phase", f.phase},
-                                 {"dtype", "bf16"},
-                                 {"rows", f.rows},
-                                 {"bytes", bytes},
-                                 {"seconds", f.seconds},
-                                 {"microseconds", f.seconds * 1e6},
-                                 {"network_bytes", f.traffic.network_bytes},
-                                 {"shared_bytes", f.traffic.shared_bytes},
-                                 {"copy_gbps", copy},
-                                 {"verified", f.verified}}));
+        nlohmann::json rec =
+            world_record("sweep", s, world, R, a.ranks_per_node, pool_threads, a.iters,
+                         {{"dispatcher", f.dispatcher},
+                          {"phase", f.phase},
+                          {"dtype", "bf16"},
+                          {"rows", f.rows},
+                          {"bytes", bytes},
+                          {"network_bytes", f.traffic.network_bytes},
+                          {"shared_bytes", f.traffic.shared_bytes},
+                          {"verified", f.verified}});
+        add_paired(rec, f.times);
+        const double seconds = rec["seconds"].get<double>();
+        const double copy = rec["copy_gbps"].get<double>();
+        const double ratio = rec["ratio_to_copy"].get<double>();
+        rec["microseconds"] = seconds * 1e6;
+        const bool noisy = rec["noisy"].get<bool>();
+        report.add(std::move(rec));
         SummaryRow& row = rows[f.dispatcher];
         row.world = world;
         row.shape = s.name;
         row.dispatcher = f.dispatcher;
         row.ranks = R;
-        const double gbps = f.seconds > 0 ? double(bytes) / f.seconds / 1e9 : 0;
+        const double gbps = seconds > 0 ? double(bytes) / seconds / 1e9 : 0;
         (f.phase == "dispatch" ? row.dispatch_gbps : row.combine_gbps) = gbps;
-        (f.phase == "dispatch" ? row.dispatch_us : row.combine_us) = f.seconds * 1e6;
-        (f.phase == "dispatch" ? row.dispatch_ratio : row.combine_ratio) =
-            copy > 0 ? gbps / copy : 0;
+        (f.phase == "dispatch" ? row.dispatch_us : row.combine_us) = seconds * 1e6;
+        (f.phase == "dispatch" ? row.dispatch_ratio : row.combine_ratio) = ratio;
         if (f.phase == "dispatch") row.copy_gbps = copy;
+        row.noisy = row.noisy || noisy;
         row.verified = row.verified && f.verified;
       }
       for (DispatcherKind k : kinds) {
@@ -302,15 +322,17 @@ void sweep(const SweepArgs& a) {
                 "ranks", "dispatcher", "dispatch us", "GB/s", "ratio", "combine us", "GB/s",
                 "ratio", "copy GB/s", "check");
     for (const SummaryRow& r : summary) {
-      std::printf("%-8s %-8s %5d %-12s %11.1f %9.2f %6.2f %11.1f %9.2f %6.2f %9.2f  %s\n",
+      std::printf("%-8s %-8s %5d %-12s %11.1f %9.2f %6.2f %11.1f %9.2f %6.2f %9.2f  %s%s\n",
                   r.world.c_str(), r.shape.c_str(), r.ranks, r.dispatcher.c_str(), r.dispatch_us,
                   r.dispatch_gbps, r.dispatch_ratio, r.combine_us, r.combine_gbps, r.combine_ratio,
-                  r.copy_gbps, r.verified ? "verified" : "MISMATCH");
+                  r.copy_gbps, r.verified ? "verified" : "MISMATCH", r.noisy ? " NOISY" : "");
     }
     std::printf(
         "(aggregate GB/s = rows received over all ranks x H x 2 bytes / slowest rank's "
-        "median time; ratio = GB/s over a plain %d-thread copy of the same bytes, same run)\n",
-        threads);
+        "median time; ratio = median over iterations of copy time / kernel time, each copy of "
+        "the same bytes by the ranks' threads just before the kernel; NOISY = those ratios "
+        "spread over %.0f%% of their median)\n",
+        kNoisySpread * 100);
   }
   if (!all_ok) {
     std::fprintf(stderr, "moed bench: some results differ from the reference (see MISMATCH)\n");
