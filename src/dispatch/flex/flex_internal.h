@@ -133,6 +133,9 @@ struct PushLayout {
   int64_t cap_rows = 0;
   size_t row_bytes = 0, scale_bytes = 0;
   bool meta = false;  // probs and source indices travel too (forward dispatch)
+  // Rows written with non-temporal stores (segments of kStreamThresholdBytes and up): no
+  // read of the destination; writers stream_fence() before they signal.
+  bool stream = false;
   size_t scales_off = 0, prob_off = 0, src_rank_off = 0, src_token_off = 0, bytes = 0;
   static PushLayout of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, bool meta);
 };

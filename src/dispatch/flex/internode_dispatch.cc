@@ -190,6 +190,7 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
               }
             }
           }
+          if (l.stream) internal::stream_fence();  // before the owners are signalled
         },
         16);
     rows += uint64_t(q) * uint64_t(P);
