@@ -14,7 +14,8 @@
 // and shared_bytes are the world's counters for one iteration, summed over ranks; collectives
 // is the collectives one call entered on each rank (TrafficCounters, mean over ranks). With several
 // nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a flat all-to-all of
-// the same routing would send between nodes, and network_vs_flat = network_bytes / that.
+// the same routing would send between nodes, and network_vs_flat = network_bytes / that; Flex
+// records add copies_per_row and ideal_ratio, counted from the routing (two_hop_network_rows).
 // Every record says what holds the memory: peak_rss_bytes and `memory` (inputs_bytes,
 // reference_bytes, copy_bound_bytes, all ranks, and dispatcher_rss_bytes, the resident memory
 // the dispatcher's creation and first dispatch + combine added: its buffers and outputs).
@@ -271,6 +272,36 @@ int64_t flat_network_bytes(const Shape& s, const std::vector<TopkRouting>& topk,
   return rows * int64_t(s.hidden) * 2;
 }
 
+// Flex's ideal across nodes, counted from the routing (the model of the threads world,
+// where the network is itself a memory copy): every received row costs one copy, and a row
+// that crosses the network one more. Dispatch sends one row per (token, remote node); combine
+// (per-expert terms) one per (token, expert on a remote node). ideal_ratio = rows / copies is
+// the best ratio to copy such a routing allows.
+struct TwoHopRows {
+  int64_t dispatch = 0, combine = 0;
+};
+TwoHopRows two_hop_network_rows(const Shape& s, const std::vector<TopkRouting>& topk, int ranks,
+                                int ranks_per_node) {
+  const int L = s.num_experts / ranks;
+  TwoHopRows n;
+  std::vector<int> nodes;
+  for (int src = 0; src < ranks; ++src) {
+    const TopkRouting& r = topk[size_t(src)];
+    for (int64_t t = 0; t < r.num_tokens; ++t) {
+      nodes.clear();
+      for (int k = 0; k < r.num_topk; ++k) {
+        const int e = r.topk_idx[size_t(t * r.num_topk + k)];
+        if (e < 0 || (e / L) / ranks_per_node == src / ranks_per_node) continue;
+        nodes.push_back((e / L) / ranks_per_node);
+        ++n.combine;
+      }
+      std::sort(nodes.begin(), nodes.end());
+      n.dispatch += std::unique(nodes.begin(), nodes.end()) - nodes.begin();
+    }
+  }
+  return n;
+}
+
 void run(const Args& a) {
   StatusOr<WorldShape> ws = world_shape(a.shape, a.world, a.ranks);
   if (!ws.ok()) fail("dispatch", ws.status());
@@ -297,6 +328,7 @@ void run(const Args& a) {
   int g = a.ranks_per_node == 0 ? ranks : a.ranks_per_node;
   int64_t flat_bytes = 0;
   Memory memory;
+  TwoHopRows net_rows;
   {
     StatusOr<Problem> pr = make_problem(s, ranks);
     if (!pr.ok()) fail("dispatch", pr.status());
@@ -314,7 +346,10 @@ void run(const Args& a) {
         },
         &my_rank);
     if (!st.ok()) fail("dispatch", st);
-    if (g < ranks) flat_bytes = flat_network_bytes(s, pr->topk, ranks, g);
+    if (g < ranks) {
+      flat_bytes = flat_network_bytes(s, pr->topk, ranks, g);
+      net_rows = two_hop_network_rows(s, pr->topk, ranks, g);
+    }
   }
   if (my_rank != 0) return;
 
@@ -345,6 +380,12 @@ void run(const Args& a) {
     if (flat_bytes > 0 && f.phase == "dispatch") {
       rec["flat_network_bytes"] = flat_bytes;
       rec["network_vs_flat"] = double(f.traffic.network_bytes) / double(flat_bytes);
+    }
+    if (flat_bytes > 0 && f.dispatcher == "flex" && f.rows > 0) {
+      const int64_t over = f.phase == "dispatch" ? net_rows.dispatch : net_rows.combine;
+      rec["network_rows_counted"] = over;
+      rec["copies_per_row"] = double(f.rows + over) / double(f.rows);
+      rec["ideal_ratio"] = double(f.rows) / double(f.rows + over);
     }
     add_mpi_baseline(rec, f.mpi_seconds);
     report.add(std::move(rec));

@@ -55,6 +55,34 @@ std::vector<testing::DispatchCase> split_cases(int ranks, int ranks_per_node, in
   return out;
 }
 
+// Rows wider than the combine's column tile (1024 fp32) with a tail, and outputs past the
+// size at which combine streams them (8 MiB): every dtype pair, weighted or not, skewed, one
+// and two nodes, odd R with an empty rank.
+class FlexWideRows : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(FlexWideRows, Cases) {
+  std::vector<testing::DispatchCase> cases;
+  uint64_t seed = 7100;
+  for (int i = 0; i < 4; ++i) {
+    testing::DispatchCase c;
+    c.ranks = i < 2 ? 3 : 4;
+    c.ranks_per_node = i < 2 ? 0 : 2;
+    c.num_experts = c.ranks * 2;
+    c.num_topk = i == 1 ? c.num_experts : 2;
+    c.tokens = i < 2 ? std::vector<int64_t>{900, 0, 37} : std::vector<int64_t>{850, 3, 0, 860};
+    c.dtype = i % 2 ? DType::kBF16 : DType::kF32;
+    c.out_dtype = i / 2 ? DType::kBF16 : DType::kF32;
+    c.hidden = 2500;
+    c.weighted = i % 2 == 0;
+    c.skewed = i == 2;
+    c.strided = i == 3;
+    c.seed = seed++;
+    cases.push_back(c);
+  }
+  Status s = testing::run_cases(GetParam(), cases, DispatcherKind::kFlex, make_flex_dispatcher);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 class FlexNodes : public ::testing::TestWithParam<std::tuple<Backend, std::pair<int, int>>> {};
 
 TEST_P(FlexNodes, Split) {
@@ -77,6 +105,8 @@ std::string nodes_name(
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, FlexEdges, ::testing::ValuesIn(testing::backends()),
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
+INSTANTIATE_TEST_SUITE_P(Worlds, FlexWideRows, ::testing::ValuesIn(testing::backends()),
                          testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 INSTANTIATE_TEST_SUITE_P(Worlds, FlexSweep,
                          ::testing::Combine(::testing::ValuesIn(testing::backends()),

@@ -186,8 +186,9 @@ Status FlexDispatcher::combine_backward_body() {
   const PushLayout layout =
       PushLayout::of(node_cap_rows(h), dtype_row_bytes(g.grad.dtype, h.hidden), 0, false);
   MOED_RETURN_IF_ERROR(grad_region_.ensure(*world_, layout.bytes));
+  grad_region_.release_retired();  // read by nobody: each step copies its rows out
   PushSpec spec{TokenRows{g.grad, {}}, weighted, &grad_region_, layout};
-  DispatchContext ctx{world_, &config_, &h, nullptr};
+  DispatchContext ctx{world_, &config_, &h, nullptr, net(kTagCombineBackward)};
   MOED_RETURN_IF_ERROR(push_step(ctx, spec, kTagCombineBackward));
   g.out = Tensor::copy_of(TensorView(grad_region_.local(), g.grad.dtype, h.num_rows, h.hidden));
   g.probs.assign(size_t(h.routes.num_tokens()) * topo_.num_experts, 0.0f);
@@ -248,12 +249,16 @@ Status FlexDispatcher::pull_step(const FlexHandle& h, const TensorView& rows,
                                                            seg + pull_scalars_off(h, rows.dtype))};
     }
   }
-  DispatchContext ctx{world_, &config_, &h, nullptr};
+  DispatchContext ctx{world_, &config_, &h, nullptr, net(tag)};
   Status s = pull(ctx, spec, tag);
   // NOTE: released even after an error, so no peer waits for this rank's release in vain.
   signals_.signal_all(++epoch_);
   MOED_RETURN_IF_ERROR(s);
-  return signals_.wait_all(epoch_);
+  MOED_RETURN_IF_ERROR(signals_.wait_all(epoch_));
+  // Every local reader is done: a pull region replaced in this step (the rows may have been
+  // copied out of it above) is read by nobody now.
+  pull_region_.release_retired();
+  return ok_status();
 }
 
 }  // namespace moed::flex

@@ -173,8 +173,12 @@ Status FlexDispatcher::dispatch_body() {
                             scale_row_bytes(h.dtype, h.hidden), /*meta=*/true);
   Region& target = outputs_.region(d.slot);
   MOED_RETURN_IF_ERROR(target.ensure(*world_, d.layout.bytes));
+  // No local rank holds an output of this slot (that is why it was picked), so nothing can
+  // read the buffer it had before growing: free it now (on every local rank, same point).
+  target.release_retired();
   PushSpec spec{d.rows, false, &target, d.layout};
-  DispatchContext ctx{world_, &config_, &h, d.cached ? nullptr : &d.fresh->forward};
+  DispatchContext ctx{world_, &config_, &h, d.cached ? nullptr : &d.fresh->forward,
+                      net(kTagDispatch)};
   MOED_RETURN_IF_ERROR(push_step(ctx, spec, kTagDispatch));
   d.rows = TokenRows{};
   if (d.fresh) {
@@ -291,6 +295,7 @@ StatusOr<TensorView> FlexDispatcher::expert_output_buffer(const DispatchHandle& 
                             " is not f32 or bf16");
   }
   MOED_RETURN_IF_ERROR(pull_region_.ensure(*world_, pull_bytes(*h, dtype)));
+  pull_region_.release_retired();  // this call ends the earlier buffer's validity (moed/flex.h)
   return TensorView(pull_region_.local(), dtype, h->num_rows, h->hidden);
 }
 

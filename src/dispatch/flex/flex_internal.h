@@ -15,6 +15,7 @@
 
 #include "core/row_kernels.h"
 #include "dispatch/prepare.h"
+#include "dispatch/row_exchange.h"
 #include "moed/dispatcher.h"
 #include "moed/flex.h"
 #include "moed/world.h"
@@ -132,6 +133,9 @@ struct PushLayout {
   int64_t cap_rows = 0;
   size_t row_bytes = 0, scale_bytes = 0;
   bool meta = false;  // probs and source indices travel too (forward dispatch)
+  // Rows written with non-temporal stores (segments of kStreamThresholdBytes and up): no
+  // read of the destination; writers stream_fence() before they signal.
+  bool stream = false;
   size_t scales_off = 0, prob_off = 0, src_rank_off = 0, src_token_off = 0, bytes = 0;
   static PushLayout of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, bool meta);
 };
@@ -139,12 +143,14 @@ struct PushLayout {
 // A node-shared region that grows collectively. Every local rank computes the same `bytes`
 // from the same global counts, so growth needs no extra agreement.
 //
-// NOTE: a replaced buffer is kept (retired) until the dispatcher goes: freeing an MPI shared
-// window is collective over the node, so it must happen in the same order on every local
-// rank, never when a user happens to drop the last DispatchOutput.
+// NOTE: a replaced buffer is kept (retired) until release_retired(), which the owner calls
+// once nothing can read it, at the same point of the same step on every local rank: freeing
+// an MPI shared window is collective over the node, so it must happen in the same order on
+// every local rank, never when a user happens to drop the last DispatchOutput.
 class Region {
  public:
   Status ensure(World& world, size_t bytes);
+  void release_retired() { retired_.clear(); }
   const std::shared_ptr<SharedBuffer>& buffer() const { return buffer_; }
   char* local() const { return static_cast<char*>(buffer_->local()); }
   char* peer(int lr) const { return static_cast<char*>(buffer_->peer(lr)); }
@@ -210,11 +216,34 @@ inline float dot_row(const void* g, DType dt, const float* term, int64_t n) {
 }
 
 // ---- engines ----
+// Bytes of one network message, inside a NetScratch.
+struct Bytes {
+  char* ptr = nullptr;
+  size_t bytes = 0;
+  char* data() const { return ptr; }
+  size_t size() const { return bytes; }
+  bool empty() const { return bytes == 0; }
+};
+// The network messages of one kind of step, kept between calls: per remote node one send and
+// one receive buffer that only grow (contents unspecified), so a step allocates (and
+// page-faults) its messages once, not on every call. Each step kind has its own, so steps in
+// flight at once never share one.
+class NetScratch {
+ public:
+  Bytes send(int node, size_t bytes) { return at(send_, node, bytes); }
+  Bytes recv(int node, size_t bytes) { return at(recv_, node, bytes); }
+
+ private:
+  static Bytes at(std::vector<ScratchBuffer>& v, int node, size_t bytes);
+  std::vector<ScratchBuffer> send_, recv_;
+};
+
 struct DispatchContext {
   World* world;
   const DispatchConfig* config;
   const FlexHandle* handle;  // forwarder plans may be filled in by the push (uncached mode)
   std::vector<ForwardPlan>* forward_out = nullptr;  // non-null: scan headers into these
+  NetScratch* net = nullptr;                        // the step's message buffers
 };
 
 // What the push writes: home rows (x with scales, or grad_out) into a target region.
@@ -238,8 +267,8 @@ void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const 
 // ranks' segments (filling ctx.forward_out from the headers in uncached mode) and waits for
 // the sends.
 struct RemoteOps {
-  std::vector<std::vector<char>> send_buffers;  // [N]
-  std::vector<std::vector<char>> recv_buffers;  // [N]
+  std::vector<Bytes> send_buffers;  // [N]
+  std::vector<Bytes> recv_buffers;  // [N]
   std::vector<Request> sends, recvs;            // recvs[m]: from the source on node m
 };
 StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec& spec, int tag);
@@ -270,8 +299,8 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag);
 // The network half of pull: the home role's receives (one per remote node) and the
 // forwarder role's terms, packed from the local sources and sent to each remote home.
 struct PullRemote {
-  std::vector<std::vector<char>> recv_buffers;  // [N]: pieces from node m, in entry order
-  std::vector<std::vector<char>> send_buffers;
+  std::vector<Bytes> recv_buffers;  // [N]: pieces from node m, in entry order
+  std::vector<Bytes> send_buffers;
   std::vector<Request> recvs, sends;
   size_t piece_bytes = 0;  // a raw row (P = 1) or an fp32 term (P > 1)
 };

@@ -29,7 +29,7 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
     if (m == topo.node) continue;
     const int64_t q = h.send.node_entries[size_t(C) * N + m];
     if (q == 0) continue;
-    r.recv_buffers[size_t(m)].resize(size_t(q) * (r.piece_bytes + scalar_bytes));
+    r.recv_buffers[size_t(m)] = ctx.net->recv(m, size_t(q) * (r.piece_bytes + scalar_bytes));
     MOED_ASSIGN_OR_RETURN(
         Request req, ctx.world->irecv(topo.forwarder_on(m), tag, r.recv_buffers[size_t(m)].data(),
                                       r.recv_buffers[size_t(m)].size()));
@@ -39,8 +39,8 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
   for (const ForwardPlan& f : h.forward) {
     if (f.num_entries == 0) continue;
     const int m = topo.node_of_rank(f.src);
-    std::vector<char>& buf = r.send_buffers[size_t(m)];
-    buf.resize(size_t(f.num_entries) * (r.piece_bytes + scalar_bytes));
+    Bytes& buf = r.send_buffers[size_t(m)];
+    buf = ctx.net->send(m, size_t(f.num_entries) * (r.piece_bytes + scalar_bytes));
     char* scalars_out = buf.data() + size_t(f.num_entries) * r.piece_bytes;
     ctx.world->pool().parallel_for(
         f.num_entries,

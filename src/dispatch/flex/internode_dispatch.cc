@@ -80,7 +80,8 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
     const int64_t n = h.global->node_tokens(src, topo.node);
     if (n == 0) continue;
     const int64_t q = h.global->node_entries(topo, src, topo.node);
-    ops.recv_buffers[size_t(m)].resize(MessageLayout::of(n, q, l.row_bytes, l.scale_bytes).bytes);
+    ops.recv_buffers[size_t(m)] =
+        ctx.net->recv(m, MessageLayout::of(n, q, l.row_bytes, l.scale_bytes).bytes);
     MOED_ASSIGN_OR_RETURN(Request r, ctx.world->irecv(src, tag, ops.recv_buffers[size_t(m)].data(),
                                                       ops.recv_buffers[size_t(m)].size()));
     ops.recvs.push_back(std::move(r));
@@ -91,7 +92,7 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
     layouts[size_t(m)] =
         MessageLayout::of(plan.node_tokens[size_t(C) * N + m], plan.node_entries[size_t(C) * N + m],
                           l.row_bytes, l.scale_bytes);
-    ops.send_buffers[size_t(m)].resize(layouts[size_t(m)].bytes);
+    ops.send_buffers[size_t(m)] = ctx.net->send(m, layouts[size_t(m)].bytes);
   }
   // Pack: channel c's tokens for node m go at the channel's prefix in m's message.
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
@@ -189,6 +190,7 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
               }
             }
           }
+          if (l.stream) internal::stream_fence();  // before the owners are signalled
         },
         16);
     rows += uint64_t(q) * uint64_t(P);

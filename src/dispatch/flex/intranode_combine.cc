@@ -2,11 +2,16 @@
 // contributions from the expert ranks' rows (node-shared memory inside the node, the
 // forwarders' per-expert terms from other nodes) and folds them in the fixed order of spec
 // §4: one read per contribution, one write per token, fp32 accumulation from 0.
+#include <algorithm>
 #include <cstring>
 
 #include "dispatch/flex/flex_internal.h"
 
 namespace moed::flex {
+
+namespace {
+constexpr int64_t kFoldTile = 1024;  // fp32 columns of a tiled fold's sum (4 KiB)
+}  // namespace
 
 Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   const FlexHandle& h = *ctx.handle;
@@ -18,17 +23,30 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   MOED_ASSIGN_OR_RETURN(PullRemote remote, pull_remote_start(ctx, spec, tag));
   MOED_RETURN_IF_ERROR(wait_all(remote.recvs));
   const size_t scalar_off_unit = remote.piece_bytes;
+  // P = 1 folds (every term a raw row): column tiles, so the fp32 sum stays in L1 while the K
+  // rows stream past, and a large output is written with non-temporal stores (no read of the
+  // destination). Each element still sees acc = 0, + term, ... in expert order: the same bits.
+  const bool tiled = P == 1 && spec.mode != PullMode::kProbGrad;
+  const bool stream =
+      tiled && size_t(spec.out.rows) * spec.out.row_bytes() >= internal::kStreamThresholdBytes;
+  const size_t in_elem = dtype_size(spec.dtype);
+  const size_t out_elem = tiled ? dtype_size(spec.out.dtype) : 0;
   std::vector<uint64_t> rows_read(size_t(C), 0);
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> run(static_cast<size_t>(E)), cursor(static_cast<size_t>(N));
     std::vector<float> acc(static_cast<size_t>(H)), term(static_cast<size_t>(H));
+    std::vector<const char*> tile_rows;
+    std::vector<float> tile_probs;
+    std::vector<char> tile_out(stream ? size_t(kFoldTile) * out_elem : 0);
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());
       for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_entries[size_t(c) * N + m];
       uint64_t read = 0;
       for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        if (!tiled) std::fill(acc.begin(), acc.end(), 0.0f);
+        tile_rows.clear();
+        tile_probs.clear();
         for (int64_t k = h.routes.begin[size_t(t)]; k < h.routes.begin[size_t(t) + 1]; ++k) {
           const int e = h.routes.expert[size_t(k)];
           const float prob = h.routes.prob[size_t(k)];
@@ -56,7 +74,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
             }
             read += uint64_t(P);
           } else {
-            const std::vector<char>& msg = remote.recv_buffers[size_t(m)];
+            const Bytes& msg = remote.recv_buffers[size_t(m)];
             const int64_t i = cursor[size_t(m)]++;
             const char* piece = msg.data() + size_t(i) * remote.piece_bytes;
             if (P == 1) {
@@ -69,6 +87,12 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
               std::memcpy(&scalar, msg.data() + size_t(q) * scalar_off_unit + size_t(i) * 4, 4);
             }
           }
+          if (spec.mode == PullMode::kDispatchBackward) spec.out_probs[size_t(t) * E + e] = scalar;
+          if (tiled) {
+            tile_rows.push_back(static_cast<const char*>(raw));
+            tile_probs.push_back(prob);
+            continue;
+          }
           switch (spec.mode) {
             case PullMode::kCombine:
             case PullMode::kDispatchBackward:
@@ -76,9 +100,6 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
                 add_term_raw(acc.data(), raw, spec.dtype, spec.weighted, prob, H);
               } else {
                 add_term_f32(acc.data(), f32_term, spec.weighted, prob, H);
-              }
-              if (spec.mode == PullMode::kDispatchBackward) {
-                spec.out_probs[size_t(t) * E + e] = scalar;
               }
               break;
             case PullMode::kProbGrad:
@@ -92,11 +113,30 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
               break;
           }
         }
-        if (spec.mode != PullMode::kProbGrad)
+        if (tiled) {
+          char* out_row = static_cast<char*>(spec.out.row_ptr(t));
+          for (int64_t c0 = 0; c0 < H; c0 += kFoldTile) {
+            const int64_t n = std::min<int64_t>(kFoldTile, H - c0);
+            std::fill(acc.begin(), acc.begin() + n, 0.0f);
+            for (size_t i = 0; i < tile_rows.size(); ++i) {
+              add_term_raw(acc.data(), tile_rows[i] + size_t(c0) * in_elem, spec.dtype,
+                           spec.weighted, tile_probs[i], n);
+            }
+            char* dst = out_row + size_t(c0) * out_elem;
+            if (stream) {
+              store_row(tile_out.data(), acc.data(), spec.out.dtype, n);
+              internal::stream_copy(dst, tile_out.data(), size_t(n) * out_elem);
+            } else {
+              store_row(dst, acc.data(), spec.out.dtype, n);
+            }
+          }
+        } else if (spec.mode != PullMode::kProbGrad) {
           store_row(spec.out.row_ptr(t), acc.data(), spec.out.dtype, H);
+        }
       }
       rows_read[size_t(c)] = read;
     }
+    if (stream) internal::stream_fence();  // the rows are read by other threads next
   });
   uint64_t rows = 0;
   for (uint64_t r : rows_read) rows += r;

@@ -19,6 +19,8 @@ inline void write_row(char* segment, const PushLayout& l, int64_t row, const voi
   char* dst = segment + size_t(row) * l.row_bytes;
   if (scale_by_prob) {
     scale_row(dst, payload, dt, prob, hidden);
+  } else if (l.stream) {
+    internal::stream_copy(dst, payload, l.row_bytes);
   } else {
     std::memcpy(dst, payload, l.row_bytes);
   }
@@ -73,6 +75,7 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
       }
       rows_written[size_t(c)] = written;
     }
+    if (l.stream) internal::stream_fence();  // before the owners are signalled
   });
   uint64_t rows = 0;
   for (uint64_t r : rows_written) rows += r;

@@ -79,6 +79,7 @@ PushLayout PushLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes
   l.scale_bytes = scale_bytes;
   l.meta = meta;
   const size_t rows = size_t(cap_rows);
+  l.stream = rows * row_bytes >= internal::kStreamThresholdBytes;
   l.scales_off = up(rows * row_bytes);
   l.prob_off = up(l.scales_off + rows * scale_bytes);
   const size_t meta_bytes = meta ? rows * 4 : 0;

@@ -173,6 +173,8 @@ class FlexDispatcher final : public TokenDispatcher {
   Signals signals_;
   OutputRing outputs_;
   Region pull_region_, grad_region_;
+  NetScratch net_[5];  // one per step kind, by tag - kTagDispatch
+  NetScratch* net(int tag) { return &net_[tag - kTagDispatch]; }
   uint64_t epoch_ = 0;
 
   DispatchStep dispatch_;
