@@ -115,3 +115,9 @@ def main(rank, size, master, port, scenario, ranks_per_node, timeout, out):
     torch.save(rec, os.path.join(out, f"{rank}.pt"))
     moed.dist.destroy_process_group(pg)
     dist.destroy_process_group()
+
+
+def main_on_host(local, host, per_host, size, master, port, scenario, ranks_per_node, timeout,
+                 out):
+    """main() for the `local`-th process of test host `host` (gloo_hosts.py spawns these)."""
+    main(host * per_host + local, size, master, port, scenario, ranks_per_node, timeout, out)
