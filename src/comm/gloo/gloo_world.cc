@@ -128,6 +128,7 @@ GlooWorld::~GlooWorld() {
     control_->members[host_index_].state.store(kClosed, std::memory_order_release);
     munmap(control_, control_bytes_);
   }
+  if (coll_ != nullptr) munmap(coll_, sizeof(CollSlot) * host_.ranks.size());
   forget_mailbox(this);
   fault_recv_.reset();
   fault_sends_.clear();
@@ -390,6 +391,10 @@ Status GlooWorld::exchange(uint64_t slot, std::span<const Transfer> sends,
 
 Status GlooWorld::gather(std::span<const int> ranks, uint64_t slot, const void* mine, size_t n,
                          void* out, const char* op) {
+  // Every rank takes the same path: coll_ exists on all ranks or none, n is the same.
+  if (coll_ != nullptr && ranks.size() == size_t(size_) && n <= CollSlot::kBytes) {
+    return host_gather(mine, n, out, op);
+  }
   std::vector<Transfer> sends, recvs;
   char* o = static_cast<char*>(out);
   for (size_t i = 0; i < ranks.size(); ++i) {

@@ -58,6 +58,17 @@ struct HostControl {
   Member members[1];  // one per rank on the host, in rank order (flexible)
   static size_t bytes(int members) { return sizeof(HostControl) + sizeof(Member) * size_t(members); }
 };
+// Same-host collectives (every rank on one host): each rank's slot in a shared segment. Round
+// k: wait until every rank has read round k-1 (done), write, publish seq = k, read every
+// rank's slot once its seq reaches k, then mark done = k.
+struct CollSlot {
+  std::atomic<uint64_t> seq;
+  char pad0[56];
+  std::atomic<uint64_t> done;
+  char pad1[56];
+  static constexpr size_t kBytes = 16384;
+  char data[kBytes];
+};
 constexpr int32_t kAlive = 1;
 constexpr int32_t kClosed = 2;
 
@@ -132,6 +143,8 @@ class GlooWorld final : public World {
   Status agree_among(std::span<const int> ranks, uint64_t slot, const Status& local,
                      const char* op);
   uint64_t next_slot() { return make_slot(Space::kWorld, world_calls_++); }
+  // gather() over every rank through the host's collective slots (one host, n small).
+  Status host_gather(const void* mine, size_t n, void* out, const char* op);
   uint64_t next_node_slot() { return make_slot(Space::kNode, node_calls_++); }
   std::vector<int> all_ranks() const;
   std::vector<int> node_ranks() const;
@@ -157,6 +170,8 @@ class GlooWorld final : public World {
   int host_index_ = 0;
   HostControl* control_ = nullptr;
   size_t control_bytes_ = 0;
+  CollSlot* coll_ = nullptr;  // every rank's slot, when all ranks share one host
+  uint64_t coll_calls_ = 0;
   uint64_t world_calls_ = 0;
   uint64_t node_calls_ = 0;
   uint64_t segments_ = 0;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <mutex>
 
 #include "comm/gloo/gloo_world.h"
 
@@ -71,8 +72,10 @@ class SelfMailbox {
   std::map<int, std::deque<std::vector<char>>> queue_;
 };
 
+// One mailbox per world; the map is shared by the worlds of a process (their owner threads).
+std::mutex g_mailbox_mu;
 std::map<const World*, SelfMailbox>& mailboxes() {
-  static std::map<const World*, SelfMailbox> m;  // owner threads only; one entry per world
+  static std::map<const World*, SelfMailbox> m;
   return m;
 }
 
@@ -90,12 +93,16 @@ Status check_p2p(const World& w, const char* op, const char* peer_name, int peer
 
 }  // namespace
 
-void forget_mailbox(const World* w) { mailboxes().erase(w); }
+void forget_mailbox(const World* w) {
+  std::lock_guard<std::mutex> lock(g_mailbox_mu);
+  mailboxes().erase(w);
+}
 
 StatusOr<Request> GlooWorld::isend(int dst, int tag, const void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
   MOED_RETURN_IF_ERROR(check_p2p(*this, "isend", "dst", dst, tag, data, bytes));
   if (dst == rank_) {
+    std::lock_guard<std::mutex> lock(g_mailbox_mu);
     mailboxes()[this].put(tag, data, bytes);
     return completed_request();
   }
@@ -108,7 +115,10 @@ StatusOr<Request> GlooWorld::isend(int dst, int tag, const void* data, size_t by
 StatusOr<Request> GlooWorld::irecv(int src, int tag, void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
   MOED_RETURN_IF_ERROR(check_p2p(*this, "irecv", "src", src, tag, data, bytes));
-  if (src == rank_) return completed_request(mailboxes()[this].take(rank_, tag, data, bytes));
+  if (src == rank_) {
+    std::lock_guard<std::mutex> lock(g_mailbox_mu);
+    return completed_request(mailboxes()[this].take(rank_, tag, data, bytes));
+  }
   MOED_ASSIGN_OR_RETURN(Op op,
                         post(true, src, make_slot(Space::kUser, uint64_t(tag)), data, bytes));
   return Request(std::make_unique<GlooRequest>(this, std::move(op), tag));

@@ -15,6 +15,7 @@
 #include <new>
 
 #include "comm/gloo/gloo_world.h"
+#include "comm/wait.h"
 
 namespace moed::gloo_comm {
 
@@ -81,11 +82,62 @@ Status GlooWorld::start() {
   HostControl::Member& me = control_->members[host_index_];
   me.pid.store(int64_t(getpid()), std::memory_order_relaxed);
   me.state.store(kAlive, std::memory_order_release);
+  if (int(members) == size_ && size_ > 1) {
+    // One host: the world's small collectives go through shared memory, not TCP.
+    const std::string coll = str_cat("/moed-", std::hex, host_.world_id, std::dec, "-coll");
+    MOED_ASSIGN_OR_RETURN(void* c, map_segment(host_.ranks, make_slot(Space::kHost, 3), coll,
+                                               sizeof(CollSlot) * members));
+    coll_ = static_cast<CollSlot*>(c);
+  }
   if (size_ > 1) {
     fault_recv_ = ctx_->createUnboundBuffer(fault_in_.data(), fault_in_.size());
     listener_ = std::thread([this] { listen_for_faults(); });
   }
   monitor_ = std::thread([this] { monitor(); });
+  return ok_status();
+}
+
+Status GlooWorld::host_gather(const void* mine, size_t n, void* out, const char* op) {
+  const uint64_t k = ++coll_calls_;
+  auto await = [&](const std::atomic<uint64_t>& word, uint64_t value, int r,
+                   const char* what) -> Status {
+    // A rank that closed its world (its process ended normally) will never write again.
+    const auto& state = control_->members[r].state;  // one host: host index = rank
+    auto here = [&] { return word.load(std::memory_order_acquire) >= value; };
+    Status s = internal::poll_until(
+        *this, [&] { return here() || state.load(std::memory_order_acquire) == kClosed; },
+        [&] { return str_cat("rank ", rank_, " in ", op, " (", what, " rank ", r, ")"); });
+    if (s.ok() && !here()) {
+      // Its failure message, if it sent one (the host's fault word is written before closing).
+      MOED_RETURN_IF_ERROR(failure());
+      s = aborted("rank ", r, " failed: it closed its moed world (its process ended) while rank ",
+                  rank_, " was in ", op);
+      record_failure(r, s);
+      send_fault(r, s);
+      return failure();
+    }
+    if (!s.ok() && s.code() != StatusCode::kAborted) {
+      abort(s);  // this rank gives up: every other rank hears why
+      return s;
+    }
+    return s;
+  };
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) MOED_RETURN_IF_ERROR(await(coll_[r].done, k - 1, r, "waiting for"));
+  }
+  CollSlot& me = coll_[rank_];
+  if (n > 0) std::memcpy(me.data, mine, n);
+  me.seq.store(k, std::memory_order_release);
+  char* o = static_cast<char*>(out);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) {
+      if (n > 0) std::memcpy(o + size_t(r) * n, mine, n);
+      continue;
+    }
+    MOED_RETURN_IF_ERROR(await(coll_[r].seq, k, r, "receiving from"));
+    if (n > 0) std::memcpy(o + size_t(r) * n, coll_[r].data, n);
+  }
+  me.done.store(k, std::memory_order_release);
   return ok_status();
 }
 
