@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 # Why each package is here: see README.md, "Dependencies".
 packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libfmt-dev
-          nlohmann-json3-dev libcli11-dev libopenmpi-dev openmpi-bin libopenblas-dev
+          nlohmann-json3-dev libcli11-dev libopenmpi-dev openmpi-bin libgloo-dev libopenblas-dev
           python3-numpy clang libclang-rt-14-dev iproute2 nftables
           python3-torch pybind11-dev python3-dev python3-pytest python3-mpi4py)
 missing=()

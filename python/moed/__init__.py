@@ -7,7 +7,9 @@
         ...
     results = moed.launch(body, 4, x)   # 4 rank threads; results in rank order
 
-Under mpirun, ``group = moed.init()`` gives the MPI world (one process per rank).
+Under mpirun, ``group = moed.init()`` gives the MPI world (one process per rank); in processes
+torch started, ``moed.from_torch(pg)`` (or passing the gloo ProcessGroup itself) gives the gloo
+world over that group.
 Tensors cross into moed without copies (CPU tensors, read in place) and come back over
 moed's own memory (DLPack); every moed call releases the GIL.
 """
@@ -26,7 +28,7 @@ finally:
     _sys.setdlopenflags(_flags)
 
 from ._C import AbortedError
-from ._world import (Group, launch, init, current_group, set_num_threads, get_num_threads,
+from ._world import (Group, launch, init, from_torch, current_group, set_num_threads, get_num_threads,
                      set_tensor_cache_limit, tensor_cache_stats, release_tensor_cache, shutdown)
 from . import dist
 
@@ -34,7 +36,7 @@ from . import dist
 # E4M3FN bits (torch 1.13).
 fp8_dtype = getattr(_torch, "float8_e4m3fn", _torch.uint8)
 
-__all__ = ["AbortedError", "Group", "launch", "init", "current_group", "set_num_threads",
+__all__ = ["AbortedError", "Group", "launch", "init", "from_torch", "current_group", "set_num_threads",
            "get_num_threads", "set_tensor_cache_limit", "tensor_cache_stats",
            "release_tensor_cache", "shutdown", "dist", "fp8_dtype"]
 

@@ -1,5 +1,8 @@
-"""Ranks: moed.launch (the threads world), moed.init (the MPI world) and moed.Group."""
+"""Ranks: moed.launch (the threads world), moed.init (the MPI world), moed.from_torch (the
+gloo world over a torch.distributed group) and moed.Group."""
 import atexit
+import os
+import socket
 import sys
 import threading
 
@@ -70,6 +73,24 @@ class Group:
         """Collective check: every rank passes "" or its error; all raise the lowest rank's."""
         self.handle.agree(error or "")
 
+    def fail(self, reason):
+        """Marks this rank failed: every other rank's pending and later moed calls raise
+        moed.AbortedError naming this rank and the reason. Returns (gloo, MPI: nothing ends)."""
+        if self.handle.alive():
+            self.handle.fail(str(reason))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        # An exception leaving ``with group:`` fails this rank, so the others raise at once.
+        if exc_type is not None and not issubclass(exc_type, AbortedError):
+            try:
+                self.fail(f"{exc_type.__name__}: {exc}")
+            except Exception:
+                pass
+        return False
+
     def __repr__(self):
         if not self.handle.alive():
             return "moed.Group(ended)"
@@ -78,13 +99,139 @@ class Group:
 
 
 def current_group():
-    """The calling rank's group: inside moed.launch its rank thread's, else moed.init()'s."""
+    """The calling rank's group: inside moed.launch its rank thread's, else moed.init()'s, else
+    the gloo world over torch.distributed's default group (when it is initialised)."""
     g = getattr(_local, "group", None)
     if g is None:
         g = _mpi_group
+    if g is None and _torch_dist_ready():
+        g = from_torch()
     if g is None:
-        raise RuntimeError("moed: no group here; call inside moed.launch(...) or after moed.init()")
+        raise RuntimeError("moed: no group here; call inside moed.launch(...), after moed.init(), "
+                           "or after torch.distributed.init_process_group('gloo', ...)")
     return g
+
+
+def as_group(group):
+    """A moed.Group for group: a moed.Group as is, a torch.distributed ProcessGroup through
+    from_torch, None as current_group()."""
+    if group is None:
+        return current_group()
+    if isinstance(group, Group):
+        return group
+    import torch.distributed as tdist
+    if isinstance(group, tdist.ProcessGroup):
+        return from_torch(group)
+    raise TypeError(f"group must be a moed.Group or a torch.distributed ProcessGroup, got "
+                    f"{type(group).__name__}")
+
+
+# ---- the gloo world over torch.distributed ----
+_torch_groups = {}  # id(pg) -> (pg, Group): pg kept alive so its id is never reused
+_torch_world_count = {}  # group name -> moed worlds made over it (unique store prefixes)
+_hooks_installed = False
+
+
+def _torch_dist_ready():
+    try:
+        import torch.distributed as tdist
+        return tdist.is_available() and tdist.is_initialized()
+    except Exception:
+        return False
+
+
+def _local_address():
+    """The address this rank listens on: MOED_GLOO_ADDRESS, else the local address that routes
+    to MASTER_ADDR (found with a UDP connect, which sends nothing), else 127.0.0.1."""
+    if os.environ.get("MOED_GLOO_ADDRESS"):
+        return os.environ["MOED_GLOO_ADDRESS"]
+    master = os.environ.get("MASTER_ADDR", "")
+    if master and master not in ("localhost", "127.0.0.1"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+                return s.getsockname()[0]
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def _install_hooks():
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_close_torch_groups)
+    prev_hook = sys.excepthook
+
+    def hook(t, v, tb):
+        for _, g in list(_torch_groups.values()):
+            try:
+                g.fail(f"{t.__name__}: {v}")
+            except Exception:
+                pass
+        prev_hook(t, v, tb)
+
+    sys.excepthook = hook
+
+
+def _close_torch_groups():
+    for key, (_, g) in list(_torch_groups.items()):
+        g.handle.close()
+        del _torch_groups[key]
+
+
+def from_torch(pg=None, ranks_per_node=0, timeout=300.0, threads_per_rank=None, address=None,
+               host_id=""):
+    """The moed.Group whose ranks are the processes of a torch.distributed group (default: the
+    default group), over gloo's TCP transport, bootstrapped from the group's store.
+
+    Collective over pg; made once per group and cached (later calls return it, so
+    Buffer(pg, ...) and the dispatchers reuse it). ranks_per_node splits each host into
+    emulated nodes (0 = one node per host). timeout bounds every wait for a peer (seconds).
+    threads_per_rank: moed worker threads (default get_num_threads()). address: where this
+    rank listens (default: see _local_address). An exception that leaves ``with group:`` (or
+    reaches sys.excepthook) fails this rank, so the others raise instead of waiting; a rank
+    whose process ends is noticed by its peers."""
+    import torch.distributed as tdist
+    if not _torch_dist_ready():
+        raise RuntimeError("moed.from_torch: torch.distributed is not initialised "
+                           "(call torch.distributed.init_process_group('gloo', ...) first)")
+    c10d = tdist.distributed_c10d
+    if pg is None:
+        pg = c10d._get_default_group()
+    hit = _torch_groups.get(id(pg))
+    if hit is not None and hit[1].handle.alive():
+        g = hit[1]
+        if ranks_per_node and int(ranks_per_node) != g.ranks_per_node():
+            raise ValueError(f"ranks_per_node = {ranks_per_node}, but moed's world over this group "
+                             f"was made with {g.ranks_per_node()} (close it first: "
+                             f"moed.dist.destroy_process_group(pg))")
+        return g
+    if not _C.has_gloo():
+        raise RuntimeError("moed was built without gloo (libgloo-dev; MOED_WITH_GLOO=OFF)")
+    if threads_per_rank is None:
+        threads_per_rank = get_num_threads()
+    name = c10d._pg_names.get(pg, "default") if hasattr(c10d, "_pg_names") else "default"
+    n = _torch_world_count.get(name, 0)
+    _torch_world_count[name] = n + 1
+    handle = _C.gloo_world(c10d._get_default_store(), f"moed/{name}/{n}/", tdist.get_rank(pg),
+                           tdist.get_world_size(pg), address or _local_address(), str(host_id),
+                           int(ranks_per_node), float(timeout), int(threads_per_rank))
+    g = Group(handle)
+    _torch_groups[id(pg)] = (pg, g)
+    _install_hooks()
+    return g
+
+
+def close_torch_group(pg=None):
+    """Ends moed's world over pg (dispatchers and buffers first); torch's group stays."""
+    import torch.distributed as tdist
+    if pg is None and _torch_dist_ready():
+        pg = tdist.distributed_c10d._get_default_group()
+    hit = _torch_groups.pop(id(pg), None)
+    if hit is not None:
+        hit[1].handle.close()
 
 
 def _with_rank(rank, e):

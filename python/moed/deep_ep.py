@@ -14,7 +14,8 @@
         combined_x, _, _ = buffer.combine(y, handle)
         return combined_x
 
-    moed.launch(body, 4, ...)          # or group = moed.init() under mpirun
+    moed.launch(body, 4, ...)          # or group = moed.init() under mpirun, or a torch gloo
+                                       # ProcessGroup in processes torch started
 
 Names, parameters, defaults, return tuples and handle layouts are DeepEP's
 (``deep_ep/buffers/legacy.py``), so DeepEP code runs with ``import moed.deep_ep as deep_ep``
@@ -40,7 +41,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 
 from . import _C
-from ._world import Group, current_group
+from ._world import Group, as_group, current_group
 
 topk_idx_t = torch.int64
 fp8_dtype = getattr(torch, "float8_e4m3fn", torch.uint8)
@@ -164,8 +165,10 @@ class Buffer:
         """Initialize the communication buffer.
 
         Arguments:
-            group: a moed.Group (from moed.launch or moed.init); None with ``comm`` given uses
-                the calling rank's group (moed.init() under mpirun).
+            group: a moed.Group (from moed.launch, moed.init or moed.from_torch) or a
+                torch.distributed ProcessGroup (its moed world is made by moed.from_torch on
+                first use); None with ``comm`` given uses the calling rank's group (moed.init()
+                under mpirun).
             num_nvl_bytes, num_rdma_bytes: DeepEP's buffer sizes; recorded, not allocated
                 (pass DeepEP-sized values such as 1e9 freely).
             low_latency_mode: recorded; both modes are always available.
@@ -180,9 +183,8 @@ class Buffer:
             group = current_group()
             if comm.Get_size() != group.size():
                 raise ValueError(f"comm has {comm.Get_size()} ranks but moed's group has {group.size()}")
-        if not isinstance(group, Group):
-            raise TypeError(f"group must be a moed.Group (from moed.launch or moed.init), got "
-                            f"{type(group).__name__}")
+        # A torch.distributed ProcessGroup (gloo) stands for moed's world over it.
+        group = as_group(group)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if value < 0:
                 raise ValueError(f"{name} = {value} must be >= 0")

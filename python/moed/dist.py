@@ -1,10 +1,11 @@
 """The subset of torch.distributed that DeepEP-style code and its tests call, on CPU tensors,
-over moed's worlds. group=None is the calling rank's group (moed.current_group()).
+over moed's worlds. group is a moed.Group or a torch.distributed ProcessGroup (whose moed world
+moed.from_torch makes); None is the calling rank's group (moed.current_group()).
 
 Deterministic: all_reduce sums in ascending rank order (fp32 for floating types)."""
 import torch
 
-from ._world import current_group, shutdown
+from ._world import as_group, current_group, shutdown
 
 
 class ReduceOp:
@@ -22,7 +23,7 @@ class _Work:
 
 
 def _g(group):
-    return group if group is not None else current_group()
+    return as_group(group)
 
 
 def _done(async_op):
@@ -130,9 +131,22 @@ def broadcast(tensor, src, group=None, async_op=False):
 
 
 def destroy_process_group(group=None):
-    """Ends moed.init()'s MPI world (and finalises MPI); a moed.launch group ends with its
-    launch, so for it this is a no-op."""
+    """Ends moed.init()'s MPI world (and finalises MPI), or moed's world over a torch group
+    (group = the ProcessGroup, or None when torch.distributed is initialised and no MPI world
+    exists; torch's own group stays: call torch.distributed.destroy_process_group for it). A
+    moed.launch group ends with its launch, so for it this is a no-op."""
     from . import _world
+    import torch.distributed as tdist
+    if isinstance(group, tdist.ProcessGroup):
+        _world.close_torch_group(group)
+        return
     g = group if group is not None else (getattr(_world._local, "group", None) or _world._mpi_group)
     if g is not None and g is _world._mpi_group:
         shutdown()
+        return
+    if group is None and g is None:
+        _world.close_torch_group(None)
+        return
+    for key, (pg, tg) in list(_world._torch_groups.items()):
+        if tg is g:
+            _world.close_torch_group(pg)

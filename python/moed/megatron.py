@@ -14,7 +14,8 @@ The six steps keep Megatron's names and shapes:
 
 Dispatch and combine are torch.autograd.Functions whose backward is moed's own dispatch /
 combine backward, so loss.backward() gives the hidden-state and probs gradients the C++ API
-gives, bit for bit. The group is the calling rank's (moed.launch / moed.init) unless given.
+gives, bit for bit. The group is the calling rank's (moed.launch / moed.init / torch's default
+gloo group) unless given (a moed.Group or a torch.distributed ProcessGroup).
 Routing: routing_map bool [T, E] + probs float32 [T, E] (Megatron), or topk_idx int32/int64
 [T, K] + probs float32 [T, K] (DeepEP) through dispatch_preprocess(..., topk_idx=idx).
 """
@@ -24,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._world import current_group
+from ._world import as_group, current_group
 
 
 @dataclass
@@ -126,7 +127,7 @@ class MoETokenDispatcher:
                  **fields):
         config = replace(config or MoEConfig(), **fields)
         self.config = config
-        self.group = group if group is not None else current_group()
+        self.group = as_group(group)  # a moed.Group, a torch ProcessGroup, or None
         c = config
         self._box = _C.TokenDispatcher(
             self.group.handle, self.kind, int(c.num_moe_experts), ep_size=int(c.expert_model_parallel_size),

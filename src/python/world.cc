@@ -1,4 +1,5 @@
 // bind_world: WorldHandle, the threads world (run_threads over a Python body), the MPI world,
+// the gloo world (gloo.cc),
 // and the collectives moed.dist is built on (byte level over contiguous CPU tensors).
 #include "moed/world.h"
 
@@ -44,7 +45,16 @@ bool g_mpi_we_initialized = false;
 
 }  // namespace
 
+#if MOED_WITH_GLOO
+void bind_gloo(py::module_& m);  // gloo.cc: the gloo world over a torch.distributed store
+#endif
+
 void bind_world(py::module_& m) {
+#if MOED_WITH_GLOO
+  bind_gloo(m);
+#else
+  m.def("has_gloo", [] { return false; });
+#endif
   py::class_<WorldHandle, std::shared_ptr<WorldHandle>>(m, "WorldHandle")
       .def("rank", [](const WorldHandle& h) { return h.get().rank(); })
       .def("size", [](const WorldHandle& h) { return h.get().size(); })

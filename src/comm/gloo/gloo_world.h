@@ -1,0 +1,202 @@
+// Internal: the gloo backend's World. The files beside this one each implement one part, with
+// the same names as threads/ and mpi/:
+//   gloo_world.cc      make_gloo_world (context, hosts, nodes), waits, the failure channel
+//   collectives.cc     barrier, broadcast, all_gather_v, all_to_all_v, reduce_scatter_v, all_reduce
+//   network.cc         isend / irecv (gloo unbound buffers)
+//   shared_memory.cc   alloc_shared and the host's control segment (POSIX shared memory)
+//
+// NOTE: Debian's gloo headers lack gloo/common/memory.h, so only the abstract
+// UnboundBuffer interface is usable: there is no non-blocking test. A wait blocks in gloo's
+// waitRecv / waitSend on the owning thread, and a monitor thread wakes it (abortWaitRecv /
+// abortWaitSend) when a rank fails or the world's timeout passes. gloo's own timeout is a
+// backstop only: when it fires it closes every connection of the context.
+#pragma once
+
+#include <gloo/context.h>
+#include <gloo/transport/device.h>
+#include <gloo/transport/unbound_buffer.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moed/gloo_world.h"
+#include "moed/world.h"
+
+namespace moed::gloo_comm {
+
+using Clock = std::chrono::steady_clock;
+using Buffer = std::unique_ptr<::gloo::transport::UnboundBuffer>;
+
+// gloo slots: the top byte says whose message it is, the rest counts calls.
+enum class Space : uint64_t { kFault = 1, kWorld = 2, kNode = 3, kUser = 4, kHost = 5 };
+inline uint64_t make_slot(Space s, uint64_t n) {
+  return (uint64_t(s) << 56) | (n & ((uint64_t(1) << 56) - 1));
+}
+
+constexpr size_t kMessageBytes = 1024;
+
+// The host's control segment (shared memory of the ranks on one host): the first failure on
+// the host and every member's pid and state, so host-mates see a failure or a death at once.
+struct HostControl {
+  std::atomic<int32_t> fault_rank;   // the failed rank + 1; 0 while nobody failed (set once)
+  std::atomic<int32_t> fault_ready;  // 1 once fault_code and fault_message are written
+  int32_t fault_code;
+  char fault_message[kMessageBytes];
+  struct Member {
+    std::atomic<int64_t> pid;
+    std::atomic<int32_t> state;  // kAlive, kClosed (ended its world on purpose)
+  };
+  Member members[1];  // one per rank on the host, in rank order (flexible)
+  static size_t bytes(int members) { return sizeof(HostControl) + sizeof(Member) * size_t(members); }
+};
+// Same-host collectives (every rank on one host): each rank's slot in a shared segment. Round
+// k: wait until every rank has read round k-1 (done), write, publish seq = k, read every
+// rank's slot once its seq reaches k, then mark done = k.
+struct CollSlot {
+  std::atomic<uint64_t> seq;
+  char pad0[56];
+  std::atomic<uint64_t> done;
+  char pad1[56];
+  static constexpr size_t kBytes = 16384;
+  char data[kBytes];
+};
+constexpr int32_t kAlive = 1;
+constexpr int32_t kClosed = 2;
+
+// One posted send or receive of this rank.
+struct Op {
+  Buffer buf;
+  bool recv = false;
+  int peer = -1;
+  size_t bytes = 0;
+  bool done = false;
+};
+
+// A byte range to send to or receive from `peer`.
+struct Transfer {
+  int peer;
+  void* data;
+  size_t bytes;
+};
+
+struct HostLayout {
+  std::string id;
+  std::vector<int> ranks;  // the world ranks on this host, ascending
+  std::vector<int64_t> pids;
+  uint64_t world_id = 0;
+};
+
+// Drops the world's self-message mailbox (network.cc).
+void forget_mailbox(const World* w);
+
+class GlooWorld final : public World {
+ public:
+  GlooWorld(std::shared_ptr<::gloo::transport::Device> device, std::shared_ptr<::gloo::Context> ctx,
+            int rank, int size, int ranks_per_node, std::chrono::milliseconds timeout,
+            int threads_per_rank, HostLayout host);
+  ~GlooWorld() override;
+
+  // Maps the host's control segment and starts the fault listener and the monitor.
+  Status start();
+
+  const char* backend_name() const override { return "gloo"; }
+  bool shares_address_space() const override { return false; }
+  Status barrier() override;
+  Status broadcast_bytes(void* data, size_t bytes, int root) override;
+  Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
+                            std::span<const size_t> recv_bytes) override;
+  Status all_to_all_v_bytes(const void* send, std::span<const size_t> send_bytes,
+                            std::span<const size_t> send_offsets, void* recv,
+                            std::span<const size_t> recv_bytes,
+                            std::span<const size_t> recv_offsets) override;
+  Status reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
+                              float* recv) override;
+  Status all_reduce_f32(const float* send, float* recv, size_t count) override;
+  StatusOr<std::shared_ptr<SharedBuffer>> alloc_shared(size_t bytes) override;
+  StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) override;
+  StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
+  // Marks this rank failed and tells every other rank (host segment and gloo); returns.
+  void abort(const Status& reason) override;
+  Status failure() const override;
+
+  // Posts a send or receive on `slot` (gloo errors become a Status).
+  StatusOr<Op> post(bool recv, int peer, uint64_t slot, void* data, size_t bytes);
+  // Waits for `op` until `deadline`; on an error marks this rank failed (and says so).
+  Status wait(Op& op, Clock::time_point deadline, const std::function<std::string()>& what);
+  // Posts every receive and send, then waits for all. Self transfers are the caller's.
+  Status exchange(uint64_t slot, std::span<const Transfer> sends, std::span<const Transfer> recvs,
+                  const std::function<std::string()>& what);
+  // Every rank of `ranks` (ascending world ranks, this one among them) contributes n bytes;
+  // out receives them in that order.
+  Status gather(std::span<const int> ranks, uint64_t slot, const void* mine, size_t n, void* out,
+                const char* op);
+  // The lowest failing rank's verdict among `ranks` (the same on each of them).
+  Status agree_among(std::span<const int> ranks, uint64_t slot, const Status& local,
+                     const char* op);
+  uint64_t next_slot() { return make_slot(Space::kWorld, world_calls_++); }
+  // gather() over every rank through the host's collective slots (one host, n small).
+  Status host_gather(const void* mine, size_t n, void* out, const char* op);
+  uint64_t next_node_slot() { return make_slot(Space::kNode, node_calls_++); }
+  std::vector<int> all_ranks() const;
+  std::vector<int> node_ranks() const;
+  // Maps a fresh segment of `bytes` among `ranks` (the first one creates it), unlinked before
+  // return on every path. Collective over `ranks`.
+  StatusOr<void*> map_segment(std::span<const int> ranks, uint64_t slot, const std::string& name,
+                              size_t bytes);
+  const HostLayout& host() const { return host_; }
+  void count_send(int dst, uint64_t bytes);
+
+ private:
+  // Records `reason` as the world's failure, blamed on `rank`, and wakes the current wait.
+  void record_failure(int rank, const Status& reason) const;
+  void send_fault(int failed_rank, const Status& reason);
+  void listen_for_faults();
+  void monitor();
+  // A host-mate whose process is gone without closing its world: its rank, or -1.
+  int find_dead_host_mate() const;
+
+  std::shared_ptr<::gloo::transport::Device> device_;
+  std::shared_ptr<::gloo::Context> ctx_;
+  HostLayout host_;
+  int host_index_ = 0;
+  HostControl* control_ = nullptr;
+  size_t control_bytes_ = 0;
+  CollSlot* coll_ = nullptr;  // every rank's slot, when all ranks share one host
+  uint64_t coll_calls_ = 0;
+  uint64_t world_calls_ = 0;
+  uint64_t node_calls_ = 0;
+  uint64_t segments_ = 0;
+
+  // The wait in progress on the owning thread (the monitor may abort it), under wait_mu_.
+  mutable std::mutex wait_mu_;
+  Op* waiting_ = nullptr;
+  Clock::time_point waiting_deadline_;
+  bool deadline_hit_ = false;
+
+  mutable std::atomic<bool> failed_{false};
+  mutable std::mutex fail_mu_;
+  mutable Status failure_;
+  bool told_others_ = false;
+
+  // The failure channel: a receive from any rank on the fault slot, re-posted after each.
+  std::vector<char> fault_in_;
+  Buffer fault_recv_;
+  std::vector<std::vector<char>> fault_out_;
+  std::vector<Buffer> fault_sends_;
+  std::thread listener_;
+  std::thread monitor_;
+  std::atomic<bool> stopping_{false};
+  std::mutex monitor_mu_;
+  std::condition_variable monitor_cv_;
+};
+
+}  // namespace moed::gloo_comm

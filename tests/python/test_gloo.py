@@ -1,0 +1,125 @@
+"""The gloo world: moed inside processes that torch.multiprocessing.spawn started and
+torch.distributed joined with a gloo group (gloo_workers.py is what they run). Each result is
+compared bitwise with the threads world's (or the reference the threads world matches); faults
+(a rank that raises, with and without `with group:`, and a killed process) must end every other
+rank with an error naming rank 1, through moed's failure channel rather than its timeout; and
+no shared-memory segment may be left in /dev/shm."""
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+import torch
+
+import moed
+import gloo_workers
+
+pytestmark = pytest.mark.skipif(not moed._C.has_gloo(), reason="moed built without gloo")
+
+# (processes, ranks_per_node): one node of 2 and 4, and 2 emulated nodes of 2.
+WORLDS = [(2, 0), (4, 0), (4, 2)]
+WORLD_IDS = ["P2", "P4", "P4_G2"]
+TIMEOUT = 60.0  # the world's; faults must be seen long before it
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def segments():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("moed-")}
+
+
+def spawn(scenario, nprocs, ranks_per_node=0, budget=240.0):
+    """Runs gloo_workers.main in nprocs spawned processes; returns (exit codes, records by
+    rank: None where a process saved nothing). Waits at most `budget` seconds, then kills."""
+    out = tempfile.mkdtemp(prefix="moed-gloo-test-")
+    ctx = torch.multiprocessing.spawn(
+        gloo_workers.main, nprocs=nprocs, join=False,
+        args=(nprocs, "127.0.0.1", free_port(), scenario, ranks_per_node, TIMEOUT, out))
+    deadline = time.monotonic() + budget
+    for p in ctx.processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    left = [p for p in ctx.processes if p.is_alive()]
+    for p in left:
+        p.kill()
+        p.join()
+    assert not left, f"{len(left)} process(es) still running after {budget} s"
+    recs = []
+    for r in range(nprocs):
+        path = os.path.join(out, f"{r}.pt")
+        recs.append(torch.load(path) if os.path.exists(path) else None)
+        if os.path.exists(path):
+            os.remove(path)
+    os.rmdir(out)
+    return [p.exitcode for p in ctx.processes], recs
+
+
+def threads_dispatchers(R, G):
+    from test_megatron import LAYOUTS, body
+
+    def fn(g):
+        out = {}
+        for kind in ("allgather", "alltoall", "flex"):
+            out[kind] = body(g, kind, 40, 2, torch.float32, LAYOUTS["cap1_probs"], True, False, False)
+            out[kind + "_bf16"] = body(g, kind, 24, 1, torch.bfloat16, LAYOUTS["dropless"], False,
+                                       True, True)
+        return out
+    return moed.launch(fn, R, ranks_per_node=G, timeout=60.0, threads_per_rank=1)
+
+
+def equal(a, b, where):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+def test_matches_threads_world(world):
+    R, G = world
+    before = segments()
+    codes, recs = spawn("all", R, G)
+    assert codes == [0] * R, (codes, [r and r.get("error") for r in recs])
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec['error']}"
+        assert rec["backend"] == "gloo" and rec["nodes"] == (R // G if G else 1)
+    want = threads_dispatchers(R, G)
+    for r, rec in enumerate(recs):
+        res = rec["result"]
+        equal(res["dispatchers"], want[r], f"rank {r} dispatchers")
+        d = res["dist"]
+        assert torch.equal(d["sum"], torch.full((5,), sum(float(s) + 0.25 for s in range(R))))
+        assert [p.tolist() for p in d["parts"]] == [[s, -s] for s in range(R)]
+        assert d["bcast"].tolist() == [0.0, 1.0, 2.0]
+    assert segments() == before
+
+
+@pytest.mark.parametrize("scenario", ["raise", "raise_plain", "kill"])
+def test_fault_ends_every_rank(scenario):
+    R = 4
+    before = segments()
+    codes, recs = spawn(scenario, R, 2)
+    assert codes[1] != 0, codes  # rank 1 raised or was killed
+    for r in (0, 2, 3):
+        assert codes[r] == 0 and recs[r] is not None, (r, codes)
+        err = recs[r]["error"] if not recs[r]["ok"] else "no error"
+        # Named, and through the failure channel: not a timeout ("waited N ms").
+        assert err.startswith("AbortedError") and "rank 1" in err, (r, err)
+        assert "waited" not in err, (r, err)
+        if scenario == "raise":
+            assert "rank 1 gave up on purpose" in err, (r, err)
+    assert segments() == before

@@ -1,0 +1,63 @@
+"""The gloo world across 2 test hosts x 2 processes (scripts/hosts.sh: network namespaces,
+TCP between hosts, shared memory inside one): one launcher per host (gloo_hosts.py), the master
+address on the test subnet. The same checks as test_gloo.py: results bitwise equal to the
+threads world's with 2 nodes of 2, and a killed or raising rank ends every other rank with an
+error naming it. Needs root and iproute2 (CTest runs it with label `hosts`, exit 77 = skip)."""
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+import moed
+import test_gloo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+pytestmark = [
+    pytest.mark.skipif(not moed._C.has_gloo(), reason="moed built without gloo"),
+    pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                       reason="needs root and iproute2 (network namespaces)"),
+]
+
+
+def run_hosts(scenario, hosts=2, per_host=2):
+    out = tempfile.mkdtemp(prefix="moed-gloo-hosts-")
+    os.chmod(out, 0o777)
+    cmd = [os.path.join(ROOT, "scripts", "hosts.sh"), str(hosts), "1", "--timeout", "170", "--",
+           "/usr/bin/python3", os.path.join(HERE, "gloo_hosts.py"), scenario, str(per_host),
+           str(test_gloo.free_port()), out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    size = hosts * per_host
+    codes, recs = [], []
+    for r in range(size):
+        path = os.path.join(out, f"exit{r}.txt")
+        codes.append(int(open(path).read()) if os.path.exists(path) else None)
+        path = os.path.join(out, f"{r}.pt")
+        recs.append(torch.load(path) if os.path.exists(path) else None)
+    shutil.rmtree(out, ignore_errors=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return codes, recs
+
+
+def test_matches_threads_world_across_hosts():
+    codes, recs = run_hosts("all")
+    assert codes == [0] * 4, (codes, [r and r.get("error") for r in recs])
+    want = test_gloo.threads_dispatchers(4, 2)
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec['error']}"
+        assert rec["nodes"] == 2  # found from the real hosts
+        test_gloo.equal(rec["result"]["dispatchers"], want[r], f"rank {r} dispatchers")
+
+
+@pytest.mark.parametrize("scenario", ["raise", "kill"])
+def test_fault_across_hosts(scenario):
+    codes, recs = run_hosts(scenario)
+    assert codes[1] != 0, codes
+    for r in (0, 2, 3):
+        assert codes[r] == 0 and recs[r] is not None, (r, codes)
+        err = recs[r]["error"] if not recs[r]["ok"] else "no error"
+        assert err.startswith("AbortedError") and "rank 1" in err and "waited" not in err, (r, err)
