@@ -1,8 +1,9 @@
 // World: a group of ranks that dispatchers talk across (spec §1, §5).
 //
-// One small virtual byte-level interface, two backends with the same contract:
+// One small virtual byte-level interface, three backends with the same contract:
 //   - threads (the embedded default): R ranks are R threads in one process (moed/threads_world.h);
-//   - MPI: ranks are MPI processes (moed/mpi_world.h).
+//   - MPI: ranks are MPI processes (moed/mpi_world.h);
+//   - gloo: ranks are the processes of a torch.distributed gloo group (moed/gloo_world.h).
 // Typed templates at the bottom (all_to_all_v<T>, all_gather<T>, ...) wrap the byte calls.
 //
 // The node structure mirrors a GPU cluster: a node is G ranks that share memory (NVLink on a

@@ -226,7 +226,8 @@ void bind_world(py::module_& m) {
       MPI_Initialized(&inited);
       if (!inited) {
         int provided = 0;
-        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+        // MULTIPLE: async steps then run on their own thread (World::calls_from_any_thread).
+        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
         g_mpi_we_initialized = true;
       }
       w = make_mpi_world(MPI_COMM_WORLD, opts);
