@@ -229,10 +229,10 @@ Status FlexDispatcher::check_cached(const DispatchInput& input) {
     return invalid_argument("cached_handle was not made by this Flex dispatcher");
   }
   const TokenRows& x = input.hidden;
-  if (x.x.rows != h->routes.num_tokens() || x.x.cols != h->hidden || x.x.dtype != h->dtype) {
+  if (x.x.rows != h->routing.num_tokens() || x.x.cols != h->hidden || x.x.dtype != h->dtype) {
     return invalid_argument("cached mode: hidden is ", dtype_name(x.x.dtype), " [", x.x.rows, ", ",
                             x.x.cols, "] but the handle's dispatch had ", dtype_name(h->dtype),
-                            " [", h->routes.num_tokens(), ", ", h->hidden, "]");
+                            " [", h->routing.num_tokens(), ", ", h->hidden, "]");
   }
   if (x.x.rows > 0 && x.x.data == nullptr) return invalid_argument("hidden.x.data is null");
   if (x.x.row_stride < x.x.cols)
