@@ -42,9 +42,8 @@ Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
 }
 
 StatusOr<Request> FlexDispatcher::token_combine(bool async) {
-  if (!combine_.staged) return failed_precondition("token_combine before combine_preprocess");
-  combine_.staged = false;
-  return run(async, &combine_.op, [this] { return combine_body(); });
+  return run(async, &combine_.staged, "token_combine before combine_preprocess", &combine_.op,
+             [this] { return combine_body(); });
 }
 
 Status FlexDispatcher::combine_body() {
@@ -94,11 +93,9 @@ Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& gr
 }
 
 StatusOr<Request> FlexDispatcher::token_dispatch_backward(bool async) {
-  if (!dispatch_grad_.staged) {
-    return failed_precondition("token_dispatch_backward before dispatch_postprocess_backward");
-  }
-  dispatch_grad_.staged = false;
-  return run(async, &dispatch_grad_.op, [this] { return dispatch_backward_body(); });
+  return run(async, &dispatch_grad_.staged,
+             "token_dispatch_backward before dispatch_postprocess_backward", &dispatch_grad_.op,
+             [this] { return dispatch_backward_body(); });
 }
 
 Status FlexDispatcher::dispatch_backward_body() {
@@ -160,11 +157,9 @@ Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad
 }
 
 StatusOr<Request> FlexDispatcher::token_combine_backward(bool async) {
-  if (!combine_grad_.staged) {
-    return failed_precondition("token_combine_backward before combine_postprocess_backward");
-  }
-  combine_grad_.staged = false;
-  return run(async, &combine_grad_.op, [this] { return combine_backward_body(); });
+  return run(async, &combine_grad_.staged,
+             "token_combine_backward before combine_postprocess_backward", &combine_grad_.op,
+             [this] { return combine_backward_body(); });
 }
 
 Status FlexDispatcher::combine_backward_body() {

@@ -108,9 +108,8 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
 }
 
 StatusOr<Request> FlexDispatcher::token_dispatch(bool async) {
-  if (!dispatch_.staged) return failed_precondition("token_dispatch before dispatch_preprocess");
-  dispatch_.staged = false;
-  return run(async, &dispatch_.op, [this] { return dispatch_body(); });
+  return run(async, &dispatch_.staged, "token_dispatch before dispatch_preprocess", &dispatch_.op,
+             [this] { return dispatch_body(); });
 }
 
 StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
@@ -193,8 +192,11 @@ Status FlexDispatcher::dispatch_body() {
 
 // ---- shared by the steps ----
 
-StatusOr<Request> FlexDispatcher::run(bool async, std::shared_ptr<OpState>* state,
+StatusOr<Request> FlexDispatcher::run(bool async, bool* staged, const char* not_staged,
+                                      std::shared_ptr<OpState>* state,
                                       std::function<Status()> body) {
+  if (!*staged) return failed_precondition(not_staged);
+  *staged = false;
   *state = std::make_shared<OpState>();
   if (async && world_->calls_from_any_thread()) {
     return Request(std::make_unique<AsyncOp>(std::move(body), *state));
