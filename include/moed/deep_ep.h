@@ -36,18 +36,8 @@ namespace moed::deep_ep {
 
 // topk_idx [T, K] int64 (DeepEP's topk_idx_t) or int32, values in [-1, E); topk_weights
 // [T, K] f32. Both row-major and contiguous. num_topk = 0: no top-k (dispatch moves x only).
-struct TopkView {
-  const void* idx = nullptr;
-  bool idx_int64 = true;
-  const float* weights = nullptr;
-  int64_t num_tokens = 0;
-  int num_topk = 0;
-
-  int64_t at(int64_t t, int k) const {
-    const size_t i = size_t(t) * size_t(num_topk) + size_t(k);
-    return idx_int64 ? static_cast<const int64_t*>(idx)[i] : static_cast<const int32_t*>(idx)[i];
-  }
-};
+// The one borrowed top-k form of moed/routing.h.
+using TopkView = moed::TopkView;
 
 // What get_dispatch_layout returned, as the caller passes it back to dispatch (DeepEP's
 // num_tokens_per_rank [R], is_token_in_rank [T, R] bool, num_tokens_per_expert [E]).

@@ -37,6 +37,8 @@ struct DispatchLayout {
 // ranks_per_node and of etp_size, and num_experts of world_size / etp_size.
 StatusOr<DispatchLayout> get_dispatch_layout(const TopkRouting& topk, int num_experts,
                                              int world_size, int ranks_per_node, int etp_size = 1);
+StatusOr<DispatchLayout> get_dispatch_layout(const TopkView& topk, int num_experts,
+                                             int world_size, int ranks_per_node, int etp_size = 1);
 // Map form (e.g. the effective routing after dropping and router padding).
 StatusOr<DispatchLayout> get_dispatch_layout(const RoutingMap& map, int world_size,
                                              int ranks_per_node, int etp_size = 1);

@@ -82,8 +82,9 @@ class DispatchHandle {
   int hidden = 0;
   DType dtype = DType::kF32;  // payload dtype of the dispatch
   int num_topk = 0;
-  // Home side (this rank's tokens), after capacity dropping and router padding.
-  RoutingMap routing;
+  // Home side (this rank's tokens), after capacity dropping and router padding, sparse (what
+  // combine and the backward passes walk; to_map(routing) gives the dense map on request).
+  SparseRouting routing;
   // Expert side (rows this rank received), canonical layout of spec §3.
   int64_t num_rows = 0;
   std::vector<int64_t> tokens_per_expert;           // [L], padded lengths
@@ -93,12 +94,20 @@ class DispatchHandle {
   std::vector<float> permuted_probs;                // [num_rows], 0 on padding rows
 };
 
+// The routing comes in one of four forms (exactly one is set); the dispatch turns it into the
+// sparse form once, on entry, and works on that (moed/routing.h).
 struct DispatchInput {
   TokenRows hidden;                   // [T, H] f32, bf16, or fp8 with scales; T may be 0
-  const TopkRouting* topk = nullptr;  // exactly one of topk / map
+  const TopkRouting* topk = nullptr;  // exactly one of topk / map / topk_view / routing
   const RoutingMap* map = nullptr;
   // Flex cached mode: same routing as the dispatch that made this handle; skips notify.
   std::shared_ptr<const DispatchHandle> cached_handle;
+  const TopkView* topk_view = nullptr;      // borrowed [T, K] (e.g. a caller's tensors)
+  const SparseRouting* routing = nullptr;   // the sparse form itself
+  // The routing already had this config's capacity dropping and router padding applied (a
+  // Router with the same LayoutOptions did it), so the dispatcher does not apply them again;
+  // it still checks that no expert holds more than the capacity.
+  bool layout_applied = false;
 };
 
 struct DispatchOutput {

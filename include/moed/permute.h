@@ -80,6 +80,10 @@ struct PermuteLayout {
 StatusOr<PermuteLayout> make_permute_layout(const RoutingMap& routing,
                                             const PermuteOptions& options = {},
                                             ThreadPool& pool = ThreadPool::global());
+// The same from the sparse form (moed/routing.h; the dispatchers' own), O(entries).
+StatusOr<PermuteLayout> make_permute_layout(const SparseRouting& routing,
+                                            const PermuteOptions& options = {},
+                                            ThreadPool& pool = ThreadPool::global());
 
 // Copies token rows into the layout's order. tokens: [T, H] f32, bf16, or fp8 with scales
 // [T, H/128]; out: [num_rows, H] of the same dtype (+ scales), caller-owned.

@@ -93,6 +93,8 @@ struct RouterOutput {
   std::vector<uint8_t> kept;
   // The effective routing (after dropping and router padding), map form; num_topk = K.
   RoutingMap routing;
+  // The same, sparse (moed/routing.h): what the MoE layer dispatches, with layout_applied.
+  SparseRouting sparse;
   // The same in top-k form: K' = max(K, widest token) slots, ascending expert id, -1 unused.
   TopkRouting topk;
   // Tokens per expert of the effective routing (Megatron's local_tokens_per_expert), the

@@ -1,14 +1,22 @@
-// Routing in its two forms (spec §2), converters between them, their validation, and the
+// Routing in its forms (spec §2), converters between them, their validation, and the
 // layout options that change what dispatch produces (spec §3): capacity dropping, router
 // padding for quantisation, pad_to_capacity and expert_alignment.
 //
-//   moed::TopkRouting topk = ...;                        // topk_idx [T, K], topk_weights [T, K]
-//   MOED_RETURN_IF_ERROR(moed::validate(topk, num_experts));
-//   moed::RoutingMap map = moed::to_map(topk, num_experts);  // routing_map [T, E], probs [T, E]
+// Four forms, one currency:
+//   - TopkRouting: topk_idx / topk_weights [T, K], owned (-1 = no expert);
+//   - TopkView: the same [T, K] borrowed (int32 or int64 indices), e.g. a caller's tensors;
+//   - RoutingMap: Megatron's dense routing_map / probs [T, E];
+//   - SparseRouting: per token its experts (ascending) and probs, CSR. This is what moed works
+//     on inside: a dispatch converts its input to it once on entry (O(T*K) from top-k, one
+//     O(T*E) scan from a map), drops, pads, counts and lays out on it, and its handle keeps it.
+//     Router padding can give a token more than K experts and dropping fewer, which a fixed-K
+//     form cannot say; CSR can, and costs O(entries) where the map costs O(T*E).
 //
-// The map form is what the layout is defined on: after capacity dropping and router padding a
-// token may route to more than K experts (padding) or fewer (dropping), which the top-k form
-// cannot say with a fixed K.
+//   moed::TopkRouting topk = ...;
+//   MOED_RETURN_IF_ERROR(moed::validate(topk, num_experts));
+//   moed::SparseRouting s = moed::to_sparse(moed::TopkView::of(topk), num_experts);
+//   MOED_ASSIGN_OR_RETURN(s, moed::apply_layout_options(s, options));  // dropping, padding
+//   moed::RoutingMap map = moed::to_map(s);   // only when a dense map is really wanted
 #pragma once
 
 #include <cstdint>
@@ -34,6 +42,27 @@ struct TopkRouting {
   float weight(int64_t t, int k) const { return topk_weights[size_t(t) * num_topk + k]; }
 };
 
+// Top-k form, borrowed: idx [T, K] int64 (DeepEP's topk_idx_t) or int32, values in [-1, E);
+// weights [T, K] f32 (null: every weight 0). Both row-major and contiguous.
+struct TopkView {
+  const void* idx = nullptr;
+  bool idx_int64 = true;
+  const float* weights = nullptr;
+  int64_t num_tokens = 0;
+  int num_topk = 0;
+
+  int64_t at(int64_t t, int k) const {
+    const size_t i = size_t(t) * size_t(num_topk) + size_t(k);
+    return idx_int64 ? static_cast<const int64_t*>(idx)[i] : static_cast<const int32_t*>(idx)[i];
+  }
+  float weight(int64_t t, int k) const {
+    return weights ? weights[size_t(t) * size_t(num_topk) + size_t(k)] : 0.0f;
+  }
+  static TopkView of(const TopkRouting& r) {
+    return {r.topk_idx.data(), false, r.topk_weights.data(), r.num_tokens, r.num_topk};
+  }
+};
+
 // Map form (Megatron): routing_map bool [T, E] (stored as uint8 0/1), probs float32 [T, E].
 struct RoutingMap {
   int64_t num_tokens = 0;
@@ -47,15 +76,47 @@ struct RoutingMap {
   static RoutingMap empty(int64_t num_tokens, int num_experts);
 };
 
+// Sparse form (CSR), the internal currency: token t routes to expert[i] with prob[i] for i in
+// [begin[t], begin[t + 1]), experts strictly ascending within a token (the order in which the
+// map form lists them, so every sum over a token's experts runs in spec §4's order).
+struct SparseRouting {
+  int num_experts = 0;
+  int num_topk = 0;                 // K of the router that made it (the capacity formula needs it)
+  std::vector<int64_t> begin{0};    // [T + 1]
+  std::vector<int32_t> expert;      // [entries]
+  std::vector<float> prob;          // [entries]
+
+  int64_t num_tokens() const { return int64_t(begin.size()) - 1; }
+  int64_t num_entries() const { return begin.back(); }
+  // Rows per expert [E]: entries whose expert is e.
+  std::vector<int64_t> tokens_per_expert() const;
+  // [T] fp32 sum of each token's probs, experts ascending (DeepEP's combined weights).
+  std::vector<float> prob_sums() const;
+};
+
 // Checks spec §2's rules: sizes match num_tokens x num_topk, indices in [-1, E), no expert
 // repeated within a token, weights not NaN and not negative. Message names the value, e.g.
 // "topk_idx[17][3] = 300 is outside [-1, 256)".
 Status validate(const TopkRouting& routing, int num_experts);
 // Sizes match, probs not NaN / negative where routed, num_experts == expected_experts.
 Status validate(const RoutingMap& routing, int expected_experts);
+// The view's indices and weights as validate(TopkRouting) checks them (sizes are the caller's).
+Status validate(const TopkView& routing, int num_experts);
+// begin runs from 0 up to the entries, experts in [0, E) strictly ascending within a token,
+// probs valid, num_experts == expected_experts.
+Status validate(const SparseRouting& routing, int expected_experts);
 
 // top-k -> map: -1 entries are skipped; probs of unrouted experts are 0.
 RoutingMap to_map(const TopkRouting& routing, int num_experts);
+// Into the sparse form (inputs validated): top-k skips -1 slots and sorts each token's experts;
+// a map lists its routed cells. num_topk: the view's K / the map's num_topk.
+SparseRouting to_sparse(const TopkView& routing, int num_experts);
+SparseRouting to_sparse(const RoutingMap& routing);
+// sparse -> map (a dense [T, E]; probs 0 where unrouted).
+RoutingMap to_map(const SparseRouting& routing);
+// sparse -> top-k with K = max experts per token, or num_topk if given and that is at least
+// the max (else an error naming the widest token); unused slots -1 with weight 0.
+StatusOr<TopkRouting> to_topk(const SparseRouting& routing, std::optional<int> num_topk = {});
 // map -> top-k with K = max experts per token (or `num_topk` if given and large enough, else
 // an error naming the token); experts listed in ascending id, unused slots -1 with weight 0.
 StatusOr<TopkRouting> to_topk(const RoutingMap& routing, std::optional<int> num_topk = {});
@@ -86,7 +147,15 @@ struct LayoutOptions {
 // Capacity for one source rank: ceil(num_tokens * num_topk / num_experts * capacity_factor).
 int64_t expert_capacity(int64_t num_tokens, int num_topk, int num_experts, double capacity_factor);
 
-// Applies capacity dropping then router padding to one source rank's map (spec §3).
+// Applies capacity dropping then router padding to one source rank's routing (spec §3),
+// on the sparse form: O(entries + E * padding multiple). The capacity formula takes K from
+// routing.num_topk. Each expert is dropped and padded on its own; with a pool and many
+// entries the experts are split over its workers (the result does not depend on the split).
+StatusOr<SparseRouting> apply_layout_options(const SparseRouting& routing,
+                                             const LayoutOptions& options,
+                                             ThreadPool* pool = nullptr);
+// The same on a map (converted to the sparse form and back; cells the options do not touch,
+// unrouted probs included, are left as they are).
 // `num_topk` is K of the routing this map came from (for the capacity formula).
 // Fast, multithreaded path; the reference has its own independent version. Work is split by
 // expert over ThreadPool::global() when the map is large (so don't call it from inside a job

@@ -258,29 +258,12 @@ class Buffer:
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """DeepEP's recommended dispatch config (its values; moed ignores them)."""
-        config_map = {
-            2: Config(Buffer.num_sms, 24, 256, 6, 128), 4: Config(Buffer.num_sms, 6, 256, 6, 128),
-            8: Config(Buffer.num_sms, 6, 256, 6, 128), 16: Config(Buffer.num_sms, 36, 288, 20, 128),
-            24: Config(Buffer.num_sms, 32, 288, 8, 128), 32: Config(Buffer.num_sms, 32, 288, 8, 128),
-            48: Config(Buffer.num_sms, 32, 288, 8, 128), 64: Config(Buffer.num_sms, 32, 288, 8, 128),
-            96: Config(Buffer.num_sms, 20, 480, 12, 128), 128: Config(Buffer.num_sms, 20, 560, 12, 128),
-            144: Config(Buffer.num_sms, 32, 720, 12, 128), 160: Config(Buffer.num_sms, 28, 720, 12, 128),
-        }
-        # DeepEP asserts on other rank counts; moed runs any, so fall back to its default.
-        return config_map.get(num_ranks, Config(Buffer.num_sms))
+        return _recommended_config(num_ranks, 0)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         """DeepEP's recommended combine config (its values; moed ignores them)."""
-        config_map = {
-            2: Config(Buffer.num_sms, 10, 256, 6, 128), 4: Config(Buffer.num_sms, 9, 256, 6, 128),
-            8: Config(Buffer.num_sms, 4, 256, 6, 128), 16: Config(Buffer.num_sms, 4, 288, 12, 128),
-            24: Config(Buffer.num_sms, 1, 288, 8, 128), 32: Config(Buffer.num_sms, 1, 288, 8, 128),
-            48: Config(Buffer.num_sms, 1, 288, 8, 128), 64: Config(Buffer.num_sms, 1, 288, 8, 128),
-            96: Config(Buffer.num_sms, 1, 480, 8, 128), 128: Config(Buffer.num_sms, 1, 560, 8, 128),
-            144: Config(Buffer.num_sms, 2, 720, 8, 128), 160: Config(Buffer.num_sms, 2, 720, 8, 128),
-        }
-        return config_map.get(num_ranks, Config(Buffer.num_sms))
+        return _recommended_config(num_ranks, 1)
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -471,13 +454,7 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(recv_count.view_as(cumulative_local_expert_recv_stats))
 
-        if hook is None:
-            finish()
-            out_hook = None
-        else:
-            def out_hook():
-                hook()
-                finish()
+        out_hook = _after_receive(hook, finish)
         if use_fp8:
             recv_scales = packed_scales.view(L, RM, H // 512) if use_ue8m0 else scales.view(L, RM, H // 128)
             out = (recv_x, recv_scales)
@@ -528,16 +505,11 @@ class Buffer:
         if out is not None:
             if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != combined_x.shape:
                 raise ValueError(f"out must be a bf16 tensor of shape {list(combined_x.shape)}")
-        if hook is None:
-            if out is not None:
-                out.copy_(combined_x)
-                combined_x = out
-            return combined_x, EventOverlap(EventHandle()), None
 
-        def out_hook():
-            hook()
+        def finish():
             if out is not None:
                 out.copy_(combined_x)
+        out_hook = _after_receive(hook, finish)
         return (out if out is not None else combined_x), EventOverlap(EventHandle()), out_hook
 
     def get_next_low_latency_combine_buffer(self, handle: object):
@@ -563,6 +535,37 @@ class Buffer:
 
     def low_latency_clean_mask_buffer(self):
         raise NotImplementedError("moed.deep_ep: rank masking (enable_shrink) is not available yet")
+
+
+# DeepEP's recommended (dispatch, combine) configs per rank count: Config's arguments after
+# num_sms (NVL chunked send, NVL chunked recv, RDMA chunked send, RDMA chunked recv tokens).
+_RECOMMENDED_CONFIGS = {
+    2: ((24, 256, 6, 128), (10, 256, 6, 128)), 4: ((6, 256, 6, 128), (9, 256, 6, 128)),
+    8: ((6, 256, 6, 128), (4, 256, 6, 128)), 16: ((36, 288, 20, 128), (4, 288, 12, 128)),
+    24: ((32, 288, 8, 128), (1, 288, 8, 128)), 32: ((32, 288, 8, 128), (1, 288, 8, 128)),
+    48: ((32, 288, 8, 128), (1, 288, 8, 128)), 64: ((32, 288, 8, 128), (1, 288, 8, 128)),
+    96: ((20, 480, 12, 128), (1, 480, 8, 128)), 128: ((20, 560, 12, 128), (1, 560, 8, 128)),
+    144: ((32, 720, 12, 128), (2, 720, 8, 128)), 160: ((28, 720, 12, 128), (2, 720, 8, 128)),
+}
+
+
+def _recommended_config(num_ranks, which):
+    # DeepEP asserts on other rank counts; moed runs any, so fall back to its default.
+    values = _RECOMMENDED_CONFIGS.get(num_ranks)
+    return Config(Buffer.num_sms, *values[which]) if values else Config(Buffer.num_sms)
+
+
+def _after_receive(hook, finish):
+    """What the low-latency calls do once the data is in: `finish` now (no hook), or a hook that
+    receives and then finishes (return_recv_hook)."""
+    if hook is None:
+        finish()
+        return None
+
+    def out_hook():
+        hook()
+        finish()
+    return out_hook
 
 
 def _fp8_out(t, like):

@@ -6,11 +6,54 @@ namespace moed {
 
 namespace {
 
+int routing_forms(const DispatchInput& in) {
+  return int(in.topk != nullptr) + int(in.map != nullptr) + int(in.topk_view != nullptr) +
+         int(in.routing != nullptr);
+}
+
+int64_t routing_tokens(const DispatchInput& in) {
+  if (in.topk) return in.topk->num_tokens;
+  if (in.map) return in.map->num_tokens;
+  if (in.topk_view) return in.topk_view->num_tokens;
+  return in.routing->num_tokens();
+}
+
+int routing_topk(const DispatchInput& in) {
+  if (in.topk) return in.topk->num_topk;
+  if (in.map) return in.map->num_topk;
+  if (in.topk_view) return in.topk_view->num_topk;
+  return in.routing->num_topk;
+}
+
+Status check_routing(const DispatchConfig& config, const DispatchInput& input) {
+  const int E = config.num_experts;
+  if (input.topk) return validate(*input.topk, E);
+  if (input.topk_view) {
+    const TopkView& v = *input.topk_view;
+    if (v.num_tokens > 0 && v.num_topk > 0 && v.idx == nullptr) {
+      return invalid_argument("topk_view has ", v.num_tokens, " x ", v.num_topk,
+                              " entries but no indices");
+    }
+    return validate(v, E);
+  }
+  MOED_RETURN_IF_ERROR(input.map ? validate(*input.map, E) : validate(*input.routing, E));
+  if (config.layout.capacity_factor && routing_topk(input) <= 0) {
+    return invalid_argument("capacity_factor needs the routing's num_topk; the ",
+                            input.map ? "routing map" : "sparse routing", " has num_topk = ",
+                            routing_topk(input));
+  }
+  return ok_status();
+}
+
 Status check_local(const DispatchConfig& config, const DispatchInput& input) {
   const TokenRows& h = input.hidden;
-  if ((input.topk == nullptr) == (input.map == nullptr)) {
-    return invalid_argument("DispatchInput needs exactly one routing form (topk or map); got ",
-                            input.topk ? "both" : "neither");
+  if (routing_forms(input) != 1) {
+    return invalid_argument(
+        "DispatchInput needs exactly one routing form (topk, map, topk_view or routing); got ",
+        routing_forms(input) ? "several" : "none");
+  }
+  if (input.layout_applied && input.map == nullptr && input.routing == nullptr) {
+    return invalid_argument("layout_applied needs the routing as a map or sparse routing");
   }
   if (h.x.rows < 0 || h.x.cols <= 0) {
     return invalid_argument("hidden is [", h.x.rows, ", ", h.x.cols,
@@ -31,23 +74,18 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
                               h.scales.cols, "]");
     }
   }
-  const int64_t routing_tokens = input.topk ? input.topk->num_tokens : input.map->num_tokens;
-  if (routing_tokens != h.x.rows) {
-    return invalid_argument("routing has ", routing_tokens, " tokens but hidden has ", h.x.rows,
-                            " rows");
+  if (routing_tokens(input) != h.x.rows) {
+    return invalid_argument("routing has ", routing_tokens(input), " tokens but hidden has ",
+                            h.x.rows, " rows");
   }
-  if (input.topk) {
-    MOED_RETURN_IF_ERROR(validate(*input.topk, config.num_experts));
-  } else {
-    MOED_RETURN_IF_ERROR(validate(*input.map, config.num_experts));
-    if (config.layout.capacity_factor && input.map->num_topk <= 0) {
-      return invalid_argument(
-          "capacity_factor needs the routing's num_topk; the routing map has "
-          "num_topk = ",
-          input.map->num_topk);
-    }
-  }
-  return ok_status();
+  return check_routing(config, input);
+}
+
+// The input's routing in the sparse form (one conversion; checked already).
+SparseRouting sparse_of(const DispatchConfig& config, const DispatchInput& input) {
+  if (input.routing) return *input.routing;
+  if (input.map) return to_sparse(*input.map);
+  return to_sparse(input.topk ? TopkView::of(*input.topk) : *input.topk_view, config.num_experts);
 }
 
 PreparedInput prepared_shapes(const DispatchInput& input) {
@@ -55,7 +93,7 @@ PreparedInput prepared_shapes(const DispatchInput& input) {
   p.num_tokens = input.hidden.x.rows;
   p.hidden = int(input.hidden.x.cols);
   p.dtype = input.hidden.x.dtype;
-  p.num_topk = input.topk ? input.topk->num_topk : input.map->num_topk;
+  p.num_topk = routing_topk(input);
   return p;
 }
 
@@ -82,28 +120,24 @@ StatusOr<PreparedInput> prepare_dispatch_input_local(const DispatchConfig& confi
                                                      const DispatchInput& input, ThreadPool& pool) {
   MOED_RETURN_IF_ERROR(check_local(config, input));
   PreparedInput p = prepared_shapes(input);
-  const bool reshapes = config.layout.capacity_factor || config.layout.router_padding_multiple > 0;
-  if (input.topk) {
-    p.effective = to_map(*input.topk, config.num_experts);
-  } else if (!reshapes) {
-    p.effective = *input.map;
-  }
-  if (reshapes) {
+  p.effective = sparse_of(config, input);
+  p.effective.num_topk = p.num_topk;
+  const LayoutOptions& o = config.layout;
+  if ((o.capacity_factor || o.router_padding_multiple > 0) && !input.layout_applied) {
     // NOTE: the rank's own pool, never the global one: rank threads of the threads world would
     // otherwise queue behind each other on one pool.
-    const RoutingMap& source = input.topk ? p.effective : *input.map;
-    MOED_ASSIGN_OR_RETURN(p.effective,
-                          apply_layout_options(source, p.num_topk, config.layout, &pool));
+    MOED_ASSIGN_OR_RETURN(p.effective, apply_layout_options(p.effective, o, &pool));
   }
-  if (config.layout.capacity_factor) {
-    p.capacity = expert_capacity(p.num_tokens, p.num_topk, config.num_experts,
-                                 *config.layout.capacity_factor);
-  }
-  const int E = config.num_experts;
-  p.tokens_per_expert.assign(size_t(E), 0);
-  for (int64_t t = 0; t < p.num_tokens; ++t) {
-    const uint8_t* row = &p.effective.routing_map[size_t(t) * E];
-    for (int e = 0; e < E; ++e) p.tokens_per_expert[size_t(e)] += row[e];
+  p.tokens_per_expert = p.effective.tokens_per_expert();
+  if (o.capacity_factor) {
+    p.capacity = expert_capacity(p.num_tokens, p.num_topk, config.num_experts, *o.capacity_factor);
+    for (int e = 0; input.layout_applied && e < config.num_experts; ++e) {
+      if (p.tokens_per_expert[size_t(e)] > p.capacity) {
+        return invalid_argument("layout_applied, but expert ", e, " has ",
+                                p.tokens_per_expert[size_t(e)], " tokens, more than the capacity ",
+                                p.capacity);
+      }
+    }
   }
   return p;
 }

@@ -1,7 +1,8 @@
 // What every dispatcher does first, in one place: check the DispatchInput against the config
-// on every rank (World::agree, so a bad input is everyone's error), turn the routing into the
-// effective map (capacity dropping, router padding), and compute the canonical layout of
-// spec §3 from everybody's per-expert counts.
+// on every rank (World::agree, so a bad input is everyone's error), turn the routing, whatever
+// its form, into the sparse form once (moed/routing.h), apply capacity dropping and router
+// padding on it (the effective routing), count it, and compute the canonical layout of spec
+// §3 from everybody's per-expert counts.
 //
 //   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(world, config, input));
 //   ... exchange in.tokens_per_expert ([E]) so each rank has counts[s][e] ...
@@ -21,8 +22,8 @@ struct PreparedInput {
   int hidden = 0;          // H, the same on every rank (checked)
   DType dtype = DType::kF32;
   int num_topk = 0;      // K, the same on every rank (checked)
-  RoutingMap effective;  // after dropping and router padding
-  // Rows this rank sends to each global expert (count of routed tokens in `effective`), [E].
+  SparseRouting effective;  // after dropping and router padding
+  // Rows this rank sends to each global expert (entries of `effective` per expert), [E].
   std::vector<int64_t> tokens_per_expert;
   // C_s of this rank when capacity_factor is set (else 0).
   int64_t capacity = 0;

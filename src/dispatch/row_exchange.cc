@@ -97,7 +97,7 @@ StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& confi
 
 StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, World& world,
                                                  const GlobalCounts& counts,
-                                                 const RoutingMap& effective) {
+                                                 const SparseRouting& effective) {
   const int R = world.size(), L = config.num_local_experts(R), P = config.etp_size;
   RowExchangePlan plan;
   plan.world_size = R;
@@ -354,15 +354,7 @@ StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
   CombineOutput out;
   MOED_ASSIGN_OR_RETURN(out.hidden, reduce_home(h.plan.home, terms(combine_, summed), probs,
                                                 combine_.received.dtype, world_->pool()));
-  const RoutingMap& m = h.routing;
-  out.combined_probs.assign(size_t(m.num_tokens), 0.0f);
-  for (int64_t t = 0; t < m.num_tokens; ++t) {
-    float acc = 0.0f;
-    for (int e = 0; e < m.num_experts; ++e) {
-      if (m.routed(t, e)) acc += m.prob(t, e);
-    }
-    out.combined_probs[size_t(t)] = acc;
-  }
+  out.combined_probs = h.routing.prob_sums();
   combine_.reset();
   return out;
 }
@@ -421,9 +413,9 @@ Status RowExchangeDispatcher::start_combine_backward(const CombineGradInput& gra
     const TensorView& g = grad.grad_hidden;
     if (g.dtype != DType::kF32 && g.dtype != DType::kBF16) {
       local = invalid_argument("grad_hidden is ", dtype_name(g.dtype), "; must be f32 or bf16");
-    } else if (g.rows != d.routing.num_tokens || g.cols != d.hidden) {
+    } else if (g.rows != d.routing.num_tokens() || g.cols != d.hidden) {
       local = invalid_argument("grad_hidden is [", g.rows, ", ", g.cols, "] but this rank has [",
-                               d.routing.num_tokens, ", ", d.hidden, "] tokens");
+                               d.routing.num_tokens(), ", ", d.hidden, "] tokens");
     } else if (g.row_stride < g.cols || (g.rows > 0 && g.data == nullptr)) {
       local = invalid_argument("grad_hidden has row_stride ", g.row_stride, " < ", g.cols,
                                " or null data");
@@ -469,7 +461,7 @@ Status RowExchangeDispatcher::finish_combine_backward(std::span<const float> gra
   if (config_.weighted_combine) {
     MOED_ASSIGN_OR_RETURN(out.grad_probs, row_values_to_map(h.plan.home, grad_row_probs));
   } else {
-    out.grad_probs.assign(size_t(h.routing.num_tokens) * size_t(h.routing.num_experts), 0.0f);
+    out.grad_probs.assign(size_t(h.routing.num_tokens()) * size_t(h.routing.num_experts), 0.0f);
   }
   combine_grad_.reset();
   return ok_status();

@@ -67,7 +67,7 @@ struct RowExchangePlan {
 };
 StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, World& world,
                                                  const GlobalCounts& counts,
-                                                 const RoutingMap& effective);
+                                                 const SparseRouting& effective);
 
 // The plan's two row moves, one all_to_all_v each, rows of row_bytes:
 //   exchange_to_experts: home side -> expert side, the rows from source s packed source-major

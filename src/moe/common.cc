@@ -3,18 +3,6 @@
 #include "moe/layer_internal.h"
 
 namespace moed::moe {
-namespace {
-
-void for_rows(ThreadPool* pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
-  if (pool == nullptr || n < 64) {
-    fn(0, n);
-    return;
-  }
-  pool->parallel_for(
-      n, [&](int64_t b, int64_t e, int) { fn(b, e); }, 16);
-}
-
-}  // namespace
 
 StatusOr<RouteContext> route(const Router& router, const Tensor& router_weight, const TensorView& x,
                              ThreadPool* pool) {

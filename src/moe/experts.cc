@@ -7,7 +7,6 @@
 #include "moed/status.h"
 
 namespace moed::moe {
-namespace {
 
 void for_rows(ThreadPool* pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
   if (pool == nullptr || n < 64) {
@@ -17,6 +16,8 @@ void for_rows(ThreadPool* pool, int64_t n, const std::function<void(int64_t, int
   pool->parallel_for(
       n, [&](int64_t b, int64_t e, int) { fn(b, e); }, 16);
 }
+
+namespace {
 
 inline float sigmoid(float g) { return 1.0f / (1.0f + std::exp(-g)); }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -17,6 +18,9 @@
 #include "moed/thread_pool.h"
 
 namespace moed::moe {
+
+// fn(begin, end) over [0, n) rows, split over `pool` (null or under 64 rows: this thread).
+void for_rows(ThreadPool* pool, int64_t n, const std::function<void(int64_t, int64_t)>& fn);
 
 struct Segment {
   int64_t row0 = 0;  // first row in the caller's X / Y

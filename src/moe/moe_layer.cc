@@ -97,9 +97,12 @@ StatusOr<Tensor> MoELayer::forward(const TensorView& x) {
   // The previous step's output is not needed any more; dropped first, its memory is reused
   // (a held output would make the dispatcher write elsewhere: moed/dispatcher.h).
   s.dispatched = DispatchOutput{};
+  // The router dropped and padded already (the same LayoutOptions): the dispatcher takes its
+  // sparse routing as the effective one and does not apply them again.
   MOED_RETURN_IF_ERROR(s.dispatcher->dispatch_preprocess({.hidden = TokenRows{s.x.view(), {}},
-                                                          .map = &s.route.out.routing,
-                                                          .cached_handle = nullptr}));
+                                                          .cached_handle = nullptr,
+                                                          .routing = &s.route.out.sparse,
+                                                          .layout_applied = true}));
   StatusOr<Request> pending = s.dispatcher->token_dispatch(s.config.overlap_shared_expert);
   double dispatch_s = seconds_since(t0);
   Tensor shared_y;

@@ -40,8 +40,9 @@ RouterConfig MoEConfig::router_config() const {
   RouterConfig r = router;
   r.num_experts = num_experts;
   r.num_topk = num_topk;
-  // Dropping and router padding belong to routing; the layout-only options go to the
-  // dispatcher alone.
+  // Dropping and router padding happen once, here in routing; the dispatcher gets every
+  // option (it needs the capacity for pad_to_capacity) but takes the router's routing with
+  // layout_applied, so it does not drop or pad again.
   r.layout = LayoutOptions{};
   r.layout.capacity_factor = layout.capacity_factor;
   r.layout.drop_policy = layout.drop_policy;

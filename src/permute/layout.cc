@@ -1,6 +1,6 @@
-// make_permute_layout: where every routed (token, expert) pair of an effective map goes.
+// make_permute_layout: where every routed (token, expert) pair of an effective routing goes.
 //
-// Two passes over the map, each split into contiguous token pieces (DeepEP's channels): the
+// Two passes over the sparse routing (a map is converted once), each split into contiguous token pieces (DeepEP's channels): the
 // first counts each piece's tokens per expert, a short serial step turns the counts into
 // each piece's first row inside each (expert, source) chunk, and the second pass writes
 // sorted_indices / permuted_probs. A piece never straddles a source boundary, so chunk order
@@ -20,15 +20,11 @@ struct Piece {
   int64_t end;
 };
 
-Status check_options(const RoutingMap& routing, const PermuteOptions& o, int expert_end,
-                     int num_sources) {
+Status check_map(const RoutingMap& routing) {
   const int64_t T = routing.num_tokens;
   const int E = routing.num_experts;
   if (T < 0) return invalid_argument("routing num_tokens = ", T, " is negative");
   if (E <= 0) return invalid_argument("routing num_experts = ", E, " must be positive");
-  if (T > INT32_MAX) {
-    return invalid_argument("routing num_tokens = ", T, " does not fit the int32 sorted_indices");
-  }
   const size_t cells = size_t(T) * size_t(E);
   if (routing.routing_map.size() != cells) {
     return invalid_argument("routing_map has ", routing.routing_map.size(), " entries; [", T, ", ",
@@ -37,6 +33,14 @@ Status check_options(const RoutingMap& routing, const PermuteOptions& o, int exp
   if (routing.probs.size() != cells) {
     return invalid_argument("routing probs has ", routing.probs.size(), " entries; [", T, ", ", E,
                             "] needs ", cells);
+  }
+  return ok_status();
+}
+
+Status check_options(int64_t T, int E, const PermuteOptions& o, int expert_end,
+                     int num_sources) {
+  if (T > INT32_MAX) {
+    return invalid_argument("routing num_tokens = ", T, " does not fit the int32 sorted_indices");
   }
   if (o.expert_begin < 0 || o.expert_begin > expert_end || expert_end > E) {
     return invalid_argument("expert range [", o.expert_begin, ", ", o.expert_end,
@@ -92,15 +96,17 @@ int PermuteLayout::expert_of_row(int64_t row) const {
   return expert_begin + int(it - expert_offsets.begin()) - 1;
 }
 
-StatusOr<PermuteLayout> make_permute_layout(const RoutingMap& routing,
-                                            const PermuteOptions& options, ThreadPool& pool) {
+namespace {
+
+StatusOr<PermuteLayout> layout_of(const SparseRouting& routing, const PermuteOptions& options,
+                                  ThreadPool& pool) {
   const int E = routing.num_experts;
   const int expert_end = options.expert_end < 0 ? E : options.expert_end;
   const int num_sources =
       options.source_offsets.empty() ? 1 : int(options.source_offsets.size()) - 1;
-  MOED_RETURN_IF_ERROR(check_options(routing, options, expert_end, num_sources));
+  const int64_t T = routing.num_tokens();
+  MOED_RETURN_IF_ERROR(check_options(T, E, options, expert_end, num_sources));
 
-  const int64_t T = routing.num_tokens;
   const int eb = options.expert_begin;
   const int n = expert_end - eb;
   auto source_begin = [&](int s) -> int64_t {
@@ -130,9 +136,10 @@ StatusOr<PermuteLayout> make_permute_layout(const RoutingMap& routing,
   pool.parallel_for(num_pieces, [&](int64_t pb, int64_t pe, int) {
     for (int64_t p = pb; p < pe; ++p) {
       int64_t* c = cursor.data() + size_t(p) * n;
-      for (int64_t t = pieces[size_t(p)].begin; t < pieces[size_t(p)].end; ++t) {
-        const uint8_t* m = routing.routing_map.data() + size_t(t) * E + eb;
-        for (int j = 0; j < n; ++j) c[j] += m[j] != 0;
+      for (int64_t i = routing.begin[size_t(pieces[size_t(p)].begin)];
+           i < routing.begin[size_t(pieces[size_t(p)].end)]; ++i) {
+        const int j = routing.expert[size_t(i)] - eb;
+        if (j >= 0 && j < n) ++c[j];
       }
     }
   });
@@ -185,18 +192,31 @@ StatusOr<PermuteLayout> make_permute_layout(const RoutingMap& routing,
     for (int64_t p = pb; p < pe; ++p) {
       int64_t* c = cursor.data() + size_t(p) * n;
       for (int64_t t = pieces[size_t(p)].begin; t < pieces[size_t(p)].end; ++t) {
-        const uint8_t* m = routing.routing_map.data() + size_t(t) * E + eb;
-        const float* pr = &routing.probs[size_t(t) * E + eb];
-        for (int j = 0; j < n; ++j) {
-          if (!m[j]) continue;
+        for (int64_t i = routing.begin[size_t(t)]; i < routing.begin[size_t(t) + 1]; ++i) {
+          const int j = routing.expert[size_t(i)] - eb;
+          if (j < 0 || j >= n) continue;
           const int64_t r = c[j]++;
           l.sorted_indices[size_t(r)] = int32_t(t);
-          l.permuted_probs[size_t(r)] = pr[j];
+          l.permuted_probs[size_t(r)] = routing.prob[size_t(i)];
         }
       }
     }
   });
   return l;
+}
+
+}  // namespace
+
+StatusOr<PermuteLayout> make_permute_layout(const RoutingMap& routing,
+                                            const PermuteOptions& options, ThreadPool& pool) {
+  MOED_RETURN_IF_ERROR(check_map(routing));
+  return layout_of(to_sparse(routing), options, pool);
+}
+
+StatusOr<PermuteLayout> make_permute_layout(const SparseRouting& routing,
+                                            const PermuteOptions& options, ThreadPool& pool) {
+  MOED_RETURN_IF_ERROR(validate(routing, routing.num_experts));
+  return layout_of(routing, options, pool);
 }
 
 StatusOr<std::vector<float>> row_values_to_map(const PermuteLayout& layout,

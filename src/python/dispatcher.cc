@@ -45,10 +45,11 @@ class DispatcherBox : public Closable {
   std::unique_ptr<TokenDispatcher> d_;
   std::mutex mu_;
   // Inputs of the dispatch / combine in flight: the tensors stay referenced (their memory is
-  // read until the step's request completes), the routing is moed's own copy.
-  py::object keep_x, keep_scales, keep_eo;
+  // read until the step's request completes); top-k routing is viewed in place (or in torch's
+  // contiguous copy, kept here), a map is moed's own copy.
+  py::object keep_x, keep_scales, keep_eo, keep_idx, keep_weights;
   RoutingMap map;
-  TopkRouting topk;
+  TopkView topk;
   Request d_req, c_req;
   bool zero_copy = false;  // Flex: expert_input stays in the region the next dispatch overwrites
 };
@@ -72,8 +73,8 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
     b.map = routing_map_arg(routing_map, probs, num_topk);
     in.map = &b.map;
   } else {
-    b.topk = topk_arg(topk_idx, topk_weights);
-    in.topk = &b.topk;
+    b.topk = topk_view_arg(topk_idx, topk_weights, b.keep_idx, b.keep_weights);
+    in.topk_view = &b.topk;
   }
   b.keep_x = py::reinterpret_borrow<py::object>(x);
   b.keep_scales = py::reinterpret_borrow<py::object>(scales);
@@ -103,6 +104,8 @@ py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
   }
   b.keep_x = py::object();
   b.keep_scales = py::object();
+  b.keep_idx = py::object();
+  b.keep_weights = py::object();
   return py::make_tuple(x, scales, span_to_torch<float>(out.permuted_probs),
                         span_to_torch<int64_t>(out.tokens_per_expert), HandleBox{out.handle});
 }
@@ -111,6 +114,50 @@ std::shared_ptr<const DispatchHandle> handle_of(py::handle h) {
   auto& box = h.cast<HandleBox&>();
   if (!box.h) throw py::value_error("handle is empty");
   return box.h;
+}
+
+CombineInput combine_input(py::handle eo, py::handle handle) {
+  CombineInput in;
+  in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
+  in.handle = handle_of(handle);
+  return in;
+}
+
+// (gradient tensor, grad_probs [T, E]) of a backward pass.
+py::tuple grad_result(Tensor&& grad, std::vector<float>&& grad_probs, const DispatchHandle& h) {
+  return py::make_tuple(to_torch(std::move(grad)),
+                        vector_to_torch<float>(std::move(grad_probs),
+                                               {h.routing.num_tokens(), h.routing.num_experts}));
+}
+
+// Waits on a step's request (if any) and runs the local step after it.
+template <typename F>
+auto after(Request& pending, F&& step) {
+  return check(nogil([&]() -> decltype(step()) {
+    if (pending) {
+      Request r = std::move(pending);
+      MOED_RETURN_IF_ERROR(r->wait());
+    }
+    return step();
+  }));
+}
+
+// Defines `name` taking a dispatch's arguments (hidden_states, scales, one routing form) and
+// calling f(box, DispatchInput): dispatch_preprocess and the one-call dispatch.
+template <typename Class, typename F>
+void def_dispatch(Class& c, const char* name, F f) {
+  c.def(
+      name,
+      [f](DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
+          py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk) {
+        DispatchInput in;
+        prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk, in);
+        return f(b, in);
+      },
+      py::arg("hidden_states"), py::arg("scales") = py::none(),
+      py::arg("routing_map") = py::none(), py::arg("probs") = py::none(),
+      py::arg("topk_idx") = py::none(), py::arg("topk_weights") = py::none(),
+      py::arg("num_topk") = 0);
 }
 
 }  // namespace
@@ -122,7 +169,7 @@ void bind_dispatcher(py::module_& m) {
       .def_property_readonly("num_rows", [](const HandleBox& b) { return b.h->num_rows; })
       .def_property_readonly("hidden", [](const HandleBox& b) { return b.h->hidden; })
       .def_property_readonly("num_tokens",
-                             [](const HandleBox& b) { return b.h->routing.num_tokens; })
+                             [](const HandleBox& b) { return b.h->routing.num_tokens(); })
       .def_property_readonly("num_experts",
                              [](const HandleBox& b) { return b.h->routing.num_experts; })
       .def_property_readonly(
@@ -141,20 +188,22 @@ void bind_dispatcher(py::module_& m) {
       .def_property_readonly(
           "permuted_probs",
           [](const HandleBox& b) { return span_to_torch<float>(b.h->permuted_probs); })
-      // The effective routing (after dropping and router padding), map form.
+      // The effective routing (after dropping and router padding), as a map on request: the
+      // handle keeps it sparse.
       .def_property_readonly("routing_map",
                              [](const HandleBox& b) {
-                               const RoutingMap& r = b.h->routing;
-                               return vector_to_torch<uint8_t>(std::vector<uint8_t>(r.routing_map),
+                               RoutingMap r = to_map(b.h->routing);
+                               return vector_to_torch<uint8_t>(std::move(r.routing_map),
                                                                {r.num_tokens, r.num_experts})
                                    .attr("bool")();
                              })
       .def_property_readonly("routing_probs", [](const HandleBox& b) {
-        const RoutingMap& r = b.h->routing;
-        return vector_to_torch<float>(std::vector<float>(r.probs), {r.num_tokens, r.num_experts});
+        RoutingMap r = to_map(b.h->routing);
+        return vector_to_torch<float>(std::move(r.probs), {r.num_tokens, r.num_experts});
       });
 
-  py::class_<DispatcherBox, std::shared_ptr<DispatcherBox>>(m, "TokenDispatcher")
+  py::class_<DispatcherBox, std::shared_ptr<DispatcherBox>> cls(m, "TokenDispatcher");
+  cls
       .def(py::init([](std::shared_ptr<WorldHandle> world, const std::string& kind, int num_experts,
                        int ep_size, int etp_size, py::handle capacity_factor,
                        const std::string& drop_policy, bool pad_to_capacity, int expert_alignment,
@@ -196,47 +245,29 @@ void bind_dispatcher(py::module_& m) {
                b.close();
                return 0;
              });
-           })
-      // ---- the six steps ----
-      .def(
-          "dispatch_preprocess",
-          [](DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
-             py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk) {
-            DispatchInput in;
-            prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk,
-                             in);
-            TokenDispatcher& d = b.get();
-            check(nogil([&] { return d.dispatch_preprocess(in); }));
-          },
-          py::arg("hidden_states"), py::arg("scales") = py::none(),
-          py::arg("routing_map") = py::none(), py::arg("probs") = py::none(),
-          py::arg("topk_idx") = py::none(), py::arg("topk_weights") = py::none(),
-          py::arg("num_topk") = 0)
-      .def(
-          "token_dispatch",
-          [](DispatcherBox& b, bool async) {
-            TokenDispatcher& d = b.get();
-            b.d_req = check(nogil([&] { return d.token_dispatch(async); }));
-          },
-          py::arg("async_op") = false)
+           });
+
+  // ---- the six steps ----
+  def_dispatch(cls, "dispatch_preprocess", [](DispatcherBox& b, const DispatchInput& in) {
+    TokenDispatcher& d = b.get();
+    check(nogil([&] { return d.dispatch_preprocess(in); }));
+  });
+  cls.def(
+         "token_dispatch",
+         [](DispatcherBox& b, bool async) {
+           TokenDispatcher& d = b.get();
+           b.d_req = check(nogil([&] { return d.token_dispatch(async); }));
+         },
+         py::arg("async_op") = false)
       .def("dispatch_postprocess",
            [](DispatcherBox& b) {
              TokenDispatcher& d = b.get();
-             DispatchOutput out = check(nogil([&]() -> StatusOr<DispatchOutput> {
-               if (b.d_req) {
-                 Request r = std::move(b.d_req);
-                 MOED_RETURN_IF_ERROR(r->wait());
-               }
-               return d.dispatch_postprocess();
-             }));
-             return dispatch_result(b, std::move(out));
+             return dispatch_result(b, after(b.d_req, [&] { return d.dispatch_postprocess(); }));
            })
       .def(
           "combine_preprocess",
           [](DispatcherBox& b, py::handle eo, py::handle handle) {
-            CombineInput in;
-            in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
-            in.handle = handle_of(handle);
+            const CombineInput in = combine_input(eo, handle);
             b.keep_eo = py::reinterpret_borrow<py::object>(eo);
             TokenDispatcher& d = b.get();
             check(nogil([&] { return d.combine_preprocess(in); }));
@@ -254,13 +285,7 @@ void bind_dispatcher(py::module_& m) {
           "combine_postprocess",
           [](DispatcherBox& b, bool combined_probs) {
             TokenDispatcher& d = b.get();
-            CombineOutput out = check(nogil([&]() -> StatusOr<CombineOutput> {
-              if (b.c_req) {
-                Request r = std::move(b.c_req);
-                MOED_RETURN_IF_ERROR(r->wait());
-              }
-              return d.combine_postprocess();
-            }));
+            CombineOutput out = after(b.c_req, [&] { return d.combine_postprocess(); });
             b.keep_eo = py::object();
             int64_t T = out.hidden.rows();
             py::object probs = combined_probs
@@ -268,36 +293,24 @@ void bind_dispatcher(py::module_& m) {
                                    : py::object(py::none());
             return py::make_tuple(to_torch(std::move(out.hidden)), probs);
           },
-          py::arg("combined_probs") = false)
-      // ---- one call each ----
-      .def(
-          "dispatch",
-          [](DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
-             py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk) {
-            DispatchInput in;
-            prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk,
-                             in);
-            TokenDispatcher& d = b.get();
-            DispatchOutput out = check(nogil([&] { return d.dispatch(in); }));
-            return dispatch_result(b, std::move(out));
-          },
-          py::arg("hidden_states"), py::arg("scales") = py::none(),
-          py::arg("routing_map") = py::none(), py::arg("probs") = py::none(),
-          py::arg("topk_idx") = py::none(), py::arg("topk_weights") = py::none(),
-          py::arg("num_topk") = 0)
-      .def(
-          "combine",
-          [](DispatcherBox& b, py::handle eo, py::handle handle) {
-            CombineInput in;
-            in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
-            in.handle = handle_of(handle);
-            TokenDispatcher& d = b.get();
-            CombineOutput out = check(nogil([&] { return d.combine(in); }));
-            int64_t T = out.hidden.rows();
-            return py::make_tuple(to_torch(std::move(out.hidden)),
-                                  vector_to_torch<float>(std::move(out.combined_probs), {T}));
-          },
-          py::arg("expert_output"), py::arg("handle"))
+          py::arg("combined_probs") = false);
+  // ---- one call each ----
+  def_dispatch(cls, "dispatch", [](DispatcherBox& b, const DispatchInput& in) {
+    TokenDispatcher& d = b.get();
+    DispatchOutput out = check(nogil([&] { return d.dispatch(in); }));
+    return dispatch_result(b, std::move(out));
+  });
+  cls.def(
+         "combine",
+         [](DispatcherBox& b, py::handle eo, py::handle handle) {
+           const CombineInput in = combine_input(eo, handle);
+           TokenDispatcher& d = b.get();
+           CombineOutput out = check(nogil([&] { return d.combine(in); }));
+           int64_t T = out.hidden.rows();
+           return py::make_tuple(to_torch(std::move(out.hidden)),
+                                 vector_to_torch<float>(std::move(out.combined_probs), {T}));
+         },
+         py::arg("expert_output"), py::arg("handle"))
       // The C++ API's own loop, for the benchmark beside the Python steps (same process, same
       // run): per iteration dispatch(map form) then combine(expert_output = expert_input);
       // returns each iteration's seconds.
@@ -339,9 +352,7 @@ void bind_dispatcher(py::module_& m) {
                                                       ElemType::kF32, {g.handle->num_rows});
             TokenDispatcher& d = b.get();
             DispatchGrad out = check(nogil([&] { return d.dispatch_backward(g); }));
-            int64_t T = g.handle->routing.num_tokens, E = g.handle->routing.num_experts;
-            return py::make_tuple(to_torch(std::move(out.grad_hidden)),
-                                  vector_to_torch<float>(std::move(out.grad_probs), {T, E}));
+            return grad_result(std::move(out.grad_hidden), std::move(out.grad_probs), *g.handle);
           },
           py::arg("grad_expert_input"), py::arg("grad_permuted_probs"), py::arg("handle"))
       .def(
@@ -350,16 +361,15 @@ void bind_dispatcher(py::module_& m) {
             CombineGradInput g;
             g.handle = handle_of(handle);
             g.grad_hidden = rows_arg(grad_out, "grad_output", kFloatRows,
-                                     g.handle->routing.num_tokens, g.handle->hidden);
+                                     g.handle->routing.num_tokens(), g.handle->hidden);
             if (!expert_output.is_none())
               g.expert_output = TokenRows{rows_arg(expert_output, "expert_output", kFloatRows,
                                                    g.handle->num_rows, g.handle->hidden),
                                           {}};
             TokenDispatcher& d = b.get();
             CombineGrad out = check(nogil([&] { return d.combine_backward(g); }));
-            int64_t T = g.handle->routing.num_tokens, E = g.handle->routing.num_experts;
-            return py::make_tuple(to_torch(std::move(out.grad_expert_output)),
-                                  vector_to_torch<float>(std::move(out.grad_probs), {T, E}));
+            return grad_result(std::move(out.grad_expert_output), std::move(out.grad_probs),
+                               *g.handle);
           },
           py::arg("grad_output"), py::arg("expert_output"), py::arg("handle"));
 }

@@ -340,33 +340,52 @@ RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_top
   return r;
 }
 
-TopkRouting topk_arg(py::handle topk_idx, py::handle topk_weights) {
+namespace {
+
+// `t` as a contiguous tensor of `want` (itself when it is one already, else torch's copy),
+// `ok` saying which source dtypes may be converted; kept alive in `keep`.
+TensorInfo contiguous_as(py::handle t, const char* name, ElemType want, bool ok, py::object& keep) {
+  keep = py::reinterpret_borrow<py::object>(t);
+  TensorInfo info = tensor_info(t, name);
+  if (info.type == want && info.contiguous()) return info;
+  if (!ok) {
+    throw py::type_error(fmt::format("{} has dtype {}; expected {}", name,
+                                     py::str(t.attr("dtype")).cast<std::string>(),
+                                     elem_type_name(want)));
+  }
+  keep = t.attr("to")(py::module_::import("torch").attr(want == ElemType::kI64 ? "int64"
+                                                                               : "float32"))
+             .attr("contiguous")();
+  return tensor_info(keep, name);
+}
+
+}  // namespace
+
+TopkView topk_view_arg(py::handle topk_idx, py::handle topk_weights, py::object& keep_idx,
+                       py::object& keep_weights) {
   TensorInfo ii = tensor_info(topk_idx, "topk_idx");
   if (ii.ndim != 2) {
     throw py::value_error(
         fmt::format("topk_idx must be 2-D [tokens, topk], got shape {}", shape_str(ii)));
   }
-  TopkRouting r;
-  r.num_tokens = ii.shape[0];
-  r.num_topk = int(ii.shape[1]);
-  if (ii.type == ElemType::kI64) {
-    std::span<const int64_t> s = span_arg<int64_t>(topk_idx, "topk_idx", ElemType::kI64, {-1, -1});
-    r.topk_idx.resize(s.size());
-    for (size_t i = 0; i < s.size(); ++i) {
-      if (s[i] < -1 || s[i] > INT32_MAX) {
-        throw py::value_error(fmt::format("topk_idx[{}][{}] = {} is outside [-1, num_experts)",
-                                          i / size_t(r.num_topk), i % size_t(r.num_topk), s[i]));
-      }
-      r.topk_idx[i] = int32_t(s[i]);
-    }
+  py::object dtype = topk_idx.attr("dtype");
+  const bool integer = !dtype.attr("is_floating_point").cast<bool>() &&
+                       !dtype.attr("is_complex").cast<bool>() && ii.type != ElemType::kBool;
+  if (ii.type == ElemType::kI32 && ii.contiguous()) {
+    keep_idx = py::reinterpret_borrow<py::object>(topk_idx);
   } else {
-    std::span<const int32_t> s = span_arg<int32_t>(topk_idx, "topk_idx", ElemType::kI32, {-1, -1});
-    r.topk_idx.assign(s.begin(), s.end());
+    ii = contiguous_as(topk_idx, "topk_idx", ElemType::kI64, integer, keep_idx);
   }
-  std::span<const float> w =
-      span_arg<float>(topk_weights, "topk_weights", ElemType::kF32, {ii.shape[0], ii.shape[1]});
-  r.topk_weights.assign(w.begin(), w.end());
-  return r;
+  TensorInfo wi = tensor_info(topk_weights, "topk_weights");
+  wi = contiguous_as(topk_weights, "topk_weights", ElemType::kF32,
+                     topk_weights.attr("dtype").attr("is_floating_point").cast<bool>(),
+                     keep_weights);
+  if (wi.ndim != 2 || wi.shape[0] != ii.shape[0] || wi.shape[1] != ii.shape[1]) {
+    throw py::value_error(fmt::format("topk_weights has shape {}; expected [{}, {}]", shape_str(wi),
+                                      ii.shape[0], ii.shape[1]));
+  }
+  return TopkView{ii.data, ii.type == ElemType::kI64, static_cast<const float*>(wi.data),
+                  ii.shape[0], int(ii.shape[1])};
 }
 
 LayoutOptions layout_arg(py::handle capacity_factor, const std::string& drop_policy,

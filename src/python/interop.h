@@ -84,13 +84,17 @@ template <typename T>
 std::span<const T> span_arg(py::handle t, const char* name, ElemType type,
                             std::initializer_list<int64_t> shape);
 
-// ---- routing arguments (copied into moed's routing structs: they own their vectors) ----
+// ---- routing arguments (a map is copied into moed's RoutingMap; top-k is viewed) ----
 
 // Megatron's map form: routing_map bool (or uint8 0/1) [T, E], probs float32 [T, E].
 // num_topk: K of the router (the capacity formula needs it); 0 = max experts per token.
 RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_topk);
-// Top-k form: topk_idx int32 or int64 [T, K] (-1 = none), topk_weights float32 [T, K].
-TopkRouting topk_arg(py::handle topk_idx, py::handle topk_weights);
+// Top-k form, borrowed: topk_idx [T, K] (-1 = none) and topk_weights [T, K] read in place
+// when they are contiguous int32 / int64 and float32; a strided tensor or another integer
+// (float) dtype is first copied by torch into a contiguous int64 (float32) one. keep_* hold
+// what the view points into: keep them until the dispatch that reads it has completed.
+TopkView topk_view_arg(py::handle topk_idx, py::handle topk_weights, py::object& keep_idx,
+                       py::object& keep_weights);
 // Layout options as the Python layer passes them; capacity_factor None = dropless.
 LayoutOptions layout_arg(py::handle capacity_factor, const std::string& drop_policy,
                          bool pad_to_capacity, int expert_alignment, int router_padding_multiple);

@@ -30,44 +30,56 @@ StatusOr<DispatchLayout> get_dispatch_layout(const RoutingMap& map, int world_si
                                              int ranks_per_node, int etp_size) {
   MOED_RETURN_IF_ERROR(check_topology(map.num_experts, world_size, ranks_per_node, etp_size));
   MOED_RETURN_IF_ERROR(validate(map, map.num_experts));
-  return count_dispatch_layout(map, world_size, ranks_per_node, etp_size);
+  return count_dispatch_layout(to_sparse(map), world_size, ranks_per_node, etp_size);
 }
 
-DispatchLayout count_dispatch_layout(const RoutingMap& map, int world_size, int ranks_per_node,
-                                     int etp_size) {
-  const int R = world_size, E = map.num_experts, G = ranks_per_node, N = R / G;
-  const int L = E / (R / etp_size);
-  DispatchLayout l;
-  l.num_ranks = R;
-  l.num_nodes = N;
-  l.num_tokens_per_rank.assign(size_t(R), 0);
-  l.num_tokens_per_node.assign(size_t(N), 0);
-  l.num_tokens_per_expert.assign(size_t(E), 0);
-  l.is_token_in_rank.assign(size_t(map.num_tokens) * R, 0);
-  std::vector<uint8_t> in_node(static_cast<size_t>(N));
-  for (int64_t t = 0; t < map.num_tokens; ++t) {
-    uint8_t* in_rank = &l.is_token_in_rank[size_t(t) * R];
-    std::fill(in_node.begin(), in_node.end(), 0);
-    for (int e = 0; e < E; ++e) {
-      if (!map.routed(t, e)) continue;
-      ++l.num_tokens_per_expert[size_t(e)];
-      for (int p = 0; p < etp_size; ++p) {
-        const int r = (e / L) * etp_size + p;
-        in_rank[r] = 1;
-        in_node[size_t(r / G)] = 1;
-      }
-    }
-    for (int r = 0; r < R; ++r) l.num_tokens_per_rank[size_t(r)] += in_rank[r];
-    for (int m = 0; m < N; ++m) l.num_tokens_per_node[size_t(m)] += in_node[size_t(m)];
-  }
-  return l;
+StatusOr<DispatchLayout> get_dispatch_layout(const TopkView& topk, int num_experts,
+                                             int world_size, int ranks_per_node, int etp_size) {
+  MOED_RETURN_IF_ERROR(check_topology(num_experts, world_size, ranks_per_node, etp_size));
+  MOED_RETURN_IF_ERROR(validate(topk, num_experts));
+  return count_dispatch_layout(to_sparse(topk, num_experts), world_size, ranks_per_node,
+                               etp_size);
 }
 
 StatusOr<DispatchLayout> get_dispatch_layout(const TopkRouting& topk, int num_experts,
                                              int world_size, int ranks_per_node, int etp_size) {
   MOED_RETURN_IF_ERROR(check_topology(num_experts, world_size, ranks_per_node, etp_size));
   MOED_RETURN_IF_ERROR(validate(topk, num_experts));
-  return get_dispatch_layout(to_map(topk, num_experts), world_size, ranks_per_node, etp_size);
+  return count_dispatch_layout(to_sparse(TopkView::of(topk), num_experts), world_size,
+                               ranks_per_node, etp_size);
+}
+
+DispatchLayout count_dispatch_layout(const SparseRouting& routing, int world_size,
+                                     int ranks_per_node, int etp_size) {
+  const int R = world_size, E = routing.num_experts, G = ranks_per_node, N = R / G;
+  const int L = E / (R / etp_size);
+  const int64_t T = routing.num_tokens();
+  DispatchLayout l;
+  l.num_ranks = R;
+  l.num_nodes = N;
+  l.num_tokens_per_rank.assign(size_t(R), 0);
+  l.num_tokens_per_node.assign(size_t(N), 0);
+  l.num_tokens_per_expert = routing.tokens_per_expert();
+  l.is_token_in_rank.assign(size_t(T) * R, 0);
+  std::vector<int64_t> node_seen(size_t(N), -1);  // the last token counted on each node
+  for (int64_t t = 0; t < T; ++t) {
+    uint8_t* in_rank = &l.is_token_in_rank[size_t(t) * R];
+    for (int64_t i = routing.begin[size_t(t)]; i < routing.begin[size_t(t) + 1]; ++i) {
+      const int e = routing.expert[size_t(i)];
+      for (int p = 0; p < etp_size; ++p) {
+        const int r = (e / L) * etp_size + p;
+        if (!in_rank[r]) {
+          in_rank[r] = 1;
+          ++l.num_tokens_per_rank[size_t(r)];
+        }
+        if (node_seen[size_t(r / G)] != t) {
+          node_seen[size_t(r / G)] = t;
+          ++l.num_tokens_per_node[size_t(r / G)];
+        }
+      }
+    }
+  }
+  return l;
 }
 
 }  // namespace moed

@@ -5,8 +5,9 @@
 
 namespace moed {
 
-// get_dispatch_layout(map, ...) for a valid map and topology (not checked).
-DispatchLayout count_dispatch_layout(const RoutingMap& map, int world_size, int ranks_per_node,
-                                     int etp_size);
+// get_dispatch_layout for a valid routing and topology (not checked): one pass over the
+// entries, O(T * R + entries * P).
+DispatchLayout count_dispatch_layout(const SparseRouting& routing, int world_size,
+                                     int ranks_per_node, int etp_size);
 
 }  // namespace moed

@@ -225,43 +225,39 @@ StatusOr<RouterOutput> Router::forward(std::span<const float> logits, int64_t nu
     }
   }
 
-  // Capacity dropping, then router padding, each through apply_layout_options; dropping runs
-  // on its own first so the slots it removed are known (they, and padded entries, carry no
-  // gradient back to the logits).
-  RoutingMap raw = to_map(out.selected, E);
-  RoutingMap dropped;
+  // Capacity dropping, then router padding, each through apply_layout_options on the sparse
+  // form; dropping runs on its own first so the slots it removed are known (they, and padded
+  // entries, carry no gradient back to the logits).
+  SparseRouting dropped = to_sparse(TopkView::of(out.selected), E);
   if (c.layout.capacity_factor.has_value()) {
     LayoutOptions drop;
     drop.capacity_factor = c.layout.capacity_factor;
     drop.drop_policy = c.layout.drop_policy;
-    MOED_ASSIGN_OR_RETURN(dropped, apply_layout_options(raw, K, drop, nullptr));
-  } else {
-    dropped = std::move(raw);
+    MOED_ASSIGN_OR_RETURN(dropped, apply_layout_options(dropped, drop));
   }
   out.kept.resize(out.selected.topk_idx.size());
   for (int64_t t = 0; t < num_tokens; ++t) {
+    const auto first = dropped.expert.begin() + dropped.begin[size_t(t)];
+    const auto last = dropped.expert.begin() + dropped.begin[size_t(t) + 1];
     for (int k = 0; k < K; ++k) {
-      out.kept[size_t(t) * size_t(K) + size_t(k)] = dropped.routed(t, out.selected.idx(t, k));
+      out.kept[size_t(t) * size_t(K) + size_t(k)] =
+          std::binary_search(first, last, out.selected.idx(t, k));
     }
   }
   if (c.layout.router_padding_multiple > 0) {
     LayoutOptions pad;
     pad.router_padding_multiple = c.layout.router_padding_multiple;
-    MOED_ASSIGN_OR_RETURN(out.routing, apply_layout_options(dropped, K, pad, nullptr));
+    MOED_ASSIGN_OR_RETURN(out.sparse, apply_layout_options(dropped, pad));
   } else {
-    out.routing = std::move(dropped);
+    out.sparse = std::move(dropped);
   }
-  out.routing.num_topk = K;
+  out.routing = to_map(out.sparse);
 
-  StatusOr<TopkRouting> topk = to_topk(out.routing, K);
-  if (!topk.ok()) topk = to_topk(out.routing);  // padding made some token wider than K
+  StatusOr<TopkRouting> topk = to_topk(out.sparse, K);
+  if (!topk.ok()) topk = to_topk(out.sparse);  // padding made some token wider than K
   MOED_RETURN_IF_ERROR(topk.status());
   out.topk = std::move(topk).value();
-
-  out.tokens_per_expert.assign(size_t(E), 0);
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int e = 0; e < E; ++e) out.tokens_per_expert[size_t(e)] += out.routing.routed(t, e);
-  }
+  out.tokens_per_expert = out.sparse.tokens_per_expert();
 
   if (c.load_balancing == LoadBalancing::kAuxLoss) {
     out.aux_loss = router_internal::switch_aux_loss_impl(

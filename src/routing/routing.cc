@@ -1,4 +1,4 @@
-// Routing forms (spec §2): validation and the converters between top-k and map form.
+// Routing forms (spec §2): validation and the converters between top-k, map and sparse form.
 #include "moed/routing.h"
 
 #include <algorithm>
@@ -10,6 +10,15 @@ namespace {
 
 // A prob the library accepts: finite and not negative (-0.0 is fine).
 bool valid_prob(float p) { return std::isfinite(p) && !(p < 0.0f); }
+
+// `name` holds num_tokens * width entries (`per` names the width).
+Status check_entries(const char* name, size_t entries, int64_t num_tokens, const char* per,
+                     int64_t width) {
+  const size_t expected = size_t(num_tokens) * size_t(width);
+  if (entries == expected) return ok_status();
+  return invalid_argument(name, " has ", entries, " entries, expected num_tokens * ", per, " = ",
+                          num_tokens, " * ", width, " = ", expected);
+}
 
 }  // namespace
 
@@ -29,24 +38,26 @@ Status validate(const TopkRouting& routing, int num_experts) {
   if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
   if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
   if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
-  const size_t expected = size_t(num_tokens) * size_t(num_topk);
-  if (routing.topk_idx.size() != expected) {
-    return invalid_argument("topk_idx has ", routing.topk_idx.size(),
-                            " entries, expected num_tokens * num_topk = ", num_tokens, " * ",
-                            num_topk, " = ", expected);
-  }
-  if (routing.topk_weights.size() != expected) {
-    return invalid_argument("topk_weights has ", routing.topk_weights.size(),
-                            " entries, expected num_tokens * num_topk = ", num_tokens, " * ",
-                            num_topk, " = ", expected);
-  }
+  MOED_RETURN_IF_ERROR(
+      check_entries("topk_idx", routing.topk_idx.size(), num_tokens, "num_topk", num_topk));
+  MOED_RETURN_IF_ERROR(check_entries("topk_weights", routing.topk_weights.size(), num_tokens,
+                                     "num_topk", num_topk));
+  return validate(TopkView::of(routing), num_experts);
+}
+
+Status validate(const TopkView& routing, int num_experts) {
+  const int64_t num_tokens = routing.num_tokens;
+  const int num_topk = routing.num_topk;
+  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
+  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
+  if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
   // NOTE: repeats are found with one stamp per expert (the last token that used it and at
   // which k), so the check is O(T * K) with no per-token allocation.
   std::vector<int64_t> seen_token(size_t(num_experts), -1);
   std::vector<int> seen_k(size_t(num_experts), 0);
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int k = 0; k < num_topk; ++k) {
-      const int32_t e = routing.idx(t, k);
+      const int64_t e = routing.at(t, k);
       if (e < -1 || e >= num_experts) {
         return invalid_argument("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ",
                                 num_experts, ")");
@@ -67,6 +78,43 @@ Status validate(const TopkRouting& routing, int num_experts) {
   return ok_status();
 }
 
+Status validate(const SparseRouting& routing, int expected_experts) {
+  const int E = routing.num_experts;
+  if (E != expected_experts) {
+    return invalid_argument("sparse routing has num_experts = ", E, ", expected ",
+                            expected_experts);
+  }
+  if (E < 1) return invalid_argument("num_experts = ", E, " must be >= 1");
+  if (routing.num_topk < 0) return invalid_argument("num_topk = ", routing.num_topk, " must be >= 0");
+  if (routing.begin.empty() || routing.begin[0] != 0) {
+    return invalid_argument("sparse routing begin must start at 0");
+  }
+  const size_t n = size_t(routing.begin.back());
+  if (routing.expert.size() != n || routing.prob.size() != n) {
+    return invalid_argument("sparse routing has ", routing.expert.size(), " experts and ",
+                            routing.prob.size(), " probs; begin says ", n, " entries");
+  }
+  for (int64_t t = 0; t < routing.num_tokens(); ++t) {
+    const int64_t b = routing.begin[size_t(t)], e = routing.begin[size_t(t) + 1];
+    if (e < b) return invalid_argument("sparse routing begin[", t + 1, "] = ", e, " < ", b);
+    for (int64_t i = b; i < e; ++i) {
+      const int32_t x = routing.expert[size_t(i)];
+      if (x < 0 || x >= E) {
+        return invalid_argument("token ", t, " routes to expert ", x, ", outside [0, ", E, ")");
+      }
+      if (i > b && x <= routing.expert[size_t(i) - 1]) {
+        return invalid_argument("token ", t, "'s experts are not strictly ascending (",
+                                routing.expert[size_t(i) - 1], " then ", x, ")");
+      }
+      if (!valid_prob(routing.prob[size_t(i)])) {
+        return invalid_argument("prob of token ", t, " at expert ", x, " = ",
+                                routing.prob[size_t(i)], " is not a valid prob");
+      }
+    }
+  }
+  return ok_status();
+}
+
 Status validate(const RoutingMap& routing, int expected_experts) {
   const int64_t num_tokens = routing.num_tokens;
   const int num_experts = routing.num_experts;
@@ -79,17 +127,10 @@ Status validate(const RoutingMap& routing, int expected_experts) {
   if (routing.num_topk < 0) {
     return invalid_argument("num_topk = ", routing.num_topk, " must be >= 0");
   }
-  const size_t expected = size_t(num_tokens) * size_t(num_experts);
-  if (routing.routing_map.size() != expected) {
-    return invalid_argument("routing_map has ", routing.routing_map.size(),
-                            " entries, expected num_tokens * num_experts = ", num_tokens, " * ",
-                            num_experts, " = ", expected);
-  }
-  if (routing.probs.size() != expected) {
-    return invalid_argument("probs has ", routing.probs.size(),
-                            " entries, expected num_tokens * num_experts = ", num_tokens, " * ",
-                            num_experts, " = ", expected);
-  }
+  MOED_RETURN_IF_ERROR(check_entries("routing_map", routing.routing_map.size(), num_tokens,
+                                     "num_experts", num_experts));
+  MOED_RETURN_IF_ERROR(
+      check_entries("probs", routing.probs.size(), num_tokens, "num_experts", num_experts));
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int e = 0; e < num_experts; ++e) {
       const size_t i = size_t(t) * size_t(num_experts) + size_t(e);
@@ -107,30 +148,84 @@ Status validate(const RoutingMap& routing, int expected_experts) {
 }
 
 RoutingMap to_map(const TopkRouting& routing, int num_experts) {
-  RoutingMap map = RoutingMap::empty(routing.num_tokens, num_experts);
-  map.num_topk = routing.num_topk;
-  for (int64_t t = 0; t < routing.num_tokens; ++t) {
-    for (int k = 0; k < routing.num_topk; ++k) {
-      const int32_t e = routing.idx(t, k);
+  return to_map(to_sparse(TopkView::of(routing), num_experts));
+}
+
+StatusOr<TopkRouting> to_topk(const RoutingMap& routing, std::optional<int> num_topk) {
+  MOED_RETURN_IF_ERROR(validate(routing, routing.num_experts));
+  return to_topk(to_sparse(routing), num_topk);
+}
+
+SparseRouting to_sparse(const TopkView& routing, int num_experts) {
+  const int64_t T = routing.num_tokens;
+  const int K = routing.num_topk;
+  SparseRouting s;
+  s.num_experts = num_experts;
+  s.num_topk = K;
+  s.begin.resize(size_t(T) + 1);
+  s.expert.reserve(size_t(T) * size_t(K));
+  s.prob.reserve(size_t(T) * size_t(K));
+  for (int64_t t = 0; t < T; ++t) {
+    const size_t first = s.expert.size();
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = routing.at(t, k);
       if (e == -1) continue;
-      MOED_CHECK(e >= 0 && e < num_experts, "to_map on unvalidated routing: topk_idx[", t, "][", k,
-                 "] = ", e);
-      const size_t i = size_t(t) * size_t(num_experts) + size_t(e);
-      map.routing_map[i] = 1;
-      map.probs[i] = routing.weight(t, k);
+      MOED_CHECK(e >= 0 && e < num_experts, "to_sparse on unvalidated routing: topk_idx[", t,
+                 "][", k, "] = ", e);
+      // Insertion into the token's ascending run (K is small; experts are distinct).
+      size_t i = s.expert.size();
+      s.expert.push_back(int32_t(e));
+      s.prob.push_back(routing.weight(t, k));
+      for (; i > first && s.expert[i - 1] > e; --i) {
+        std::swap(s.expert[i - 1], s.expert[i]);
+        std::swap(s.prob[i - 1], s.prob[i]);
+      }
+    }
+    s.begin[size_t(t) + 1] = int64_t(s.expert.size());
+  }
+  return s;
+}
+
+SparseRouting to_sparse(const RoutingMap& routing) {
+  const int64_t T = routing.num_tokens;
+  const int E = routing.num_experts;
+  SparseRouting s;
+  s.num_experts = E;
+  s.num_topk = routing.num_topk;
+  s.begin.resize(size_t(T) + 1);
+  for (int64_t t = 0; t < T; ++t) {
+    const uint8_t* row = &routing.routing_map[size_t(t) * size_t(E)];
+    const float* probs = &routing.probs[size_t(t) * size_t(E)];
+    for (int e = 0; e < E; ++e) {
+      if (!row[e]) continue;
+      s.expert.push_back(e);
+      s.prob.push_back(probs[e]);
+    }
+    s.begin[size_t(t) + 1] = int64_t(s.expert.size());
+  }
+  return s;
+}
+
+RoutingMap to_map(const SparseRouting& routing) {
+  const int E = routing.num_experts;
+  RoutingMap map = RoutingMap::empty(routing.num_tokens(), E);
+  map.num_topk = routing.num_topk;
+  for (int64_t t = 0; t < routing.num_tokens(); ++t) {
+    for (int64_t i = routing.begin[size_t(t)]; i < routing.begin[size_t(t) + 1]; ++i) {
+      const size_t c = size_t(t) * size_t(E) + size_t(routing.expert[size_t(i)]);
+      map.routing_map[c] = 1;
+      map.probs[c] = routing.prob[size_t(i)];
     }
   }
   return map;
 }
 
-StatusOr<TopkRouting> to_topk(const RoutingMap& routing, std::optional<int> num_topk) {
-  MOED_RETURN_IF_ERROR(validate(routing, routing.num_experts));
-  const int num_experts = routing.num_experts;
+StatusOr<TopkRouting> to_topk(const SparseRouting& routing, std::optional<int> num_topk) {
+  const int64_t T = routing.num_tokens();
   int max_per_token = 0;
   int64_t widest_token = -1;
-  for (int64_t t = 0; t < routing.num_tokens; ++t) {
-    int n = 0;
-    for (int e = 0; e < num_experts; ++e) n += routing.routed(t, e) ? 1 : 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int n = int(routing.begin[size_t(t) + 1] - routing.begin[size_t(t)]);
     if (n > max_per_token) {
       max_per_token = n;
       widest_token = t;
@@ -146,20 +241,34 @@ StatusOr<TopkRouting> to_topk(const RoutingMap& routing, std::optional<int> num_
     k_out = *num_topk;
   }
   TopkRouting out;
-  out.num_tokens = routing.num_tokens;
+  out.num_tokens = T;
   out.num_topk = k_out;
-  out.topk_idx.assign(size_t(routing.num_tokens) * size_t(k_out), -1);
-  out.topk_weights.assign(size_t(routing.num_tokens) * size_t(k_out), 0.0f);
-  for (int64_t t = 0; t < routing.num_tokens; ++t) {
+  out.topk_idx.assign(size_t(T) * size_t(k_out), -1);
+  out.topk_weights.assign(size_t(T) * size_t(k_out), 0.0f);
+  for (int64_t t = 0; t < T; ++t) {
     size_t slot = size_t(t) * size_t(k_out);
-    for (int e = 0; e < num_experts; ++e) {
-      if (!routing.routed(t, e)) continue;
-      out.topk_idx[slot] = e;
-      out.topk_weights[slot] = routing.prob(t, e);
-      ++slot;
+    for (int64_t i = routing.begin[size_t(t)]; i < routing.begin[size_t(t) + 1]; ++i, ++slot) {
+      out.topk_idx[slot] = routing.expert[size_t(i)];
+      out.topk_weights[slot] = routing.prob[size_t(i)];
     }
   }
   return out;
+}
+
+std::vector<int64_t> SparseRouting::tokens_per_expert() const {
+  std::vector<int64_t> n(size_t(std::max(0, num_experts)), 0);
+  for (const int32_t e : expert) ++n[size_t(e)];
+  return n;
+}
+
+std::vector<float> SparseRouting::prob_sums() const {
+  std::vector<float> sums(size_t(num_tokens()), 0.0f);
+  for (int64_t t = 0; t < num_tokens(); ++t) {
+    float acc = 0.0f;
+    for (int64_t i = begin[size_t(t)]; i < begin[size_t(t) + 1]; ++i) acc += prob[size_t(i)];
+    sums[size_t(t)] = acc;
+  }
+  return sums;
 }
 
 const char* drop_policy_name(DropPolicy p) {

@@ -139,8 +139,15 @@ def test_expert_tensor_parallel(kind):
     check_against_reference((8, 4), kind, etp=4, dtype=torch.bfloat16, layout="cap1_probs")
 
 
-@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
-def test_topk_form_gives_the_map_forms_gradients(idx_dtype):
+def topk_idx_as(topi, form):
+    """int32 / int64 are read in place; int16 and a strided view are copied by the binding."""
+    if form == "strided":
+        return torch.stack([topi, topi], 2)[..., 0]  # stride (2K, 2)
+    return topi.to({"int32": torch.int32, "int64": torch.int64, "int16": torch.int16}[form])
+
+
+@pytest.mark.parametrize("idx_form", ["int32", "int64", "int16", "strided"])
+def test_topk_form_gives_the_map_forms_gradients(idx_form):
     H, K = 24, 3
 
     def body2(g):
@@ -153,7 +160,7 @@ def test_topk_form_gives_the_map_forms_gradients(idx_dtype):
                 args = (rmap, pp, None)
             else:
                 pp = probs.gather(1, topi).requires_grad_()
-                args = (None, pp, topi.to(idx_dtype))
+                args = (None, pp, topk_idx_as(topi, idx_form))
             d = make_dispatcher("alltoall", num_moe_experts=E, moe_router_topk=K, moe_weighted_combine=True)
             ei, _, _ = six_steps(d, xx, args[0], args[1], False, topk_idx=args[2])
             y = combine_steps(d, ei * 2, False)

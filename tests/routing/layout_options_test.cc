@@ -142,6 +142,14 @@ TEST(ApplyLayoutOptions, MatchesBruteForce) {
                       << " policy=" << drop_policy_name(policy) << " m=" << m;
                   EXPECT_EQ(got->probs, want.probs);
                   EXPECT_EQ(got->num_topk, K);
+                  // The sparse form (what the dispatchers use) gives the same routing.
+                  SparseRouting sparse = to_sparse(map);
+                  sparse.num_topk = K;
+                  StatusOr<SparseRouting> got_sparse = apply_layout_options(sparse, o, p);
+                  ASSERT_TRUE(got_sparse.ok()) << got_sparse.status().to_string();
+                  ASSERT_TRUE(validate(*got_sparse, E).ok());
+                  EXPECT_EQ(to_map(*got_sparse).routing_map, want.routing_map);
+                  EXPECT_EQ(to_map(*got_sparse).probs, want.probs);
                   ++cases;
                 }
               }

@@ -1,6 +1,7 @@
 #include "dispatch/allgather/allgather.h"
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "dispatch/row_exchange.h"
@@ -30,6 +31,50 @@ Status gather_rows(World& w, const TensorView& mine, std::span<const int64_t> ro
   return w.all_gather_v_bytes(send, size_t(mine.rows) * mine.row_bytes(), recv, bytes);
 }
 
+// Every source's effective routing (after dropping and router padding), sparse, in one
+// all_gather_v: source s sends [entries of each token int32 x T_s][experts int32 x n_s]
+// [probs f32 x n_s], where n_s = the sum of its counts (known to every rank already).
+StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
+                                       const GlobalCounts& c) {
+  const int R = w.size(), E = mine.num_experts;
+  std::vector<size_t> words(static_cast<size_t>(R));
+  size_t total = 0;
+  for (int s = 0; s < R; ++s) {
+    int64_t n = 0;
+    for (int e = 0; e < E; ++e) n += c.counts[size_t(s) * E + e];
+    words[size_t(s)] = size_t(c.num_tokens[size_t(s)] + 2 * n);
+    total += words[size_t(s)];
+  }
+  const int64_t T = mine.num_tokens(), n = mine.num_entries();
+  std::vector<int32_t> send(size_t(T + 2 * n));
+  for (int64_t t = 0; t < T; ++t)
+    send[size_t(t)] = int32_t(mine.begin[size_t(t) + 1] - mine.begin[size_t(t)]);
+  std::copy(mine.expert.begin(), mine.expert.end(), send.begin() + T);
+  std::memcpy(send.data() + T + n, mine.prob.data(), size_t(n) * sizeof(float));
+  std::vector<int32_t> recv(total);
+  std::vector<size_t> bytes(words.size());
+  for (size_t s = 0; s < words.size(); ++s) bytes[s] = words[s] * sizeof(int32_t);
+  MOED_RETURN_IF_ERROR(w.all_gather_v_bytes(send.data(), send.size() * sizeof(int32_t),
+                                            recv.data(), bytes));
+  SparseRouting g;
+  g.num_experts = E;
+  g.num_topk = mine.num_topk;
+  const int32_t* p = recv.data();
+  for (int s = 0; s < R; ++s) {
+    const int64_t Ts = c.num_tokens[size_t(s)];
+    const size_t first = g.expert.size();
+    for (int64_t t = 0; t < Ts; ++t) g.begin.push_back(g.begin.back() + p[t]);
+    const size_t ns = size_t(g.begin.back()) - first;
+    MOED_CHECK(words[size_t(s)] == size_t(Ts) + 2 * ns, "source ", s, " sent ", ns,
+               " entries; its counts say ", (words[size_t(s)] - size_t(Ts)) / 2);
+    g.expert.insert(g.expert.end(), p + Ts, p + Ts + ns);
+    g.prob.resize(first + ns);
+    std::memcpy(g.prob.data() + first, p + Ts + ns, ns * sizeof(float));
+    p += words[size_t(s)];
+  }
+  return g;
+}
+
 class AllGatherDispatcher final : public RowExchangeDispatcher {
  public:
   AllGatherDispatcher(World& world, const DispatchConfig& config)
@@ -49,7 +94,7 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
     GlobalCounts counts;
     TokenRows hidden;    // the caller's tokens, valid until token_dispatch returns
     TokenRows gathered;  // in gathered_x_ / gathered_scales_
-    RoutingMap gathered_map;
+    SparseRouting gathered_routing;
     Stage stage = Stage::kIdle;  // kPrepared; kExchanged: gathered
   };
   struct CombineGradRows {
@@ -86,7 +131,6 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
   if (d_.stage != Stage::kPrepared)
     return failed_precondition("token_dispatch before dispatch_preprocess");
   const AllGatherHandle& h = *d_.handle;
-  const int E = config_.num_experts;
   const std::span<const int64_t> T = d_.counts.num_tokens;
   const int64_t N = h.source_offsets.back();
   d_.gathered.x = gathered_x_.view(h.dtype, N, h.hidden);
@@ -95,21 +139,7 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
     d_.gathered.scales = gathered_scales_.view(DType::kF32, N, h.hidden / kFp8BlockSize);
     MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.scales, T, d_.gathered.scales.data));
   }
-  // The effective routing (after dropping and router padding) of every source, map form.
-  RoutingMap& g = d_.gathered_map;
-  g.num_tokens = N;
-  g.num_experts = E;
-  g.num_topk = h.num_topk;
-  g.routing_map.resize(size_t(N) * E);
-  g.probs.resize(size_t(N) * E);
-  const RoutingMap& mine = h.routing;
-  MOED_RETURN_IF_ERROR(gather_rows(
-      *world_,
-      TensorView(const_cast<uint8_t*>(mine.routing_map.data()), DType::kFP8, mine.num_tokens, E), T,
-      g.routing_map.data()));
-  MOED_RETURN_IF_ERROR(gather_rows(
-      *world_, TensorView(const_cast<float*>(mine.probs.data()), DType::kF32, mine.num_tokens, E),
-      T, g.probs.data()));
+  MOED_ASSIGN_OR_RETURN(d_.gathered_routing, gather_routing(*world_, h.routing, d_.counts));
   d_.hidden = TokenRows{};
   d_.stage = Stage::kExchanged;
   return completed_request();
@@ -127,7 +157,7 @@ StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
   o.expert_alignment = config_.layout.expert_alignment;
   o.source_offsets = h.source_offsets;
   if (config_.layout.pad_to_capacity) o.source_capacities = d_.counts.capacity;
-  MOED_ASSIGN_OR_RETURN(h.expert, make_permute_layout(d_.gathered_map, o, world_->pool()));
+  MOED_ASSIGN_OR_RETURN(h.expert, make_permute_layout(d_.gathered_routing, o, world_->pool()));
   MOED_CHECK(h.expert.num_rows == h.num_rows, "gathered layout has ", h.expert.num_rows,
              " rows; the counts gave ", h.num_rows);
   TokenRows expert_input;

@@ -42,9 +42,8 @@ Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
 }
 
 StatusOr<Request> FlexDispatcher::token_combine(bool async) {
-  if (!combine_.staged) return failed_precondition("token_combine before combine_preprocess");
-  combine_.staged = false;
-  return run(async, &combine_.op, [this] { return combine_body(); });
+  return run(async, &combine_.staged, "token_combine before combine_preprocess", &combine_.op,
+             [this] { return combine_body(); });
 }
 
 Status FlexDispatcher::combine_body() {
@@ -53,7 +52,7 @@ Status FlexDispatcher::combine_body() {
       {"expert_output dtype", int64_t(c.rows.dtype), AgreedField::kAgreeDType}};
   MOED_RETURN_IF_ERROR(agree_in_one(*world_, c.local, fields).status());
   const FlexHandle& h = *c.handle;
-  c.out = Tensor::empty(c.rows.dtype, h.routes.num_tokens(), h.hidden);
+  c.out = Tensor::empty(c.rows.dtype, h.routing.num_tokens(), h.hidden);
   PullSpec spec;
   spec.mode = PullMode::kCombine;
   spec.dtype = c.rows.dtype;
@@ -67,14 +66,7 @@ StatusOr<CombineOutput> FlexDispatcher::combine_postprocess() {
   MOED_RETURN_IF_ERROR(finished(c.op, "token_combine"));
   CombineOutput out;
   out.hidden = std::move(c.out);
-  const TokenRoutes& routes = c.handle->routes;
-  out.combined_probs.resize(size_t(routes.num_tokens()));
-  for (int64_t t = 0; t < routes.num_tokens(); ++t) {
-    float s = 0.0f;
-    for (int64_t k = routes.begin[size_t(t)]; k < routes.begin[size_t(t) + 1]; ++k)
-      s += routes.prob[size_t(k)];
-    out.combined_probs[size_t(t)] = s;
-  }
+  out.combined_probs = c.handle->routing.prob_sums();
   combine_ = CombineStep{};
   return out;
 }
@@ -101,11 +93,9 @@ Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& gr
 }
 
 StatusOr<Request> FlexDispatcher::token_dispatch_backward(bool async) {
-  if (!dispatch_grad_.staged) {
-    return failed_precondition("token_dispatch_backward before dispatch_postprocess_backward");
-  }
-  dispatch_grad_.staged = false;
-  return run(async, &dispatch_grad_.op, [this] { return dispatch_backward_body(); });
+  return run(async, &dispatch_grad_.staged,
+             "token_dispatch_backward before dispatch_postprocess_backward", &dispatch_grad_.op,
+             [this] { return dispatch_backward_body(); });
 }
 
 Status FlexDispatcher::dispatch_backward_body() {
@@ -125,8 +115,8 @@ Status FlexDispatcher::dispatch_backward_body() {
     zeros.assign(size_t(h.num_rows), 0.0f);
     scalars = zeros;
   }
-  g.out = Tensor::empty(g.rows.dtype, h.routes.num_tokens(), h.hidden);
-  g.probs.assign(size_t(h.routes.num_tokens()) * topo_.num_experts, 0.0f);
+  g.out = Tensor::empty(g.rows.dtype, h.routing.num_tokens(), h.hidden);
+  g.probs.assign(size_t(h.routing.num_tokens()) * topo_.num_experts, 0.0f);
   PullSpec spec;
   spec.mode = PullMode::kDispatchBackward;
   spec.dtype = g.rows.dtype;
@@ -153,7 +143,7 @@ Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad
   CombineBackwardStep& g = combine_grad_;
   MOED_ASSIGN_OR_RETURN(g.handle, own_handle(grad.handle, &g.local));
   if (g.local.ok()) {
-    g.local = check_float_rows("grad_hidden", grad.grad_hidden, g.handle->routes.num_tokens(),
+    g.local = check_float_rows("grad_hidden", grad.grad_hidden, g.handle->routing.num_tokens(),
                                g.handle->hidden);
   }
   if (g.local.ok() && config_.weighted_combine) {
@@ -167,11 +157,9 @@ Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad
 }
 
 StatusOr<Request> FlexDispatcher::token_combine_backward(bool async) {
-  if (!combine_grad_.staged) {
-    return failed_precondition("token_combine_backward before combine_postprocess_backward");
-  }
-  combine_grad_.staged = false;
-  return run(async, &combine_grad_.op, [this] { return combine_backward_body(); });
+  return run(async, &combine_grad_.staged,
+             "token_combine_backward before combine_postprocess_backward", &combine_grad_.op,
+             [this] { return combine_backward_body(); });
 }
 
 Status FlexDispatcher::combine_backward_body() {
@@ -191,7 +179,7 @@ Status FlexDispatcher::combine_backward_body() {
   DispatchContext ctx{world_, &config_, &h, nullptr, net(kTagCombineBackward)};
   MOED_RETURN_IF_ERROR(push_step(ctx, spec, kTagCombineBackward));
   g.out = Tensor::copy_of(TensorView(grad_region_.local(), g.grad.dtype, h.num_rows, h.hidden));
-  g.probs.assign(size_t(h.routes.num_tokens()) * topo_.num_experts, 0.0f);
+  g.probs.assign(size_t(h.routing.num_tokens()) * topo_.num_experts, 0.0f);
   if (!weighted) return ok_status();
   // grad_prob(t, e) = dot(grad_out[t], term_e): the terms come back as in combine.
   PullSpec pspec;

@@ -108,9 +108,8 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
 }
 
 StatusOr<Request> FlexDispatcher::token_dispatch(bool async) {
-  if (!dispatch_.staged) return failed_precondition("token_dispatch before dispatch_preprocess");
-  dispatch_.staged = false;
-  return run(async, &dispatch_.op, [this] { return dispatch_body(); });
+  return run(async, &dispatch_.staged, "token_dispatch before dispatch_preprocess", &dispatch_.op,
+             [this] { return dispatch_body(); });
 }
 
 StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
@@ -197,8 +196,11 @@ Status FlexDispatcher::dispatch_body() {
 
 // ---- shared by the steps ----
 
-StatusOr<Request> FlexDispatcher::run(bool async, std::shared_ptr<OpState>* state,
+StatusOr<Request> FlexDispatcher::run(bool async, bool* staged, const char* not_staged,
+                                      std::shared_ptr<OpState>* state,
                                       std::function<Status()> body) {
+  if (!*staged) return failed_precondition(not_staged);
+  *staged = false;
   *state = std::make_shared<OpState>();
   if (async && world_->calls_from_any_thread()) {
     return Request(std::make_unique<AsyncOp>(std::move(body), *state));
@@ -233,10 +235,10 @@ Status FlexDispatcher::check_cached(const DispatchInput& input) {
     return invalid_argument("cached_handle was not made by this Flex dispatcher");
   }
   const TokenRows& x = input.hidden;
-  if (x.x.rows != h->routes.num_tokens() || x.x.cols != h->hidden || x.x.dtype != h->dtype) {
+  if (x.x.rows != h->routing.num_tokens() || x.x.cols != h->hidden || x.x.dtype != h->dtype) {
     return invalid_argument("cached mode: hidden is ", dtype_name(x.x.dtype), " [", x.x.rows, ", ",
                             x.x.cols, "] but the handle's dispatch had ", dtype_name(h->dtype),
-                            " [", h->routes.num_tokens(), ", ", h->hidden, "]");
+                            " [", h->routing.num_tokens(), ", ", h->hidden, "]");
   }
   if (x.x.rows > 0 && x.x.data == nullptr) return invalid_argument("hidden.x.data is null");
   if (x.x.row_stride < x.x.cols)

@@ -44,15 +44,6 @@ struct Topology {
   int forwarder_on(int n) const { return n * ranks_per_node + local_rank; }
 };
 
-// The effective routing as token -> experts lists (experts ascending).
-struct TokenRoutes {
-  std::vector<int64_t> begin;  // [T + 1]
-  std::vector<int32_t> expert;
-  std::vector<float> prob;
-  int64_t num_tokens() const { return int64_t(begin.size()) - 1; }
-};
-TokenRoutes make_token_routes(const RoutingMap& map, ThreadPool& pool);
-
 // What notify exchanges: every rank's counts, so every rank can compute every rank's
 // canonical layout and every message size without asking again.
 struct GlobalInfo {
@@ -116,7 +107,6 @@ class FlexHandle final : public DispatchHandle {
   uint64_t dispatcher_id = 0;
   Topology topo;
   std::shared_ptr<const GlobalInfo> global;
-  TokenRoutes routes;
   SendPlan send;
   std::vector<ForwardPlan> forward;  // one per other node (sources with my local index)
   int64_t exact_rows = 0;            // rows before num_worst_tokens padding
@@ -312,7 +302,7 @@ StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig&
                                              PreparedInput input, uint64_t dispatcher_id);
 // notify in two halves, for a caller that carries more in the same exchange (the Flex
 // dispatcher folds its agreement into it, steps.h): notify_local makes the handle's home side
-// (routes, send plan; takes input.effective as the routing) and this rank's row of the
+// (send plan; takes input.effective, sparse, as the handle's routing) and this rank's row of the
 // exchange (notify_row_width(topo) int64); notify_finish reads every rank's row (rank r's at
 // table[r * stride + offset]) into the GlobalInfo and the expert-side fields.
 inline size_t notify_row_width(const Topology& topo) {

@@ -107,11 +107,11 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
       for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
         std::fill(count.begin(), count.end(), 0);
         std::fill(mask.begin(), mask.end(), 0);
-        for (int64_t k = h.routes.begin[size_t(t)]; k < h.routes.begin[size_t(t) + 1]; ++k) {
-          const int e = h.routes.expert[size_t(k)];
+        for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k) {
+          const int e = h.routing.expert[size_t(k)];
           const int m = topo.node_of_expert(e);
           if (m == topo.node) continue;
-          const MessageEntry en{e, h.routes.prob[size_t(k)]};
+          const MessageEntry en{e, h.routing.prob[size_t(k)]};
           std::memcpy(ops.send_buffers[size_t(m)].data() + layouts[size_t(m)].entries_off +
                           size_t(ent[size_t(m)] + count[size_t(m)]) * sizeof(MessageEntry),
                       &en, sizeof(en));

@@ -47,9 +47,9 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
         if (!tiled) std::fill(acc.begin(), acc.end(), 0.0f);
         tile_rows.clear();
         tile_probs.clear();
-        for (int64_t k = h.routes.begin[size_t(t)]; k < h.routes.begin[size_t(t) + 1]; ++k) {
-          const int e = h.routes.expert[size_t(k)];
-          const float prob = h.routes.prob[size_t(k)];
+        for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k) {
+          const int e = h.routing.expert[size_t(k)];
+          const float prob = h.routing.prob[size_t(k)];
           const int64_t row = h.layout_of_expert(e).offset(e % L, topo.rank) + run[size_t(e)]++;
           const int m = topo.node_of_expert(e);
           // The term of expert e: raw rows (P = 1, or P partials to sum) or an fp32 term.

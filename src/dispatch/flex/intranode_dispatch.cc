@@ -60,11 +60,11 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
       for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
         const void* payload = spec.rows.x.row_ptr(t);
         const void* scales = l.scale_bytes ? spec.rows.scales.row_ptr(t) : nullptr;
-        for (int64_t k = h.routes.begin[size_t(t)]; k < h.routes.begin[size_t(t) + 1]; ++k) {
-          const int e = h.routes.expert[size_t(k)];
+        for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k) {
+          const int e = h.routing.expert[size_t(k)];
           const int64_t row = h.layout_of_expert(e).offset(e % L, topo.rank) + run[size_t(e)]++;
           if (topo.node_of_expert(e) != topo.node) continue;  // the forwarder places it
-          const float prob = h.routes.prob[size_t(k)];
+          const float prob = h.routing.prob[size_t(k)];
           for (int p = 0; p < P; ++p) {
             const int lr = (topo.first_rank_of_expert(e) + p) % topo.ranks_per_node;
             write_row(spec.target->peer(lr), l, row, payload, scales, spec.scale_by_prob,

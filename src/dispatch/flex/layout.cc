@@ -1,5 +1,6 @@
-// Flex phase 1, layout (local, spec §5.1): the token -> experts lists the other phases walk, and
-// the rank arithmetic and wire/segment layouts they share. The dispatch layout itself
+// Flex phase 1, layout (local, spec §5.1): the rank arithmetic and wire/segment layouts the
+// other phases share. The token -> experts lists they walk are the handle's sparse routing
+// (moed/routing.h, made once by prepare_dispatch_input_local); the dispatch layout itself
 // (DeepEP's get_dispatch_layout) is routing's (src/routing/dispatch_layout.cc); notify uses it.
 #include <algorithm>
 
@@ -21,36 +22,6 @@ Topology Topology::of(const World& world, const DispatchConfig& config) {
   t.node = world.node();
   t.local_rank = world.local_rank();
   return t;
-}
-
-TokenRoutes make_token_routes(const RoutingMap& map, ThreadPool& pool) {
-  const int64_t T = map.num_tokens;
-  const int E = map.num_experts;
-  TokenRoutes r;
-  r.begin.assign(size_t(T) + 1, 0);
-  for (int64_t t = 0; t < T; ++t) {
-    const uint8_t* row = &map.routing_map[size_t(t) * E];
-    int64_t n = 0;
-    for (int e = 0; e < E; ++e) n += row[e];
-    r.begin[size_t(t) + 1] = r.begin[size_t(t)] + n;
-  }
-  r.expert.resize(size_t(r.begin.back()));
-  r.prob.resize(size_t(r.begin.back()));
-  pool.parallel_for(
-      T,
-      [&](int64_t b, int64_t end, int) {
-        for (int64_t t = b; t < end; ++t) {
-          int64_t k = r.begin[size_t(t)];
-          for (int e = 0; e < E; ++e) {
-            if (!map.routed(t, e)) continue;
-            r.expert[size_t(k)] = e;
-            r.prob[size_t(k)] = map.prob(t, e);
-            ++k;
-          }
-        }
-      },
-      256);
-  return r;
 }
 
 int64_t GlobalInfo::node_entries(const Topology& topo, int s, int m) const {

@@ -12,7 +12,7 @@ namespace moed::flex {
 
 namespace {
 
-SendPlan make_send_plan(const Topology& topo, const TokenRoutes& routes, int num_channels,
+SendPlan make_send_plan(const Topology& topo, const SparseRouting& routes, int num_channels,
                         ThreadPool& pool) {
   const int64_t T = routes.num_tokens();
   const int C = num_channels, E = topo.num_experts, N = topo.num_nodes;
@@ -79,14 +79,14 @@ std::shared_ptr<FlexHandle> notify_local(World& world, const DispatchConfig& con
   auto h = std::make_shared<FlexHandle>();
   h->dispatcher_id = dispatcher_id;
   h->topo = topo;
-  h->routes = make_token_routes(input.effective, world.pool());
+  h->routing = std::move(input.effective);
   const int C = config.num_channels > 0 ? config.num_channels : world.pool().num_threads();
-  h->send = make_send_plan(topo, h->routes, C, world.pool());
+  h->send = make_send_plan(topo, h->routing, C, world.pool());
 
   // This rank's row of the exchange: [T, C_s, counts[E], tokens_per_node[N]], the counts from
   // routing's dispatch layout (DeepEP's get_dispatch_layout) of the effective routing.
   const DispatchLayout layout =
-      count_dispatch_layout(input.effective, topo.num_ranks, topo.ranks_per_node, topo.etp_size);
+      count_dispatch_layout(h->routing, topo.num_ranks, topo.ranks_per_node, topo.etp_size);
   row->assign(notify_row_width(topo), 0);
   (*row)[0] = input.num_tokens;
   (*row)[1] = input.capacity;
@@ -105,7 +105,6 @@ std::shared_ptr<FlexHandle> notify_local(World& world, const DispatchConfig& con
   h->hidden = input.hidden;
   h->dtype = input.dtype;
   h->num_topk = input.num_topk;
-  h->routing = std::move(input.effective);
   return h;
 }
 

@@ -149,7 +149,10 @@ class FlexDispatcher final : public TokenDispatcher {
     std::shared_ptr<OpState> op;
   };
 
-  StatusOr<Request> run(bool async, std::shared_ptr<OpState>* state, std::function<Status()> body);
+  // A step's communicating call: an error naming the order (`not_staged`) unless its
+  // preprocess call staged it (*staged, cleared here); then body, now or in the background.
+  StatusOr<Request> run(bool async, bool* staged, const char* not_staged,
+                        std::shared_ptr<OpState>* state, std::function<Status()> body);
   static Status finished(const std::shared_ptr<OpState>& state, const char* step);
   StatusOr<std::shared_ptr<const FlexHandle>> own_handle(
       const std::shared_ptr<const DispatchHandle>& handle, Status* local) const;
