@@ -148,9 +148,6 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
     }
   });
   if (!st.pull) return ok_status();
-  uint64_t pulled = 0;
-  for (int32_t e : handle.topk_idx) pulled += e >= 0 && pulled_from(e / L) ? 1 : 0;
-  w.add_shared_bytes(pulled * size_t(H) * sizeof(bf16), pulled);
   return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq);
 }
 
@@ -206,7 +203,13 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
       const LowLatencyRange range = handle.layout_range[size_t(c)];
-      if (range.count == 0 || !w.same_node(s, me) || (pull_rows && st.pulls(s))) continue;
+      if (range.count == 0 || !w.same_node(s, me)) continue;
+      if (pull_rows && st.pulls(s)) {
+        // The home reads these rows itself; counted here, by the rank whose rows cross the
+        // node (as when it writes them, and as the planning model counts NVLink bytes).
+        shared_rows[size_t(worker)] += uint64_t(range.count);
+        continue;
+      }
       const int e = me * L + j;
       std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
                       size_t(e) * size_t(lay.max_tokens) * row_bytes;

@@ -167,7 +167,6 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   std::byte* scales = seg + lay.dispatch_scales[half];
   auto* src = reinterpret_cast<int32_t*>(seg + lay.dispatch_src[half]);
   auto* prob = reinterpret_cast<float*>(seg + lay.dispatch_prob[half]);
-  std::vector<uint64_t> pulled(size_t(w.pool().num_threads()), 0);  // rows, per worker
   w.pool().parallel_for(L, [&](int64_t j0, int64_t j1, int worker) {
     for (int j = int(j0); j < int(j1); ++j) {
       std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
@@ -195,7 +194,6 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
             src[to + int64_t(i)] = t;
             prob[to + int64_t(i)] = ps.probs[chunk + i];
           }
-          pulled[size_t(worker)] += n;
         } else if (w.same_node(s, me)) {
           const int64_t from = lay.fixed_row(j, s, 0);
           if (from == to) continue;
@@ -225,7 +223,6 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   handle.layout_range = dh.layout_range;
   handle.received = true;
   if (!st.pull) return ok_status();
-  low_latency::add_shared_rows(w, pulled, payload + scale_bytes);
   return low_latency::exchange_acks(st, half, low_latency::PullKind::kDispatch, seq);
 }
 
@@ -319,6 +316,9 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
           // d copies the row itself, from here (receive_dispatch).
           dh.pull_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
           dh.pull_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
+          // NOTE: counted here, by the rank whose row crosses the node (as when it writes it
+          // itself, and as the planning model counts NVLink bytes), not by the reader.
+          ++shared_rows[size_t(worker)];
         } else if (w.same_node(d, me)) {
           std::byte* seg = st.segment(st.local_of(d));
           const int64_t r = lay.fixed_row(j, me, i);
