@@ -20,8 +20,9 @@
 //     the storage is still held (AllGather / AlltoAll: a fresh buffer from their pool; Flex: the
 //     next region of its ring) and reuses the memory once every copy is dropped, so a caller
 //     that drops each output before the next dispatch allocates nothing in the steady state.
-//     Flex in the MPI world only: the memory is an MPI shared window, freed collectively, so
-//     the output is valid while its dispatcher also lives (everywhere else it may outlive it).
+//     Flex in the MPI and gloo worlds only: the storage does not hold the node-shared memory
+//     (the dispatcher does), so the output is valid while its dispatcher also lives
+//     (everywhere else it may outlive it).
 //   - CombineOutput, DispatchGrad, CombineGrad: owning Tensors and vectors; the caller's.
 //   - Inputs are read, never kept: views passed to a step must stay valid until the step that
 //     communicates (token_*) has completed (its request waited on).

@@ -3,7 +3,8 @@
 //
 // Nodes: by default the ranks of one host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)); set
 // options.ranks_per_node (G) to split a host into several emulated nodes. Node-shared
-// memory is an MPI shared window (MPI_Win_allocate_shared); the network is MPI
+// memory is POSIX shared-memory segments, one per local rank, mapped by every local rank
+// (src/comm/mpi/shared_memory.cc says why not MPI shared windows); the network is MPI
 // point-to-point; collectives are MPI non-blocking collectives polled against the timeout,
 // with fp32 sums done locally in ascending rank order (never MPI_SUM, whose order MPI does
 // not fix).

@@ -81,9 +81,9 @@ Status wait_all(std::vector<Request>& requests);
 
 // One collective allocation across the ranks of a node: every local rank gets a pointer to
 // every other local rank's segment (DeepEP's NVLink buffers), plus per-pair signals with
-// release/acquire ordering. Created by World::alloc_shared; freed when the last owner drops it
-// (the MPI backend frees its window collectively then: every local rank drops its shared
-// buffers in the same order).
+// release/acquire ordering. Created by World::alloc_shared (collective over the node); freed
+// locally when the last owner on this rank drops it (heap memory in the threads world, an
+// munmap of the node's POSIX segments in the MPI and gloo worlds).
 class SharedBuffer {
  public:
   virtual ~SharedBuffer() = default;

@@ -45,8 +45,8 @@ class MoEConfig:
     moe_weighted_combine: bool = False
     moe_num_worst_tokens: int = 0  # Flex: size the output up front
     moe_num_channels: int = 0  # Flex: worker threads owning token ranges; 0 = the rank's pool
-    # Flex, MPI world: dispatched_input stays in moed's node-shared window instead of a copy;
-    # the window lives as long as the dispatcher, so only for callers that drop it (and every
+    # Flex, MPI world: dispatched_input stays in moed's node-shared segment instead of a copy;
+    # the segment lives as long as the dispatcher, so only for callers that drop it (and every
     # autograd graph holding it) before the dispatcher. (Threads world: always zero-copy; no
     # later dispatch writes an output while it is held.)
     moe_flex_zero_copy: bool = False

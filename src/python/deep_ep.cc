@@ -6,7 +6,7 @@
 // Lifetime of returned tensors:
 //   - normal dispatch, threads world: recv_x, its scales and recv_topk_weights are views of a
 //     block allocated for this dispatch (the DLPack capsule owns it): valid while torch holds
-//     them, never overwritten. MPI world: the rows live in a node-shared window the next
+//     them, never overwritten. MPI world: the rows live in a node-shared segment the next
 //     dispatch overwrites, so they are copied out here (once, counted nowhere else).
 //   - low-latency dispatch: views of the buffer's current half, valid until the dispatch after
 //     next, exactly DeepEP's rule ("at most 2 low-latency results at a time").
@@ -152,7 +152,7 @@ TopkRouting topk_copy(const deep_ep::TopkView& v) {
 
 py::object rows_out(const TensorView& v, const std::shared_ptr<void>& storage) {
   if (storage) return to_torch(v, storage);
-  return to_torch(Tensor::copy_of(v));  // MPI world: the window is overwritten next dispatch
+  return to_torch(Tensor::copy_of(v));  // MPI world: the segment is overwritten next dispatch
 }
 
 py::object int_matrix(const std::vector<int32_t>& v, int64_t rows, int64_t cols) {

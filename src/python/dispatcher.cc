@@ -4,7 +4,7 @@
 //
 // Lifetime of returned tensors: every dispatcher's outputs stay unchanged while their
 // DispatchOutput::storage is held (moed/dispatcher.h), and the DLPack capsule holds it. Flex's
-// storage keeps its memory in the threads world (zero-copy); in the MPI world a window lives
+// storage keeps its memory in the threads world (zero-copy); in the MPI world a segment lives
 // only as long as the dispatcher, so Flex outputs are copied there unless zero_copy (the caller
 // drops outputs before the dispatcher). permuted_probs and tokens_per_expert are copied (the
 // handle's own vectors are what a weighted combine reads, so torch must not be able to write them).
@@ -83,7 +83,7 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
 py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
   // Flex (the C++ lifetime rule, moed/dispatcher.h): an output's storage holds its slot of
   // the output ring, so no later dispatch writes it while torch holds the tensor. In the
-  // threads world the storage also keeps the memory, so the tensor is zero-copy; an MPI window
+  // threads world the storage also keeps the memory, so the tensor is zero-copy; an MPI segment
   // lives only as long as the dispatcher, which a tensor may outlive, so there it is copied
   // (unless zero_copy: the caller promises to drop outputs before the dispatcher).
   const bool copy = b.get().config().kind == DispatcherKind::kFlex &&

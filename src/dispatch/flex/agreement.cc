@@ -77,7 +77,7 @@ namespace {
 // DispatchOutput.storage of a Flex output.
 struct OutputHold {
   std::shared_ptr<int> token;
-  std::shared_ptr<SharedBuffer> memory;  // null where the window is freed collectively (MPI)
+  std::shared_ptr<SharedBuffer> memory;  // null where the dispatcher keeps it (MPI, gloo)
 };
 }  // namespace
 

@@ -25,13 +25,15 @@
 // memory (DeepEP's NVL buffer), so that peers write their rows straight into it. The regions
 // form a ring (OutputRing): each output's storage holds its slot, and the next dispatch writes
 // into the lowest slot that no local rank's caller still holds (each rank's held mask travels
-// in the agreement; allocation of an MPI shared window is collective over the node, so every
+// in the agreement; allocating node-shared memory is collective over the node, so every
 // local rank must pick the same slot). A caller that drops each output before the next
 // dispatch uses one slot; one that keeps k outputs uses k + 1. In the threads world the
-// storage also keeps the memory itself, so an output may outlive the dispatcher; an MPI window
-// is freed collectively, so there the dispatcher keeps the memory (valid until it goes).
+// storage also keeps the memory itself, so an output may outlive the dispatcher; in the MPI
+// and gloo worlds the dispatcher keeps the memory (valid until it goes). (Their segments are
+// now freed by a local munmap, so the storage could hold them there too: not done yet.)
 // token_*(async = true) runs the step on its own thread where the world allows calls from any
-// thread (threads); in the MPI world the step runs eagerly and returns a completed request.
+// thread (threads; MPI initialised with MPI_THREAD_MULTIPLE); elsewhere the step runs eagerly
+// and returns a completed request.
 // Combine reads the expert outputs where they are when the world shares one address space
 // (threads); otherwise (MPI) they are copied into a shared region first (counted), unless the
 // experts wrote them into flex_expert_output_buffer().

@@ -134,9 +134,9 @@ struct PushLayout {
 // from the same global counts, so growth needs no extra agreement.
 //
 // NOTE: a replaced buffer is kept (retired) until release_retired(), which the owner calls
-// once nothing can read it, at the same point of the same step on every local rank: freeing
-// an MPI shared window is collective over the node, so it must happen in the same order on
-// every local rank, never when a user happens to drop the last DispatchOutput.
+// once nothing can read it, at the same point of the same step on every local rank. (That
+// order was needed while the MPI world freed shared windows collectively; every backend now
+// frees locally, so it is kept only as the simplest rule.)
 class Region {
  public:
   Status ensure(World& world, size_t bytes);
