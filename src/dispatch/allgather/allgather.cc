@@ -50,7 +50,9 @@ StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
   for (int64_t t = 0; t < T; ++t)
     send[size_t(t)] = int32_t(mine.begin[size_t(t) + 1] - mine.begin[size_t(t)]);
   std::copy(mine.expert.begin(), mine.expert.end(), send.begin() + T);
-  std::memcpy(send.data() + T + n, mine.prob.data(), size_t(n) * sizeof(float));
+  // NOTE: memcpy (float bits into the int32 message) only when there are entries: with none,
+  // prob.data() may be null, which memcpy must not get even for 0 bytes (UBSan).
+  if (n > 0) std::memcpy(send.data() + T + n, mine.prob.data(), size_t(n) * sizeof(float));
   std::vector<int32_t> recv(total);
   std::vector<size_t> bytes(words.size());
   for (size_t s = 0; s < words.size(); ++s) bytes[s] = words[s] * sizeof(int32_t);
@@ -69,7 +71,7 @@ StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
                " entries; its counts say ", (words[size_t(s)] - size_t(Ts)) / 2);
     g.expert.insert(g.expert.end(), p + Ts, p + Ts + ns);
     g.prob.resize(first + ns);
-    std::memcpy(g.prob.data() + first, p + Ts + ns, ns * sizeof(float));
+    if (ns > 0) std::memcpy(g.prob.data() + first, p + Ts + ns, ns * sizeof(float));
     p += words[size_t(s)];
   }
   return g;
