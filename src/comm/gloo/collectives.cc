@@ -7,25 +7,9 @@
 #include <cstring>
 
 #include "comm/gloo/gloo_world.h"
+#include "comm/sum_rows.h"
 
 namespace moed::gloo_comm {
-namespace {
-
-// The deterministic sum of `ranks` rows of n floats: acc = 0; for r ascending: acc += x_r.
-void sum_rows(ThreadPool& pool, const float* rows, int ranks, size_t n, float* out) {
-  pool.parallel_for(
-      int64_t(n),
-      [&](int64_t b, int64_t e, int) {
-        for (int64_t i = b; i < e; ++i) out[i] = 0.0f;
-        for (int r = 0; r < ranks; ++r) {
-          const float* x = rows + size_t(r) * n;
-          for (int64_t i = b; i < e; ++i) out[i] += x[i];
-        }
-      },
-      4096);
-}
-
-}  // namespace
 
 Status GlooWorld::barrier() {
   MOED_RETURN_IF_ERROR(failure());
@@ -213,7 +197,7 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
   MOED_RETURN_IF_ERROR(exchange(slot, sends, recvs, [&] {
     return str_cat("rank ", rank_, " in reduce_scatter_v_f32");
   }));
-  sum_rows(pool(), blocks.data(), size_, mine_count, recv);
+  internal::sum_rows(pool(), blocks.data(), size_, mine_count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
   return ok_status();
 }
@@ -237,7 +221,7 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   std::vector<float> rows(count * size_t(size_));
   MOED_RETURN_IF_ERROR(gather(ranks, slot, send, count * sizeof(float), rows.data(),
                               "all_reduce_f32"));
-  sum_rows(pool(), rows.data(), size_, count, recv);
+  internal::sum_rows(pool(), rows.data(), size_, count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
   return ok_status();
 }

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "comm/mpi/mpi_world.h"
+#include "comm/sum_rows.h"
 
 namespace moed::mpi {
 namespace {
@@ -19,19 +20,6 @@ Status fits_int(size_t n, const char* op) {
   return ok_status();
 }
 
-// The deterministic sum of `ranks` rows of n floats: acc = 0; for r ascending: acc += x_r.
-void sum_rows(ThreadPool& pool, const float* rows, int ranks, size_t n, float* out) {
-  pool.parallel_for(
-      int64_t(n),
-      [&](int64_t b, int64_t e, int) {
-        for (int64_t i = b; i < e; ++i) out[i] = 0.0f;
-        for (int r = 0; r < ranks; ++r) {
-          const float* x = rows + size_t(r) * n;
-          for (int64_t i = b; i < e; ++i) out[i] += x[i];
-        }
-      },
-      4096);
-}
 
 }  // namespace
 
@@ -234,7 +222,7 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
       check(MPI_Ialltoallv(send, sc, sd, MPI_FLOAT, blocks, rc, rd, MPI_FLOAT, comm_, &req),
             "MPI_Ialltoallv"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
-  sum_rows(pool(), blocks, size_, mine_count, recv);
+  internal::sum_rows(pool(), blocks, size_, mine_count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
   return ok_status();
 }
@@ -267,7 +255,7 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
       check(MPI_Iallgather(send, int(count), MPI_FLOAT, rows, int(count), MPI_FLOAT, comm_, &req),
             "MPI_Iallgather"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
-  sum_rows(pool(), rows, size_, count, recv);
+  internal::sum_rows(pool(), rows, size_, count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
   return ok_status();
 }
