@@ -2,7 +2,8 @@
 // here are small: a few to tens of ranks). Sizes are exchanged and checked on every rank
 // first, so a bad size is the same error everywhere instead of a gloo size mismatch on one.
 // Float sums are never gloo's reductions: contributions are gathered and added here in
-// ascending rank order.
+// ascending rank order. When every rank is on this host, the data phases go through shared
+// memory instead (host_stage, host_staging.cc); the size exchanges are host_gather rounds.
 #include <algorithm>
 #include <cstring>
 
@@ -46,6 +47,16 @@ Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
     }
   }
   if (bytes == 0) return ok_status();
+  if (host_staging()) {
+    std::vector<uint64_t> staged(size_t(size_), 0);
+    staged[size_t(root)] = bytes;
+    MOED_RETURN_IF_ERROR(host_stage(
+        staged, [&](char* s) { std::memcpy(s, data, bytes); },
+        [&](int, const char* s) { std::memcpy(data, s, bytes); }, "broadcast"));
+    if (rank_ == root)
+      for (int d = 0; d < size_; ++d) count_send(d, bytes);
+    return ok_status();
+  }
   std::vector<Transfer> sends, recvs;
   if (rank_ == root) {
     for (int d = 0; d < size_; ++d) {
@@ -80,21 +91,26 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
     }
   }
   MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "all_gather_v"));
-  std::vector<Transfer> sends, recvs;
   char* out = static_cast<char*>(recv);
-  size_t off = 0;
-  for (int s = 0; s < size_; ++s) {
-    const size_t n = sizes[size_t(s)];
-    if (s == rank_) {
-      if (n > 0) std::memmove(out + off, send, n);
-    } else {
-      if (n > 0) recvs.push_back({s, out + off, n});
+  std::vector<size_t> offsets(size_t(size_) + 1, 0);
+  for (int s = 0; s < size_; ++s) offsets[size_t(s) + 1] = offsets[size_t(s)] + sizes[size_t(s)];
+  if (host_staging()) {
+    MOED_RETURN_IF_ERROR(host_stage(
+        sizes, [&](char* s) { std::memcpy(s, send, send_bytes); },
+        [&](int r, const char* s) { std::memcpy(out + offsets[size_t(r)], s, sizes[size_t(r)]); },
+        "all_gather_v"));
+  } else {
+    std::vector<Transfer> sends, recvs;
+    for (int s = 0; s < size_; ++s) {
+      if (s == rank_) continue;
+      if (sizes[size_t(s)] > 0) recvs.push_back({s, out + offsets[size_t(s)], sizes[size_t(s)]});
       if (send_bytes > 0) sends.push_back({s, const_cast<void*>(send), send_bytes});
     }
-    off += n;
+    MOED_RETURN_IF_ERROR(exchange(slot, sends, recvs,
+                                  [&] { return str_cat("rank ", rank_, " in all_gather_v"); }));
   }
-  MOED_RETURN_IF_ERROR(
-      exchange(slot, sends, recvs, [&] { return str_cat("rank ", rank_, " in all_gather_v"); }));
+  // After the others have read `send` (it may overlap this rank's part of recv).
+  if (send_bytes > 0) std::memmove(out + offsets[size_t(rank_)], send, send_bytes);
   for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
   return ok_status();
 }
@@ -133,14 +149,36 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
     }
   }
   MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "all_to_all_v"));
-  std::vector<Transfer> sends, recvs;
   const char* in = static_cast<const char*>(send);
   char* out = static_cast<char*>(recv);
+  const size_t me = size_t(rank_);
+  if (send_bytes[me] > 0) std::memmove(out + recv_offsets[me], in + send_offsets[me], send_bytes[me]);
+  if (host_staging()) {
+    // Rank s stages its blocks for every other rank back to back, in rank order.
+    std::vector<uint64_t> staged(n, 0);
+    for (size_t s = 0; s < n; ++s)
+      for (size_t p = 0; p < n; ++p) staged[s] += p == s ? 0 : all[s * n + p];
+    MOED_RETURN_IF_ERROR(host_stage(
+        staged,
+        [&](char* st) {
+          for (size_t p = 0; p < n; ++p) {
+            if (p == me || send_bytes[p] == 0) continue;
+            std::memcpy(st, in + send_offsets[p], send_bytes[p]);
+            st += send_bytes[p];
+          }
+        },
+        [&](int r, const char* st) {
+          const size_t s = size_t(r);
+          for (size_t p = 0; p < me; ++p) st += p == s ? 0 : all[s * n + p];
+          if (recv_bytes[s] > 0) std::memcpy(out + recv_offsets[s], st, recv_bytes[s]);
+        },
+        "all_to_all_v"));
+    for (int d = 0; d < size_; ++d) count_send(d, send_bytes[size_t(d)]);
+    return ok_status();
+  }
+  std::vector<Transfer> sends, recvs;
   for (size_t p = 0; p < n; ++p) {
-    if (int(p) == rank_) {
-      if (send_bytes[p] > 0) std::memmove(out + recv_offsets[p], in + send_offsets[p], send_bytes[p]);
-      continue;
-    }
+    if (p == me) continue;
     if (recv_bytes[p] > 0) recvs.push_back({int(p), out + recv_offsets[p], recv_bytes[p]});
     if (send_bytes[p] > 0)
       sends.push_back({int(p), const_cast<char*>(in + send_offsets[p]), send_bytes[p]});
@@ -179,6 +217,26 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
   // Block d of every rank goes to rank d; rank d adds the R blocks in rank order.
   const size_t mine_count = counts[size_t(rank_)];
   std::vector<float> blocks(mine_count * n);
+  if (host_staging()) {
+    // Every rank stages its whole send; rank d reads block d of each.
+    size_t total = 0, before = 0;
+    for (size_t d = 0; d < n; ++d) {
+      if (d < size_t(rank_)) before += counts[d];
+      total += counts[d];
+    }
+    std::vector<uint64_t> staged(n, total * sizeof(float));
+    std::copy(send + before, send + before + mine_count, blocks.data() + size_t(rank_) * mine_count);
+    MOED_RETURN_IF_ERROR(host_stage(
+        staged, [&](char* st) { std::memcpy(st, send, total * sizeof(float)); },
+        [&](int r, const char* st) {
+          std::memcpy(blocks.data() + size_t(r) * mine_count, st + before * sizeof(float),
+                      mine_count * sizeof(float));
+        },
+        "reduce_scatter_v_f32"));
+    internal::sum_rows(pool(), blocks.data(), size_, mine_count, recv);
+    for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
+    return ok_status();
+  }
   std::vector<Transfer> sends, recvs;
   size_t off = 0;
   for (size_t d = 0; d < n; ++d) {
@@ -219,8 +277,17 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   if (count == 0) return ok_status();
   // Gathering everything costs R times the data of a reduction tree, but fixes the order.
   std::vector<float> rows(count * size_t(size_));
-  MOED_RETURN_IF_ERROR(gather(ranks, slot, send, count * sizeof(float), rows.data(),
-                              "all_reduce_f32"));
+  if (host_staging()) {
+    const size_t bytes = count * sizeof(float);
+    std::memcpy(rows.data() + size_t(rank_) * count, send, bytes);
+    MOED_RETURN_IF_ERROR(host_stage(
+        std::vector<uint64_t>(size_t(size_), bytes), [&](char* st) { std::memcpy(st, send, bytes); },
+        [&](int r, const char* st) { std::memcpy(rows.data() + size_t(r) * count, st, bytes); },
+        "all_reduce_f32"));
+  } else {
+    MOED_RETURN_IF_ERROR(gather(ranks, slot, send, count * sizeof(float), rows.data(),
+                                "all_reduce_f32"));
+  }
   internal::sum_rows(pool(), rows.data(), size_, count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
   return ok_status();

@@ -128,6 +128,7 @@ GlooWorld::~GlooWorld() {
     control_->members[host_index_].state.store(kClosed, std::memory_order_release);
     munmap(control_, control_bytes_);
   }
+  unmap_stages();
   if (coll_ != nullptr) munmap(coll_, sizeof(CollSlot) * host_.ranks.size());
   forget_mailbox(this);
   fault_recv_.reset();

@@ -4,6 +4,7 @@
 //   collectives.cc     barrier, broadcast, all_gather_v, all_to_all_v, reduce_scatter_v, all_reduce
 //   network.cc         isend / irecv (gloo unbound buffers)
 //   shared_memory.cc   alloc_shared and the host's control segment (POSIX shared memory)
+//   host_staging.cc    large same-host data phases through per-rank staging segments
 //
 // NOTE: Debian's gloo headers lack gloo/common/memory.h, so only the abstract
 // UnboundBuffer interface is usable: there is no non-blocking test. A wait blocks in gloo's
@@ -61,11 +62,14 @@ struct HostControl {
 // Same-host collectives (every rank on one host): each rank's slot in a shared segment. Round
 // k: wait until every rank has read round k-1 (done), write, publish seq = k, read every
 // rank's slot once its seq reaches k, then mark done = k.
+// stage_seq publishes this rank's staging segment (host_staging.cc) for stage round k.
 struct CollSlot {
   std::atomic<uint64_t> seq;
   char pad0[56];
   std::atomic<uint64_t> done;
   char pad1[56];
+  std::atomic<uint64_t> stage_seq;
+  char pad2[56];
   static constexpr size_t kBytes = 16384;
   char data[kBytes];
 };
@@ -145,6 +149,12 @@ class GlooWorld final : public World {
   uint64_t next_slot() { return make_slot(Space::kWorld, world_calls_++); }
   // gather() over every rank through the host's collective slots (one host, n small).
   Status host_gather(const void* mine, size_t n, void* out, const char* op);
+  // Same-host data phase (host_staging.cc; only while host_staging()): every rank r publishes
+  // bytes[r] bytes (`write` fills this rank's part), then `read` gets every other rank's part.
+  // Every rank calls it with the same bytes, right after a gather() of the same call.
+  bool host_staging() const { return coll_ != nullptr; }
+  Status host_stage(std::span<const uint64_t> bytes, const std::function<void(char*)>& write,
+                    const std::function<void(int, const char*)>& read, const char* op);
   uint64_t next_node_slot() { return make_slot(Space::kNode, node_calls_++); }
   std::vector<int> all_ranks() const;
   std::vector<int> node_ranks() const;
@@ -161,6 +171,12 @@ class GlooWorld final : public World {
   void send_fault(int failed_rank, const Status& reason);
   void listen_for_faults();
   void monitor();
+  // Polls `word` of host-mate r until it reaches `value` (bounded; a closed rank is a failure).
+  Status await_host(const std::atomic<uint64_t>& word, uint64_t value, int r, const char* op,
+                    const char* what);
+  // Maps (or grows) the staging segments that host_stage needs for `bytes` (collective).
+  Status grow_stages(std::span<const uint64_t> bytes, const char* op);
+  void unmap_stages();
   // A host-mate whose process is gone without closing its world: its rank, or -1.
   int find_dead_host_mate() const;
 
@@ -172,6 +188,11 @@ class GlooWorld final : public World {
   size_t control_bytes_ = 0;
   CollSlot* coll_ = nullptr;  // every rank's slot, when all ranks share one host
   uint64_t coll_calls_ = 0;
+  // Every rank's staging segment as mapped here, and its capacity (the same on every rank).
+  std::vector<char*> stage_;
+  std::vector<size_t> stage_cap_;
+  uint64_t stage_calls_ = 0;
+  uint64_t stage_gen_ = 0;
   uint64_t world_calls_ = 0;
   uint64_t node_calls_ = 0;
   uint64_t segments_ = 0;

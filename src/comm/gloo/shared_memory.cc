@@ -97,33 +97,31 @@ Status GlooWorld::start() {
   return ok_status();
 }
 
+Status GlooWorld::await_host(const std::atomic<uint64_t>& word, uint64_t value, int r,
+                             const char* op, const char* what) {
+  // A rank that closed its world (its process ended normally) will never write again.
+  const auto& state = control_->members[r].state;  // one host: host index = rank
+  auto here = [&] { return word.load(std::memory_order_acquire) >= value; };
+  Status s = internal::poll_until(
+      *this, [&] { return here() || state.load(std::memory_order_acquire) == kClosed; },
+      [&] { return str_cat("rank ", rank_, " in ", op, " (", what, " rank ", r, ")"); });
+  if (s.ok() && !here()) {
+    // Its failure message, if it sent one (the host's fault word is written before closing).
+    MOED_RETURN_IF_ERROR(failure());
+    s = aborted("rank ", r, " failed: it closed its moed world (its process ended) while rank ",
+                rank_, " was in ", op);
+    record_failure(r, s);
+    send_fault(r, s);
+    return failure();
+  }
+  if (!s.ok() && s.code() != StatusCode::kAborted) abort(s);  // every other rank hears why
+  return s;
+}
+
 Status GlooWorld::host_gather(const void* mine, size_t n, void* out, const char* op) {
   const uint64_t k = ++coll_calls_;
-  auto await = [&](const std::atomic<uint64_t>& word, uint64_t value, int r,
-                   const char* what) -> Status {
-    // A rank that closed its world (its process ended normally) will never write again.
-    const auto& state = control_->members[r].state;  // one host: host index = rank
-    auto here = [&] { return word.load(std::memory_order_acquire) >= value; };
-    Status s = internal::poll_until(
-        *this, [&] { return here() || state.load(std::memory_order_acquire) == kClosed; },
-        [&] { return str_cat("rank ", rank_, " in ", op, " (", what, " rank ", r, ")"); });
-    if (s.ok() && !here()) {
-      // Its failure message, if it sent one (the host's fault word is written before closing).
-      MOED_RETURN_IF_ERROR(failure());
-      s = aborted("rank ", r, " failed: it closed its moed world (its process ended) while rank ",
-                  rank_, " was in ", op);
-      record_failure(r, s);
-      send_fault(r, s);
-      return failure();
-    }
-    if (!s.ok() && s.code() != StatusCode::kAborted) {
-      abort(s);  // this rank gives up: every other rank hears why
-      return s;
-    }
-    return s;
-  };
   for (int r = 0; r < size_; ++r) {
-    if (r != rank_) MOED_RETURN_IF_ERROR(await(coll_[r].done, k - 1, r, "waiting for"));
+    if (r != rank_) MOED_RETURN_IF_ERROR(await_host(coll_[r].done, k - 1, r, op, "waiting for"));
   }
   CollSlot& me = coll_[rank_];
   if (n > 0) std::memcpy(me.data, mine, n);
@@ -134,7 +132,7 @@ Status GlooWorld::host_gather(const void* mine, size_t n, void* out, const char*
       if (n > 0) std::memcpy(o + size_t(r) * n, mine, n);
       continue;
     }
-    MOED_RETURN_IF_ERROR(await(coll_[r].seq, k, r, "receiving from"));
+    MOED_RETURN_IF_ERROR(await_host(coll_[r].seq, k, r, op, "receiving from"));
     if (n > 0) std::memcpy(o + size_t(r) * n, coll_[r].data, n);
   }
   me.done.store(k, std::memory_order_release);
