@@ -57,6 +57,38 @@ def scenario_all(g, pg, rank):
     return dict(dist=_dist(g, pg), deep_ep=_deep_ep(g, pg), dispatchers=_dispatchers(g, pg))
 
 
+def large_inputs(r):
+    """Rank r's tensors for scenario_large (the test rebuilds them to check the results)."""
+    g = torch.Generator().manual_seed(300 + r)
+    return dict(red=[torch.randn(n, generator=g) for n in (5, 300_001, 1_000_003)],
+                part=torch.randn(7 + 4099 * r, generator=g), bcast=torch.randn(524_289, generator=g))
+
+
+def scenario_large(g, pg, rank):
+    """Payloads past the host's 16 KiB collective slots and the first 1 MiB staging segment,
+    odd sizes, a rank with no tokens (tokens_of(1) == 0), hidden not a multiple of 16."""
+    from test_megatron import LAYOUTS, body
+    import moed
+    R = g.size()
+    ins = large_inputs(rank)
+    sums = []
+    for t in ins["red"]:
+        t = t.clone()
+        moed.dist.all_reduce(t, group=pg)
+        sums.append(t)
+    # all_gather_v with a different size per rank (zero-padded to one shape for moed.dist).
+    n = 7 + 4099 * (R - 1)
+    part = torch.zeros(n)
+    part[:ins["part"].numel()] = ins["part"]
+    parts = [torch.empty(n) for _ in range(R)]
+    moed.dist.all_gather(parts, part, group=pg)
+    b = ins["bcast"].clone()
+    moed.dist.broadcast(b, src=R - 1, group=pg)
+    disp = {kind: body(g, kind, 20_001, 2, torch.float32, LAYOUTS["dropless"], True, False, True)
+            for kind in ("allgather", "alltoall", "flex")}
+    return dict(sums=sums, parts=parts, bcast=b, dispatchers=disp)
+
+
 def _until_error(g, rank, fault):
     """Dispatches until the world fails; rank 1 causes the fault after a few steps."""
     import moed.deep_ep as deep_ep
@@ -89,6 +121,12 @@ def scenario_raise_plain(g, pg, rank):
 def scenario_kill(g, pg, rank):
     def fault():
         os.kill(os.getpid(), signal.SIGKILL)
+    _until_error(g, rank, fault)
+
+
+def scenario_stall(g, pg, rank):
+    def fault():
+        os.kill(os.getpid(), signal.SIGSTOP)  # the test kills it once the others are done
     _until_error(g, rank, fault)
 
 

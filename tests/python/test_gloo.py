@@ -33,19 +33,24 @@ def segments():
     return {f for f in os.listdir("/dev/shm") if f.startswith("moed-")}
 
 
-def spawn(scenario, nprocs, ranks_per_node=0, budget=240.0):
+def spawn(scenario, nprocs, ranks_per_node=0, budget=240.0, timeout=TIMEOUT, stalled=None):
     """Runs gloo_workers.main in nprocs spawned processes; returns (exit codes, records by
-    rank: None where a process saved nothing). Waits at most `budget` seconds, then kills."""
+    rank: None where a process saved nothing). Waits at most `budget` seconds, then kills.
+    Rank `stalled` is expected to be stopped: it is killed once the others have ended."""
     out = tempfile.mkdtemp(prefix="moed-gloo-test-")
     ctx = torch.multiprocessing.spawn(
         gloo_workers.main, nprocs=nprocs, join=False,
-        args=(nprocs, "127.0.0.1", free_port(), scenario, ranks_per_node, TIMEOUT, out))
+        args=(nprocs, "127.0.0.1", free_port(), scenario, ranks_per_node, timeout, out))
     deadline = time.monotonic() + budget
+    for r, p in enumerate(ctx.processes):
+        if r != stalled:
+            p.join(max(0.0, deadline - time.monotonic()))
+    if stalled is not None:
+        ctx.processes[stalled].kill()
+    left = [p for r, p in enumerate(ctx.processes) if p.is_alive() and r != stalled]
     for p in ctx.processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    left = [p for p in ctx.processes if p.is_alive()]
-    for p in left:
-        p.kill()
+        if p.is_alive():
+            p.kill()
         p.join()
     assert not left, f"{len(left)} process(es) still running after {budget} s"
     recs = []
@@ -108,6 +113,35 @@ def test_matches_threads_world(world):
     assert segments() == before
 
 
+def test_large_payloads_through_shared_memory():
+    """3 processes on one host: the data phases go through the staging segments (grown twice),
+    bitwise equal to rank-order fp32 sums and to the threads world; nothing left in /dev/shm."""
+    from test_megatron import LAYOUTS, body
+    R = 3
+    before = segments()
+    codes, recs = spawn("large", R)
+    assert codes == [0] * R, (codes, [r and r.get("error") for r in recs])
+    ins = [gloo_workers.large_inputs(r) for r in range(R)]
+    want = moed.launch(lambda g: {kind: body(g, kind, 20_001, 2, torch.float32,
+                                             LAYOUTS["dropless"], True, False, True)
+                                  for kind in ("allgather", "alltoall", "flex")},
+                       R, timeout=60.0, threads_per_rank=1)
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec['error']}"
+        res = rec["result"]
+        for i, got in enumerate(res["sums"]):
+            acc = torch.zeros_like(got)
+            for s in range(R):
+                acc += ins[s]["red"][i]
+            assert torch.equal(got, acc), (r, i)
+        for s in range(R):
+            p = ins[s]["part"]
+            assert torch.equal(res["parts"][s][:p.numel()], p) and not res["parts"][s][p.numel():].any()
+        assert torch.equal(res["bcast"], ins[R - 1]["bcast"])
+        equal(res["dispatchers"], want[r], f"rank {r} dispatchers")
+    assert segments() == before
+
+
 @pytest.mark.parametrize("scenario", ["raise", "raise_plain", "kill"])
 def test_fault_ends_every_rank(scenario):
     R = 4
@@ -122,4 +156,22 @@ def test_fault_ends_every_rank(scenario):
         assert "waited" not in err, (r, err)
         if scenario == "raise":
             assert "rank 1 gave up on purpose" in err, (r, err)
+    assert segments() == before
+
+
+def test_stopped_rank_ends_every_other_rank_within_the_timeout():
+    """Rank 1 stops (SIGSTOP) mid-dispatch: nothing waits without a bound, so every other rank
+    ends with an error soon after the world's timeout (3 s): the rank whose wait ran out first
+    a RuntimeError (deadline exceeded), the others AbortedError naming that rank. The first
+    wait to run out may be on a live rank that itself waits for rank 1, so the message names
+    a timeout, not necessarily rank 1."""
+    R, timeout = 4, 3.0
+    before = segments()
+    codes, recs = spawn("stall", R, budget=120.0, timeout=timeout, stalled=1)
+    for r in (0, 2, 3):
+        assert codes[r] == 0 and recs[r] is not None, (r, codes)
+        err = recs[r]["error"] if not recs[r]["ok"] else "no error"
+        assert err.split(":")[0] in ("AbortedError", "RuntimeError"), (r, err)
+        assert "waited" in err and "timeout 3000 ms" in err, (r, err)
+        assert recs[r]["seconds"] < 60.0, (r, recs[r]["seconds"])
     assert segments() == before
