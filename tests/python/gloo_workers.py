@@ -61,7 +61,8 @@ def large_inputs(r):
     """Rank r's tensors for scenario_large (the test rebuilds them to check the results)."""
     g = torch.Generator().manual_seed(300 + r)
     return dict(red=[torch.randn(n, generator=g) for n in (5, 300_001, 1_000_003)],
-                part=torch.randn(7 + 4099 * r, generator=g), bcast=torch.randn(524_289, generator=g))
+                part=torch.randn(7 + 4099 * r, generator=g),
+                bcast=torch.randn(524_289, generator=g))
 
 
 def scenario_large(g, pg, rank):

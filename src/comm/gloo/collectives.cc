@@ -139,8 +139,8 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
   // carries that error): rank s's row says what it sends to each rank.
   std::vector<uint64_t> mine(n, 0), all(n * n);
   if (local.ok()) std::copy(send_bytes.begin(), send_bytes.end(), mine.begin());
-  MOED_RETURN_IF_ERROR(gather(ranks, slot, mine.data(), n * sizeof(uint64_t), all.data(),
-                              "all_to_all_v"));
+  MOED_RETURN_IF_ERROR(
+      gather(ranks, slot, mine.data(), n * sizeof(uint64_t), all.data(), "all_to_all_v"));
   for (size_t s = 0; s < n && local.ok(); ++s) {
     const uint64_t sent = all[s * n + size_t(rank_)];
     if (recv_bytes[s] != sent) {
@@ -152,7 +152,8 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
   const char* in = static_cast<const char*>(send);
   char* out = static_cast<char*>(recv);
   const size_t me = size_t(rank_);
-  if (send_bytes[me] > 0) std::memmove(out + recv_offsets[me], in + send_offsets[me], send_bytes[me]);
+  if (send_bytes[me] > 0)
+    std::memmove(out + recv_offsets[me], in + send_offsets[me], send_bytes[me]);
   if (host_staging()) {
     // Rank s stages its blocks for every other rank back to back, in rank order.
     std::vector<uint64_t> staged(n, 0);
@@ -203,8 +204,8 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
   }
   std::vector<uint64_t> mine(n, 0), all(n * n);
   if (local.ok()) std::copy(counts.begin(), counts.end(), mine.begin());
-  MOED_RETURN_IF_ERROR(gather(ranks, slot, mine.data(), n * sizeof(uint64_t), all.data(),
-                              "reduce_scatter_v_f32"));
+  MOED_RETURN_IF_ERROR(
+      gather(ranks, slot, mine.data(), n * sizeof(uint64_t), all.data(), "reduce_scatter_v_f32"));
   MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "reduce_scatter_v_f32"));
   for (size_t r = 0; r < n; ++r) {
     for (size_t d = 0; d < n; ++d) {
@@ -225,7 +226,8 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
       total += counts[d];
     }
     std::vector<uint64_t> staged(n, total * sizeof(float));
-    std::copy(send + before, send + before + mine_count, blocks.data() + size_t(rank_) * mine_count);
+    std::copy(send + before, send + before + mine_count,
+              blocks.data() + size_t(rank_) * mine_count);
     MOED_RETURN_IF_ERROR(host_stage(
         staged, [&](char* st) { std::memcpy(st, send, total * sizeof(float)); },
         [&](int r, const char* st) {
@@ -252,9 +254,8 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
   for (size_t s = 0; s < n && mine_count > 0; ++s) {
     if (int(s) != rank_) recvs.push_back({int(s), blocks.data() + s * mine_count, mine_count * 4});
   }
-  MOED_RETURN_IF_ERROR(exchange(slot, sends, recvs, [&] {
-    return str_cat("rank ", rank_, " in reduce_scatter_v_f32");
-  }));
+  MOED_RETURN_IF_ERROR(exchange(
+      slot, sends, recvs, [&] { return str_cat("rank ", rank_, " in reduce_scatter_v_f32"); }));
   internal::sum_rows(pool(), blocks.data(), size_, mine_count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
   return ok_status();
@@ -281,12 +282,13 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
     const size_t bytes = count * sizeof(float);
     std::memcpy(rows.data() + size_t(rank_) * count, send, bytes);
     MOED_RETURN_IF_ERROR(host_stage(
-        std::vector<uint64_t>(size_t(size_), bytes), [&](char* st) { std::memcpy(st, send, bytes); },
+        std::vector<uint64_t>(size_t(size_), bytes),
+        [&](char* st) { std::memcpy(st, send, bytes); },
         [&](int r, const char* st) { std::memcpy(rows.data() + size_t(r) * count, st, bytes); },
         "all_reduce_f32"));
   } else {
-    MOED_RETURN_IF_ERROR(gather(ranks, slot, send, count * sizeof(float), rows.data(),
-                                "all_reduce_f32"));
+    MOED_RETURN_IF_ERROR(
+        gather(ranks, slot, send, count * sizeof(float), rows.data(), "all_reduce_f32"));
   }
   internal::sum_rows(pool(), rows.data(), size_, count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));

@@ -50,8 +50,8 @@ Status GlooWorld::grow_stages(std::span<const uint64_t> bytes, const char* op) {
     std::vector<int> ranks{int(r)};
     for (int q = 0; q < size_; ++q)
       if (q != int(r)) ranks.push_back(q);
-    const std::string name = str_cat("/moed-", std::hex, host_.world_id, std::dec, "-stage", r,
-                                     "-", ++stage_gen_);
+    const std::string name =
+        str_cat("/moed-", std::hex, host_.world_id, std::dec, "-stage", r, "-", ++stage_gen_);
     StatusOr<void*> p = map_segment(ranks, next_slot(), name, cap);
     if (!p.ok()) {
       return Status(p.status().code(), str_cat(op, ": staging ", cap, " bytes of rank ", r,

@@ -42,9 +42,13 @@ StatusOr<void*> GlooWorld::map_segment(std::span<const int> ranks, uint64_t slot
   auto map = [&](int flags) -> Status {
     const int fd = shm_open(name.c_str(), flags, 0600);
     if (fd < 0) return internal_error("rank ", rank_, ": ", errno_text("shm_open", name));
-    if (leader && ftruncate(fd, off_t(length)) != 0) {
-      Status s = internal_error("rank ", rank_, ": ", errno_text("ftruncate", name), " (", length,
-                                " bytes; is /dev/shm large enough?)");
+    // posix_fallocate reserves the pages now: a /dev/shm too small for them is this error,
+    // not a SIGBUS at the first write past its end.
+    const int err = leader ? posix_fallocate(fd, 0, off_t(length)) : 0;
+    if (err != 0) {
+      errno = err;
+      Status s = internal_error("rank ", rank_, ": ", errno_text("posix_fallocate", name), " (",
+                                length, " bytes; is /dev/shm large enough?)");
       close(fd);
       return s;
     }
