@@ -350,8 +350,9 @@ Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
                                        (*h)->hidden, input.expert_output.x.dtype, "expert_output");
   }
   MOED_RETURN_IF_ERROR(agree_step(*world_, local));
-  combine_.out = input.out;
-  return pack_return(combine_, *h, input.expert_output.x, {});
+  MOED_RETURN_IF_ERROR(pack_return(combine_, *h, input.expert_output.x, {}));
+  combine_.out = input.out;  // after pack_return, which starts the step afresh
+  return ok_status();
 }
 
 StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
