@@ -129,7 +129,8 @@ struct CombineInput {
   // Optional caller-owned result: [T, H] (T = this rank's tokens of the dispatch), the dtype
   // of expert_output, row_stride >= H, not overlapping expert_output. Combine stores each
   // result row there once (the same bits it would return); a bad shape, dtype or stride is an
-  // error on every rank, and then `out` is untouched.
+  // error on every rank, and then `out` is untouched. It must stay valid until
+  // combine_postprocess has returned (the steps may write it in the background).
   std::optional<TensorView> out = std::nullopt;
 };
 

@@ -34,6 +34,11 @@ and ``device='cpu'`` tensors. Differences, all documented on the methods:
   (GPU clock counters; left unchanged). Byte counts (num_nvl_bytes, num_rdma_bytes) are
   recorded only: moed allocates what each call needs, lazily.
 * FP8 tensors are torch.float8_e4m3fn where torch has it, else torch.uint8 holding E4M3FN bits.
+* Caller-owned outputs: low_latency_combine(out=) (DeepEP's) and combine(..., out=) (keyword-only,
+  moed's extension) write the result straight into the caller's tensor (rows may be strided).
+* Argument errors are every rank's: a bad argument on one rank raises on every rank, naming
+  that rank (normal mode: that rank its own TypeError / ValueError, the others ValueError;
+  low-latency mode: ValueError on every rank, carried by the call's own agreement).
 """
 import inspect
 from typing import Callable, List, Optional, Tuple, Union
