@@ -7,7 +7,10 @@ tensor argument crossing into moed.
 
 Shapes as `moed bench dispatch` has them (tokens per rank, hidden, experts, top-k), bf16.
 Per iteration: dispatch then combine with expert_output = dispatched_input. Figures are the
-median over iterations of rank 0 (every rank waits for the others in each collective).
+median over iterations of rank 0 (every rank waits for the others in each collective). The
+per-call overhead is the median of paired differences (--pairs: one C++ and one Python
+iteration back to back, order alternating), which holds up on a loaded machine where the two
+separate medians do not.
 """
 import argparse
 import json
@@ -32,7 +35,7 @@ def routing(seed, T, E, K):
     return rmap, probs
 
 
-def body(group, shape, kinds, iters, warmup, rounds, zero_copy):
+def body(group, shape, kinds, iters, warmup, rounds, zero_copy, pairs):
     T, H, E, K = SHAPES[shape]
     E = max(E, group.size()) // group.size() * group.size()
     rmap, probs = routing(7 + group.rank(), T, E, K)
@@ -42,20 +45,47 @@ def body(group, shape, kinds, iters, warmup, rounds, zero_copy):
         cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_flex_zero_copy=zero_copy)
         d = make_dispatcher(kind, cfg, group=group)
         c = _C.TokenDispatcher(group.handle, kind, E)
-        py_t, cpp_t = [], []
+
+        def python_iter():
+            t0 = time.perf_counter()
+            h, p = d.dispatch_preprocess(x, rmap, probs)
+            h, p = d.token_dispatch(h, p)
+            ei, tpe, pp = d.dispatch_postprocess(h, p)
+            y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
+            t1 = time.perf_counter()
+            del h, p, ei, tpe, pp, y
+            return t1 - t0
+
+        py_t, cpp_t, diff = [], [], []
         for r in range(rounds):  # interleaved, so load from elsewhere hits both alike
             cpp_t += c._bench_cpp(x, rmap, probs, K, iters, warmup if r == 0 else 1)
             for i in range((warmup if r == 0 else 1) + iters):
-                t0 = time.perf_counter()
-                h, p = d.dispatch_preprocess(x, rmap, probs)
-                h, p = d.token_dispatch(h, p)
-                ei, tpe, pp = d.dispatch_postprocess(h, p)
-                y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
-                t1 = time.perf_counter()
+                t = python_iter()
                 if i >= (warmup if r == 0 else 1):
-                    py_t.append(t1 - t0)
-                del h, p, ei, tpe, pp, y
-        res[kind] = (statistics.median(cpp_t), statistics.median(py_t))
+                    py_t.append(t)
+        # Paired: one C++ iteration and one Python iteration back to back (order alternating),
+        # so the per-call difference is taken under the same load; its median is the overhead.
+        # Also the process CPU time of each (all threads; the C++ call's includes its argument
+        # parsing): less sensitive to preemption than wall time, though spinning counts.
+        cpu_diff = []
+        for i in range(pairs):
+            for first in ((0, 1) if i % 2 == 0 else (1, 0)):
+                c0 = time.process_time()
+                if first == 0:
+                    tc = c._bench_cpp(x, rmap, probs, K, 1, 0)[0]
+                else:
+                    tp = python_iter()
+                c1 = time.process_time()
+                if first == 0:
+                    cc = c1 - c0
+                else:
+                    cp = c1 - c0
+            diff.append(tp - tc)
+            cpu_diff.append(cp - cc)
+        q = statistics.quantiles(diff, n=4) if len(diff) >= 4 else [float("nan")] * 3
+        res[kind] = (statistics.median(cpp_t), statistics.median(py_t),
+                     statistics.median(diff) if diff else float("nan"), q[0], q[2],
+                     statistics.median(cpu_diff) if cpu_diff else float("nan"))
         d.close()
         c.close()
     return res
@@ -87,25 +117,32 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--flex-zero-copy", action="store_true",
                     help="Flex outputs stay in moed's region (no copy; see MoEConfig)")
+    ap.add_argument("--pairs", type=int, default=200,
+                    help="paired C++/Python iterations for the per-call overhead (0: none)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     kinds = a.kinds.split(",")
     parse, ret = call_overhead()
     out = moed.launch(body, a.ranks, a.shape, kinds, a.iters, a.warmup, a.rounds, a.flex_zero_copy,
-                      ranks_per_node=a.ranks_per_node)[0]
+                      a.pairs, ranks_per_node=a.ranks_per_node)[0]
     recs = []
-    for kind, (cpp, py) in out.items():
+    for kind, (cpp, py, d, d25, d75, dcpu) in out.items():
         recs.append(dict(shape=a.shape, ranks=a.ranks, kind=kind, cpp_us=cpp * 1e6, python_us=py * 1e6,
-                         extra_us=(py - cpp) * 1e6, ratio=py / cpp, flex_zero_copy=a.flex_zero_copy))
+                         extra_us=(py - cpp) * 1e6, ratio=py / cpp, paired_extra_us=d * 1e6,
+                         paired_p25_us=d25 * 1e6, paired_p75_us=d75 * 1e6, paired_cpu_extra_us=dcpu * 1e6,
+                         pairs=a.pairs,
+                         flex_zero_copy=a.flex_zero_copy))
     if a.json:
         print(json.dumps(dict(tensor_arg_us=parse * 1e6, dlpack_return_us=ret * 1e6, records=recs)))
         return
     print(f"one tensor argument in (parse + GIL release): {parse * 1e6:.2f} us; "
           f"a moed tensor out (DLPack, 1 row copy): {ret * 1e6:.2f} us")
-    print(f"{'shape':8} {'kind':10} {'C++ API us':>12} {'Megatron-style us':>18} {'extra us':>10} {'ratio':>7}")
+    print(f"{'shape':8} {'kind':10} {'C++ API us':>12} {'Megatron-style us':>18} {'extra us':>10} {'ratio':>7}"
+          f" {'paired extra us (p25, p75)':>28} {'cpu extra us':>12}")
     for r in recs:
         print(f"{r['shape']:8} {r['kind']:10} {r['cpp_us']:12.1f} {r['python_us']:18.1f} "
-              f"{r['extra_us']:10.1f} {r['ratio']:7.3f}")
+              f"{r['extra_us']:10.1f} {r['ratio']:7.3f} {r['paired_extra_us']:10.1f} "
+              f"({r['paired_p25_us']:.1f}, {r['paired_p75_us']:.1f}) {r['paired_cpu_extra_us']:12.1f}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -94,7 +95,7 @@ struct NormalDispatchInput {
   int64_t num_worst_tokens = 0;  // > 0: recv_x has this many rows (the rest zero)
   // An error the caller found in its own arguments (a binding's parsing): reported on every
   // rank through the call's first collective instead of leaving the other ranks waiting.
-  Status caller_error;
+  Status caller_error = Status();
 };
 
 struct NormalDispatchOutput {
@@ -118,14 +119,20 @@ struct NormalCombineInput {
   int num_topk = 0;
   TensorView bias_0, bias_1;  // optional [T, H] f32 or bf16 (home side)
   std::shared_ptr<const NormalHandle> handle;
-  Status caller_error;  // as in NormalDispatchInput
+  Status caller_error = Status();  // as in NormalDispatchInput
+  // Optional caller-owned [T, H] of x's dtype (row_stride >= H, not overlapping x or the
+  // biases): the final fp32 -> dtype store of each token writes there (moed's extension).
+  std::optional<TensorView> out = std::nullopt;
 };
 
 struct NormalCombineOutput {
   // [T, H], x's dtype: fp32 acc = bias_0 + bias_1 (0 where absent), then += the row of each
   // rank that received the token, ranks ascending; rounded once. 0 for unsent tokens.
+  // Empty (0 x 0) when NormalCombineInput::out was given: the result is there.
   Tensor combined_x;
   std::vector<float> combined_topk_weights;  // [T, K] the same sum of the weights
+  std::optional<TensorView> out = std::nullopt;  // NormalCombineInput::out, when given
+  TensorView result() const { return out ? *out : combined_x.view(); }
 };
 
 class NormalBuffer {

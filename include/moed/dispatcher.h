@@ -24,6 +24,8 @@
 //     (the dispatcher does), so the output is valid while its dispatcher also lives
 //     (everywhere else it may outlive it).
 //   - CombineOutput, DispatchGrad, CombineGrad: owning Tensors and vectors; the caller's.
+//   - CombineInput::out (optional): the caller's own [T, H] buffer; combine writes the result
+//     there and nowhere else, and CombineOutput::hidden stays empty (result() views `out`).
 //   - Inputs are read, never kept: views passed to a step must stay valid until the step that
 //     communicates (token_*) has completed (its request waited on).
 //   - flex_expert_output_buffer (moed/flex.h) is the one buffer the caller writes into that the
@@ -33,6 +35,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -123,11 +126,20 @@ struct DispatchOutput {
 struct CombineInput {
   TokenRows expert_output;  // [num_rows, H] f32 or bf16, rows as in the dispatch output
   std::shared_ptr<const DispatchHandle> handle;
+  // Optional caller-owned result: [T, H] (T = this rank's tokens of the dispatch), the dtype
+  // of expert_output, row_stride >= H, not overlapping expert_output. Combine stores each
+  // result row there once (the same bits it would return); a bad shape, dtype or stride is an
+  // error on every rank, and then `out` is untouched. It must stay valid until
+  // combine_postprocess has returned (the steps may write it in the background).
+  std::optional<TensorView> out = std::nullopt;
 };
 
 struct CombineOutput {
-  Tensor hidden;                      // [T, H], dtype of expert_output
+  Tensor hidden;  // [T, H], dtype of expert_output; empty (0 x 0) when CombineInput::out is set
   std::vector<float> combined_probs;  // [T] fp32 sum of each token's kept probs (as DeepEP returns)
+  std::optional<TensorView> out = std::nullopt;  // CombineInput::out, when it was given
+  // Where the result is: the caller's buffer or `hidden`.
+  TensorView result() const { return out ? *out : hidden.view(); }
 };
 
 // Backward of dispatch: gradients w.r.t. the dispatch outputs, back to the inputs.

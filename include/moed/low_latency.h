@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -79,6 +80,9 @@ struct LowLatencyDispatchInput {
   bool use_fp8 = false;               // cast to FP8 E4M3 on the sending side, per 128 channels
   bool round_scale = false;           // FP8 scales rounded up to powers of two (UE8M0)
   bool return_recv_hook = false;      // return after the send phase; hook->wait() receives
+  // An error the caller found in its own arguments (a binding's parsing): reported on every
+  // rank through the call's agreement, which it makes anyway, so no rank waits for it.
+  Status caller_error = Status();
 };
 
 // Views into the buffer's current dispatch half: valid until the dispatch after next (the one
@@ -114,13 +118,21 @@ struct LowLatencyCombineInput {
   const TopkRouting* topk = nullptr;  // the dispatch's topk_idx and the topk_weights
   std::shared_ptr<const LowLatencyHandle> handle;
   bool return_recv_hook = false;
+  Status caller_error = Status();  // as in LowLatencyDispatchInput
+  // Optional caller-owned [T, H] bf16 (row_stride >= H; DeepEP's `out`): the receive stores
+  // each token's sum there. With a hook it is written when the hook runs, so it must stay
+  // valid until then.
+  std::optional<TensorView> out = std::nullopt;
 };
 
 struct LowLatencyCombineOutput {
   // [T, H] bf16: for each token, fp32 acc = 0; for its experts e ascending: acc += w_e * y_e;
   // rounded once. Tokens with no expert are 0. Valid after hook->wait() with a hook.
+  // Empty (0 x 0) when LowLatencyCombineInput::out was given: the result is there.
   Tensor combined_x;
   Request hook;  // never null: the receive half with return_recv_hook, else completed
+  std::optional<TensorView> out = std::nullopt;  // LowLatencyCombineInput::out, when given
+  TensorView result() const { return out ? *out : combined_x.view(); }
 };
 
 class LowLatencyBuffer {

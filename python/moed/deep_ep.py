@@ -34,6 +34,11 @@ and ``device='cpu'`` tensors. Differences, all documented on the methods:
   (GPU clock counters; left unchanged). Byte counts (num_nvl_bytes, num_rdma_bytes) are
   recorded only: moed allocates what each call needs, lazily.
 * FP8 tensors are torch.float8_e4m3fn where torch has it, else torch.uint8 holding E4M3FN bits.
+* Caller-owned outputs: low_latency_combine(out=) (DeepEP's) and combine(..., out=) (keyword-only,
+  moed's extension) write the result straight into the caller's tensor (rows may be strided).
+* Argument errors are every rank's: a bad argument on one rank raises on every rank, naming
+  that rank (normal mode: that rank its own TypeError / ValueError, the others ValueError;
+  low-latency mode: ValueError on every rank, carried by the call's own agreement).
 """
 import inspect
 from typing import Callable, List, Optional, Tuple, Union
@@ -354,7 +359,8 @@ class Buffer:
                 bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+                allocate_on_comm_stream: bool = False, *,
+                out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         """Combine (reduce, **without** weights) tokens back to their home ranks.
 
         Arguments:
@@ -363,16 +369,19 @@ class Buffer:
             topk_weights: `[num_recv_tokens, num_topk]` float, reduced the same way.
             bias: 0, 1 or 2 `[num_tokens, hidden]` tensors added first.
             config, previous_event, async_finish, allocate_on_comm_stream: ignored (CPU).
+            out (keyword-only, a moed extension): `[num_tokens, hidden]` of x's dtype (rows may
+                be strided) to write recv_x into: each row is stored there once, no copy.
+                A bad shape, dtype or stride is a ValueError on every rank.
 
         Returns:
-            recv_x: `[num_tokens, hidden]`: fp32 bias_0 + bias_1, then + the row of each rank
-                that received the token, ranks ascending; rounded once to x's dtype.
+            recv_x: `[num_tokens, hidden]` (`out` when given): fp32 bias_0 + bias_1, then + the
+                row of each rank that received the token, ranks ascending; rounded once to x's dtype.
             recv_topk_weights: `[num_tokens, num_topk]` the same sum of the weights (or None).
             event: a complete EventOverlap.
         """
         bias_0, bias_1 = Buffer._unpack_bias(bias)
         combined_x, combined_topk_weights = self._rt().combine(x, _impl(handle, "combine"), topk_weights,
-                                                               bias_0, bias_1)
+                                                               bias_0, bias_1, out)
         return combined_x, combined_topk_weights, EventOverlap(EventHandle())
 
     # DeepEP's internode entry points: the same calls here (the two-hop path is inside).
@@ -425,18 +434,21 @@ class Buffer:
             event: a complete EventOverlap.
             hook: the receive hook (None without return_recv_hook, as in DeepEP).
         """
+        # Argument errors found here travel with the call's agreement, so every rank raises
+        # the same ValueError naming this rank (nobody is left waiting).
+        error = None
         if use_ue8m0 and not (use_fp8 and round_scale):
-            raise ValueError("use_ue8m0 = True needs use_fp8 = True and round_scale = True")
-        if cumulative_local_expert_recv_stats is not None:
+            error = "use_ue8m0 = True needs use_fp8 = True and round_scale = True"
+        elif cumulative_local_expert_recv_stats is not None:
             if not isinstance(cumulative_local_expert_recv_stats, torch.Tensor) or \
                     cumulative_local_expert_recv_stats.dtype != torch.int32 or \
                     cumulative_local_expert_recv_stats.numel() != num_experts // self.group_size:
-                raise ValueError("cumulative_local_expert_recv_stats must be a torch.int tensor of "
-                                 f"[num_local_experts = {num_experts // self.group_size}]")
+                error = ("cumulative_local_expert_recv_stats must be a torch.int tensor of "
+                         f"[num_local_experts = {num_experts // self.group_size}]")
         rt = self._rt()
         (recv_x, scales, count_raw, src_raw, ranges_raw, hook, impl, L, RM) = rt.low_latency_dispatch(
             x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts), bool(use_fp8),
-            bool(round_scale), bool(return_recv_hook))
+            bool(round_scale), bool(return_recv_hook), error)
         H = x.size(1)
         recv_x = _fp8_out(recv_x, None if not use_fp8 else "fp8").view(L, RM, H)
         recv_count = count_raw.view(torch.int32).view(L)
@@ -482,35 +494,36 @@ class Buffer:
                 get_next_low_latency_combine_buffer(handle); that buffer is read (x is not).
             async_finish, combine_wait_recv_cost_stats: ignored (CPU).
             return_recv_hook: return after the send phase; call the hook to receive.
-            out: `[num_tokens, hidden]` bf16 to write the result into (copied after the receive).
+            out: `[num_tokens, hidden]` bf16 (rows may be strided) that the receive writes the
+                result into directly (with a hook: when the hook runs); returned as combined_x.
 
         Returns:
             combined_x: `[num_tokens, hidden]` bf16; event; hook (None without return_recv_hook).
         """
         impl = _impl(handle, "low_latency_combine")
         key = (handle[2], handle[3], handle[4])
+        L, RM = handle._shape
+        # Argument errors found here travel with the call's agreement (see low_latency_dispatch).
+        error = None
         if zero_copy:
             state = self._next_combine.get(key)
             if state is None or state[2] is None:
-                raise ValueError("zero_copy = True but get_next_low_latency_combine_buffer(handle) was not "
-                                 "called before this combine")
-            x = state[2]
-            state[1] ^= 1
-            state[2] = None
-        L, RM = handle._shape
-        if x.dim() != 3 or tuple(x.shape) != (L, RM, handle[3]):
-            raise ValueError(f"x has shape {list(x.shape)}; expected [{L}, {RM}, {handle[3]}]")
-        combined_x, hook = self._rt().low_latency_combine(x.view(L * RM, handle[3]), topk_idx, topk_weights,
-                                                          impl, bool(return_recv_hook))
-        if out is not None:
-            if not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != combined_x.shape:
-                raise ValueError(f"out must be a bf16 tensor of shape {list(combined_x.shape)}")
-
-        def finish():
-            if out is not None:
-                out.copy_(combined_x)
-        out_hook = _after_receive(hook, finish)
-        return (out if out is not None else combined_x), EventOverlap(EventHandle()), out_hook
+                error = ("zero_copy = True but get_next_low_latency_combine_buffer(handle) was not "
+                         "called before this combine")
+            else:
+                x = state[2]
+                state[1] ^= 1
+                state[2] = None
+        if error is None and (not isinstance(x, torch.Tensor) or x.dim() != 3 or
+                              tuple(x.shape) != (L, RM, handle[3])):
+            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            error = f"x has shape {shape}; expected [{L}, {RM}, {handle[3]}]"
+        if error is None:
+            x = x.view(L * RM, handle[3])
+        # out: written in place by the receive (with a hook, when the hook runs).
+        combined_x, hook = self._rt().low_latency_combine(x, topk_idx, topk_weights, impl,
+                                                          bool(return_recv_hook), out, error)
+        return combined_x, EventOverlap(EventHandle()), hook
 
     def get_next_low_latency_combine_buffer(self, handle: object):
         """A bf16 `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`

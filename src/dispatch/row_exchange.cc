@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/row_kernels.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed {
 
@@ -310,18 +311,27 @@ TensorView RowExchangeDispatcher::terms(const ReturnState& st, const Tensor& sum
 
 namespace {
 
-// Home-side reduction of the terms in spec §4's order, rounded once to `dtype`.
+// Home-side reduction of the terms in spec §4's order, rounded once to `dtype`, into `out`
+// (the caller's buffer) when given, else into a new Tensor (returned).
 StatusOr<Tensor> reduce_home(const PermuteLayout& home, const TensorView& terms,
-                             std::span<const float> probs, DType dtype, ThreadPool& pool) {
-  MOED_ASSIGN_OR_RETURN(Tensor out,
-                        unpermute(terms, home.sorted_indices, home.num_tokens, probs, pool));
-  if (out.dtype() == dtype) return out;
+                             std::span<const float> probs, DType dtype, ThreadPool& pool,
+                             const std::optional<TensorView>& out = std::nullopt) {
+  if (terms.dtype == dtype) {
+    if (out) {
+      MOED_RETURN_IF_ERROR(unpermute_into(terms, home.sorted_indices, probs, *out, pool));
+      return Tensor();
+    }
+    return unpermute(terms, home.sorted_indices, home.num_tokens, probs, pool);
+  }
   // fp32 terms (P > 1) and a bf16 output: the fp32 accumulator, rounded once here.
-  Tensor b = Tensor::empty(dtype, out.rows(), out.cols());
-  pool.parallel_for(out.rows(), [&](int64_t begin, int64_t end, int) {
+  MOED_ASSIGN_OR_RETURN(Tensor acc,
+                        unpermute(terms, home.sorted_indices, home.num_tokens, probs, pool));
+  Tensor b = out ? Tensor() : Tensor::empty(dtype, acc.rows(), acc.cols());
+  const TensorView dst = out ? *out : b.view();
+  pool.parallel_for(acc.rows(), [&](int64_t begin, int64_t end, int) {
     for (int64_t t = begin; t < end; ++t) {
-      convert_f32_to_bf16(std::span<const float>(out.row<float>(t), size_t(out.cols())),
-                          std::span<bf16>(b.row<bf16>(t), size_t(out.cols())));
+      convert_f32_to_bf16(std::span<const float>(acc.row<float>(t), size_t(acc.cols())),
+                          std::span<bf16>(dst.row<bf16>(t), size_t(acc.cols())));
     }
   });
   return b;
@@ -335,8 +345,14 @@ Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
   auto h = check_handle(input.handle, "combine");
   Status local =
       h.ok() ? check_expert_rows("expert_output", input.expert_output.x, **h) : h.status();
+  if (local.ok() && input.out) {
+    local = moed::internal::check_out_buffer("out", *input.out, (*h)->plan.home.num_tokens,
+                                       (*h)->hidden, input.expert_output.x.dtype, "expert_output");
+  }
   MOED_RETURN_IF_ERROR(agree_step(*world_, local));
-  return pack_return(combine_, *h, input.expert_output.x, {});
+  MOED_RETURN_IF_ERROR(pack_return(combine_, *h, input.expert_output.x, {}));
+  combine_.out = input.out;  // after pack_return, which starts the step afresh
+  return ok_status();
 }
 
 StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
@@ -353,7 +369,9 @@ StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
   if (config_.weighted_combine) probs = h.plan.home.permuted_probs;
   CombineOutput out;
   MOED_ASSIGN_OR_RETURN(out.hidden, reduce_home(h.plan.home, terms(combine_, summed), probs,
-                                                combine_.received.dtype, world_->pool()));
+                                                combine_.received.dtype, world_->pool(),
+                                                combine_.out));
+  out.out = combine_.out;
   out.combined_probs = h.routing.prob_sums();
   combine_.reset();
   return out;

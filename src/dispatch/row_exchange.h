@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -152,6 +153,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
     TensorView received;                 // [sum of home_rows_of_rank, H], rank-major
     std::vector<float> received_values;  // when values were sent
     bool has_values = false;
+    std::optional<TensorView> out;  // combine: the caller's buffer (CombineInput::out)
     Stage stage = Stage::kIdle;  // kPrepared: packed; kExchanged: received
     ScratchBuffer packed_buffer;
     ScratchBuffer received_buffer;
@@ -163,6 +165,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
       packed_values.clear();
       received_values.clear();
       has_values = false;
+      out.reset();
       stage = Stage::kIdle;
     }
   };

@@ -15,7 +15,9 @@
 
 #include <pybind11/stl.h>
 
+#include <functional>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <tuple>
 
@@ -221,7 +223,7 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
 }
 
 py::tuple normal_combine(DeepEpBox& b, py::handle x, py::handle handle, py::handle topk_weights,
-                         py::handle bias_0, py::handle bias_1) {
+                         py::handle bias_0, py::handle bias_1, py::handle out_arg) {
   deep_ep::NormalCombineInput in;
   std::exception_ptr error;
   in.caller_error = parse_collectively(
@@ -242,16 +244,20 @@ py::tuple normal_combine(DeepEpBox& b, py::handle x, py::handle handle, py::hand
           in.bias_0 = rows_arg(bias_0, "bias_0", kFloatRows, h.num_tokens, h.hidden);
         if (!bias_1.is_none())
           in.bias_1 = rows_arg(bias_1, "bias_1", kFloatRows, h.num_tokens, h.hidden);
+        // Shape and dtype are checked by the combine (errors name both values).
+        if (!out_arg.is_none()) in.out = rows_arg(out_arg, "out", kFloatRows);
       },
       &error);
   if (error) in.handle.reset();
   deep_ep::NormalBuffer& nb = b.normal();
   deep_ep::NormalCombineOutput out = finish(nogil([&] { return nb.combine(in); }), error);
-  const int64_t T = out.combined_x.rows();
+  const int64_t T = out.result().rows;
   py::object w = py::none();
   if (in.num_topk > 0)
     w = vector_to_torch<float>(std::move(out.combined_topk_weights), {T, in.num_topk});
-  return py::make_tuple(to_torch(std::move(out.combined_x)), w);
+  py::object y =
+      in.out ? py::reinterpret_borrow<py::object>(out_arg) : to_torch(std::move(out.combined_x));
+  return py::make_tuple(y, w);
 }
 
 // A hook that runs the receive phase once, without the GIL.
@@ -270,21 +276,49 @@ py::object int32_view(const int32_t* p, int64_t rows, int64_t cols, std::shared_
   return to_torch(TensorView(const_cast<int32_t*>(p), DType::kF32, rows, cols), std::move(owner));
 }
 
+// Low-latency argument errors: the call's own agreement (the first thing every rank does in
+// it) carries this rank's parse error, so every rank, this one too, raises the same
+// ValueError naming this rank, the argument and the value. `caller_error` (None or a message)
+// is an error the Python layer found first.
+Status ll_parse(py::handle caller_error, const std::function<void()>& parse) {
+  std::exception_ptr ignored;  // the agreed error is raised instead, on every rank alike
+  if (!caller_error.is_none()) return invalid_argument(caller_error.cast<std::string>());
+  return parse_collectively(parse, &ignored);
+}
+
+// hidden of x as far as it can be read, so a rank with a bad x joins the same buffer's call.
+int hidden_of(py::handle x, int fallback) {
+  try {
+    py::tuple shape = py::tuple(x.attr("shape"));
+    if (shape.size() >= 1) return shape[shape.size() - 1].cast<int>();
+  } catch (const std::exception&) {
+  }
+  return fallback;
+}
+
 py::tuple ll_dispatch(std::shared_ptr<DeepEpBox> bp, py::handle x, py::handle topk_idx, int64_t m,
-                      int num_experts, bool use_fp8, bool round_scale, bool return_recv_hook) {
+                      int num_experts, bool use_fp8, bool round_scale, bool return_recv_hook,
+                      py::handle caller_error) {
   DeepEpBox& b = *bp;
-  TensorView xv = rows_arg(x, "x", {DType::kBF16});
-  deep_ep::TopkView tv = topk_view(topk_idx, py::none());
-  if (tv.num_tokens != xv.rows)
-    throw py::value_error("topk_idx has " + std::to_string(tv.num_tokens) + " rows but x has " +
-                          std::to_string(xv.rows));
-  LowLatencyBuffer& ll = b.low_latency(m, int(xv.cols), num_experts);
-  TopkRouting topk = topk_copy(tv);
+  TensorView xv;
+  TopkRouting topk;
+  const Status parsed = ll_parse(caller_error, [&] {
+    xv = rows_arg(x, "x", {DType::kBF16});
+    deep_ep::TopkView tv = topk_view(topk_idx, py::none());
+    if (tv.num_tokens != xv.rows)
+      throw py::value_error("topk_idx has " + std::to_string(tv.num_tokens) +
+                            " rows but x has " + std::to_string(xv.rows));
+    topk = topk_copy(tv);
+  });
+  const int hidden = parsed.ok() ? int(xv.cols) : hidden_of(x, 0);
+  LowLatencyBuffer& ll = b.low_latency(m, hidden, num_experts);
+  if (!parsed.ok()) xv = TensorView(nullptr, DType::kBF16, 0, hidden);
   LowLatencyDispatchInput in{.x = xv,
                              .topk = &topk,
                              .use_fp8 = use_fp8,
                              .round_scale = round_scale,
-                             .return_recv_hook = return_recv_hook};
+                             .return_recv_hook = return_recv_hook,
+                             .caller_error = parsed};
   LowLatencyDispatchOutput out = check(nogil([&] { return ll.low_latency_dispatch(in); }));
   const int L = out.num_local_experts;
   const int64_t RM = out.rows_per_expert;
@@ -299,25 +333,44 @@ py::tuple ll_dispatch(std::shared_ptr<DeepEpBox> bp, py::handle x, py::handle to
                         int32_view(out.src_info.data(), L, RM, owner),
                         int32_view(reinterpret_cast<const int32_t*>(out.layout_range.data()),
                                    int64_t(out.layout_range.size()), 2, owner),
-                        hook, LowLatencyHandleBox{out.handle, {m, int(xv.cols), num_experts}}, L,
+                        hook, LowLatencyHandleBox{out.handle, {m, hidden, num_experts}}, L,
                         RM);
 }
 
 py::tuple ll_combine(std::shared_ptr<DeepEpBox> bp, py::handle x, py::handle topk_idx,
-                     py::handle topk_weights, py::handle handle, bool return_recv_hook) {
+                     py::handle topk_weights, py::handle handle, bool return_recv_hook,
+                     py::handle out_arg, py::handle caller_error) {
   DeepEpBox& b = *bp;
+  // A handle of another type has no buffer to agree in: that stays a local TypeError.
   auto& hb = handle.cast<LowLatencyHandleBox&>();
   const auto [m, hidden, experts] = hb.key;
-  TensorView xv = rows_arg(x, "x", {DType::kBF16}, -1, hidden);
-  deep_ep::TopkView tv = topk_view(topk_idx, topk_weights);
+  TensorView xv;
+  std::optional<TensorView> outv;
   // NOTE: the combine's hook reads the routing later; it lives as long as the hook.
-  auto topk = std::make_shared<TopkRouting>(topk_copy(tv));
+  auto topk = std::make_shared<TopkRouting>();
+  const Status parsed = ll_parse(caller_error, [&] {
+    xv = rows_arg(x, "x", {DType::kBF16}, -1, hidden);
+    *topk = topk_copy(topk_view(topk_idx, topk_weights));
+    // Shape and dtype are checked by the combine (errors name both values).
+    if (!out_arg.is_none()) outv = rows_arg(out_arg, "out", {DType::kF32, DType::kBF16});
+  });
   LowLatencyBuffer& ll = b.low_latency(m, hidden, experts);
-  LowLatencyCombineInput in{
-      .x = xv, .topk = topk.get(), .handle = hb.h, .return_recv_hook = return_recv_hook};
+  LowLatencyCombineInput in{.x = xv,
+                            .topk = topk.get(),
+                            .handle = hb.h,
+                            .return_recv_hook = return_recv_hook,
+                            .caller_error = parsed,
+                            .out = outv};
   LowLatencyCombineOutput out = check(nogil([&] { return ll.low_latency_combine(in); }));
-  auto result = std::make_shared<Tensor>(std::move(out.combined_x));
-  py::object y = to_torch(result->view(), result);
+  py::object y;
+  if (outv) {
+    y = py::reinterpret_borrow<py::object>(out_arg);
+  } else {
+    auto result = std::make_shared<Tensor>(std::move(out.combined_x));
+    y = to_torch(result->view(), result);
+  }
+  // With a hook the receive writes `out` later: the hook keeps the routing (the lambda) and
+  // the caller keeps `out` (DeepEP's rule).
   py::object hook = return_recv_hook ? make_hook(std::move(out.hook)) : py::none();
   return py::make_tuple(y, hook);
 }
@@ -371,12 +424,14 @@ void bind_deep_ep(py::module_& m) {
            py::arg("num_tokens_per_expert"), py::arg("handle"), py::arg("expert_alignment"),
            py::arg("num_worst_tokens"))
       .def("combine", &normal_combine, py::arg("x"), py::arg("handle"), py::arg("topk_weights"),
-           py::arg("bias_0"), py::arg("bias_1"))
+           py::arg("bias_0"), py::arg("bias_1"), py::arg("out") = py::none())
       .def("low_latency_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"),
            py::arg("num_max_dispatch_tokens_per_rank"), py::arg("num_experts"), py::arg("use_fp8"),
-           py::arg("round_scale"), py::arg("return_recv_hook"))
+           py::arg("round_scale"), py::arg("return_recv_hook"),
+           py::arg("caller_error") = py::none())
       .def("low_latency_combine", &ll_combine, py::arg("x"), py::arg("topk_idx"),
-           py::arg("topk_weights"), py::arg("handle"), py::arg("return_recv_hook"))
+           py::arg("topk_weights"), py::arg("handle"), py::arg("return_recv_hook"),
+           py::arg("out") = py::none(), py::arg("caller_error") = py::none())
       .def(
           "clean_low_latency_buffer",
           [](DeepEpBox& b, int64_t m, int hidden, int experts) {

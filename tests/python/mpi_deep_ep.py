@@ -43,3 +43,15 @@ def test_bad_inputs(group):
     assert "num_worst_tokens = 1" in errors[2]
     want = "TypeError: x has dtype" if group.rank() == 3 else "ValueError: rank 3: x has dtype"
     assert errors[3].startswith(want), errors[3]
+
+
+# Caller-owned outputs and low-latency argument errors (test_out_buffers.py's cases).
+def test_out_buffers(group):
+    import test_out_buffers as out_cases
+    for dtype in (torch.bfloat16, torch.float32):
+        errors = out_cases.case_normal_out(group, 8, 2, 100, 5, dtype)
+        assert len(errors) == 2 and all(e.startswith("rank 3: out ") for e in errors), errors
+    for hook_mode in (False, True):
+        assert out_cases.case_low_latency_out(group, 4, 256, 8, 2, 3, hook_mode)
+    errors = out_cases.case_low_latency_errors(group, 4, 256, 8, 2, 7)
+    assert len(errors) == 8 and all(e.startswith("ValueError: rank 3: ") for e in errors), errors

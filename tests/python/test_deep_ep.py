@@ -397,7 +397,7 @@ def test_signatures_match_deepep():
         "config", "previous_event", "async_finish", "allocate_on_comm_stream"]
     assert params(deep_ep.Buffer.combine) == [
         "self", "x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
-        "allocate_on_comm_stream"]
+        "allocate_on_comm_stream", "out"]  # out: keyword-only, moed's extension
     assert params(deep_ep.Buffer.low_latency_dispatch) == [
         "self", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts",
         "cumulative_local_expert_recv_stats", "dispatch_wait_recv_cost_stats", "use_fp8", "round_scale",

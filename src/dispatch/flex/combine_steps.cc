@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "dispatch/flex/steps.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed::flex {
 
@@ -36,7 +37,13 @@ Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
     c.local = check_float_rows("expert_output", input.expert_output.x, c.handle->num_rows,
                                c.handle->hidden);
   }
+  if (c.local.ok() && input.out) {
+    c.local = moed::internal::check_out_buffer("out", *input.out, c.handle->routing.num_tokens(),
+                                         c.handle->hidden, input.expert_output.x.dtype,
+                                         "expert_output");
+  }
   c.rows = input.expert_output.x;
+  c.user_out = input.out;
   c.staged = true;
   return ok_status();  // agreed in token_combine, so every rank reports the same error
 }
@@ -52,12 +59,13 @@ Status FlexDispatcher::combine_body() {
       {"expert_output dtype", int64_t(c.rows.dtype), AgreedField::kAgreeDType}};
   MOED_RETURN_IF_ERROR(agree_in_one(*world_, c.local, fields).status());
   const FlexHandle& h = *c.handle;
-  c.out = Tensor::empty(c.rows.dtype, h.routing.num_tokens(), h.hidden);
+  // The final fp32 -> dtype store targets the caller's buffer directly when it gave one.
+  if (!c.user_out) c.out = Tensor::empty(c.rows.dtype, h.routing.num_tokens(), h.hidden);
   PullSpec spec;
   spec.mode = PullMode::kCombine;
   spec.dtype = c.rows.dtype;
   spec.weighted = config_.weighted_combine;
-  spec.out = c.out.view();
+  spec.out = c.user_out ? *c.user_out : c.out.view();
   return pull_step(h, c.rows, {}, spec, kTagCombine);
 }
 
@@ -66,6 +74,7 @@ StatusOr<CombineOutput> FlexDispatcher::combine_postprocess() {
   MOED_RETURN_IF_ERROR(finished(c.op, "token_combine"));
   CombineOutput out;
   out.hidden = std::move(c.out);
+  out.out = c.user_out;
   out.combined_probs = c.handle->routing.prob_sums();
   combine_ = CombineStep{};
   return out;

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "dispatch/flex/rank_major.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
 
@@ -49,6 +50,10 @@ Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in)
     if (b->data == nullptr && b->rows == 0 && b->cols == 0) continue;
     MOED_RETURN_IF_ERROR(
         check_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, h->num_tokens, h->hidden));
+  }
+  if (in.out) {
+    return moed::internal::check_out_buffer("out", *in.out, h->num_tokens, h->hidden, in.x.dtype,
+                                      "x");
   }
   return ok_status();
 }
@@ -174,7 +179,9 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
   }
 
   NormalCombineOutput out;
-  out.combined_x = Tensor::empty(dt, T, H);
+  if (!in.out) out.combined_x = Tensor::empty(dt, T, H);
+  out.out = in.out;
+  const TensorView dst = out.result();
   out.combined_topk_weights.assign(size_t(T) * K, 0.0f);
   std::vector<uint64_t> reads(size_t(C), 0);
   if (net.ok()) {
@@ -216,7 +223,7 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
             for (int k = 0; k < K; ++k) wout[k] = wout[k] + wr[k];
             ++n;
           }
-          store_row(acc.data(), out.combined_x.view().row_ptr(t), dt, size_t(H));
+          store_row(acc.data(), dst.row_ptr(t), dt, size_t(H));
         }
         reads[size_t(c)] = n;
       }

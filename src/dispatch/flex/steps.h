@@ -126,6 +126,7 @@ class FlexDispatcher final : public TokenDispatcher {
     Status local;
     TensorView rows;  // expert outputs
     Tensor out;
+    std::optional<TensorView> user_out;  // CombineInput::out: the result goes there instead
     std::shared_ptr<OpState> op;
   };
   struct DispatchBackwardStep {

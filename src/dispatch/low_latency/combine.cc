@@ -8,6 +8,7 @@
 
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed {
 
@@ -20,6 +21,7 @@ using low_latency::MessageKind;
 using low_latency::SegmentLayout;
 
 Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineInput& in) {
+  if (!in.caller_error.ok()) return in.caller_error;
   const SegmentLayout& lay = st.layout;
   const TensorView& x = in.x;
   const int64_t rows = int64_t(lay.num_local_experts) * lay.rows_per_expert();
@@ -73,6 +75,11 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
         "low_latency_combine: two combines are already in flight; call "
         "the hook of combine #",
         st.combines - 2, " first");
+  }
+  if (in.out) {
+    MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer("low_latency_combine: out", *in.out,
+                                                          h.num_tokens, lay.hidden, DType::kBF16,
+                                                          "x"));
   }
   return ok_status();
 }
@@ -257,10 +264,11 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   }
 
   LowLatencyCombineOutput out;
-  out.combined_x = Tensor::empty(DType::kBF16, handle.num_tokens, H);
+  if (!in.out) out.combined_x = Tensor::empty(DType::kBF16, handle.num_tokens, H);
+  out.out = in.out;
   // The receive reads the weights later (hook mode), so it keeps its own copy of the routing.
   auto receive = [state = state_, handle = in.handle, routing = *in.topk, half, seq,
-                  view = out.combined_x.view()] {
+                  view = out.result()] {
     return receive_combine(*state, *handle, routing, half, seq, view);
   };
   MOED_RETURN_IF_ERROR(

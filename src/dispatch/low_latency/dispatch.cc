@@ -20,6 +20,7 @@ using low_latency::MessageKind;
 using low_latency::SegmentLayout;
 
 Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in) {
+  if (!in.caller_error.ok()) return in.caller_error;
   const SegmentLayout& lay = st.layout;
   const TensorView& x = in.x;
   if (x.dtype != DType::kBF16) {

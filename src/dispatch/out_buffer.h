@@ -1,0 +1,34 @@
+// The check of a caller-owned output buffer (CombineInput::out, the `out` of the DeepEP-style
+// combines), one form for every dispatcher. Its verdict joins the call's own agreement, so a
+// bad buffer on one rank is every rank's error and no rank writes into a buffer it rejected.
+#pragma once
+
+#include <cstdint>
+
+#include "moed/status.h"
+#include "moed/tensor.h"
+
+namespace moed::internal {
+
+// `what` is the argument's name ("out"); rows x cols of `dtype` (named by `dtype_of`, the input
+// it must match), row_stride >= cols, data non-null unless empty.
+inline Status check_out_buffer(const char* what, const TensorView& out, int64_t rows,
+                               int64_t cols, DType dtype, const char* dtype_of) {
+  if (out.rows != rows || out.cols != cols) {
+    return invalid_argument(what, " is [", out.rows, ", ", out.cols, "]; expected [", rows, ", ",
+                            cols, "]");
+  }
+  if (out.dtype != dtype) {
+    return invalid_argument(what, " dtype is ", dtype_name(out.dtype), "; expected ",
+                            dtype_name(dtype), " (the dtype of ", dtype_of, ")");
+  }
+  if (out.row_stride < out.cols) {
+    return invalid_argument(what, " row_stride = ", out.row_stride, " < ", out.cols,
+                            " columns");
+  }
+  if (out.rows > 0 && out.cols > 0 && out.data == nullptr)
+    return invalid_argument(what, ".data is null for [", rows, ", ", cols, "]");
+  return ok_status();
+}
+
+}  // namespace moed::internal

@@ -1,0 +1,252 @@
+// Caller-owned combine outputs (CombineInput::out, NormalCombineInput::out,
+// LowLatencyCombineInput::out), for every dispatcher on both worlds: the result written into a
+// strided caller buffer is bitwise the owning variant's, the bytes between its rows stay
+// untouched, and a bad buffer on one rank is an InvalidArgument on every rank naming that rank
+// and the value, with no rank's buffer written.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <tuple>
+
+#include "dispatch/harness.h"
+#include "moed/deep_ep.h"
+#include "moed/dispatcher.h"
+#include "moed/low_latency.h"
+
+namespace moed {
+namespace {
+
+using testing::Backend;
+
+constexpr int kPad = 3;  // elements between the rows of a caller's buffer
+
+// [rows, cols] with row_stride cols + kPad, every byte 0xff (a NaN pattern in f32 and bf16).
+struct Sentinel {
+  Tensor block;
+  TensorView view;
+  Sentinel(DType dt, int64_t rows, int64_t cols)
+      : block(Tensor::empty(dt, rows, cols + kPad)),
+        view(block.data(), dt, rows, cols, cols + kPad) {
+    std::memset(block.data(), 0xff, block.bytes());
+  }
+  // The padding of every row (or, when `all`, every byte) is still 0xff.
+  bool untouched(bool all = false) const {
+    const auto* p = static_cast<const unsigned char*>(block.data());
+    const size_t row = size_t(view.row_stride) * view.element_size();
+    for (int64_t i = 0; i < view.rows; ++i) {
+      for (size_t b = all ? 0 : view.row_bytes(); b < row; ++b)
+        if (p[size_t(i) * row + b] != 0xff) return false;
+    }
+    return true;
+  }
+};
+
+Status same_result(const TensorView& want, const Sentinel& got, const std::string& what) {
+  if (!bitwise_equal(want, got.view)) return internal_error(what, ": out differs from the owning result");
+  if (!got.untouched()) return internal_error(what, ": bytes between out's rows were written");
+  return ok_status();
+}
+
+// The error every rank must see when `bad_rank` passed `expect`.
+Status expect_error(const Status& s, int bad_rank, const std::string& expect, const Sentinel& mine,
+                    bool mine_bad, const std::string& what) {
+  if (s.code() != StatusCode::kInvalidArgument)
+    return internal_error(what, ": expected InvalidArgument, got ", s.to_string());
+  const std::string want = str_cat("rank ", bad_rank, ": ", expect);
+  if (s.message().find(want) == std::string::npos)
+    return internal_error(what, ": '", s.message(), "' lacks '", want, "'");
+  if (!mine_bad && !mine.untouched(/*all=*/true))
+    return internal_error(what, ": out written by a rejected combine");
+  return ok_status();
+}
+
+testing::DispatchCase make_case(int ranks, int g, DType dt) {
+  testing::DispatchCase c;
+  c.ranks = ranks;
+  c.ranks_per_node = g;
+  c.num_experts = 2 * ranks;
+  c.num_topk = 2;
+  c.tokens.assign(size_t(ranks), 0);
+  for (int r = 0; r < ranks; ++r) c.tokens[size_t(r)] = 4 + 3 * r;
+  if (ranks > 1) c.tokens[1] = 0;  // a rank with no tokens
+  c.hidden = 100;                  // not a multiple of 16
+  c.dtype = dt;
+  c.seed = 7;
+  return c;
+}
+
+class CombineOut : public ::testing::TestWithParam<std::tuple<Backend, DispatcherKind>> {};
+
+TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
+  const auto [backend, kind] = GetParam();
+  struct World_ {
+    int R, G, P;
+  };
+  for (World_ wc : {World_{3, 0, 1}, World_{4, 2, 1}, World_{5, 0, 1}, World_{4, 0, 2}}) {
+    if (wc.P > 1 && kind == DispatcherKind::kFlex) continue;  // Flex has no ETP
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      for (bool weighted : {false, true}) {
+        const testing::DispatchCase c = make_case(wc.R, wc.G, dt);
+        const testing::CaseInput in = testing::make_case_input(c);
+        const std::string name = str_cat(dispatcher_kind_name(kind), " R", wc.R, " G", wc.G,
+                                         " P", wc.P, " ", dtype_name(dt), weighted ? " weighted" : "");
+        Status s = testing::run_world(backend, wc.R, wc.G, [&](World& w) -> Status {
+          const int r = w.rank(), R = w.size();
+          DispatchConfig cfg{.kind = kind, .num_experts = c.num_experts, .etp_size = wc.P,
+                             .weighted_combine = weighted};
+          MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
+          MOED_ASSIGN_OR_RETURN(DispatchOutput o, d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
+                                                               .topk = &in.topk[size_t(r)]}));
+          MOED_ASSIGN_OR_RETURN(CombineOutput y1,
+                                d->combine({.expert_output = o.expert_input, .handle = o.handle}));
+          const int64_t T = in.topk[size_t(r)].num_tokens, H = c.hidden;
+          Sentinel buf(dt, T, H);
+          MOED_ASSIGN_OR_RETURN(CombineOutput y2, d->combine({.expert_output = o.expert_input,
+                                                              .handle = o.handle,
+                                                              .out = buf.view}));
+          if (y2.hidden.rows() != 0 || y2.result().data != buf.view.data)
+            return internal_error("rank ", r, ": the result is not the caller's buffer");
+          if (y2.combined_probs != y1.combined_probs)
+            return internal_error("rank ", r, ": combined_probs differ");
+          MOED_RETURN_IF_ERROR(same_result(y1.hidden.view(), buf, str_cat("rank ", r)));
+          // Through the three steps, too.
+          Sentinel buf3(dt, T, H);
+          MOED_RETURN_IF_ERROR(d->combine_preprocess(
+              {.expert_output = o.expert_input, .handle = o.handle, .out = buf3.view}));
+          MOED_ASSIGN_OR_RETURN(Request q, d->token_combine(/*async=*/true));
+          MOED_RETURN_IF_ERROR(q->wait());
+          MOED_RETURN_IF_ERROR(d->combine_postprocess().status());
+          MOED_RETURN_IF_ERROR(same_result(y1.hidden.view(), buf3, str_cat("rank ", r, " steps")));
+
+          // Bad buffers on the last rank: every rank's error, nobody's buffer written.
+          const bool bad = r == R - 1;
+          const int64_t T_last = c.tokens[size_t(R - 1)];
+          const DType other = dt == DType::kF32 ? DType::kBF16 : DType::kF32;
+          struct Bad {
+            Sentinel buf;
+            std::string expect;
+          };
+          Bad cases[] = {
+              {Sentinel(dt, bad ? T + 1 : T, H),
+               str_cat("out is [", T_last + 1, ", ", H, "]; expected [", T_last, ", ", H, "]")},
+              {Sentinel(bad ? other : dt, T, H),
+               str_cat("out dtype is ", dtype_name(other), "; expected ", dtype_name(dt),
+                       " (the dtype of expert_output)")},
+          };
+          for (Bad& b : cases) {
+            TensorView v = b.buf.view;
+            Status e = d->combine({.expert_output = o.expert_input, .handle = o.handle, .out = v})
+                           .status();
+            MOED_RETURN_IF_ERROR(expect_error(e, R - 1, b.expect, b.buf, bad, str_cat("rank ", r)));
+          }
+          TensorView narrow = buf.view;
+          narrow.row_stride = bad ? H - 1 : narrow.row_stride;
+          Status e = d->combine({.expert_output = o.expert_input, .handle = o.handle, .out = narrow})
+                         .status();
+          if (e.message().find(str_cat("rank ", R - 1, ": out row_stride = ", H - 1)) ==
+              std::string::npos)
+            return internal_error("rank ", r, ": stride error: ", e.to_string());
+          // The dispatcher still works.
+          return d->combine({.expert_output = o.expert_input, .handle = o.handle}).status();
+        });
+        ASSERT_TRUE(s.ok()) << name << ": " << s.to_string();
+      }
+    }
+  }
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, DispatcherKind>>& info) {
+  return std::string(testing::backend_name(std::get<0>(info.param))) + "_" +
+         dispatcher_kind_name(std::get<1>(info.param));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, CombineOut,
+                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
+                                            ::testing::Values(DispatcherKind::kAllGather,
+                                                              DispatcherKind::kAlltoAll,
+                                                              DispatcherKind::kFlex)),
+                         param_name);
+
+// DeepEP's normal mode (rank-major) and low-latency combine, the same checks.
+class DeepEpCombineOut : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
+  for (auto [R, G] : {std::pair{3, 0}, std::pair{4, 2}, std::pair{5, 0}}) {
+    const testing::DispatchCase c = make_case(R, G, DType::kBF16);
+    const testing::CaseInput in = testing::make_case_input(c);
+    Status s = testing::run_world(GetParam(), R, G, [&](World& w) -> Status {
+      const int r = w.rank();
+      const bool bad = r == R - 1;
+      const int64_t T = in.topk[size_t(r)].num_tokens, H = c.hidden, T_last = c.tokens[size_t(R - 1)];
+      const TopkView topk = TopkView::of(in.topk[size_t(r)]);
+      const TensorView x = in.hidden[size_t(r)].x.view();
+      // Rank-major.
+      MOED_ASSIGN_OR_RETURN(auto nb, deep_ep::NormalBuffer::create(w));
+      MOED_ASSIGN_OR_RETURN(DispatchLayout layout, nb->get_dispatch_layout(topk, c.num_experts));
+      MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput d,
+                            nb->dispatch({.x = {x, {}}, .topk = topk,
+                                          .layout = deep_ep::LayoutView::of(layout)}));
+      const TensorView bias = x;  // [T, H] bf16 home rows: a bias of the right shape
+      MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput y1,
+                            nb->combine({.x = d.recv_x.x, .bias_0 = bias, .handle = d.handle}));
+      Sentinel buf(DType::kBF16, T, H);
+      MOED_ASSIGN_OR_RETURN(
+          deep_ep::NormalCombineOutput y2,
+          nb->combine({.x = d.recv_x.x, .bias_0 = bias, .handle = d.handle, .out = buf.view}));
+      if (y2.combined_x.rows() != 0 || y2.result().data != buf.view.data)
+        return internal_error("rank ", r, ": rank-major result is not the caller's buffer");
+      MOED_RETURN_IF_ERROR(same_result(y1.combined_x.view(), buf, str_cat("rank-major rank ", r)));
+      Sentinel wrong(DType::kBF16, bad ? T + 1 : T, H);
+      MOED_RETURN_IF_ERROR(expect_error(
+          nb->combine({.x = d.recv_x.x, .handle = d.handle, .out = wrong.view}).status(), R - 1,
+          str_cat("out is [", T_last + 1, ", ", H, "]; expected [", T_last, ", ", H, "]"), wrong,
+          bad, str_cat("rank-major rank ", r)));
+
+      // Low-latency, with and without the hook.
+      MOED_ASSIGN_OR_RETURN(auto ll, LowLatencyBuffer::create(w, 16, int(H), c.num_experts));
+      for (bool hook : {false, true}) {
+        MOED_ASSIGN_OR_RETURN(
+            LowLatencyDispatchOutput ld,
+            ll->low_latency_dispatch({.x = x, .topk = &in.topk[size_t(r)], .return_recv_hook = hook}));
+        MOED_RETURN_IF_ERROR(ld.hook->wait());
+        MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput l1,
+                              ll->low_latency_combine({.x = ld.recv.x,
+                                                       .topk = &in.topk[size_t(r)],
+                                                       .handle = ld.handle,
+                                                       .return_recv_hook = hook}));
+        MOED_RETURN_IF_ERROR(l1.hook->wait());
+        Sentinel lbuf(DType::kBF16, T, H);
+        MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput l2,
+                              ll->low_latency_combine({.x = ld.recv.x,
+                                                       .topk = &in.topk[size_t(r)],
+                                                       .handle = ld.handle,
+                                                       .return_recv_hook = hook,
+                                                       .out = lbuf.view}));
+        MOED_RETURN_IF_ERROR(l2.hook->wait());
+        if (l2.combined_x.rows() != 0 || l2.result().data != lbuf.view.data)
+          return internal_error("rank ", r, ": low-latency result is not the caller's buffer");
+        MOED_RETURN_IF_ERROR(
+            same_result(l1.combined_x.view(), lbuf, str_cat("low-latency rank ", r, " hook ", hook)));
+        Sentinel lwrong(bad ? DType::kF32 : DType::kBF16, T, H);
+        MOED_RETURN_IF_ERROR(expect_error(
+            ll->low_latency_combine({.x = ld.recv.x,
+                                     .topk = &in.topk[size_t(r)],
+                                     .handle = ld.handle,
+                                     .out = lwrong.view})
+                .status(),
+            R - 1, "low_latency_combine: out dtype is f32; expected bf16 (the dtype of x)", lwrong,
+            bad, str_cat("low-latency rank ", r)));
+      }
+      return ok_status();
+    });
+    ASSERT_TRUE(s.ok()) << "R " << R << " G " << G << ": " << s.to_string();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, DeepEpCombineOut, ::testing::ValuesIn(testing::backends()),
+                         [](const ::testing::TestParamInfo<Backend>& info) {
+                           return std::string(testing::backend_name(info.param));
+                         });
+
+}  // namespace
+}  // namespace moed
