@@ -215,6 +215,65 @@ struct Simd {
     fold<Op>(acc, src, t, 0.0f, n);
   }
 
+  // ---- fold_rows: the sum of a token's rows in registers, two vectors at a time ----
+  template <DType S, DType D, bool kWeighted>
+  static void fold_rows_typed(const void* const* rows, const float* w, int count, void* dst,
+                              size_t n, bool stream) {
+    constexpr size_t kOut = dtype_size(D);
+    const F zero = V::set1f(0.0f);
+    const size_t end = vector_end(n);
+    alignas(64) unsigned char buf[kBlock * sizeof(float)];  // a streamed block, in L1
+    for (size_t b = 0; b < end; b += kBlock) {
+      for (int q = 0; q < count; ++q) prefetch_ahead<S>(rows[q], b, n);
+      const size_t e = end - b < kBlock ? end : b + kBlock;
+      unsigned char* out = stream ? buf : static_cast<unsigned char*>(dst) + b * kOut;
+      auto term = [&](F a, int q, size_t i) {
+        const F x = V::addf(zero, load<S>(rows[q], i));
+        if constexpr (kWeighted) return V::addf(a, V::mulf(V::set1f(w[q]), x));
+        return V::addf(a, x);
+      };
+      size_t i = b;
+      for (; i + 2 * V::kWidth <= e; i += 2 * V::kWidth) {
+        F a0 = zero, a1 = zero;
+        for (int q = 0; q < count; ++q) {
+          a0 = term(a0, q, i);
+          a1 = term(a1, q, i + V::kWidth);
+        }
+        store<D>(out, i - b, a0);
+        store<D>(out, i - b + V::kWidth, a1);
+      }
+      for (; i < e; i += V::kWidth) {
+        F a = zero;
+        for (int q = 0; q < count; ++q) a = term(a, q, i);
+        store<D>(out, i - b, a);
+      }
+      if (stream) stream_copy(static_cast<unsigned char*>(dst) + b * kOut, buf, (e - b) * kOut);
+    }
+    fold_rows_range(rows, S, w, count, dst, D, end, n);
+  }
+
+  template <DType S>
+  struct FoldRowsFrom {
+    template <DType D>
+    static void run(const void* const* rows, const float* w, int count, void* dst, size_t n,
+                    bool stream) {
+      if (w) return fold_rows_typed<S, D, true>(rows, w, count, dst, n, stream);
+      fold_rows_typed<S, D, false>(rows, w, count, dst, n, stream);
+    }
+  };
+  struct FoldRows {
+    template <DType S>
+    static void run(const void* const* rows, const float* w, int count, void* dst, DType dt,
+                    size_t n, bool stream) {
+      on_dtype<FoldRowsFrom<S>>(dt, rows, w, count, dst, n, stream);
+    }
+  };
+
+  static void fold_rows(const void* const* rows, DType t, const float* w, int count, void* dst,
+                        DType dt, size_t n, bool stream) {
+    on_dtype<FoldRows>(t, rows, w, count, dst, dt, n, stream);
+  }
+
   struct Scale {
     template <DType T>
     static void run(void* dst, const void* src, float w, size_t n) {
@@ -282,6 +341,7 @@ struct Simd {
                       fold<TermWeighted>,
                       scale,
                       store_row,
+                      fold_rows,
                       dot_chains,
                       quantize_fp8,
                       dequantize_fp8};
