@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -30,7 +31,7 @@ std::vector<const RowKernels*> tables() {
 }
 
 // n elements of type t: a quarter raw random bits (NaN ones replaced by 1.5 unless allow_nan),
-// the rest values in [-2, 2) rounded to t.
+// a quarter special values, the rest values in [-2, 2), each rounded to t.
 std::vector<unsigned char> random_row(DType t, size_t n, bool allow_nan, std::mt19937& rng) {
   std::vector<unsigned char> row(n * dtype_size(t) + 1);  // + 1: data() is never null
   std::uniform_real_distribution<float> value(-2.0f, 2.0f);
@@ -38,7 +39,9 @@ std::vector<unsigned char> random_row(DType t, size_t n, bool allow_nan, std::mt
     unsigned char* p = row.data() + i * dtype_size(t);
     const uint32_t bits = uint32_t(rng());
     const bool raw = bits % 4 == 0;
-    const float v = value(rng);
+    // Zeros of both signs, infinities and a subnormal often (raw bits rarely hit them).
+    const float specials[] = {-0.0f, 0.0f, INFINITY, -INFINITY, 1e-40f, -3.0e38f};
+    const float v = bits % 4 == 1 ? specials[(bits >> 2) % std::size(specials)] : value(rng);
     const float nan_free = 1.5f;
     switch (t) {
       case DType::kF32:
