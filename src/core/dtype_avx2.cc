@@ -38,6 +38,11 @@ struct Avx2 {
     const I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
+  // One pack of both (per 128-bit half: a0-3 b0-3 | a4-7 b4-7), then the quarters in order.
+  static void store_u16x2(uint16_t* p, I a, I b) {
+    const I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+  }
   static void store_u8(uint8_t* p, I v) {
     const I w = _mm256_packus_epi16(_mm256_packus_epi32(v, v), _mm256_setzero_si256());
     const I packed = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
@@ -66,6 +71,7 @@ struct Avx2 {
   static I min(I a, I b) { return _mm256_min_epi32(a, b); }
   // Signed compare; every caller compares values in [0, 2^31).
   static M gt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
+  static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   static I select(M m, I if_true, I if_false) { return _mm256_blendv_epi8(if_false, if_true, m); }
   static F castf(I a) { return _mm256_castsi256_ps(a); }
   static I casti(F a) { return _mm256_castps_si256(a); }

@@ -42,6 +42,10 @@ struct Avx512 {
   static void store_u16(uint16_t* p, I v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(v));
   }
+  static void store_u16x2(uint16_t* p, I a, I b) {
+    store_u16(p, a);
+    store_u16(p + kWidth, b);
+  }
   static void store_u8(uint8_t* p, I v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
   }
@@ -68,6 +72,7 @@ struct Avx512 {
   static I min(I a, I b) { return _mm512_min_epi32(a, b); }
   // Signed compare; every caller compares values in [0, 2^31).
   static M gt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
+  static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   // mask_blend(k, a, b) takes b where k is set.
   static I select(M m, I if_true, I if_false) {
     return _mm512_mask_blend_epi32(m, if_false, if_true);

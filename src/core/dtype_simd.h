@@ -11,6 +11,7 @@
 // V provides: F / I / M (float vector, int32 vector, lane mask), kWidth, and
 //   loadf storef load_u16 load_u8 store_u16 store_u8 set1f set1i
 //   addf mulf maxf absf add sub and_ or_ srli<k> slli<k> min gt select castf casti cvtf
+//   isnan (lane mask), store_u16x2 (two vectors of values < 2^16, a's lanes then b's),
 //   hmaxf (horizontal max of non-NaN lanes).
 #pragma once
 
@@ -37,8 +38,7 @@ struct Simd {
     const I rounded =
         V::template srli<16>(V::add(u, V::add(V::set1i(0x7fff), V::and_(hi, V::set1i(1)))));
     const I quiet = V::or_(hi, V::set1i(0x40));
-    const auto is_nan = V::gt(V::and_(u, V::set1i(0x7fffffff)), V::set1i(0x7f800000));
-    return V::select(is_nan, quiet, rounded);
+    return V::select(V::isnan(x), quiet, rounded);
   }
 
   // E4M3FN -> f32 (fp8_e4m3_to_float).
@@ -87,6 +87,17 @@ struct Simd {
     if constexpr (T == DType::kF32) V::storef(static_cast<float*>(p) + i, v);
     if constexpr (T == DType::kBF16) V::store_u16(static_cast<uint16_t*>(p) + i, encode_bf16(v));
     if constexpr (T == DType::kFP8) V::store_u8(static_cast<uint8_t*>(p) + i, encode_fp8(v));
+  }
+
+  // Two vectors, elements i .. i + 2 * kWidth (bf16: one pack for both).
+  template <DType T>
+  static void store2(void* p, size_t i, F a, F b) {
+    if constexpr (T == DType::kBF16) {
+      V::store_u16x2(static_cast<uint16_t*>(p) + i, encode_bf16(a), encode_bf16(b));
+    } else {
+      store<T>(p, i, a);
+      store<T>(p, i + V::kWidth, b);
+    }
   }
 
   // Elements [done, n) go to the scalar table.
@@ -138,7 +149,12 @@ struct Simd {
     const size_t ahead = b + 2 * kBlock;
     if (ahead >= n) return;
     const char* p = static_cast<const char*>(src) + ahead * dtype_size(S);
-    const size_t bytes = (n - ahead < kBlock ? n - ahead : kBlock) * dtype_size(S);
+    constexpr size_t kFull = kBlock * dtype_size(S);
+    if (n - ahead >= kBlock) {  // a constant count: unrolled
+      for (size_t off = 0; off < kFull; off += 64) __builtin_prefetch(p + off, 0, 0);
+      return;
+    }
+    const size_t bytes = (n - ahead) * dtype_size(S);
     for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
   }
 
@@ -215,6 +231,75 @@ struct Simd {
     fold<Op>(acc, src, t, 0.0f, n);
   }
 
+  // ---- fold_rows: the sum of a token's rows in registers, four vectors at a time ----
+  template <DType S, DType D, bool kWeighted>
+  static void fold_rows_typed(const void* const* rows, const float* w, int count, void* dst,
+                              size_t n, bool stream) {
+    constexpr size_t kOut = dtype_size(D);
+    const F zero = V::set1f(0.0f);
+    const size_t end = vector_end(n);
+    alignas(64) unsigned char buf[kBlock * sizeof(float)];  // a streamed block, in L1
+    for (size_t b = 0; b < end; b += kBlock) {
+      for (int q = 0; q < count; ++q) prefetch_ahead<S>(rows[q], b, n);
+      const size_t e = end - b < kBlock ? end : b + kBlock;
+      unsigned char* out = stream ? buf : static_cast<unsigned char*>(dst) + b * kOut;
+      // NOTE: the term is a + w * x, not a + w * (0 + x): the same bits. 0 + x differs from x
+      // only for x = -0 (+0), and a sum that starts at +0 is never -0, so a + (+-0) = a
+      // either way (weighted: w * (+-0) is +-0 or the same NaN); a NaN x stays that NaN.
+      auto term = [&](F a, const void* x, F wq, size_t i) {
+        const F v = load<S>(x, i);
+        if constexpr (kWeighted) return V::addf(a, V::mulf(wq, v));
+        return V::addf(a, v);
+      };
+      size_t i = b;
+      // Four vectors per row visit (one 64-byte line of bf16 at AVX2), four independent sums.
+      for (; i + 4 * V::kWidth <= e; i += 4 * V::kWidth) {
+        F a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+        for (int q = 0; q < count; ++q) {
+          const void* x = rows[q];
+          const F wq = kWeighted ? V::set1f(w[q]) : zero;
+          a0 = term(a0, x, wq, i);
+          a1 = term(a1, x, wq, i + V::kWidth);
+          a2 = term(a2, x, wq, i + 2 * V::kWidth);
+          a3 = term(a3, x, wq, i + 3 * V::kWidth);
+        }
+        store2<D>(out, i - b, a0, a1);
+        store2<D>(out, i - b + 2 * V::kWidth, a2, a3);
+      }
+      for (; i < e; i += V::kWidth) {
+        F a = zero;
+        for (int q = 0; q < count; ++q) {
+          a = term(a, rows[q], kWeighted ? V::set1f(w[q]) : zero, i);
+        }
+        store<D>(out, i - b, a);
+      }
+      if (stream) stream_copy(static_cast<unsigned char*>(dst) + b * kOut, buf, (e - b) * kOut);
+    }
+    fold_rows_range(rows, S, w, count, dst, D, end, n);
+  }
+
+  template <DType S>
+  struct FoldRowsFrom {
+    template <DType D>
+    static void run(const void* const* rows, const float* w, int count, void* dst, size_t n,
+                    bool stream) {
+      if (w) return fold_rows_typed<S, D, true>(rows, w, count, dst, n, stream);
+      fold_rows_typed<S, D, false>(rows, w, count, dst, n, stream);
+    }
+  };
+  struct FoldRows {
+    template <DType S>
+    static void run(const void* const* rows, const float* w, int count, void* dst, DType dt,
+                    size_t n, bool stream) {
+      on_dtype<FoldRowsFrom<S>>(dt, rows, w, count, dst, n, stream);
+    }
+  };
+
+  static void fold_rows(const void* const* rows, DType t, const float* w, int count, void* dst,
+                        DType dt, size_t n, bool stream) {
+    on_dtype<FoldRows>(t, rows, w, count, dst, dt, n, stream);
+  }
+
   struct Scale {
     template <DType T>
     static void run(void* dst, const void* src, float w, size_t n) {
@@ -282,6 +367,7 @@ struct Simd {
                       fold<TermWeighted>,
                       scale,
                       store_row,
+                      fold_rows,
                       dot_chains,
                       quantize_fp8,
                       dequantize_fp8};

@@ -108,6 +108,11 @@ void store_row_scalar(const float* acc, void* dst, DType t, size_t n) {
   convert_scalar(acc, DType::kF32, dst, t, n);
 }
 
+void fold_rows_scalar(const void* const* rows, DType t, const float* w, int count, void* dst,
+                      DType dt, size_t n, bool) {
+  fold_rows_range(rows, t, w, count, dst, dt, 0, n);
+}
+
 void quantize_fp8_scalar(const void* x, DType t, bool round_scale, fp8_e4m3* out, float* scales_inv,
                          size_t n) {
   for (size_t b = 0; b < n / kFp8BlockSize; ++b) {
@@ -176,6 +181,7 @@ const RowKernels kScalar = {"scalar",
                             add_term_weighted_scalar,
                             scale_scalar,
                             store_row_scalar,
+                            fold_rows_scalar,
                             dot_chains,
                             quantize_fp8_scalar,
                             dequantize_fp8_scalar};
@@ -205,6 +211,31 @@ void dot_chains(const void* const* a, DType at, const void* const* b, DType bt, 
     case DType::kFP8:
       return dot_from<DType::kFP8>(a, b, bt, count, n, out);
   }
+}
+
+void fold_rows_range(const void* const* rows, DType t, const float* w, int count, void* dst,
+                     DType dt, size_t begin, size_t end) {
+  // In chunks, each term a pass over the chunk's fp32 sums: per element the chain is unchanged.
+  constexpr size_t kChunk = 256;
+  float acc[kChunk];
+  with_load(t, [&](auto load) {
+    with_store(dt, [&](auto store) {
+      for (size_t c = begin; c < end; c += kChunk) {
+        const size_t m = std::min(kChunk, end - c);
+        std::fill(acc, acc + m, 0.0f);
+        for (int q = 0; q < count; ++q) {
+          const void* x = rows[q];
+          if (w) {
+            const float wq = w[q];
+            for (size_t i = 0; i < m; ++i) acc[i] = acc[i] + wq * (0.0f + load(x, c + i));
+          } else {
+            for (size_t i = 0; i < m; ++i) acc[i] = acc[i] + (0.0f + load(x, c + i));
+          }
+        }
+        for (size_t i = 0; i < m; ++i) store(dst, c + i, acc[i]);
+      }
+    });
+  });
 }
 
 const RowKernels& scalar_kernels() { return kScalar; }

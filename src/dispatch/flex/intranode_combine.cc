@@ -9,10 +9,6 @@
 
 namespace moed::flex {
 
-namespace {
-constexpr int64_t kFoldTile = 1024;  // fp32 columns of a tiled fold's sum (4 KiB)
-}  // namespace
-
 Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   const FlexHandle& h = *ctx.handle;
   const Topology& topo = h.topo;
@@ -23,30 +19,28 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   MOED_ASSIGN_OR_RETURN(PullRemote remote, pull_remote_start(ctx, spec, tag));
   MOED_RETURN_IF_ERROR(wait_all(remote.recvs));
   const size_t scalar_off_unit = remote.piece_bytes;
-  // P = 1 folds (every term a raw row): column tiles, so the fp32 sum stays in L1 while the K
-  // rows stream past, and a large output is written with non-temporal stores (no read of the
-  // destination). Each element still sees acc = 0, + term, ... in expert order: the same bits.
-  const bool tiled = P == 1 && spec.mode != PullMode::kProbGrad;
+  // P = 1 folds (every term a raw row) are one fold_rows call per token: the fp32 sum stays in
+  // registers while the K rows stream past, and a large output is written with non-temporal
+  // stores (no read of the destination). Each element still sees acc = 0, + term, ... in
+  // expert order: the same bits.
+  const bool fused = P == 1 && spec.mode != PullMode::kProbGrad;
   const bool stream =
-      tiled && size_t(spec.out.rows) * spec.out.row_bytes() >= internal::kStreamThresholdBytes;
-  const size_t in_elem = dtype_size(spec.dtype);
-  const size_t out_elem = tiled ? dtype_size(spec.out.dtype) : 0;
+      fused && size_t(spec.out.rows) * spec.out.row_bytes() >= internal::kStreamThresholdBytes;
   std::vector<uint64_t> rows_read(size_t(C), 0);
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> run(static_cast<size_t>(E)), cursor(static_cast<size_t>(N));
     std::vector<float> acc(static_cast<size_t>(H)), term(static_cast<size_t>(H));
-    std::vector<const char*> tile_rows;
-    std::vector<float> tile_probs;
-    std::vector<char> tile_out(stream ? size_t(kFoldTile) * out_elem : 0);
+    std::vector<const void*> fold_rows;
+    std::vector<float> fold_probs;
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());
       for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_entries[size_t(c) * N + m];
       uint64_t read = 0;
       for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
-        if (!tiled) std::fill(acc.begin(), acc.end(), 0.0f);
-        tile_rows.clear();
-        tile_probs.clear();
+        if (!fused) std::fill(acc.begin(), acc.end(), 0.0f);
+        fold_rows.clear();
+        fold_probs.clear();
         for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k) {
           const int e = h.routing.expert[size_t(k)];
           const float prob = h.routing.prob[size_t(k)];
@@ -88,9 +82,9 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
             }
           }
           if (spec.mode == PullMode::kDispatchBackward) spec.out_probs[size_t(t) * E + e] = scalar;
-          if (tiled) {
-            tile_rows.push_back(static_cast<const char*>(raw));
-            tile_probs.push_back(prob);
+          if (fused) {
+            fold_rows.push_back(raw);
+            fold_probs.push_back(prob);
             continue;
           }
           switch (spec.mode) {
@@ -113,23 +107,11 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
               break;
           }
         }
-        if (tiled) {
-          char* out_row = static_cast<char*>(spec.out.row_ptr(t));
-          for (int64_t c0 = 0; c0 < H; c0 += kFoldTile) {
-            const int64_t n = std::min<int64_t>(kFoldTile, H - c0);
-            std::fill(acc.begin(), acc.begin() + n, 0.0f);
-            for (size_t i = 0; i < tile_rows.size(); ++i) {
-              add_term_raw(acc.data(), tile_rows[i] + size_t(c0) * in_elem, spec.dtype,
-                           spec.weighted, tile_probs[i], n);
-            }
-            char* dst = out_row + size_t(c0) * out_elem;
-            if (stream) {
-              store_row(tile_out.data(), acc.data(), spec.out.dtype, n);
-              internal::stream_copy(dst, tile_out.data(), size_t(n) * out_elem);
-            } else {
-              store_row(dst, acc.data(), spec.out.dtype, n);
-            }
-          }
+        if (fused) {
+          internal::row_kernels().fold_rows(fold_rows.data(), spec.dtype,
+                                            spec.weighted ? fold_probs.data() : nullptr,
+                                            int(fold_rows.size()), spec.out.row_ptr(t),
+                                            spec.out.dtype, size_t(H), stream);
         } else if (spec.mode != PullMode::kProbGrad) {
           store_row(spec.out.row_ptr(t), acc.data(), spec.out.dtype, H);
         }
