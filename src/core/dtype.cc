@@ -20,6 +20,12 @@ void check_fp8_row(size_t n, size_t out, size_t scales) {
   MOED_CHECK(n % kFp8BlockSize == 0 && out == n && scales == n / kFp8BlockSize, "hidden = ", n,
              ", out = ", out, ", scales = ", scales);
 }
+
+void quantize_row(const void* x, DType t, size_t n, bool round_scale, std::span<fp8_e4m3> out,
+                  std::span<float> scales_inv) {
+  check_fp8_row(n, out.size(), scales_inv.size());
+  internal::row_kernels().quantize_fp8(x, t, round_scale, out.data(), scales_inv.data(), n);
+}
 }  // namespace
 
 const char* dtype_name(DType t) { return enum_name(kDTypeNames, t, "?"); }
@@ -54,18 +60,12 @@ void convert_bf16_to_f32(std::span<const bf16> src, std::span<float> dst) {
 
 void quantize_fp8_row(std::span<const float> x, bool round_scale, std::span<fp8_e4m3> out,
                       std::span<float> scales_inv) {
-  const size_t n = x.size();
-  check_fp8_row(n, out.size(), scales_inv.size());
-  internal::row_kernels().quantize_fp8(x.data(), DType::kF32, round_scale, out.data(),
-                                       scales_inv.data(), n);
+  quantize_row(x.data(), DType::kF32, x.size(), round_scale, out, scales_inv);
 }
 
 void quantize_fp8_row(std::span<const bf16> x, bool round_scale, std::span<fp8_e4m3> out,
                       std::span<float> scales_inv) {
-  const size_t n = x.size();
-  check_fp8_row(n, out.size(), scales_inv.size());
-  internal::row_kernels().quantize_fp8(x.data(), DType::kBF16, round_scale, out.data(),
-                                       scales_inv.data(), n);
+  quantize_row(x.data(), DType::kBF16, x.size(), round_scale, out, scales_inv);
 }
 
 void dequantize_fp8_row(std::span<const fp8_e4m3> q, std::span<const float> scales_inv,
