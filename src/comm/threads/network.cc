@@ -109,9 +109,17 @@ Status check_args(const char* op, const char* peer_name, int peer, int size, int
   return ok_status();
 }
 
-// Completes `op` with the opposite op already posted in the receiver's mailbox, or queues it
-// there for the opposite side to find.
-Request post(ThreadsWorld& w, std::shared_ptr<P2pOp> op, bool is_recv) {
+// Posts one op: completes it with the opposite op already in the receiver's mailbox, or
+// queues it there for the opposite side to find.
+Request post(ThreadsWorld& w, int src, int dst, int tag, const void* send, void* recv, size_t bytes,
+             bool is_recv) {
+  auto op = std::make_shared<P2pOp>();
+  op->src = src;
+  op->dst = dst;
+  op->tag = tag;
+  op->send = send;
+  op->recv = recv;
+  op->bytes = bytes;
   std::shared_ptr<P2pOp> peer;
   {
     Mailbox& box = w.context().mailboxes[size_t(op->dst)];
@@ -128,26 +136,14 @@ Request post(ThreadsWorld& w, std::shared_ptr<P2pOp> op, bool is_recv) {
 StatusOr<Request> ThreadsWorld::isend(int dst, int tag, const void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
   MOED_RETURN_IF_ERROR(check_args("isend", "dst", dst, size_, tag, data, bytes));
-  auto op = std::make_shared<P2pOp>();
-  op->src = rank_;
-  op->dst = dst;
-  op->tag = tag;
-  op->send = data;
-  op->bytes = bytes;
   count_send(dst, bytes);
-  return post(*this, std::move(op), /*is_recv=*/false);
+  return post(*this, rank_, dst, tag, data, nullptr, bytes, /*is_recv=*/false);
 }
 
 StatusOr<Request> ThreadsWorld::irecv(int src, int tag, void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
   MOED_RETURN_IF_ERROR(check_args("irecv", "src", src, size_, tag, data, bytes));
-  auto op = std::make_shared<P2pOp>();
-  op->src = src;
-  op->dst = rank_;
-  op->tag = tag;
-  op->recv = data;
-  op->bytes = bytes;
-  return post(*this, std::move(op), /*is_recv=*/true);
+  return post(*this, src, rank_, tag, nullptr, data, bytes, /*is_recv=*/true);
 }
 
 }  // namespace moed::threads
