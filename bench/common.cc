@@ -171,9 +171,8 @@ uint64_t current_rss_bytes() { return status_kb("VmRSS:"); }
 int host_threads() { return int(std::max(1u, std::thread::hardware_concurrency())); }
 
 void fail(std::string_view command, const Status& s) {
-  std::fprintf(stderr, "moed bench%s%.*s: %s\n", command.empty() ? "" : " ", int(command.size()),
-               command.data(), s.to_string().c_str());
-  throw CLI::RuntimeError(1);
+  cli::fail_command(command.empty() ? std::string("moed bench") : str_cat("moed bench ", command),
+                    s.to_string());
 }
 
 void add_world_options(CLI::App& c, std::string* world, int* ranks, int* ranks_per_node) {

@@ -2,27 +2,36 @@
 
 #include <algorithm>
 
+#include "core/enum_names.h"
 #include "core/row_kernels.h"
 
 namespace moed {
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "f32";
-    case DType::kBF16:
-      return "bf16";
-    case DType::kFP8:
-      return "fp8";
-  }
-  return "?";
+namespace {
+constexpr EnumName<DType> kDTypeNames[] = {
+    {DType::kF32, "f32"},         {DType::kBF16, "bf16"},
+    {DType::kFP8, "fp8"},         {DType::kF32, "float32", false},
+    {DType::kF32, "fp32", false}, {DType::kBF16, "bfloat16", false},
+    {DType::kFP8, "e4m3", false},
+};
+
+// A row of n values has n fp8 codes and one scale per kFp8BlockSize block.
+void check_fp8_row(size_t n, size_t out, size_t scales) {
+  MOED_CHECK(n % kFp8BlockSize == 0 && out == n && scales == n / kFp8BlockSize, "hidden = ", n,
+             ", out = ", out, ", scales = ", scales);
 }
 
+void quantize_row(const void* x, DType t, size_t n, bool round_scale, std::span<fp8_e4m3> out,
+                  std::span<float> scales_inv) {
+  check_fp8_row(n, out.size(), scales_inv.size());
+  internal::row_kernels().quantize_fp8(x, t, round_scale, out.data(), scales_inv.data(), n);
+}
+}  // namespace
+
+const char* dtype_name(DType t) { return enum_name(kDTypeNames, t, "?"); }
+
 StatusOr<DType> parse_dtype(std::string_view name) {
-  if (name == "f32" || name == "float32" || name == "fp32") return DType::kF32;
-  if (name == "bf16" || name == "bfloat16") return DType::kBF16;
-  if (name == "fp8" || name == "e4m3") return DType::kFP8;
-  return invalid_argument("dtype '", name, "' is not one of f32, bf16, fp8");
+  return parse_enum(kDTypeNames, name, "dtype", "is not one of");
 }
 
 float fp8_scale_inv(float amax, bool round_scale) {
@@ -51,27 +60,18 @@ void convert_bf16_to_f32(std::span<const bf16> src, std::span<float> dst) {
 
 void quantize_fp8_row(std::span<const float> x, bool round_scale, std::span<fp8_e4m3> out,
                       std::span<float> scales_inv) {
-  const size_t n = x.size();
-  MOED_CHECK(n % kFp8BlockSize == 0 && out.size() == n && scales_inv.size() == n / kFp8BlockSize,
-             "hidden = ", n, ", out = ", out.size(), ", scales = ", scales_inv.size());
-  internal::row_kernels().quantize_fp8(x.data(), DType::kF32, round_scale, out.data(),
-                                       scales_inv.data(), n);
+  quantize_row(x.data(), DType::kF32, x.size(), round_scale, out, scales_inv);
 }
 
 void quantize_fp8_row(std::span<const bf16> x, bool round_scale, std::span<fp8_e4m3> out,
                       std::span<float> scales_inv) {
-  const size_t n = x.size();
-  MOED_CHECK(n % kFp8BlockSize == 0 && out.size() == n && scales_inv.size() == n / kFp8BlockSize,
-             "hidden = ", n, ", out = ", out.size(), ", scales = ", scales_inv.size());
-  internal::row_kernels().quantize_fp8(x.data(), DType::kBF16, round_scale, out.data(),
-                                       scales_inv.data(), n);
+  quantize_row(x.data(), DType::kBF16, x.size(), round_scale, out, scales_inv);
 }
 
 void dequantize_fp8_row(std::span<const fp8_e4m3> q, std::span<const float> scales_inv,
                         std::span<float> out) {
   const size_t n = q.size();
-  MOED_CHECK(n % kFp8BlockSize == 0 && out.size() == n && scales_inv.size() == n / kFp8BlockSize,
-             "hidden = ", n, ", out = ", out.size(), ", scales = ", scales_inv.size());
+  check_fp8_row(n, out.size(), scales_inv.size());
   internal::row_kernels().dequantize_fp8(q.data(), scales_inv.data(), out.data(), n);
 }
 

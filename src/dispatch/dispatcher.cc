@@ -2,29 +2,28 @@
 // one-call dispatch / combine / backward built from the six steps.
 #include "moed/dispatcher.h"
 
+#include "core/enum_names.h"
+
 namespace moed {
 
+namespace {
+// NOTE: low_latency is the name dispatcher_kind_name gives; the CLI spelling low-latency is the
+// one the error lists.
+constexpr EnumName<DispatcherKind> kDispatcherKindNames[] = {
+    {DispatcherKind::kAllGather, "allgather"},
+    {DispatcherKind::kAlltoAll, "alltoall"},
+    {DispatcherKind::kFlex, "flex"},
+    {DispatcherKind::kLowLatency, "low_latency", false},
+    {DispatcherKind::kLowLatency, "low-latency"},
+};
+}  // namespace
+
 const char* dispatcher_kind_name(DispatcherKind k) {
-  switch (k) {
-    case DispatcherKind::kAllGather:
-      return "allgather";
-    case DispatcherKind::kAlltoAll:
-      return "alltoall";
-    case DispatcherKind::kFlex:
-      return "flex";
-    case DispatcherKind::kLowLatency:
-      return "low_latency";
-  }
-  return "?";
+  return enum_name(kDispatcherKindNames, k, "?");
 }
 
 StatusOr<DispatcherKind> parse_dispatcher_kind(std::string_view name) {
-  if (name == "allgather") return DispatcherKind::kAllGather;
-  if (name == "alltoall") return DispatcherKind::kAlltoAll;
-  if (name == "flex") return DispatcherKind::kFlex;
-  if (name == "low_latency" || name == "low-latency") return DispatcherKind::kLowLatency;
-  return invalid_argument("dispatcher '", name,
-                          "' is not one of allgather, alltoall, flex, low-latency");
+  return parse_enum(kDispatcherKindNames, name, "dispatcher", "is not one of");
 }
 
 Status DispatchConfig::validate(int world_size) const {

@@ -8,6 +8,8 @@
 #include <iterator>
 #include <limits>
 
+#include "core/enum_names.h"
+
 namespace moed {
 
 static_assert(std::endian::native == std::endian::little,
@@ -21,8 +23,11 @@ constexpr size_t kAlign = 64;         // numpy.save aligns the data to 64 bytes
 constexpr size_t kGrowthDigits = 21;  // spare header room numpy.save leaves for shape[0]
 constexpr char kSupported[] = "<f4, <f8, <i4, <i8, |b1, <u2, |u1";
 
-constexpr NpyDType kAllDTypes[] = {NpyDType::kF32,  NpyDType::kF64, NpyDType::kI32, NpyDType::kI64,
-                                   NpyDType::kBool, NpyDType::kU16, NpyDType::kU8};
+constexpr EnumName<NpyDType> kDescrs[] = {
+    {NpyDType::kF32, "<f4"}, {NpyDType::kF64, "<f8"},  {NpyDType::kI32, "<i4"},
+    {NpyDType::kI64, "<i8"}, {NpyDType::kBool, "|b1"}, {NpyDType::kU16, "<u2"},
+    {NpyDType::kU8, "|u1"},
+};
 
 std::string shape_to_string(std::span<const int64_t> shape) {
   std::string s = "(";
@@ -146,9 +151,9 @@ class HeaderParser {
     }
     std::string descr;
     MOED_RETURN_IF_ERROR(parse_string(&descr));
-    for (NpyDType candidate : kAllDTypes) {
-      if (descr == npy_descr(candidate)) {
-        *t = candidate;
+    for (const EnumName<NpyDType>& candidate : kDescrs) {
+      if (descr == candidate.name) {
+        *t = candidate.value;
         return ok_status();
       }
     }
@@ -298,25 +303,7 @@ StatusOr<std::vector<T>> to_integers(const NpyArray& a, const char* as, const ch
 
 }  // namespace
 
-const char* npy_descr(NpyDType t) {
-  switch (t) {
-    case NpyDType::kF32:
-      return "<f4";
-    case NpyDType::kF64:
-      return "<f8";
-    case NpyDType::kI32:
-      return "<i4";
-    case NpyDType::kI64:
-      return "<i8";
-    case NpyDType::kBool:
-      return "|b1";
-    case NpyDType::kU16:
-      return "<u2";
-    case NpyDType::kU8:
-      return "|u1";
-  }
-  return "?";
-}
+const char* npy_descr(NpyDType t) { return enum_name(kDescrs, t, "?"); }
 
 size_t npy_dtype_size(NpyDType t) {
   switch (t) {

@@ -4,50 +4,40 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/enum_names.h"
 #include "routing/router_internal.h"
 
 namespace moed {
 
 using router_internal::TopkScratch;
 
+namespace {
+constexpr EnumName<ScoreFunction> kScoreFunctionNames[] = {
+    {ScoreFunction::kSoftmax, "softmax"},
+    {ScoreFunction::kSigmoid, "sigmoid"},
+    {ScoreFunction::kSqrtSoftplus, "sqrtsoftplus"},
+};
+constexpr EnumName<LoadBalancing> kLoadBalancingNames[] = {
+    {LoadBalancing::kNone, "none"},
+    {LoadBalancing::kAuxLoss, "aux_loss"},
+    {LoadBalancing::kSeqAuxLoss, "seq_aux_loss"},
+};
+}  // namespace
+
 const char* score_function_name(ScoreFunction f) {
-  switch (f) {
-    case ScoreFunction::kSoftmax:
-      return "softmax";
-    case ScoreFunction::kSigmoid:
-      return "sigmoid";
-    case ScoreFunction::kSqrtSoftplus:
-      return "sqrtsoftplus";
-  }
-  return "unknown";
+  return enum_name(kScoreFunctionNames, f, "unknown");
 }
 
 StatusOr<ScoreFunction> parse_score_function(std::string_view name) {
-  if (name == "softmax") return ScoreFunction::kSoftmax;
-  if (name == "sigmoid") return ScoreFunction::kSigmoid;
-  if (name == "sqrtsoftplus") return ScoreFunction::kSqrtSoftplus;
-  return invalid_argument("score function '", name,
-                          "' is not one of: softmax, sigmoid, sqrtsoftplus");
+  return parse_enum(kScoreFunctionNames, name, "score function", "is not one of:");
 }
 
 const char* load_balancing_name(LoadBalancing l) {
-  switch (l) {
-    case LoadBalancing::kNone:
-      return "none";
-    case LoadBalancing::kAuxLoss:
-      return "aux_loss";
-    case LoadBalancing::kSeqAuxLoss:
-      return "seq_aux_loss";
-  }
-  return "unknown";
+  return enum_name(kLoadBalancingNames, l, "unknown");
 }
 
 StatusOr<LoadBalancing> parse_load_balancing(std::string_view name) {
-  if (name == "none") return LoadBalancing::kNone;
-  if (name == "aux_loss") return LoadBalancing::kAuxLoss;
-  if (name == "seq_aux_loss") return LoadBalancing::kSeqAuxLoss;
-  return invalid_argument("load balancing '", name,
-                          "' is not one of: none, aux_loss, seq_aux_loss");
+  return parse_enum(kLoadBalancingNames, name, "load balancing", "is not one of:");
 }
 
 Status RouterConfig::validate() const {

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/enum_names.h"
+
 namespace moed {
 
 namespace {
@@ -40,8 +42,8 @@ Status validate(const TopkRouting& routing, int num_experts) {
   if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
   MOED_RETURN_IF_ERROR(
       check_entries("topk_idx", routing.topk_idx.size(), num_tokens, "num_topk", num_topk));
-  MOED_RETURN_IF_ERROR(check_entries("topk_weights", routing.topk_weights.size(), num_tokens,
-                                     "num_topk", num_topk));
+  MOED_RETURN_IF_ERROR(
+      check_entries("topk_weights", routing.topk_weights.size(), num_tokens, "num_topk", num_topk));
   return validate(TopkView::of(routing), num_experts);
 }
 
@@ -85,7 +87,8 @@ Status validate(const SparseRouting& routing, int expected_experts) {
                             expected_experts);
   }
   if (E < 1) return invalid_argument("num_experts = ", E, " must be >= 1");
-  if (routing.num_topk < 0) return invalid_argument("num_topk = ", routing.num_topk, " must be >= 0");
+  if (routing.num_topk < 0)
+    return invalid_argument("num_topk = ", routing.num_topk, " must be >= 0");
   if (routing.begin.empty() || routing.begin[0] != 0) {
     return invalid_argument("sparse routing begin must start at 0");
   }
@@ -170,8 +173,8 @@ SparseRouting to_sparse(const TopkView& routing, int num_experts) {
     for (int k = 0; k < K; ++k) {
       const int64_t e = routing.at(t, k);
       if (e == -1) continue;
-      MOED_CHECK(e >= 0 && e < num_experts, "to_sparse on unvalidated routing: topk_idx[", t,
-                 "][", k, "] = ", e);
+      MOED_CHECK(e >= 0 && e < num_experts, "to_sparse on unvalidated routing: topk_idx[", t, "][",
+                 k, "] = ", e);
       // Insertion into the token's ascending run (K is small; experts are distinct).
       size_t i = s.expert.size();
       s.expert.push_back(int32_t(e));
@@ -271,20 +274,17 @@ std::vector<float> SparseRouting::prob_sums() const {
   return sums;
 }
 
-const char* drop_policy_name(DropPolicy p) {
-  switch (p) {
-    case DropPolicy::kProbs:
-      return "probs";
-    case DropPolicy::kPosition:
-      return "position";
-  }
-  return "unknown";
-}
+namespace {
+constexpr EnumName<DropPolicy> kDropPolicyNames[] = {
+    {DropPolicy::kProbs, "probs"},
+    {DropPolicy::kPosition, "position"},
+};
+}  // namespace
+
+const char* drop_policy_name(DropPolicy p) { return enum_name(kDropPolicyNames, p, "unknown"); }
 
 StatusOr<DropPolicy> parse_drop_policy(std::string_view name) {
-  if (name == "probs") return DropPolicy::kProbs;
-  if (name == "position") return DropPolicy::kPosition;
-  return invalid_argument("drop policy '", name, "' is not one of: probs, position");
+  return parse_enum(kDropPolicyNames, name, "drop policy", "is not one of:");
 }
 
 }  // namespace moed

@@ -15,15 +15,10 @@ using permute_test::brute_layout;
 using permute_test::brute_unpermute_f32;
 using permute_test::BruteLayout;
 using permute_test::equals_rounded;
+using permute_test::pool_of;
 using permute_test::random_map;
 using permute_test::random_tokens;
 using permute_test::Skew;
-
-ThreadPool& pool_of(int threads) {
-  static std::unique_ptr<ThreadPool> pools[4];
-  if (!pools[threads]) pools[threads] = std::make_unique<ThreadPool>(threads);
-  return *pools[threads];
-}
 
 // Row r of `rows` equals token `t` of `tokens` (or zero bytes when t = -1), payload and scales.
 void expect_rows(const TokenRows& tokens, const TokenRows& rows, const BruteLayout& l) {

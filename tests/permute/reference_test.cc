@@ -13,15 +13,10 @@
 namespace moed {
 namespace {
 
+using permute_test::pool_of;
 using permute_test::random_map;
 using permute_test::random_tokens;
 using permute_test::Skew;
-
-ThreadPool& pool_of(int threads) {
-  static std::unique_ptr<ThreadPool> pools[4];
-  if (!pools[threads]) pools[threads] = std::make_unique<ThreadPool>(threads);
-  return *pools[threads];
-}
 
 struct Case {
   int64_t T;

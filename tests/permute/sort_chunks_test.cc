@@ -11,13 +11,8 @@
 namespace moed {
 namespace {
 
+using permute_test::pool_of;
 using permute_test::random_tokens;
-
-ThreadPool& pool_of(int threads) {
-  static std::unique_ptr<ThreadPool> pools[4];
-  if (!pools[threads]) pools[threads] = std::make_unique<ThreadPool>(threads);
-  return *pools[threads];
-}
 
 struct Problem {
   std::vector<int64_t> split_sizes;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <random>
 #include <vector>
@@ -11,6 +12,13 @@
 #include "moed/permute.h"
 
 namespace moed::permute_test {
+
+// One pool per thread count (1, 2, 3), kept for the whole test binary.
+inline ThreadPool& pool_of(int threads) {
+  static std::unique_ptr<ThreadPool> pools[4];
+  if (!pools[threads]) pools[threads] = std::make_unique<ThreadPool>(threads);
+  return *pools[threads];
+}
 
 enum class Skew { kUniform, kOneExpert, kAllExperts };
 

@@ -239,30 +239,30 @@ TEST(Plan, ZeroTokens) {
 TEST(Plan, BadOptionsNameTheValue) {
   PlanOptions o;
   o.cluster = *cluster_preset("h800");
-  auto err = [&](PlanOptions x) {
-    StatusOr<PlanResult> r = plan(x);
-    return r.ok() ? std::string("ok") : r.status().message();
+  struct Case {
+    void (*set)(PlanOptions&);
+    const char* message;
   };
-  PlanOptions x = o;
-  x.ep = 4096;
-  EXPECT_NE(err(x).find("--ep = 4096"), std::string::npos) << err(x);
-  x = o;
-  x.ranks_per_node = 3;
-  EXPECT_NE(err(x).find("--ranks-per-node = 3"), std::string::npos) << err(x);
-  x = o;
-  x.experts = 12;
-  EXPECT_NE(err(x).find("--experts = 12"), std::string::npos) << err(x);
-  x = o;
-  x.topk = 300;
-  EXPECT_NE(err(x).find("--topk = 300"), std::string::npos) << err(x);
-  x = o;
-  x.hidden = 100;
-  EXPECT_NE(err(x).find("--hidden = 100"), std::string::npos) << err(x);
-  x = o;
-  x.routing = PlanRouting::kGroup;
-  x.num_groups = 8;
-  x.group_topk = 9;
-  EXPECT_NE(err(x).find("--group-topk = 9"), std::string::npos) << err(x);
+  const Case cases[] = {
+      {[](PlanOptions& x) { x.ep = 4096; }, "--ep = 4096"},
+      {[](PlanOptions& x) { x.ranks_per_node = 3; }, "--ranks-per-node = 3"},
+      {[](PlanOptions& x) { x.experts = 12; }, "--experts = 12"},
+      {[](PlanOptions& x) { x.topk = 300; }, "--topk = 300"},
+      {[](PlanOptions& x) { x.hidden = 100; }, "--hidden = 100"},
+      {[](PlanOptions& x) {
+         x.routing = PlanRouting::kGroup;
+         x.num_groups = 8;
+         x.group_topk = 9;
+       },
+       "--group-topk = 9"},
+  };
+  for (const Case& c : cases) {
+    PlanOptions x = o;
+    c.set(x);
+    StatusOr<PlanResult> r = plan(x);
+    const std::string got = r.ok() ? std::string("ok") : r.status().message();
+    EXPECT_NE(got.find(c.message), std::string::npos) << got;
+  }
   EXPECT_FALSE(cluster_preset("a100").ok());
   EXPECT_NE(cluster_preset("a100").status().message().find("'a100'"), std::string::npos);
   EXPECT_FALSE(parse_plan_routing("skewed").ok());

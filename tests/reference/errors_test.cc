@@ -30,59 +30,47 @@ void expect_error(const Status& s, const std::string& message) {
   EXPECT_EQ(s.message(), message);
 }
 
+// reference_dispatch on the fixture with one change rejects it with `message`.
+void expect_dispatch_error(void (*change)(Fixture&), const std::string& message) {
+  SCOPED_TRACE(message);
+  Fixture f;
+  change(f);
+  expect_error(reference_dispatch(f.p).status(), message);
+}
+
 TEST(ReferenceErrors, ProblemShape) {
-  {
-    Fixture f;
-    f.p.ep_size = 1;
-    f.p.etp_size = 3;
-    expect_error(reference_dispatch(f.p).status(),
-                 "routing has 2 ranks but world size = ep_size * etp_size = 1 * 3 = 3");
-  }
-  {
-    Fixture f;
-    f.p.hidden.pop_back();
-    expect_error(reference_dispatch(f.p).status(), "hidden has 1 ranks but routing has 2");
-  }
-  {
-    Fixture f;
-    f.p.num_experts = 6;
-    f.p.ep_size = 4;
-    f.p.etp_size = 1;
-    expect_error(reference_dispatch(f.p).status(),
-                 "num_experts = 6 is not divisible by ep_size = 4");
-  }
-  {
-    Fixture f;
-    f.p.num_experts = 0;
-    expect_error(reference_dispatch(f.p).status(), "num_experts = 0 must be > 0");
-  }
+  expect_dispatch_error(
+      [](Fixture& f) {
+        f.p.ep_size = 1;
+        f.p.etp_size = 3;
+      },
+      "routing has 2 ranks but world size = ep_size * etp_size = 1 * 3 = 3");
+  expect_dispatch_error([](Fixture& f) { f.p.hidden.pop_back(); },
+                        "hidden has 1 ranks but routing has 2");
+  expect_dispatch_error(
+      [](Fixture& f) {
+        f.p.num_experts = 6;
+        f.p.ep_size = 4;
+        f.p.etp_size = 1;
+      },
+      "num_experts = 6 is not divisible by ep_size = 4");
+  expect_dispatch_error([](Fixture& f) { f.p.num_experts = 0; }, "num_experts = 0 must be > 0");
   {
     Fixture f;
     f.p.routing[1].num_experts = 2;
     expect_error(reference_effective_routing(f.p).status(),
                  "routing[1].num_experts = 2 differs from num_experts = 4");
   }
-  {
-    Fixture f;
-    f.p.routing[0].probs.pop_back();
-    expect_error(reference_dispatch(f.p).status(),
-                 "routing[0].probs has 11 entries, expected num_tokens * num_experts = 3 * 4 = 12");
-  }
-  {
-    Fixture f;
-    f.p.routing[0].probs[2 * 4 + 3] = -0.5f;
-    expect_error(reference_dispatch(f.p).status(),
-                 "routing[0].probs[2][3] = -0.5 is NaN or negative");
-  }
+  expect_dispatch_error(
+      [](Fixture& f) { f.p.routing[0].probs.pop_back(); },
+      "routing[0].probs has 11 entries, expected num_tokens * num_experts = 3 * 4 = 12");
+  expect_dispatch_error([](Fixture& f) { f.p.routing[0].probs[2 * 4 + 3] = -0.5f; },
+                        "routing[0].probs[2][3] = -0.5 is NaN or negative");
 }
 
 TEST(ReferenceErrors, HiddenStates) {
-  {
-    Fixture f;
-    f.p.hidden[1].x = f.xs[0].view();
-    expect_error(reference_dispatch(f.p).status(),
-                 "hidden[1] has 3 rows but routing[1] has T = 1 tokens");
-  }
+  expect_dispatch_error([](Fixture& f) { f.p.hidden[1].x = f.xs[0].view(); },
+                        "hidden[1] has 3 rows but routing[1] has T = 1 tokens");
   {
     Fixture f;
     Tensor wide = named_hidden(1, 1, 3);
@@ -113,49 +101,31 @@ TEST(ReferenceErrors, HiddenStates) {
 }
 
 TEST(ReferenceErrors, LayoutOptions) {
-  {
-    Fixture f;
-    f.p.layout.capacity_factor = 1.5;
-    expect_error(reference_dispatch(f.p).status(),
-                 "capacity_factor = 1.5 needs num_topk > 0 (got 0)");
-  }
-  {
-    Fixture f;
-    f.p.layout.capacity_factor = 1.0;
-    f.p.num_topk = 2;
-    f.p.routing[1].num_topk = 3;
-    expect_error(reference_dispatch(f.p).status(),
-                 "routing[1].num_topk = 3 differs from num_topk = 2");
-  }
-  {
-    Fixture f;
-    f.p.layout.capacity_factor = 0.0;
-    expect_error(reference_dispatch(f.p).status(), "capacity_factor = 0 must be finite and > 0");
-  }
-  {
-    Fixture f;
-    f.p.layout.pad_to_capacity = true;
-    expect_error(reference_dispatch(f.p).status(), "pad_to_capacity needs a capacity_factor");
-  }
-  {
-    Fixture f;
-    f.p.layout.capacity_factor = 1.0;
-    f.p.num_topk = 2;
-    f.p.layout.pad_to_capacity = true;
-    f.p.layout.router_padding_multiple = 4;
-    expect_error(reference_dispatch(f.p).status(),
-                 "pad_to_capacity cannot be combined with router_padding_multiple = 4");
-  }
-  {
-    Fixture f;
-    f.p.layout.expert_alignment = 0;
-    expect_error(reference_dispatch(f.p).status(), "expert_alignment = 0 must be >= 1");
-  }
-  {
-    Fixture f;
-    f.p.layout.router_padding_multiple = -2;
-    expect_error(reference_dispatch(f.p).status(), "router_padding_multiple = -2 must be >= 0");
-  }
+  expect_dispatch_error([](Fixture& f) { f.p.layout.capacity_factor = 1.5; },
+                        "capacity_factor = 1.5 needs num_topk > 0 (got 0)");
+  expect_dispatch_error(
+      [](Fixture& f) {
+        f.p.layout.capacity_factor = 1.0;
+        f.p.num_topk = 2;
+        f.p.routing[1].num_topk = 3;
+      },
+      "routing[1].num_topk = 3 differs from num_topk = 2");
+  expect_dispatch_error([](Fixture& f) { f.p.layout.capacity_factor = 0.0; },
+                        "capacity_factor = 0 must be finite and > 0");
+  expect_dispatch_error([](Fixture& f) { f.p.layout.pad_to_capacity = true; },
+                        "pad_to_capacity needs a capacity_factor");
+  expect_dispatch_error(
+      [](Fixture& f) {
+        f.p.layout.capacity_factor = 1.0;
+        f.p.num_topk = 2;
+        f.p.layout.pad_to_capacity = true;
+        f.p.layout.router_padding_multiple = 4;
+      },
+      "pad_to_capacity cannot be combined with router_padding_multiple = 4");
+  expect_dispatch_error([](Fixture& f) { f.p.layout.expert_alignment = 0; },
+                        "expert_alignment = 0 must be >= 1");
+  expect_dispatch_error([](Fixture& f) { f.p.layout.router_padding_multiple = -2; },
+                        "router_padding_multiple = -2 must be >= 0");
 }
 
 TEST(ReferenceErrors, ExpertOutputsAndGradients) {

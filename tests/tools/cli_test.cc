@@ -341,23 +341,25 @@ TEST(CliErrors, NameTheFileAndTheValue) {
   save(dir / "bias.npy", NpyDType::kF32, {4}, bias.data());
   const std::string out = " --out " + dir / "o";
   const std::string dispatch_x = "dispatch --x " + dir / "x.npy" + " --experts 12 ";
+  const std::string replay = "replay --trace " + dir / "trace.npy";
+  // x with six rows of good routing: the cases below change one option each.
+  const std::string dispatch6 =
+      dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy";
 
   struct Case {
     std::string args, message;
   };
   const Case cases[] = {
-      {"replay --trace " + dir / "trace.npy" + " --ranks 2 --experts 2" + out,
+      {replay + " --ranks 2 --experts 2" + out,
        "moed replay: " + dir / "trace.npy" + ": topk_idx[0][0][1] = 2 is outside [-1, 2)"},
-      {"replay --trace " + dir / "trace.npy" + " --ranks 3" + out,
+      {replay + " --ranks 3" + out,
        "moed replay: experts = 4 (the trace's max index + 1) is not a multiple of --ranks = 3"},
-      {"replay --trace " + dir / "trace.npy" + " --ranks 3 --experts 6" + out,
-       "moed replay: " + dir / "trace.npy" +
-           ": 4 tokens per step do not split evenly over "
-           "--ranks = 3"},
-      {"replay --trace " + dir / "trace.npy" + " --ranks 2 --ranks-per-node 3" + out,
+      {replay + " --ranks 3 --experts 6" + out, "moed replay: " + dir / "trace.npy" +
+                                                    ": 4 tokens per step do not split evenly over "
+                                                    "--ranks = 3"},
+      {replay + " --ranks 2 --ranks-per-node 3" + out,
        "moed replay: --ranks-per-node = 3 does not divide --ranks = 2"},
-      {"replay --trace " + dir / "trace.npy" + " --capacity-factor 1 --drop-policy probs" + out,
-       "a trace has no probs"},
+      {replay + " --capacity-factor 1 --drop-policy probs" + out, "a trace has no probs"},
       {"replay --trace " + dir / "missing.npy" + out, dir / "missing.npy"},
       {dispatch_x + "--topk-idx " + dir / "idx5.npy" + " --topk-probs " + dir / "p5.npy" +
            " --ranks 2 --dispatcher flex" + out,
@@ -367,23 +369,17 @@ TEST(CliErrors, NameTheFileAndTheValue) {
            " --ranks 2 --dispatcher flex" + out,
        "moed dispatch: " + dir / "p5.npy" + ": shape (5, 3) differs from " + dir / "idx6.npy" +
            "'s (6, 3)"},
-      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
-           " --ranks 4 --dispatcher alltoall" + out,
+      {dispatch6 + " --ranks 4 --dispatcher alltoall" + out,
        "moed dispatch: " + dir / "x.npy" + ": 6 rows do not split evenly over --ranks = 4"},
-      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
-           " --ranks 2 --dispatcher alltoall" + out,
+      {dispatch6 + " --ranks 2 --dispatcher alltoall" + out,
        "moed dispatch: " + dir / "idx6.npy" + ": topk_idx[5][1] = 12 is outside [-1, 12)"},
-      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
-           " --ranks 2 --dispatcher bogus" + out,
+      {dispatch6 + " --ranks 2 --dispatcher bogus" + out,
        "moed dispatch: dispatcher 'bogus' is not one of"},
-      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
-           " --ranks 2 --ranks-per-node 3 --dispatcher flex" + out,
+      {dispatch6 + " --ranks 2 --ranks-per-node 3 --dispatcher flex" + out,
        "moed dispatch: --ranks-per-node = 3 does not divide --ranks = 2"},
-      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
-           " --dispatcher flex" + out,
+      {dispatch6 + " --dispatcher flex" + out,
        "moed dispatch: --ranks is required with --world threads"},
-      {dispatch_x + "--topk-idx " + dir / "idx6.npy" + " --topk-probs " + dir / "p6.npy" +
-           " --world mpi --dispatcher flex" + out,
+      {dispatch6 + " --world mpi --dispatcher flex" + out,
        "moed dispatch: --world mpi needs the program started by mpirun"},
       {"route --logits " + dir / "logits.npy" + " --topk 2 --expert-bias " + dir / "bias.npy" + out,
        "moed route: " + dir / "bias.npy" + ": shape (4,) but " + dir / "logits.npy" +

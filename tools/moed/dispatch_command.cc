@@ -49,10 +49,7 @@ struct DispatchArgs {
   std::string world;  // "" = mpi under mpirun, else threads
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed dispatch: %s\n", s.message().c_str());
-  throw CLI::RuntimeError(1);
-}
+[[noreturn]] void fail(const Status& s) { fail_command("moed dispatch", s.message()); }
 template <typename T>
 T value_or_fail(StatusOr<T> v) {
   if (!v.ok()) fail(v.status());

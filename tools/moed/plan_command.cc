@@ -22,10 +22,7 @@ struct PlanArgs {
   bool json = false, validate = false, markdown = false;
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed plan: %s\n", s.message().c_str());
-  throw CLI::RuntimeError(1);
-}
+[[noreturn]] void fail(const Status& s) { fail_command("moed plan", s.message()); }
 
 void run(PlanArgs a) {
   if (a.validate) {

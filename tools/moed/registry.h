@@ -10,8 +10,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace moed::cli {
@@ -23,6 +25,12 @@ struct Registration {
   Setup setup;
 };
 std::vector<Registration>& registrations();
+
+// How every command fails: "<command>: <message>" on stderr, then exit code 1.
+[[noreturn]] inline void fail_command(std::string_view command, const std::string& message) {
+  std::fprintf(stderr, "%.*s: %s\n", int(command.size()), command.data(), message.c_str());
+  throw CLI::RuntimeError(1);
+}
 
 struct Registrar {
   Registrar(const char* parent, Setup setup) {

@@ -27,10 +27,7 @@ struct ReplayArgs {
   bool json = false;
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed replay: %s\n", s.message().c_str());
-  throw CLI::RuntimeError(1);
-}
+[[noreturn]] void fail(const Status& s) { fail_command("moed replay", s.message()); }
 
 void run(ReplayArgs a) {
   if (a.drop_policy == "probs") {

@@ -48,10 +48,7 @@ struct RouteArgs {
   std::optional<double> z_loss_coeff;
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed route: %s\n", s.message().c_str());
-  throw CLI::RuntimeError(1);
-}
+[[noreturn]] void fail(const Status& s) { fail_command("moed route", s.message()); }
 template <typename T>
 T value_or_fail(StatusOr<T> v) {
   if (!v.ok()) fail(v.status());

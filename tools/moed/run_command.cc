@@ -65,10 +65,7 @@ struct RunArgs {
   bool json = false;
 };
 
-[[noreturn]] void fail(const Status& s) {
-  std::fprintf(stderr, "moed run: %s\n", s.to_string().c_str());
-  throw CLI::RuntimeError(1);
-}
+[[noreturn]] void fail(const Status& s) { fail_command("moed run", s.to_string()); }
 
 template <typename T>
 T value_or(const StatusOr<T>& v) {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <functional>
+#include <string>
 
 #include "comm/mpi/mpi_world.h"
 #include "comm/sum_rows.h"
@@ -20,6 +22,18 @@ Status fits_int(size_t n, const char* op) {
   return ok_status();
 }
 
+// Every rank's `n` words (rank r's at all[r * n]), so every rank can name a disagreement.
+StatusOr<const uint64_t*> gather_words(MpiWorld& w, CallBuffers& buf, const uint64_t* words,
+                                       size_t n, const std::function<std::string()>& what) {
+  const uint64_t* mine = buf.make_from(words, n);
+  uint64_t* all = buf.make<uint64_t>(n * size_t(w.size()));
+  MPI_Request req;
+  MOED_RETURN_IF_ERROR(
+      check(MPI_Iallgather(mine, int(n), MPI_UINT64_T, all, int(n), MPI_UINT64_T, w.comm(), &req),
+            "MPI_Iallgather"));
+  MOED_RETURN_IF_ERROR(w.wait(&req, what, &buf));
+  return all;
+}
 
 }  // namespace
 
@@ -38,13 +52,8 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   // Everyone's (root, bytes), so every rank can name the disagreement.
   CallBuffers buf;
   const uint64_t root_and_bytes[2] = {uint64_t(int64_t(root)), bytes};
-  const uint64_t* mine = buf.make_from(root_and_bytes, 2);
-  uint64_t* all = buf.make<uint64_t>(2 * size_t(size_));
   auto what = [&] { return str_cat("rank ", rank_, " in broadcast"); };
-  MPI_Request req;
-  MOED_RETURN_IF_ERROR(check(
-      MPI_Iallgather(mine, 2, MPI_UINT64_T, all, 2, MPI_UINT64_T, comm_, &req), "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  MOED_ASSIGN_OR_RETURN(const uint64_t* all, gather_words(*this, buf, root_and_bytes, 2, what));
   for (int r = 0; r < size_; ++r) {
     if (int(int64_t(all[2 * size_t(r)])) != int(int64_t(all[0]))) {
       return invalid_argument("broadcast: rank ", r, " has root ", int64_t(all[2 * size_t(r)]),
@@ -63,6 +72,7 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   }
   MOED_RETURN_IF_ERROR(agree_verdict(fits_int(bytes, "broadcast"), "broadcast"));
   if (bytes == 0) return ok_status();
+  MPI_Request req;
   MOED_RETURN_IF_ERROR(
       check(MPI_Ibcast(data, int(bytes), MPI_BYTE, root, comm_, &req), "MPI_Ibcast"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
@@ -78,14 +88,8 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
   ++counters_.collectives;
   auto what = [&] { return str_cat("rank ", rank_, " in all_gather_v"); };
   CallBuffers buf;
-  uint64_t* sizes = buf.make<uint64_t>(size_t(size_));
-  uint64_t* mine = buf.make<uint64_t>(1);
-  *mine = send_bytes;
-  MPI_Request req;
-  MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(mine, 1, MPI_UINT64_T, sizes, 1, MPI_UINT64_T, comm_, &req),
-            "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  const uint64_t mine = send_bytes;
+  MOED_ASSIGN_OR_RETURN(const uint64_t* sizes, gather_words(*this, buf, &mine, 1, what));
   Status local;
   if (recv_bytes.size() != size_t(size_)) {
     local = invalid_argument("all_gather_v: rank ", rank_, " passed recv sizes of length ",
@@ -107,6 +111,7 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
     off += sizes[size_t(s)];
   }
   MOED_RETURN_IF_ERROR(agree_verdict(local, "all_gather_v"));
+  MPI_Request req;
   MOED_RETURN_IF_ERROR(check(
       MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts, displs, MPI_BYTE, comm_, &req),
       "MPI_Iallgatherv"));
@@ -185,14 +190,8 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
   MOED_RETURN_IF_ERROR(agree_verdict(local, "reduce_scatter_v_f32"));
   // Everyone's counts, so every rank can name the first disagreement.
   CallBuffers buf;
-  uint64_t* mine = buf.make<uint64_t>(n);
-  uint64_t* all = buf.make<uint64_t>(n * n);
-  std::copy(counts.begin(), counts.end(), mine);
-  MPI_Request req;
-  MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(mine, int(n), MPI_UINT64_T, all, int(n), MPI_UINT64_T, comm_, &req),
-            "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  const std::vector<uint64_t> mine(counts.begin(), counts.end());
+  MOED_ASSIGN_OR_RETURN(const uint64_t* all, gather_words(*this, buf, mine.data(), n, what));
   for (size_t r = 0; r < n; ++r) {
     for (size_t d = 0; d < n; ++d) {
       if (all[r * n + d] != all[d]) {
@@ -218,6 +217,7 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
     off += counts[d];
   }
   MOED_RETURN_IF_ERROR(agree_verdict(local, "reduce_scatter_v_f32"));
+  MPI_Request req;
   MOED_RETURN_IF_ERROR(
       check(MPI_Ialltoallv(send, sc, sd, MPI_FLOAT, blocks, rc, rd, MPI_FLOAT, comm_, &req),
             "MPI_Ialltoallv"));
@@ -232,14 +232,8 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   ++counters_.collectives;
   auto what = [&] { return str_cat("rank ", rank_, " in all_reduce_f32"); };
   CallBuffers buf;
-  uint64_t* counts = buf.make<uint64_t>(size_t(size_));
-  uint64_t* mine = buf.make<uint64_t>(1);
-  *mine = count;
-  MPI_Request req;
-  MOED_RETURN_IF_ERROR(
-      check(MPI_Iallgather(mine, 1, MPI_UINT64_T, counts, 1, MPI_UINT64_T, comm_, &req),
-            "MPI_Iallgather"));
-  MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
+  const uint64_t mine = count;
+  MOED_ASSIGN_OR_RETURN(const uint64_t* counts, gather_words(*this, buf, &mine, 1, what));
   for (int r = 0; r < size_; ++r) {
     if (counts[size_t(r)] != counts[0]) {
       return invalid_argument("all_reduce_f32: rank ", r, " has count ", counts[size_t(r)],
@@ -251,6 +245,7 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   if (count == 0) return ok_status();
   // Gathering everything costs R times the data of a reduction tree, but fixes the order.
   float* rows = buf.make<float>(count * size_t(size_));
+  MPI_Request req;
   MOED_RETURN_IF_ERROR(
       check(MPI_Iallgather(send, int(count), MPI_FLOAT, rows, int(count), MPI_FLOAT, comm_, &req),
             "MPI_Iallgather"));

@@ -4,6 +4,7 @@
 // verdict and return the same error.
 #include <cstring>
 
+#include "comm/sum_rows.h"
 #include "comm/threads/threads_world.h"
 #include "moed/status.h"
 
@@ -205,17 +206,10 @@ Status ThreadsWorld::reduce_scatter_v_f32(const float* send, std::span<const siz
         size_t off = 0;
         for (int d = 0; d < rank_; ++d) off += counts[size_t(d)];
         const size_t n = counts[size_t(rank_)];
-        sum.assign(n, 0.0f);
-        // Deterministic: acc = 0; for r ascending: acc += x_r.
-        pool().parallel_for(
-            int64_t(n),
-            [&](int64_t b, int64_t e, int) {
-              for (int r = 0; r < size_; ++r) {
-                const float* x = static_cast<const float*>(slots[size_t(r)].send) + off;
-                for (int64_t i = b; i < e; ++i) sum[size_t(i)] += x[i];
-              }
-            },
-            4096);
+        sum.resize(n);
+        internal::sum_rows(pool(), size_, n, sum.data(), [&](int r) {
+          return static_cast<const float*>(slots[size_t(r)].send) + off;
+        });
         for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
       });
   // After the second barrier nobody reads send any more, so recv may be overwritten.
@@ -242,16 +236,9 @@ Status ThreadsWorld::all_reduce_f32(const float* send, float* recv, size_t count
         return ok_status();
       },
       [&](const std::vector<Slot>& slots) {
-        sum.assign(count, 0.0f);
-        pool().parallel_for(
-            int64_t(count),
-            [&](int64_t b, int64_t e, int) {
-              for (int r = 0; r < size_; ++r) {
-                const float* x = static_cast<const float*>(slots[size_t(r)].send);
-                for (int64_t i = b; i < e; ++i) sum[size_t(i)] += x[i];
-              }
-            },
-            4096);
+        sum.resize(count);
+        internal::sum_rows(pool(), size_, count, sum.data(),
+                           [&](int r) { return static_cast<const float*>(slots[size_t(r)].send); });
         for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
       });
   if (status.ok() && count > 0) std::memcpy(recv, sum.data(), count * sizeof(float));

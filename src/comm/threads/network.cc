@@ -99,55 +99,51 @@ class ThreadsRequest final : public PendingOp {
   bool cancelled_ = false;
 };
 
+Status check_args(const char* op, const char* peer_name, int peer, int size, int tag,
+                  const void* data, size_t bytes) {
+  if (peer < 0 || peer >= size) {
+    return invalid_argument(op, ": ", peer_name, " = ", peer, " is outside [0, ", size, ")");
+  }
+  if (tag < 0) return invalid_argument(op, ": tag = ", tag, " must be >= 0");
+  if (data == nullptr && bytes > 0) return invalid_argument(op, ": data is null");
+  return ok_status();
+}
+
+// Posts one op: completes it with the opposite op already in the receiver's mailbox, or
+// queues it there for the opposite side to find.
+Request post(ThreadsWorld& w, int src, int dst, int tag, const void* send, void* recv, size_t bytes,
+             bool is_recv) {
+  auto op = std::make_shared<P2pOp>();
+  op->src = src;
+  op->dst = dst;
+  op->tag = tag;
+  op->send = send;
+  op->recv = recv;
+  op->bytes = bytes;
+  std::shared_ptr<P2pOp> peer;
+  {
+    Mailbox& box = w.context().mailboxes[size_t(op->dst)];
+    std::lock_guard<std::mutex> lock(box.mu);
+    peer = take(is_recv ? box.sends : box.recvs, op->src, op->tag);
+    if (!peer) (is_recv ? box.recvs : box.sends).push_back(op);
+  }
+  if (peer) is_recv ? complete(*peer, *op) : complete(*op, *peer);
+  return Request(std::make_unique<ThreadsRequest>(&w, std::move(op), is_recv));
+}
+
 }  // namespace
 
 StatusOr<Request> ThreadsWorld::isend(int dst, int tag, const void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
-  if (dst < 0 || dst >= size_) {
-    return invalid_argument("isend: dst = ", dst, " is outside [0, ", size_, ")");
-  }
-  if (tag < 0) return invalid_argument("isend: tag = ", tag, " must be >= 0");
-  if (data == nullptr && bytes > 0) return invalid_argument("isend: data is null");
-  auto op = std::make_shared<P2pOp>();
-  op->src = rank_;
-  op->dst = dst;
-  op->tag = tag;
-  op->send = data;
-  op->bytes = bytes;
+  MOED_RETURN_IF_ERROR(check_args("isend", "dst", dst, size_, tag, data, bytes));
   count_send(dst, bytes);
-  std::shared_ptr<P2pOp> peer;
-  {
-    Mailbox& box = ctx_->mailboxes[size_t(dst)];
-    std::lock_guard<std::mutex> lock(box.mu);
-    peer = take(box.recvs, rank_, tag);
-    if (!peer) box.sends.push_back(op);
-  }
-  if (peer) complete(*op, *peer);
-  return Request(std::make_unique<ThreadsRequest>(this, std::move(op), false));
+  return post(*this, rank_, dst, tag, data, nullptr, bytes, /*is_recv=*/false);
 }
 
 StatusOr<Request> ThreadsWorld::irecv(int src, int tag, void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(failure());
-  if (src < 0 || src >= size_) {
-    return invalid_argument("irecv: src = ", src, " is outside [0, ", size_, ")");
-  }
-  if (tag < 0) return invalid_argument("irecv: tag = ", tag, " must be >= 0");
-  if (data == nullptr && bytes > 0) return invalid_argument("irecv: data is null");
-  auto op = std::make_shared<P2pOp>();
-  op->src = src;
-  op->dst = rank_;
-  op->tag = tag;
-  op->recv = data;
-  op->bytes = bytes;
-  std::shared_ptr<P2pOp> peer;
-  {
-    Mailbox& box = ctx_->mailboxes[size_t(rank_)];
-    std::lock_guard<std::mutex> lock(box.mu);
-    peer = take(box.sends, src, tag);
-    if (!peer) box.recvs.push_back(op);
-  }
-  if (peer) complete(*peer, *op);
-  return Request(std::make_unique<ThreadsRequest>(this, std::move(op), true));
+  MOED_RETURN_IF_ERROR(check_args("irecv", "src", src, size_, tag, data, bytes));
+  return post(*this, src, rank_, tag, nullptr, data, bytes, /*is_recv=*/true);
 }
 
 }  // namespace moed::threads

@@ -6,28 +6,24 @@
 #include <thread>
 
 #include "comm/wait.h"
+#include "core/enum_names.h"
 #include "moed/threads_world.h"
 
 namespace moed {
 namespace threads {
 
-const char* op_name(Op op) {
-  switch (op) {
-    case Op::kBarrier:
-      return "barrier";
-    case Op::kBroadcast:
-      return "broadcast";
-    case Op::kAllGatherV:
-      return "all_gather_v";
-    case Op::kAllToAllV:
-      return "all_to_all_v";
-    case Op::kReduceScatterV:
-      return "reduce_scatter_v_f32";
-    case Op::kAllReduce:
-      return "all_reduce_f32";
-  }
-  return "?";
-}
+namespace {
+constexpr EnumName<Op> kOpNames[] = {
+    {Op::kBarrier, "barrier"},
+    {Op::kBroadcast, "broadcast"},
+    {Op::kAllGatherV, "all_gather_v"},
+    {Op::kAllToAllV, "all_to_all_v"},
+    {Op::kReduceScatterV, "reduce_scatter_v_f32"},
+    {Op::kAllReduce, "all_reduce_f32"},
+};
+}  // namespace
+
+const char* op_name(Op op) { return enum_name(kOpNames, op, "?"); }
 
 Context::Context(int size, int ranks_per_node)
     : size(size),
