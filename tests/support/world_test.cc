@@ -8,6 +8,10 @@
 #ifdef MOED_WORLD_TEST_MPI
 #include <mpi.h>
 
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
 #include "moed/mpi_world.h"
 #endif
 
@@ -34,6 +38,25 @@ std::vector<Backend> backends() { return {Backend::kMpi}; }
 
 namespace {
 
+// Waits for `req` without spinning. In CI 8 MPI processes share 2 cores, and a blocking MPI
+// call spins (sched_yield): the ranks that left a test early (or sit it out) took the cores
+// from the ranks still in it, which made moed_comm_tests_mpi run 600 s instead of 20 s.
+// Bounded: a harness wait longer than the longest test is a hang, reported and aborted.
+void wait_gently(MPI_Request* req, const char* what) {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::seconds(600);
+  for (int i = 0;; ++i) {
+    int done = 0;
+    MPI_Test(req, &done, MPI_STATUS_IGNORE);
+    if (done) return;
+    if (Clock::now() > deadline) {
+      std::fprintf(stderr, "run_world: %s did not complete within 600 s; aborting\n", what);
+      MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(i < 200 ? 20 : 500));
+  }
+}
+
 // The same rule as run_threads: the lowest rank's error that is not the kAborted echo of
 // another rank's failure, else the lowest error; returned identically on every process.
 Status combine(const Status& local, MPI_Comm comm) {
@@ -42,7 +65,9 @@ Status combine(const Status& local, MPI_Comm comm) {
   MPI_Comm_rank(comm, &me);
   int code = int(local.code());
   std::vector<int> codes(size_t(size), 0);
-  MPI_Allgather(&code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm);
+  MPI_Request req;
+  MPI_Iallgather(&code, 1, MPI_INT, codes.data(), 1, MPI_INT, comm, &req);
+  wait_gently(&req, "the all-gather of the ranks' verdicts");
   int pick = -1;
   for (int r = 0; r < size && pick < 0; ++r) {
     if (codes[size_t(r)] != 0 && codes[size_t(r)] != int(StatusCode::kAborted)) pick = r;
@@ -53,9 +78,11 @@ Status combine(const Status& local, MPI_Comm comm) {
   if (pick < 0) return ok_status();
   std::string msg = me == pick ? local.message() : std::string();
   uint64_t len = msg.size();
-  MPI_Bcast(&len, 1, MPI_UINT64_T, pick, comm);
+  MPI_Ibcast(&len, 1, MPI_UINT64_T, pick, comm, &req);
+  wait_gently(&req, "the broadcast of the verdict's length");
   msg.resize(len);
-  MPI_Bcast(msg.data(), int(len), MPI_CHAR, pick, comm);
+  MPI_Ibcast(msg.data(), int(len), MPI_CHAR, pick, comm, &req);
+  wait_gently(&req, "the broadcast of the verdict");
   return Status(StatusCode(codes[size_t(pick)]), msg);
 }
 
@@ -74,6 +101,10 @@ Status run_world(Backend b, int ranks, int ranks_per_node,
                             " processes; mpiexec started ", size);
   }
   opts.ranks_per_node = ranks_per_node;
+  // Every process is here before the (blocking) split, so it does not spin for long.
+  MPI_Request req;
+  MPI_Ibarrier(MPI_COMM_WORLD, &req);
+  wait_gently(&req, "the barrier before a test");
   MPI_Comm sub = MPI_COMM_NULL;
   MPI_Comm_split(MPI_COMM_WORLD, me < ranks ? 0 : MPI_UNDEFINED, me, &sub);
   Status local;

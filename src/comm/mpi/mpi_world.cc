@@ -20,7 +20,8 @@ constexpr int kCensusTag = 2;
 constexpr int kAliveTag = 3;
 
 // Set once a census of an MPI world of this process went unanswered, here or on a rank that
-// told us (mpi_peer_may_be_gone()).
+// told us (mpi_peer_may_be_gone(), for MPI_Finalize); each world keeps its own (peer_lost_)
+// for its teardown.
 std::atomic<bool> g_peer_lost{false};
 // Set in a failure message's code when its sender found a peer gone (its census went
 // unanswered), so the receivers skip collective teardown too.
@@ -144,7 +145,7 @@ MpiWorld::~MpiWorld() {
   // communicators, so this rank can always exit (mpirun then ends the job). The buffers of
   // the still-posted receives are leaked too, since MPI may yet write into them. After any
   // other failure every peer is alive and tears down with us as usual.
-  if (g_peer_lost.load()) {
+  if (peer_lost_.load()) {
     leave_without_teardown();
     return;
   }
@@ -166,6 +167,7 @@ MpiWorld::~MpiWorld() {
   const auto deadline = std::chrono::steady_clock::now() + timeout_;
   while (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) == MPI_SUCCESS && flag == 0) {
     if (std::chrono::steady_clock::now() >= deadline) {
+      peer_lost_.store(true);
       g_peer_lost.store(true);
       std::fprintf(stderr,
                    "moed: rank %d: a peer did not join the world's teardown within %lld ms; "
@@ -279,7 +281,10 @@ Status MpiWorld::census(const Status& timed_out) {
     if (!alive[size_t(r)]) silent += str_cat(silent.empty() ? "" : ", ", r);
   }
   // A rank that gave no sign of life may never come to a collective again.
-  if (!silent.empty()) g_peer_lost.store(true);
+  if (!silent.empty()) {
+    peer_lost_.store(true);
+    g_peer_lost.store(true);
+  }
   const auto g = std::chrono::duration_cast<std::chrono::milliseconds>(grace).count();
   if (silent.empty()) {
     return Status(timed_out.code(), str_cat(timed_out.message(), "; every rank answered within ", g,
@@ -313,7 +318,10 @@ Status MpiWorld::failure() const {
       MPI_Get_count(&st, MPI_CHAR, &len);
       std::string msg(fault_buffer_.data() + sizeof(code),
                       size_t(std::max(0, len - int(sizeof(code)))));
-      if (code & kPeerLostBit) g_peer_lost.store(true);
+      if (code & kPeerLostBit) {
+        peer_lost_.store(true);
+        g_peer_lost.store(true);
+      }
       record_failure(st.MPI_SOURCE, Status(StatusCode(code & ~kPeerLostBit), msg));
     }
   }
@@ -326,7 +334,7 @@ void MpiWorld::fail(const Status& reason) {
   if (failed_.load(std::memory_order_acquire)) return;  // a failure seen first is the cause
   record_failure(rank_, reason);
   int32_t code = int32_t(reason.ok() ? StatusCode::kAborted : reason.code());
-  if (g_peer_lost.load()) code |= kPeerLostBit;
+  if (peer_lost_.load()) code |= kPeerLostBit;
   fault_message_.reserve(kFaultBytes);  // on the heap, so moving it keeps the sends' buffer
   fault_message_.assign(reinterpret_cast<const char*>(&code), sizeof(code));
   fault_message_ += reason.message().substr(0, kFaultBytes - sizeof(code));

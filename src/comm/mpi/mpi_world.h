@@ -127,6 +127,11 @@ class MpiWorld final : public World {
   mutable int alive_token_ = 1;
   mutable std::vector<MPI_Request> census_sends_;
   mutable std::atomic<bool> failed_{false};
+  // A peer of this world may be gone (its census went unanswered here, or a failure message
+  // said so): the teardown then skips its collectives. Per world, since the next world of the
+  // same processes (a test's next case) has every peer again; the process-wide flag behind
+  // mpi_peer_may_be_gone() is set too, for MPI_Finalize.
+  mutable std::atomic<bool> peer_lost_{false};
   mutable std::mutex fail_mu_;
   mutable Status failure_;
 };

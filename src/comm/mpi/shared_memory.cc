@@ -124,13 +124,14 @@ StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
                                             int(sizeof(SegmentInfo)), MPI_BYTE, node_comm_, &req),
                              "MPI_Iallgather"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf));
-  Status local;
-  for (int r = 0; r < g && local.ok(); ++r) {
+  // Every local rank sees the same sizes, so a mismatch is the same error on each at once.
+  for (int r = 0; r < g; ++r) {
     if (infos[r].bytes != infos[0].bytes) {
-      local = invalid_argument("alloc_shared: local rank ", r, " of node ", node(), " asked for ",
-                               infos[r].bytes, " bytes, local rank 0 for ", infos[0].bytes);
+      return invalid_argument("alloc_shared: local rank ", r, " of node ", node(), " asked for ",
+                              infos[r].bytes, " bytes, local rank 0 for ", infos[0].bytes);
     }
   }
+  Status local;
   for (int r = 0; r < g && local.ok(); ++r) {
     if (r == lr) continue;
     StatusOr<void*> p = map_segment(segment_name(infos[r]), part, /*create=*/false);
