@@ -11,7 +11,7 @@ command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (apt-get instal
 out=build-fuzz
 mkdir -p "$out/corpus"
 clang++ -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -Iinclude src/io/npy.cc src/core/status.cc tests/io/fuzz/npy_fuzz.cc -o "$out/npy_fuzz"
+  -Iinclude -Isrc src/io/npy.cc src/core/status.cc tests/io/fuzz/npy_fuzz.cc -o "$out/npy_fuzz"
 cp tests/io/data/*.npy "$out/corpus/"
 cd "$out"
 ./npy_fuzz -max_total_time="$seconds" -max_len=4096 -print_final_stats=1 "$@" corpus
