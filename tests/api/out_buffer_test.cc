@@ -27,7 +27,7 @@ struct Sentinel {
   Sentinel(DType dt, int64_t rows, int64_t cols)
       : block(Tensor::empty(dt, rows, cols + kPad)),
         view(block.data(), dt, rows, cols, cols + kPad) {
-    std::memset(block.data(), 0xff, block.bytes());
+    if (block.bytes() > 0) std::memset(block.data(), 0xff, block.bytes());
   }
   // The padding of every row (or, when `all`, every byte) is still 0xff.
   bool untouched(bool all = false) const {
