@@ -2,10 +2,10 @@
 // layout options that change what dispatch produces (spec §3): capacity dropping, router
 // padding for quantisation, pad_to_capacity and expert_alignment.
 //
-// Four forms, one currency:
+// Four forms (two of them also borrowed), one currency:
 //   - TopkRouting: topk_idx / topk_weights [T, K], owned (-1 = no expert);
 //   - TopkView: the same [T, K] borrowed (int32 or int64 indices), e.g. a caller's tensors;
-//   - RoutingMap: Megatron's dense routing_map / probs [T, E];
+//   - RoutingMap: Megatron's dense routing_map / probs [T, E]; MapView: the same borrowed;
 //   - SparseRouting: per token its experts (ascending) and probs, CSR. This is what moed works
 //     on inside: a dispatch converts its input to it once on entry (O(T*K) from top-k, one
 //     O(T*E) scan from a map), drops, pads, counts and lays out on it, and its handle keeps it.
@@ -35,8 +35,8 @@ class ThreadPool;
 struct TopkRouting {
   int64_t num_tokens = 0;
   int num_topk = 0;
-  std::vector<int32_t> topk_idx;      // row-major [num_tokens][num_topk]
-  std::vector<float> topk_weights;    // row-major [num_tokens][num_topk]
+  std::vector<int32_t> topk_idx;    // row-major [num_tokens][num_topk]
+  std::vector<float> topk_weights;  // row-major [num_tokens][num_topk]
 
   int32_t idx(int64_t t, int k) const { return topk_idx[size_t(t) * num_topk + k]; }
   float weight(int64_t t, int k) const { return topk_weights[size_t(t) * num_topk + k]; }
@@ -76,15 +76,29 @@ struct RoutingMap {
   static RoutingMap empty(int64_t num_tokens, int num_experts);
 };
 
+// Map form, borrowed: map [T, E] bytes (0/1, e.g. a torch bool tensor) and probs [T, E] f32,
+// both row-major and contiguous, e.g. a caller's tensors (converted without a copy).
+struct MapView {
+  const uint8_t* map = nullptr;
+  const float* probs = nullptr;
+  int64_t num_tokens = 0;
+  int num_experts = 0;
+  int num_topk = 0;  // as RoutingMap::num_topk
+
+  static MapView of(const RoutingMap& r) {
+    return {r.routing_map.data(), r.probs.data(), r.num_tokens, r.num_experts, r.num_topk};
+  }
+};
+
 // Sparse form (CSR), the internal currency: token t routes to expert[i] with prob[i] for i in
 // [begin[t], begin[t + 1]), experts strictly ascending within a token (the order in which the
 // map form lists them, so every sum over a token's experts runs in spec §4's order).
 struct SparseRouting {
   int num_experts = 0;
-  int num_topk = 0;                 // K of the router that made it (the capacity formula needs it)
-  std::vector<int64_t> begin{0};    // [T + 1]
-  std::vector<int32_t> expert;      // [entries]
-  std::vector<float> prob;          // [entries]
+  int num_topk = 0;               // K of the router that made it (the capacity formula needs it)
+  std::vector<int64_t> begin{0};  // [T + 1]
+  std::vector<int32_t> expert;    // [entries]
+  std::vector<float> prob;        // [entries]
 
   int64_t num_tokens() const { return int64_t(begin.size()) - 1; }
   int64_t num_entries() const { return begin.back(); }
@@ -100,6 +114,8 @@ struct SparseRouting {
 Status validate(const TopkRouting& routing, int num_experts);
 // Sizes match, probs not NaN / negative where routed, num_experts == expected_experts.
 Status validate(const RoutingMap& routing, int expected_experts);
+// The view's cells as validate(RoutingMap) checks them (sizes are the caller's).
+Status validate(const MapView& routing, int expected_experts);
 // The view's indices and weights as validate(TopkRouting) checks them (sizes are the caller's).
 Status validate(const TopkView& routing, int num_experts);
 // begin runs from 0 up to the entries, experts in [0, E) strictly ascending within a token,
@@ -112,6 +128,7 @@ RoutingMap to_map(const TopkRouting& routing, int num_experts);
 // a map lists its routed cells. num_topk: the view's K / the map's num_topk.
 SparseRouting to_sparse(const TopkView& routing, int num_experts);
 SparseRouting to_sparse(const RoutingMap& routing);
+SparseRouting to_sparse(const MapView& routing);
 // sparse -> map (a dense [T, E]; probs 0 where unrouted).
 RoutingMap to_map(const SparseRouting& routing);
 // sparse -> top-k with K = max experts per token, or num_topk if given and that is at least

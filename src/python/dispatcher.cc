@@ -46,9 +46,9 @@ class DispatcherBox : public Closable {
   std::mutex mu_;
   // Inputs of the dispatch / combine in flight: the tensors stay referenced (their memory is
   // read until the step's request completes); top-k routing is viewed in place (or in torch's
-  // contiguous copy, kept here), a map is moed's own copy.
+  // contiguous copy, kept here), a map is converted to moed's sparse form.
   py::object keep_x, keep_scales, keep_eo, keep_idx, keep_weights;
-  RoutingMap map;
+  SparseRouting routing;
   TopkView topk;
   Request d_req, c_req;
   bool zero_copy = false;  // Flex: expert_input stays in the region the next dispatch overwrites
@@ -70,8 +70,8 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
     throw py::value_error(
         "pass exactly one of routing_map (with probs) and topk_idx (with topk_weights)");
   if (has_map) {
-    b.map = routing_map_arg(routing_map, probs, num_topk);
-    in.map = &b.map;
+    b.routing = sparse_routing_arg(routing_map, probs, num_topk);
+    in.routing = &b.routing;
   } else {
     b.topk = topk_view_arg(topk_idx, topk_weights, b.keep_idx, b.keep_weights);
     in.topk_view = &b.topk;
@@ -154,10 +154,9 @@ void def_dispatch(Class& c, const char* name, F f) {
         prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk, in);
         return f(b, in);
       },
-      py::arg("hidden_states"), py::arg("scales") = py::none(),
-      py::arg("routing_map") = py::none(), py::arg("probs") = py::none(),
-      py::arg("topk_idx") = py::none(), py::arg("topk_weights") = py::none(),
-      py::arg("num_topk") = 0);
+      py::arg("hidden_states"), py::arg("scales") = py::none(), py::arg("routing_map") = py::none(),
+      py::arg("probs") = py::none(), py::arg("topk_idx") = py::none(),
+      py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0);
 }
 
 }  // namespace
@@ -203,35 +202,34 @@ void bind_dispatcher(py::module_& m) {
       });
 
   py::class_<DispatcherBox, std::shared_ptr<DispatcherBox>> cls(m, "TokenDispatcher");
-  cls
-      .def(py::init([](std::shared_ptr<WorldHandle> world, const std::string& kind, int num_experts,
-                       int ep_size, int etp_size, py::handle capacity_factor,
-                       const std::string& drop_policy, bool pad_to_capacity, int expert_alignment,
-                       int router_padding_multiple, bool weighted_combine, int64_t num_worst_tokens,
-                       int num_channels, bool zero_copy) {
-             DispatchConfig c;
-             c.kind = check(parse_dispatcher_kind(kind));
-             c.num_experts = num_experts;
-             c.ep_size = ep_size;
-             c.etp_size = etp_size;
-             c.layout = layout_arg(capacity_factor, drop_policy, pad_to_capacity, expert_alignment,
-                                   router_padding_multiple);
-             c.weighted_combine = weighted_combine;
-             c.num_worst_tokens = num_worst_tokens;
-             c.num_channels = num_channels;
-             World& w = world->get();
-             auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
-             auto box = std::make_shared<DispatcherBox>(world, std::move(d));
-             box->zero_copy = zero_copy;
-             world->add(box);
-             return box;
-           }),
-           py::arg("world"), py::arg("kind"), py::arg("num_experts"), py::arg("ep_size") = 0,
-           py::arg("etp_size") = 1, py::arg("capacity_factor") = py::none(),
-           py::arg("drop_policy") = "probs", py::arg("pad_to_capacity") = false,
-           py::arg("expert_alignment") = 1, py::arg("router_padding_multiple") = 0,
-           py::arg("weighted_combine") = false, py::arg("num_worst_tokens") = 0,
-           py::arg("num_channels") = 0, py::arg("zero_copy") = false)
+  cls.def(py::init([](std::shared_ptr<WorldHandle> world, const std::string& kind, int num_experts,
+                      int ep_size, int etp_size, py::handle capacity_factor,
+                      const std::string& drop_policy, bool pad_to_capacity, int expert_alignment,
+                      int router_padding_multiple, bool weighted_combine, int64_t num_worst_tokens,
+                      int num_channels, bool zero_copy) {
+            DispatchConfig c;
+            c.kind = check(parse_dispatcher_kind(kind));
+            c.num_experts = num_experts;
+            c.ep_size = ep_size;
+            c.etp_size = etp_size;
+            c.layout = layout_arg(capacity_factor, drop_policy, pad_to_capacity, expert_alignment,
+                                  router_padding_multiple);
+            c.weighted_combine = weighted_combine;
+            c.num_worst_tokens = num_worst_tokens;
+            c.num_channels = num_channels;
+            World& w = world->get();
+            auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
+            auto box = std::make_shared<DispatcherBox>(world, std::move(d));
+            box->zero_copy = zero_copy;
+            world->add(box);
+            return box;
+          }),
+          py::arg("world"), py::arg("kind"), py::arg("num_experts"), py::arg("ep_size") = 0,
+          py::arg("etp_size") = 1, py::arg("capacity_factor") = py::none(),
+          py::arg("drop_policy") = "probs", py::arg("pad_to_capacity") = false,
+          py::arg("expert_alignment") = 1, py::arg("router_padding_multiple") = 0,
+          py::arg("weighted_combine") = false, py::arg("num_worst_tokens") = 0,
+          py::arg("num_channels") = 0, py::arg("zero_copy") = false)
       .def_property_readonly(
           "kind",
           [](DispatcherBox& b) { return std::string(dispatcher_kind_name(b.get().config().kind)); })
@@ -239,13 +237,12 @@ void bind_dispatcher(py::module_& m) {
                              [](DispatcherBox& b) {
                                return b.get().config().num_local_experts(b.get().world().size());
                              })
-      .def("close",
-           [](DispatcherBox& b) {
-             nogil([&] {
-               b.close();
-               return 0;
-             });
-           });
+      .def("close", [](DispatcherBox& b) {
+        nogil([&] {
+          b.close();
+          return 0;
+        });
+      });
 
   // ---- the six steps ----
   def_dispatch(cls, "dispatch_preprocess", [](DispatcherBox& b, const DispatchInput& in) {

@@ -311,7 +311,7 @@ template std::span<const int64_t> span_arg<int64_t>(py::handle, const char*, Ele
 template std::span<const uint8_t> span_arg<uint8_t>(py::handle, const char*, ElemType,
                                                     std::initializer_list<int64_t>);
 
-RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_topk) {
+MapView map_view_arg(py::handle routing_map, py::handle probs, int num_topk) {
   TensorInfo mi = tensor_info(routing_map, "routing_map");
   ElemType mt = mi.type == ElemType::kU8 ? ElemType::kU8 : ElemType::kBool;
   if (mi.ndim != 2) {
@@ -321,23 +321,58 @@ RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_top
   std::span<const uint8_t> m = span_arg<uint8_t>(routing_map, "routing_map", mt, {-1, -1});
   std::span<const float> p =
       span_arg<float>(probs, "probs", ElemType::kF32, {mi.shape[0], mi.shape[1]});
-  RoutingMap r;
-  r.num_tokens = mi.shape[0];
-  r.num_experts = int(mi.shape[1]);
-  r.routing_map.resize(m.size());
-  for (size_t i = 0; i < m.size(); ++i) r.routing_map[i] = m[i] != 0;
-  r.probs.assign(p.begin(), p.end());
-  if (num_topk <= 0) {
-    int k = 0;
-    for (int64_t t = 0; t < r.num_tokens; ++t) {
-      int c = 0;
-      for (int e = 0; e < r.num_experts; ++e) c += r.routed(t, e);
-      k = std::max(k, c);
-    }
-    num_topk = k;
+  return {m.data(), p.data(), mi.shape[0], int(mi.shape[1]), num_topk};
+}
+
+namespace {
+
+// num_topk <= 0: K = the most experts any token of `s` routes to.
+void default_topk(SparseRouting& s) {
+  if (s.num_topk > 0) return;
+  int64_t k = 0;
+  for (int64_t t = 0; t < s.num_tokens(); ++t) {
+    k = std::max(k, s.begin[size_t(t) + 1] - s.begin[size_t(t)]);
   }
+  s.num_topk = int(k);
+}
+
+}  // namespace
+
+RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_topk) {
+  const MapView v = map_view_arg(routing_map, probs, num_topk);
+  RoutingMap r;
+  r.num_tokens = v.num_tokens;
+  r.num_experts = v.num_experts;
+  const size_t n = size_t(v.num_tokens) * size_t(v.num_experts);
+  r.routing_map.assign(v.map, v.map + n);
+  r.probs.assign(v.probs, v.probs + n);
   r.num_topk = num_topk;
+  if (num_topk <= 0) {
+    // The map is checked by whoever reads it; nonzero cells count as routed here.
+    SparseRouting s = to_sparse(v);
+    default_topk(s);
+    r.num_topk = s.num_topk;
+  }
   return r;
+}
+
+SparseRouting sparse_routing_arg(py::handle routing_map, py::handle probs, int num_topk) {
+  const MapView v = map_view_arg(routing_map, probs, num_topk);
+  // The sparse form keeps only the routed cells, so a cell's byte is checked here (a bool
+  // tensor holds 0/1 anyway); the probs are checked by the dispatch, on every rank.
+  if (tensor_info(routing_map, "routing_map").type == ElemType::kU8) {
+    const size_t n = size_t(v.num_tokens) * size_t(v.num_experts);
+    for (size_t i = 0; i < n; ++i) {
+      if (v.map[i] > 1) {
+        throw py::value_error(fmt::format("routing_map[{}][{}] = {} is not 0 or 1",
+                                          i / size_t(v.num_experts), i % size_t(v.num_experts),
+                                          int(v.map[i])));
+      }
+    }
+  }
+  SparseRouting s = to_sparse(v);
+  default_topk(s);
+  return s;
 }
 
 namespace {
@@ -353,9 +388,9 @@ TensorInfo contiguous_as(py::handle t, const char* name, ElemType want, bool ok,
                                      py::str(t.attr("dtype")).cast<std::string>(),
                                      elem_type_name(want)));
   }
-  keep = t.attr("to")(py::module_::import("torch").attr(want == ElemType::kI64 ? "int64"
-                                                                               : "float32"))
-             .attr("contiguous")();
+  keep =
+      t.attr("to")(py::module_::import("torch").attr(want == ElemType::kI64 ? "int64" : "float32"))
+          .attr("contiguous")();
   return tensor_info(keep, name);
 }
 

@@ -84,10 +84,15 @@ template <typename T>
 std::span<const T> span_arg(py::handle t, const char* name, ElemType type,
                             std::initializer_list<int64_t> shape);
 
-// ---- routing arguments (a map is copied into moed's RoutingMap; top-k is viewed) ----
+// ---- routing arguments (read in place; a map is converted once, to the sparse form) ----
 
-// Megatron's map form: routing_map bool (or uint8 0/1) [T, E], probs float32 [T, E].
-// num_topk: K of the router (the capacity formula needs it); 0 = max experts per token.
+// Megatron's map form: routing_map bool (or uint8 0/1) [T, E], probs float32 [T, E], both
+// contiguous. num_topk: K of the router (the capacity formula needs it); 0 = max experts per
+// token. map_view_arg views them (num_topk as given); sparse_routing_arg converts them to the
+// sparse form in one scan (what a dispatch works on); routing_map_arg copies them (the
+// reference's and the C++ benchmark loop's input).
+MapView map_view_arg(py::handle routing_map, py::handle probs, int num_topk);
+SparseRouting sparse_routing_arg(py::handle routing_map, py::handle probs, int num_topk);
 RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_topk);
 // Top-k form, borrowed: topk_idx [T, K] (-1 = none) and topk_weights [T, K] read in place
 // when they are contiguous int32 / int64 and float32; a strided tensor or another integer

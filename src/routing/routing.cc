@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "core/enum_names.h"
 
@@ -20,6 +21,25 @@ Status check_entries(const char* name, size_t entries, int64_t num_tokens, const
   if (entries == expected) return ok_status();
   return invalid_argument(name, " has ", entries, " entries, expected num_tokens * ", per, " = ",
                           num_tokens, " * ", width, " = ", expected);
+}
+
+// Calls f(e, row[e]) for each nonzero byte of row[0, E), e ascending, while f returns true.
+// NOTE: a map row is mostly zeros (K of E cells), so it is read a word at a time and only
+// words with a routed cell are looked into: O(T * E / 8 + entries) instead of O(T * E).
+template <typename F>
+void for_each_routed(const uint8_t* row, int E, F&& f) {
+  int e = 0;
+  for (; e + 8 <= E; e += 8) {
+    uint64_t w;
+    std::memcpy(&w, row + e, sizeof w);
+    if (w == 0) continue;
+    for (int j = 0; j < 8; ++j) {
+      if (row[e + j] != 0 && !f(e + j, row[e + j])) return;
+    }
+  }
+  for (; e < E; ++e) {
+    if (row[e] != 0 && !f(e, row[e])) return;
+  }
 }
 
 }  // namespace
@@ -118,36 +138,57 @@ Status validate(const SparseRouting& routing, int expected_experts) {
   return ok_status();
 }
 
-Status validate(const RoutingMap& routing, int expected_experts) {
-  const int64_t num_tokens = routing.num_tokens;
+namespace {
+
+Status check_map_header(const MapView& routing, int expected_experts) {
   const int num_experts = routing.num_experts;
   if (num_experts != expected_experts) {
     return invalid_argument("routing map has num_experts = ", num_experts, ", expected ",
                             expected_experts);
   }
   if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
-  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
+  if (routing.num_tokens < 0) {
+    return invalid_argument("num_tokens = ", routing.num_tokens, " must be >= 0");
+  }
   if (routing.num_topk < 0) {
     return invalid_argument("num_topk = ", routing.num_topk, " must be >= 0");
   }
-  MOED_RETURN_IF_ERROR(check_entries("routing_map", routing.routing_map.size(), num_tokens,
-                                     "num_experts", num_experts));
-  MOED_RETURN_IF_ERROR(
-      check_entries("probs", routing.probs.size(), num_tokens, "num_experts", num_experts));
-  for (int64_t t = 0; t < num_tokens; ++t) {
-    for (int e = 0; e < num_experts; ++e) {
-      const size_t i = size_t(t) * size_t(num_experts) + size_t(e);
-      const uint8_t m = routing.routing_map[i];
+  return ok_status();
+}
+
+Status check_map_cells(const MapView& routing) {
+  const int E = routing.num_experts;
+  for (int64_t t = 0; t < routing.num_tokens; ++t) {
+    const size_t row = size_t(t) * size_t(E);
+    Status st = ok_status();
+    for_each_routed(routing.map + row, E, [&](int e, uint8_t m) {
       if (m > 1) {
-        return invalid_argument("routing_map[", t, "][", e, "] = ", int(m), " is not 0 or 1");
+        st = invalid_argument("routing_map[", t, "][", e, "] = ", int(m), " is not 0 or 1");
+      } else if (const float p = routing.probs[row + size_t(e)]; !valid_prob(p)) {
+        st = invalid_argument("probs[", t, "][", e, "] = ", p, " is not a valid prob");
       }
-      if (m == 1 && !valid_prob(routing.probs[i])) {
-        return invalid_argument("probs[", t, "][", e, "] = ", routing.probs[i],
-                                " is not a valid prob");
-      }
-    }
+      return st.ok();
+    });
+    if (!st.ok()) return st;
   }
   return ok_status();
+}
+
+}  // namespace
+
+Status validate(const RoutingMap& routing, int expected_experts) {
+  const MapView view = MapView::of(routing);
+  MOED_RETURN_IF_ERROR(check_map_header(view, expected_experts));
+  MOED_RETURN_IF_ERROR(check_entries("routing_map", routing.routing_map.size(), routing.num_tokens,
+                                     "num_experts", routing.num_experts));
+  MOED_RETURN_IF_ERROR(check_entries("probs", routing.probs.size(), routing.num_tokens,
+                                     "num_experts", routing.num_experts));
+  return check_map_cells(view);
+}
+
+Status validate(const MapView& routing, int expected_experts) {
+  MOED_RETURN_IF_ERROR(check_map_header(routing, expected_experts));
+  return check_map_cells(routing);
 }
 
 RoutingMap to_map(const TopkRouting& routing, int num_experts) {
@@ -189,21 +230,26 @@ SparseRouting to_sparse(const TopkView& routing, int num_experts) {
   return s;
 }
 
-SparseRouting to_sparse(const RoutingMap& routing) {
+SparseRouting to_sparse(const RoutingMap& routing) { return to_sparse(MapView::of(routing)); }
+
+SparseRouting to_sparse(const MapView& routing) {
   const int64_t T = routing.num_tokens;
   const int E = routing.num_experts;
   SparseRouting s;
   s.num_experts = E;
   s.num_topk = routing.num_topk;
   s.begin.resize(size_t(T) + 1);
+  if (routing.num_topk > 0) {
+    s.expert.reserve(size_t(T) * size_t(routing.num_topk));
+    s.prob.reserve(size_t(T) * size_t(routing.num_topk));
+  }
   for (int64_t t = 0; t < T; ++t) {
-    const uint8_t* row = &routing.routing_map[size_t(t) * size_t(E)];
-    const float* probs = &routing.probs[size_t(t) * size_t(E)];
-    for (int e = 0; e < E; ++e) {
-      if (!row[e]) continue;
+    const size_t row = size_t(t) * size_t(E);
+    for_each_routed(routing.map + row, E, [&](int e, uint8_t) {
       s.expert.push_back(e);
-      s.prob.push_back(probs[e]);
-    }
+      s.prob.push_back(routing.probs[row + size_t(e)]);
+      return true;
+    });
     s.begin[size_t(t) + 1] = int64_t(s.expert.size());
   }
   return s;

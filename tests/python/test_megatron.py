@@ -265,6 +265,8 @@ def test_mismatched_hidden_across_ranks(kind):
     ("map_strided", ValueError, ["routing_map", "contiguous"]),
     ("hidden_strided", ValueError, ["hidden_states", "strides"]),
     ("no_routing", ValueError, ["routing_map"]),
+    ("map_nan", ValueError, ["prob", "nan"]),
+    ("map_u8", ValueError, ["routing_map", "is not 0 or 1"]),
     ("combine_rows", ValueError, []),
 ])
 def test_bad_inputs_raise_on_every_rank(case, exc, words):
@@ -289,6 +291,10 @@ def test_bad_inputs_raise_on_every_rank(case, exc, words):
                 x = torch.randn(16, x.shape[0]).t()
             elif case == "no_routing":
                 rmap = None
+            elif case == "map_nan":
+                probs = probs.masked_fill(rmap, float("nan"))
+            elif case == "map_u8":
+                rmap = rmap.to(torch.uint8) * 3
         six_steps(d, x, rmap, probs, False)
     if case == "combine_rows":
         expect_everywhere((2, 0), fn, ValueError, words)

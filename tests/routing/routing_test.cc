@@ -97,6 +97,50 @@ TEST(ValidateMap, NamesTheOffendingValue) {
                  "routing_map has 13 entries, expected num_tokens * num_experts = 3 * 4 = 12");
 }
 
+// The map is scanned a word (8 cells) at a time: a width of 21 has two whole words and a
+// tail of 5, and every cell position must be found, in order, by the view and the owned form.
+TEST(ValidateMap, ViewScansEveryCellInOrder) {
+  const int64_t T = 9;
+  const int E = 21;
+  std::mt19937 rng(5);
+  RoutingMap m = RoutingMap::empty(T, E);
+  m.num_topk = 3;
+  for (size_t i = 0; i < m.routing_map.size(); ++i) {
+    m.routing_map[i] = rng() % 4 == 0;
+    m.probs[i] = m.routing_map[i] ? float(rng() % 100) / 100.0f : -1.0f;  // unrouted: ignored
+  }
+  for (int e = 0; e < E; ++e)
+    m.routing_map[size_t(4 * E + e)] = 1, m.probs[size_t(4 * E + e)] = 0.5f;
+  for (int e = 0; e < E; ++e) m.routing_map[size_t(5 * E + e)] = 0;  // a token with none
+  const MapView v = MapView::of(m);
+  EXPECT_TRUE(validate(v, E).ok());
+  SparseRouting s = to_sparse(v);
+  EXPECT_EQ(s.num_topk, 3);
+  size_t n = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    ASSERT_EQ(s.begin[size_t(t)], int64_t(n));
+    for (int e = 0; e < E; ++e) {
+      if (!m.routed(t, e)) continue;
+      ASSERT_LT(n, s.expert.size());
+      EXPECT_EQ(s.expert[n], e);
+      EXPECT_EQ(s.prob[n], m.prob(t, e));
+      ++n;
+    }
+  }
+  EXPECT_EQ(s.num_entries(), int64_t(n));
+  // Offending cells in a word, in the tail, and two at once (the first in row-major order).
+  for (int e : {0, 7, 8, 15, 16, 20}) {
+    RoutingMap bad = m;
+    bad.routing_map[size_t(6 * E + e)] = 1;
+    bad.probs[size_t(6 * E + e)] = std::nanf("");
+    bad.routing_map[size_t(7 * E + 2)] = 9;
+    expect_invalid(validate(MapView::of(bad), E),
+                   "probs[6][" + std::to_string(e) + "] = nan is not a valid prob");
+    bad.routing_map[size_t(6 * E + e)] = 0;
+    expect_invalid(validate(bad, E), "routing_map[7][2] = 9 is not 0 or 1");
+  }
+}
+
 TEST(Convert, SeedExampleRoundTrips) {
   // The seed's map [[1,1,0],[0,1,1],[1,0,1],[0,1,0]] with one slot left unused on token 3.
   TopkRouting topk = make_topk(4, 2, {1, 0, 2, 1, 0, 2, -1, 1},
