@@ -1,9 +1,11 @@
-"""Python overhead of moed: dispatch + combine through the Megatron-style API beside the C++
-API's own loop, same shapes, same world, same run (interleaved per round), plus the cost of one
-tensor argument crossing into moed.
+"""Python overhead of moed: dispatch + combine through the Megatron-style API (kinds allgather,
+alltoall, flex) and through moed.deep_ep (kind deep_ep: get_dispatch_layout, dispatch, combine
+with the received top-k weights) beside the C++ API's own loop of the same calls, same shapes,
+same world, same run (interleaved per round), plus the cost of one tensor argument crossing
+into moed.
 
     python3 bench/python/bench_python.py --shape mixtral --ranks 4 --iters 10
-    python3 bench/python/bench_python.py --shape decode --kinds alltoall,flex --json
+    python3 bench/python/bench_python.py --shape decode --kinds alltoall,flex,deep_ep --json
 
 Shapes as `moed bench dispatch` has them (tokens per rank, hidden, experts, top-k), bf16.
 Per iteration: dispatch then combine with expert_output = dispatched_input. Figures are the
@@ -20,6 +22,7 @@ import time
 import torch
 
 import moed
+import moed.deep_ep as deep_ep
 from moed import _C
 from moed.megatron import MoEConfig, make_dispatcher
 
@@ -30,35 +33,66 @@ SHAPES = {"tiny": (64, 256, 8, 2), "mixtral": (2048, 4096, 8, 2), "dsv3": (4096,
 def routing(seed, T, E, K):
     g = torch.Generator().manual_seed(seed)
     topv, topi = torch.randn(T, E, generator=g).topk(K, dim=1)
+    topw = torch.softmax(topv, 1)
     rmap = torch.zeros(T, E, dtype=torch.bool).scatter_(1, topi, True)
-    probs = torch.zeros(T, E).scatter_(1, topi, torch.softmax(topv, 1))
-    return rmap, probs
+    probs = torch.zeros(T, E).scatter_(1, topi, topw)
+    return rmap, probs, topi, topw
+
+
+def megatron_pair(group, kind, E, K, zero_copy, x, rmap, probs):
+    """(Python iteration, C++ loop) of one Megatron-style dispatcher, and its closer."""
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_flex_zero_copy=zero_copy)
+    d = make_dispatcher(kind, cfg, group=group)
+    c = _C.TokenDispatcher(group.handle, kind, E)
+
+    def python_iter():
+        t0 = time.perf_counter()
+        h, p = d.dispatch_preprocess(x, rmap, probs)
+        h, p = d.token_dispatch(h, p)
+        ei, tpe, pp = d.dispatch_postprocess(h, p)
+        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
+        t1 = time.perf_counter()
+        del h, p, ei, tpe, pp, y
+        return t1 - t0
+
+    def close():
+        d.close()
+        c.close()
+    return python_iter, lambda iters, warmup: c._bench_cpp(x, rmap, probs, K, iters, warmup), close
+
+
+def deep_ep_pair(group, E, x, topi, topw):
+    """The same for moed.deep_ep's normal mode (one Buffer; the C++ loop runs on its runtime)."""
+    buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+
+    def python_iter():
+        t0 = time.perf_counter()
+        ntr, _, nte, itr, _ = buf.get_dispatch_layout(topi, E)
+        rx, ridx, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=ntr, is_token_in_rank=itr,
+                                                  num_tokens_per_expert=nte, topk_idx=topi,
+                                                  topk_weights=topw)
+        y, yw, _ = buf.combine(rx, handle, topk_weights=rw)
+        t1 = time.perf_counter()
+        del ntr, nte, itr, rx, ridx, rw, handle, y, yw
+        return t1 - t0
+    return (python_iter, lambda iters, warmup: buf.runtime._bench_cpp(x, topi, topw, E, iters, warmup),
+            buf.destroy)
 
 
 def body(group, shape, kinds, iters, warmup, rounds, zero_copy, pairs):
     T, H, E, K = SHAPES[shape]
     E = max(E, group.size()) // group.size() * group.size()
-    rmap, probs = routing(7 + group.rank(), T, E, K)
+    rmap, probs, topi, topw = routing(7 + group.rank(), T, E, K)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(group.rank())).bfloat16()
     res = {}
     for kind in kinds:
-        cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_flex_zero_copy=zero_copy)
-        d = make_dispatcher(kind, cfg, group=group)
-        c = _C.TokenDispatcher(group.handle, kind, E)
-
-        def python_iter():
-            t0 = time.perf_counter()
-            h, p = d.dispatch_preprocess(x, rmap, probs)
-            h, p = d.token_dispatch(h, p)
-            ei, tpe, pp = d.dispatch_postprocess(h, p)
-            y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
-            t1 = time.perf_counter()
-            del h, p, ei, tpe, pp, y
-            return t1 - t0
-
+        if kind == "deep_ep":
+            python_iter, cpp_loop, close = deep_ep_pair(group, E, x, topi, topw)
+        else:
+            python_iter, cpp_loop, close = megatron_pair(group, kind, E, K, zero_copy, x, rmap, probs)
         py_t, cpp_t, diff = [], [], []
         for r in range(rounds):  # interleaved, so load from elsewhere hits both alike
-            cpp_t += c._bench_cpp(x, rmap, probs, K, iters, warmup if r == 0 else 1)
+            cpp_t += cpp_loop(iters, warmup if r == 0 else 1)
             for i in range((warmup if r == 0 else 1) + iters):
                 t = python_iter()
                 if i >= (warmup if r == 0 else 1):
@@ -72,7 +106,7 @@ def body(group, shape, kinds, iters, warmup, rounds, zero_copy, pairs):
             for first in ((0, 1) if i % 2 == 0 else (1, 0)):
                 c0 = time.process_time()
                 if first == 0:
-                    tc = c._bench_cpp(x, rmap, probs, K, 1, 0)[0]
+                    tc = cpp_loop(1, 0)[0]
                 else:
                     tp = python_iter()
                 c1 = time.process_time()
@@ -86,8 +120,7 @@ def body(group, shape, kinds, iters, warmup, rounds, zero_copy, pairs):
         res[kind] = (statistics.median(cpp_t), statistics.median(py_t),
                      statistics.median(diff) if diff else float("nan"), q[0], q[2],
                      statistics.median(cpu_diff) if cpu_diff else float("nan"))
-        d.close()
-        c.close()
+        close()
     return res
 
 
@@ -111,7 +144,7 @@ def main():
     ap.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--ranks-per-node", type=int, default=0)
-    ap.add_argument("--kinds", default="allgather,alltoall,flex")
+    ap.add_argument("--kinds", default="allgather,alltoall,flex,deep_ep")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
@@ -137,7 +170,7 @@ def main():
         return
     print(f"one tensor argument in (parse + GIL release): {parse * 1e6:.2f} us; "
           f"a moed tensor out (DLPack, 1 row copy): {ret * 1e6:.2f} us")
-    print(f"{'shape':8} {'kind':10} {'C++ API us':>12} {'Megatron-style us':>18} {'extra us':>10} {'ratio':>7}"
+    print(f"{'shape':8} {'kind':10} {'C++ API us':>12} {'Python us':>18} {'extra us':>10} {'ratio':>7}"
           f" {'paired extra us (p25, p75)':>28} {'cpu extra us':>12}")
     for r in recs:
         print(f"{r['shape']:8} {r['kind']:10} {r['cpp_us']:12.1f} {r['python_us']:18.1f} "

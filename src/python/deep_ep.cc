@@ -15,10 +15,11 @@
 
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <functional>
 #include <map>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "moed/low_latency.h"
@@ -306,8 +307,8 @@ py::tuple ll_dispatch(std::shared_ptr<DeepEpBox> bp, py::handle x, py::handle to
     xv = rows_arg(x, "x", {DType::kBF16});
     deep_ep::TopkView tv = topk_view(topk_idx, py::none());
     if (tv.num_tokens != xv.rows)
-      throw py::value_error("topk_idx has " + std::to_string(tv.num_tokens) +
-                            " rows but x has " + std::to_string(xv.rows));
+      throw py::value_error("topk_idx has " + std::to_string(tv.num_tokens) + " rows but x has " +
+                            std::to_string(xv.rows));
     topk = topk_copy(tv);
   });
   const int hidden = parsed.ok() ? int(xv.cols) : hidden_of(x, 0);
@@ -333,8 +334,7 @@ py::tuple ll_dispatch(std::shared_ptr<DeepEpBox> bp, py::handle x, py::handle to
                         int32_view(out.src_info.data(), L, RM, owner),
                         int32_view(reinterpret_cast<const int32_t*>(out.layout_range.data()),
                                    int64_t(out.layout_range.size()), 2, owner),
-                        hook, LowLatencyHandleBox{out.handle, {m, hidden, num_experts}}, L,
-                        RM);
+                        hook, LowLatencyHandleBox{out.handle, {m, hidden, num_experts}}, L, RM);
 }
 
 py::tuple ll_combine(std::shared_ptr<DeepEpBox> bp, py::handle x, py::handle topk_idx,
@@ -402,10 +402,9 @@ void bind_deep_ep(py::module_& m) {
           "get_dispatch_layout",
           [](DeepEpBox& b, py::handle topk_idx, int num_experts) {
             deep_ep::TopkView tv = topk_view(topk_idx, py::none());
-            World& w = b.world();
-            TopkRouting r = topk_copy(tv);
-            DispatchLayout l = check(nogil(
-                [&] { return get_dispatch_layout(r, num_experts, w.size(), w.ranks_per_node()); }));
+            deep_ep::NormalBuffer& nb = b.normal();
+            DispatchLayout l =
+                check(nogil([&] { return nb.get_dispatch_layout(tv, num_experts); }));
             auto to32 = [](const std::vector<int64_t>& v) {
               return std::vector<int32_t>(v.begin(), v.end());
             };
@@ -419,6 +418,40 @@ void bind_deep_ep(py::module_& m) {
                     .attr("bool")());
           },
           py::arg("topk_idx"), py::arg("num_experts"))
+      // The C++ API's own loop, for the benchmark beside moed.deep_ep (same process, same
+      // run): per iteration get_dispatch_layout, dispatch, then combine(recv_x with
+      // recv_topk_weights); returns each iteration's seconds.
+      .def(
+          "_bench_cpp",
+          [](DeepEpBox& b, py::handle x, py::handle topk_idx, py::handle topk_weights,
+             int num_experts, int iters, int warmup) {
+            deep_ep::NormalDispatchInput in;
+            in.x = token_rows_arg(x, py::none(), "x", kFloatRows);
+            in.topk = topk_view(topk_idx, topk_weights);
+            deep_ep::NormalBuffer& nb = b.normal();
+            std::vector<double> times;
+            check(nogil([&]() -> Status {
+              for (int i = 0; i < warmup + iters; ++i) {
+                auto t0 = std::chrono::steady_clock::now();
+                MOED_ASSIGN_OR_RETURN(DispatchLayout l,
+                                      nb.get_dispatch_layout(in.topk, num_experts));
+                in.layout = deep_ep::LayoutView::of(l);
+                MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput d, nb.dispatch(in));
+                deep_ep::NormalCombineInput c;
+                c.x = d.recv_x.x;
+                c.topk_weights = d.recv_topk_weights.data();
+                c.num_topk = in.topk.num_topk;
+                c.handle = d.handle;
+                MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput y, nb.combine(c));
+                auto t1 = std::chrono::steady_clock::now();
+                if (i >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
+              }
+              return Status();
+            }));
+            return times;
+          },
+          py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"),
+          py::arg("iters"), py::arg("warmup"))
       .def("dispatch", &normal_dispatch, py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("num_tokens_per_rank"), py::arg("is_token_in_rank"),
            py::arg("num_tokens_per_expert"), py::arg("handle"), py::arg("expert_alignment"),

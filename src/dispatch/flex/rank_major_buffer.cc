@@ -145,23 +145,9 @@ World& NormalBuffer::world() const { return *state_->world; }
 
 StatusOr<DispatchLayout> NormalBuffer::get_dispatch_layout(const TopkView& topk,
                                                            int num_experts) const {
-  TopkRouting r;
-  r.num_tokens = topk.num_tokens;
-  r.num_topk = topk.num_topk;
-  const size_t n = size_t(topk.num_tokens) * size_t(topk.num_topk);
-  r.topk_idx.resize(n);
-  r.topk_weights.assign(n, 0.0f);
-  for (int64_t t = 0; t < topk.num_tokens; ++t) {
-    for (int k = 0; k < topk.num_topk; ++k) {
-      const int64_t e = topk.at(t, k);
-      if (e < -1 || e >= num_experts) {
-        return invalid_argument("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ",
-                                num_experts, ")");
-      }
-      r.topk_idx[size_t(t) * topk.num_topk + k] = int32_t(e);
-    }
-  }
-  return moed::get_dispatch_layout(r, num_experts, state_->world->size(),
+  TopkView idx_only = topk;  // the layout reads indices only; weights are not checked here
+  idx_only.weights = nullptr;
+  return moed::get_dispatch_layout(idx_only, num_experts, state_->world->size(),
                                    state_->world->ranks_per_node());
 }
 
