@@ -96,6 +96,13 @@ struct NormalDispatchInput {
   // An error the caller found in its own arguments (a binding's parsing): reported on every
   // rank through the call's first collective instead of leaving the other ranks waiting.
   Status caller_error = Status();
+  // Optional caller-owned rows of recv_x (moed's extension): [num_rows, H] of x's dtype,
+  // row_stride >= H, not overlapping x. num_rows must be known before the count exchange, so
+  // this needs num_worst_tokens > 0 or a cached handle. Each row is stored there once: in the
+  // threads world by its sender, straight; in the MPI world copied out of the node-shared
+  // receive block. recv_x.x is then this view (fp8 scales stay in moed's memory). A bad
+  // buffer is an error on every rank, and then no rank's buffer is written.
+  std::optional<TensorView> out = std::nullopt;
 };
 
 struct NormalDispatchOutput {
@@ -130,7 +137,7 @@ struct NormalCombineOutput {
   // rank that received the token, ranks ascending; rounded once. 0 for unsent tokens.
   // Empty (0 x 0) when NormalCombineInput::out was given: the result is there.
   Tensor combined_x;
-  std::vector<float> combined_topk_weights;  // [T, K] the same sum of the weights
+  std::vector<float> combined_topk_weights;      // [T, K] the same sum of the weights
   std::optional<TensorView> out = std::nullopt;  // NormalCombineInput::out, when given
   TensorView result() const { return out ? *out : combined_x.view(); }
 };

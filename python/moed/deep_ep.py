@@ -34,8 +34,9 @@ and ``device='cpu'`` tensors. Differences, all documented on the methods:
   (GPU clock counters; left unchanged). Byte counts (num_nvl_bytes, num_rdma_bytes) are
   recorded only: moed allocates what each call needs, lazily.
 * FP8 tensors are torch.float8_e4m3fn where torch has it, else torch.uint8 holding E4M3FN bits.
-* Caller-owned outputs: low_latency_combine(out=) (DeepEP's) and combine(..., out=) (keyword-only,
-  moed's extension) write the result straight into the caller's tensor (rows may be strided).
+* Caller-owned outputs: low_latency_combine(out=) (DeepEP's), and combine(..., out=) and
+  dispatch(..., out=) (keyword-only, moed's extensions; dispatch's with num_worst_tokens or a
+  handle) write the result straight into the caller's tensor (rows may be strided).
 * Argument errors are every rank's: a bad argument on one rank raises on every rank, naming
   that rank (normal mode: that rank its own TypeError / ValueError, the others ValueError;
   low-latency mode: ValueError on every rank, carried by the call's own agreement).
@@ -300,7 +301,8 @@ class Buffer:
                  expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> \
+                 allocate_on_comm_stream: bool = False, *,
+                 out: Optional[torch.Tensor] = None) -> \
             Tuple[Union[Tuple[torch.Tensor, torch.Tensor], torch.Tensor], Optional[torch.Tensor],
                   Optional[torch.Tensor], List[int], Tuple, EventOverlap]:
         """Dispatch tokens to the ranks of their experts, inside a node and across nodes.
@@ -317,10 +319,15 @@ class Buffer:
             num_worst_tokens: > 0: recv_x has this many rows (the rows past the received ones
                 are zero, their top-k -1 / 0) and the list is empty; works across nodes too.
             config, previous_event, async_finish, allocate_on_comm_stream: ignored (CPU).
+            out (keyword-only, a moed extension): `[num_worst_tokens or the handle's rows,
+                hidden]` of x's dtype (bf16 or float32; rows may be strided) to receive recv_x:
+                each row is stored there once (threads world: by its sender, no copy). Needs
+                num_worst_tokens > 0 or a handle; a bad shape, dtype or stride is a ValueError
+                on every rank.
 
         Returns:
-            recv_x: the received tokens (a tuple (data, scales) for FP8), rank-major: the rows
-                of source rank 0 first, each source's tokens ascending.
+            recv_x: the received tokens (a tuple (data, scales) for FP8; `out` when given),
+                rank-major: the rows of source rank 0 first, each source's tokens ascending.
             recv_topk_idx: `[num_recv_tokens, num_topk]` int64, local expert ids or -1.
             recv_topk_weights: `[num_recv_tokens, num_topk]` float, 0 where the id is -1.
             num_recv_tokens_per_expert_list: Python list `[num_local_experts]`.
@@ -336,7 +343,7 @@ class Buffer:
                 raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
             recv_x, recv_x_scales = self._rt().dispatch(x, x_scales, None, None, None, None, None,
                                                         _impl(handle, "dispatch"), int(expert_alignment),
-                                                        int(num_worst_tokens))
+                                                        int(num_worst_tokens), out)
             recv_x = _fp8_out(recv_x, x)
             return (recv_x, recv_x_scales) if x_scales is not None else recv_x, None, None, None, None, \
                 EventOverlap(EventHandle())
@@ -347,7 +354,7 @@ class Buffer:
          channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank_out,
          send_head) = self._rt().dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
                                           is_token_in_rank, num_tokens_per_expert, None,
-                                          int(expert_alignment), int(num_worst_tokens))
+                                          int(expert_alignment), int(num_worst_tokens), out)
         recv_x = _fp8_out(recv_x, x)
         handle = _NormalHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
                                 recv_src_idx, is_token_in_rank_out, send_head), impl)

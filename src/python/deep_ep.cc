@@ -165,7 +165,8 @@ py::object int_matrix(const std::vector<int32_t>& v, int64_t rows, int64_t cols)
 py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::handle topk_idx,
                           py::handle topk_weights, py::handle num_tokens_per_rank,
                           py::handle is_token_in_rank, py::handle num_tokens_per_expert,
-                          py::handle handle, int expert_alignment, int64_t num_worst_tokens) {
+                          py::handle handle, int expert_alignment, int64_t num_worst_tokens,
+                          py::handle out_arg) {
   const int R = b.world().size();
   deep_ep::NormalDispatchInput in;
   in.expert_alignment = expert_alignment;
@@ -174,6 +175,8 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
   in.caller_error = parse_collectively(
       [&] {
         in.x = token_rows_arg(x, scales, "x", kPayload);
+        // Shape and dtype are checked by the dispatch (errors name both values).
+        if (!out_arg.is_none()) in.out = rows_arg(out_arg, "out", kFloatRows);
         if (!handle.is_none()) {
           in.handle = handle.cast<NormalHandleBox&>().h;
           return;
@@ -198,7 +201,8 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
   deep_ep::NormalBuffer& nb = b.normal();
   deep_ep::NormalDispatchOutput out = finish(nogil([&] { return nb.dispatch(in); }), error);
   const deep_ep::NormalHandle& h = *out.handle;
-  py::object rx = rows_out(out.recv_x.x, out.storage);
+  py::object rx =
+      in.out ? py::reinterpret_borrow<py::object>(out_arg) : rows_out(out.recv_x.x, out.storage);
   py::object rs = out.recv_x.has_scales() ? rows_out(out.recv_x.scales, out.storage) : py::none();
   if (!handle.is_none()) return py::make_tuple(rx, rs);
   py::object ridx = py::none(), rw = py::none();
@@ -455,7 +459,7 @@ void bind_deep_ep(py::module_& m) {
       .def("dispatch", &normal_dispatch, py::arg("x"), py::arg("x_scales"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("num_tokens_per_rank"), py::arg("is_token_in_rank"),
            py::arg("num_tokens_per_expert"), py::arg("handle"), py::arg("expert_alignment"),
-           py::arg("num_worst_tokens"))
+           py::arg("num_worst_tokens"), py::arg("out") = py::none())
       .def("combine", &normal_combine, py::arg("x"), py::arg("handle"), py::arg("topk_weights"),
            py::arg("bias_0"), py::arg("bias_1"), py::arg("out") = py::none())
       .def("low_latency_dispatch", &ll_dispatch, py::arg("x"), py::arg("topk_idx"),

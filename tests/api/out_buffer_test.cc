@@ -1,10 +1,11 @@
 // Caller-owned combine outputs (CombineInput::out, NormalCombineInput::out,
-// LowLatencyCombineInput::out), for every dispatcher on both worlds: the result written into a
-// strided caller buffer is bitwise the owning variant's, the bytes between its rows stay
-// untouched, and a bad buffer on one rank is an InvalidArgument on every rank naming that rank
-// and the value, with no rank's buffer written.
+// LowLatencyCombineInput::out) and DeepEP-style dispatch rows (NormalDispatchInput::out), for every
+// dispatcher on both worlds: the result written into a strided caller buffer is bitwise the owning
+// variant's, the bytes between its rows stay untouched, and a bad buffer on one rank is an
+// InvalidArgument on every rank naming that rank and the value, with no rank's buffer written.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <tuple>
 
@@ -42,7 +43,8 @@ struct Sentinel {
 };
 
 Status same_result(const TensorView& want, const Sentinel& got, const std::string& what) {
-  if (!bitwise_equal(want, got.view)) return internal_error(what, ": out differs from the owning result");
+  if (!bitwise_equal(want, got.view))
+    return internal_error(what, ": out differs from the owning result");
   if (!got.untouched()) return internal_error(what, ": bytes between out's rows were written");
   return ok_status();
 }
@@ -88,22 +90,25 @@ TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
       for (bool weighted : {false, true}) {
         const testing::DispatchCase c = make_case(wc.R, wc.G, dt);
         const testing::CaseInput in = testing::make_case_input(c);
-        const std::string name = str_cat(dispatcher_kind_name(kind), " R", wc.R, " G", wc.G,
-                                         " P", wc.P, " ", dtype_name(dt), weighted ? " weighted" : "");
+        const std::string name = str_cat(dispatcher_kind_name(kind), " R", wc.R, " G", wc.G, " P",
+                                         wc.P, " ", dtype_name(dt), weighted ? " weighted" : "");
         Status s = testing::run_world(backend, wc.R, wc.G, [&](World& w) -> Status {
           const int r = w.rank(), R = w.size();
-          DispatchConfig cfg{.kind = kind, .num_experts = c.num_experts, .etp_size = wc.P,
+          DispatchConfig cfg{.kind = kind,
+                             .num_experts = c.num_experts,
+                             .etp_size = wc.P,
                              .weighted_combine = weighted};
           MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
-          MOED_ASSIGN_OR_RETURN(DispatchOutput o, d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
-                                                               .topk = &in.topk[size_t(r)]}));
+          MOED_ASSIGN_OR_RETURN(
+              DispatchOutput o,
+              d->dispatch({.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]}));
           MOED_ASSIGN_OR_RETURN(CombineOutput y1,
                                 d->combine({.expert_output = o.expert_input, .handle = o.handle}));
           const int64_t T = in.topk[size_t(r)].num_tokens, H = c.hidden;
           Sentinel buf(dt, T, H);
-          MOED_ASSIGN_OR_RETURN(CombineOutput y2, d->combine({.expert_output = o.expert_input,
-                                                              .handle = o.handle,
-                                                              .out = buf.view}));
+          MOED_ASSIGN_OR_RETURN(
+              CombineOutput y2,
+              d->combine({.expert_output = o.expert_input, .handle = o.handle, .out = buf.view}));
           if (y2.hidden.rows() != 0 || y2.result().data != buf.view.data)
             return internal_error("rank ", r, ": the result is not the caller's buffer");
           if (y2.combined_probs != y1.combined_probs)
@@ -141,8 +146,9 @@ TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
           }
           TensorView narrow = buf.view;
           narrow.row_stride = bad ? H - 1 : narrow.row_stride;
-          Status e = d->combine({.expert_output = o.expert_input, .handle = o.handle, .out = narrow})
-                         .status();
+          Status e =
+              d->combine({.expert_output = o.expert_input, .handle = o.handle, .out = narrow})
+                  .status();
           if (e.message().find(str_cat("rank ", R - 1, ": out row_stride = ", H - 1)) ==
               std::string::npos)
             return internal_error("rank ", r, ": stride error: ", e.to_string());
@@ -177,15 +183,16 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
     Status s = testing::run_world(GetParam(), R, G, [&](World& w) -> Status {
       const int r = w.rank();
       const bool bad = r == R - 1;
-      const int64_t T = in.topk[size_t(r)].num_tokens, H = c.hidden, T_last = c.tokens[size_t(R - 1)];
+      const int64_t T = in.topk[size_t(r)].num_tokens, H = c.hidden,
+                    T_last = c.tokens[size_t(R - 1)];
       const TopkView topk = TopkView::of(in.topk[size_t(r)]);
       const TensorView x = in.hidden[size_t(r)].x.view();
       // Rank-major.
       MOED_ASSIGN_OR_RETURN(auto nb, deep_ep::NormalBuffer::create(w));
       MOED_ASSIGN_OR_RETURN(DispatchLayout layout, nb->get_dispatch_layout(topk, c.num_experts));
-      MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput d,
-                            nb->dispatch({.x = {x, {}}, .topk = topk,
-                                          .layout = deep_ep::LayoutView::of(layout)}));
+      MOED_ASSIGN_OR_RETURN(
+          deep_ep::NormalDispatchOutput d,
+          nb->dispatch({.x = {x, {}}, .topk = topk, .layout = deep_ep::LayoutView::of(layout)}));
       const TensorView bias = x;  // [T, H] bf16 home rows: a bias of the right shape
       MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput y1,
                             nb->combine({.x = d.recv_x.x, .bias_0 = bias, .handle = d.handle}));
@@ -205,9 +212,9 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
       // Low-latency, with and without the hook.
       MOED_ASSIGN_OR_RETURN(auto ll, LowLatencyBuffer::create(w, 16, int(H), c.num_experts));
       for (bool hook : {false, true}) {
-        MOED_ASSIGN_OR_RETURN(
-            LowLatencyDispatchOutput ld,
-            ll->low_latency_dispatch({.x = x, .topk = &in.topk[size_t(r)], .return_recv_hook = hook}));
+        MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput ld,
+                              ll->low_latency_dispatch(
+                                  {.x = x, .topk = &in.topk[size_t(r)], .return_recv_hook = hook}));
         MOED_RETURN_IF_ERROR(ld.hook->wait());
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput l1,
                               ll->low_latency_combine({.x = ld.recv.x,
@@ -225,8 +232,8 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
         MOED_RETURN_IF_ERROR(l2.hook->wait());
         if (l2.combined_x.rows() != 0 || l2.result().data != lbuf.view.data)
           return internal_error("rank ", r, ": low-latency result is not the caller's buffer");
-        MOED_RETURN_IF_ERROR(
-            same_result(l1.combined_x.view(), lbuf, str_cat("low-latency rank ", r, " hook ", hook)));
+        MOED_RETURN_IF_ERROR(same_result(l1.combined_x.view(), lbuf,
+                                         str_cat("low-latency rank ", r, " hook ", hook)));
         Sentinel lwrong(bad ? DType::kF32 : DType::kBF16, T, H);
         MOED_RETURN_IF_ERROR(expect_error(
             ll->low_latency_combine({.x = ld.recv.x,
@@ -244,6 +251,92 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DeepEpCombineOut, ::testing::ValuesIn(testing::backends()),
+                         [](const ::testing::TestParamInfo<Backend>& info) {
+                           return std::string(testing::backend_name(info.param));
+                         });
+
+// DeepEP's normal dispatch into a caller's recv_x (NormalDispatchInput::out), sized by
+// num_worst_tokens or by a cached handle: the same bits as moed's own recv_x, the padding
+// between rows untouched, and a bad buffer (or one with no size known up front) an error on
+// every rank with no buffer written.
+class DeepEpDispatchOut : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(DeepEpDispatchOut, WorstTokensAndCached) {
+  for (auto [R, G] : {std::pair{3, 0}, std::pair{4, 2}, std::pair{5, 0}}) {
+    for (DType dt : {DType::kBF16, DType::kF32}) {
+      const testing::DispatchCase c = make_case(R, G, dt);
+      const testing::CaseInput in = testing::make_case_input(c);
+      int64_t W = 1;  // every token at most once per receiver
+      for (int64_t n : c.tokens) W += n;
+      Status s = testing::run_world(GetParam(), R, G, [&](World& w) -> Status {
+        const int r = w.rank();
+        const bool bad = r == R - 1;
+        const int64_t H = c.hidden;
+        const std::string name = str_cat("R", R, " G", G, " ", dtype_name(dt), " rank ", r);
+        const TopkView topk = TopkView::of(in.topk[size_t(r)]);
+        const TokenRows x{in.hidden[size_t(r)].x.view(), {}};
+        MOED_ASSIGN_OR_RETURN(auto nb, deep_ep::NormalBuffer::create(w));
+        MOED_ASSIGN_OR_RETURN(DispatchLayout layout, nb->get_dispatch_layout(topk, c.num_experts));
+        const deep_ep::NormalDispatchInput base{
+            .x = x, .topk = topk, .layout = deep_ep::LayoutView::of(layout), .num_worst_tokens = W};
+        MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput d1, nb->dispatch(base));
+        const std::vector<int64_t> idx1(d1.recv_topk_idx.begin(), d1.recv_topk_idx.end());
+        MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput y1,
+                              nb->combine({.x = d1.recv_x.x, .handle = d1.handle}));
+
+        Sentinel buf(dt, W, H);
+        deep_ep::NormalDispatchInput with_out = base;
+        with_out.out = buf.view;
+        MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput d2, nb->dispatch(with_out));
+        if (d2.recv_x.x.data != buf.view.data)
+          return internal_error(name, ": recv_x is not the caller's buffer");
+        MOED_RETURN_IF_ERROR(same_result(d1.recv_x.x, buf, name));
+        if (!std::equal(idx1.begin(), idx1.end(), d2.recv_topk_idx.begin(), d2.recv_topk_idx.end()))
+          return internal_error(name, ": recv_topk_idx differs");
+        MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput y2,
+                              nb->combine({.x = d2.recv_x.x, .handle = d2.handle}));
+        if (!bitwise_equal(y1.combined_x.view(), y2.combined_x.view()))
+          return internal_error(name, ": combine of the caller's recv_x differs");
+
+        // Cached: the handle gives the rows.
+        const int64_t rows = d1.handle->num_rows;
+        MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput c1,
+                              nb->dispatch({.x = x, .handle = d1.handle}));
+        Sentinel cbuf(dt, rows, H);
+        MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput c2,
+                              nb->dispatch({.x = x, .handle = d1.handle, .out = cbuf.view}));
+        if (c2.recv_x.x.data != cbuf.view.data)
+          return internal_error(name, ": cached recv_x is not the caller's buffer");
+        MOED_RETURN_IF_ERROR(same_result(c1.recv_x.x, cbuf, name + " cached"));
+
+        // No size known before the count exchange: every rank's error, on every rank.
+        deep_ep::NormalDispatchInput unsized = with_out;
+        unsized.num_worst_tokens = 0;
+        Sentinel ubuf(dt, W, H);
+        unsized.out = ubuf.view;
+        Status e = nb->dispatch(unsized).status();
+        if (e.code() != StatusCode::kInvalidArgument ||
+            e.message().find("out needs num_worst_tokens > 0 or a cached handle") ==
+                std::string::npos)
+          return internal_error(name, ": unsized out: ", e.to_string());
+        if (!ubuf.untouched(/*all=*/true)) return internal_error(name, ": unsized out written");
+        // A wrong shape on the last rank.
+        Sentinel wrong(dt, bad ? W + 1 : W, H);
+        deep_ep::NormalDispatchInput wrong_in = base;
+        wrong_in.out = wrong.view;
+        MOED_RETURN_IF_ERROR(
+            expect_error(nb->dispatch(wrong_in).status(), R - 1,
+                         str_cat("out is [", W + 1, ", ", H, "]; expected [", W, ", ", H, "]"),
+                         wrong, bad, name));
+        // The buffer still works.
+        return nb->dispatch(base).status();
+      });
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, DeepEpDispatchOut, ::testing::ValuesIn(testing::backends()),
                          [](const ::testing::TestParamInfo<Backend>& info) {
                            return std::string(testing::backend_name(info.param));
                          });

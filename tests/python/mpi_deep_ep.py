@@ -51,6 +51,8 @@ def test_out_buffers(group):
     for dtype in (torch.bfloat16, torch.float32):
         errors = out_cases.case_normal_out(group, 8, 2, 100, 5, dtype)
         assert len(errors) == 2 and all(e.startswith("rank 3: out ") for e in errors), errors
+        errors, W = out_cases.case_dispatch_out(group, 8, 2, 100, 6, dtype)
+        assert len(errors) == 2 and f"rank 3: out is [{W + 1}, 100]" in errors[1], errors
     for hook_mode in (False, True):
         assert out_cases.case_low_latency_out(group, 4, 256, 8, 2, 3, hook_mode)
     errors = out_cases.case_low_latency_errors(group, 4, 256, 8, 2, 7)

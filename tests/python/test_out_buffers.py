@@ -1,9 +1,10 @@
 """Caller-owned output buffers (`out=`) in moed.deep_ep, and low-latency argument errors on
 every rank.
 
-- combine(..., out=) (a moed extension) and low_latency_combine(..., out=) (DeepEP's): the
-  result is written into the caller's tensor (strided rows too), bit for bit what the call
-  returns without `out`; the columns around a strided `out` stay untouched. A bad `out` on one
+- combine(..., out=) and dispatch(..., out=) (moed's extensions; dispatch's sized by
+  num_worst_tokens or a handle) and low_latency_combine(..., out=) (DeepEP's): the result is
+  written into the caller's tensor (strided rows too), bit for bit what the call returns
+  without `out`; the columns around a strided `out` stay untouched. A bad `out` on one
   rank is a ValueError on every rank naming that rank and the value, and no rank's `out` is
   written.
 - A bad argument to low_latency_dispatch / low_latency_combine on one rank: every rank raises
@@ -76,6 +77,57 @@ def test_combine_out(world, dtype):
         assert len(errors) == 2, errors
         assert f"rank {R - 1}: out is [{T_last + 1}, 100]; expected [{T_last}, 100]" in errors[0]
         assert f"rank {R - 1}: out dtype is {other}; expected {name} (the dtype of x)" in errors[1]
+
+
+def case_dispatch_out(group, E, K, H, seed, dtype):
+    """dispatch(..., out=) with num_worst_tokens and in cached mode: recv_x is the caller's
+    tensor, bitwise moed's own; a bad or unsized `out` raises on every rank."""
+    R, r = group.size(), group.rank()
+    xs, idxs, ws = make_inputs(R, E, K, H, seed, dtype=dtype)
+    W = sum(x.size(0) for x in xs) + 1  # every token at most once per receiver
+    buffer = deep_ep.Buffer(group, int(1e9), 0)
+    ntpr, _, ntpe, itir, _ = buffer.get_dispatch_layout(idxs[r], E)
+    layout = dict(num_tokens_per_rank=ntpr, is_token_in_rank=itir, num_tokens_per_expert=ntpe,
+                  topk_idx=idxs[r], topk_weights=ws[r], num_worst_tokens=W)
+    want, want_idx, want_w, _, handle, _ = buffer.dispatch(xs[r], **layout)
+    want = want.clone()
+    big, out = sentinel_out(W, H, dtype)
+    got, got_idx, got_w, _, _, _ = buffer.dispatch(xs[r], **layout, out=out)
+    assert got is out
+    assert torch.equal(out, want) and untouched(big, H)
+    assert torch.equal(got_idx, want_idx) and torch.equal(got_w, want_w)
+    # Cached: the handle gives the rows.
+    cached_want, _, _, _, _, _ = buffer.dispatch(xs[r], handle=handle)
+    cached_want = cached_want.clone()
+    big, out = sentinel_out(cached_want.size(0), H, dtype)
+    got, _, _, _, _, _ = buffer.dispatch(xs[r], handle=handle, out=out)
+    assert got is out and torch.equal(out, cached_want) and untouched(big, H)
+
+    errors = []
+    for bad in ("unsized", "shape"):
+        big, out = sentinel_out(W, H, dtype)
+        args = dict(layout)
+        if bad == "unsized":
+            args["num_worst_tokens"] = 0
+        elif r == R - 1:
+            out = torch.empty(W + 1, H, dtype=dtype)
+        try:
+            buffer.dispatch(xs[r], **args, out=out)
+        except ValueError as e:
+            errors.append(str(e))
+        if bad == "unsized" or r != R - 1:
+            assert bool(torch.isnan(big.float()).all()), "out written by a rejected dispatch"
+    return errors, W
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=WORLD_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_dispatch_out(world, dtype):
+    R = world[0]
+    for errors, W in run(case_dispatch_out, world, 2 * R, 2, 100, 6, dtype):
+        assert len(errors) == 2, errors
+        assert "out needs num_worst_tokens > 0 or a cached handle" in errors[0]
+        assert f"rank {R - 1}: out is [{W + 1}, 100]; expected [{W}, 100]" in errors[1]
 
 
 def case_low_latency_out(group, M, H, E, K, seed, hook_mode):

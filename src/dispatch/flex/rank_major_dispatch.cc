@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "dispatch/flex/rank_major.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
 
@@ -128,15 +129,24 @@ inline int32_t count_to(const NormalHandle& h, int s, int r) {
   return h.rank_prefix_matrix[size_t(s) * h.num_ranks + r] - h.rank_begin(s, r);
 }
 
+// Where one receiving rank's rows go: its receive block (scales, metadata, and the rows unless
+// `rows` points elsewhere: the caller's recv_x buffer), published to the senders.
+struct RecvTarget {
+  char* block = nullptr;
+  char* rows = nullptr;
+  size_t rows_stride = 0;  // bytes
+};
+
 struct RowWriter {
   const RecvLayout* lay;
   int64_t hidden;
   int L;
   bool meta;  // source index (and top-k when num_topk > 0)
-  void write(char* block, int64_t row, int r, const void* payload, const void* scales,
+  void write(const RecvTarget& to, int64_t row, int r, const void* payload, const void* scales,
              const int32_t src_token, const TopkView* topk, int64_t t, const int64_t* msg_idx,
              const float* msg_w) const {
-    std::memcpy(block + size_t(row) * lay->row_bytes, payload, lay->row_bytes);
+    char* block = to.block;
+    std::memcpy(to.rows + size_t(row) * to.rows_stride, payload, lay->row_bytes);
     if (lay->scale_bytes) {
       std::memcpy(block + lay->scales_off + size_t(row) * lay->scale_bytes, scales,
                   lay->scale_bytes);
@@ -252,7 +262,8 @@ StatusOr<std::shared_ptr<NormalHandle>> make_handle(NormalBuffer::State& s,
 // The data movement, for both modes. `meta`: top-k, source indices and the receive channel
 // prefix matrix travel too (uncached mode); then the forwarder plans are stored in h.
 StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
-                                    const TopkView& topk, bool meta) {
+                                    const TopkView& topk, bool meta,
+                                    const std::optional<TensorView>& out_rows) {
   World& w = *s.world;
   const flex::Topology& topo = s.topo;
   const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes, C = h.num_channels;
@@ -265,21 +276,33 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
                      flex::scale_row_bytes(h.dtype, H), meta ? topk.num_topk : 0, R, meta ? C : 0);
   const int K = lay.num_topk;
 
-  // The receive blocks of this node's ranks.
+  // The receive blocks of this node's ranks. A caller's recv_x buffer takes the rows: in the
+  // threads world the senders write it (its address is published with the block's); in the
+  // MPI world it is filled from the node-shared block at the end.
   std::shared_ptr<Tensor> block;
-  std::vector<char*> target(static_cast<size_t>(G));
+  std::vector<RecvTarget> target(static_cast<size_t>(G));
   if (s.in_place) {
     block = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(lay.bytes)));
-    char* mine = static_cast<char*>(block->data());
+    RecvTarget mine{static_cast<char*>(block->data()), static_cast<char*>(block->data()),
+                    lay.row_bytes};
+    if (out_rows) {
+      mine.rows = static_cast<char*>(out_rows->data);
+      mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(h.dtype);
+    }
+    static_assert(sizeof(RecvTarget) <= 64, "the signal board holds one RecvTarget per rank");
     std::memcpy(s.signals.board(topo.local_rank), &mine, sizeof(mine));
     MOED_RETURN_IF_ERROR(s.sync_round());
     for (int lr = 0; lr < G; ++lr)
-      std::memcpy(&target[size_t(lr)], s.signals.board(lr), sizeof(char*));
+      std::memcpy(&target[size_t(lr)], s.signals.board(lr), sizeof(RecvTarget));
   } else {
     MOED_RETURN_IF_ERROR(s.recv_region.ensure(w, lay.bytes));
-    for (int lr = 0; lr < G; ++lr) target[size_t(lr)] = s.recv_region.peer(lr);
+    for (int lr = 0; lr < G; ++lr) {
+      char* b = s.recv_region.peer(lr);
+      target[size_t(lr)] = {b, b, lay.row_bytes};
+    }
   }
-  char* own = target[size_t(topo.local_rank)];
+  char* own = target[size_t(topo.local_rank)].block;
+  const RecvTarget& own_rows = target[size_t(topo.local_rank)];
   const RowWriter writer{&lay, H, L, meta};
 
   // Network: the forwarder role's receives, then one message per remote node.
@@ -382,7 +405,8 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
     for (int lr = 0; lr < G; ++lr) {
       const int r = topo.node * G + lr;
       if (count_to(h, me, r) == 0) continue;
-      auto* rcpm = reinterpret_cast<int32_t*>(target[size_t(lr)] + lay.rcpm_off) + size_t(me) * C;
+      auto* rcpm =
+          reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) + size_t(me) * C;
       for (int c = 0; c < C; ++c) rcpm[c] = channel_start(h, r, c);
     }
     auto* rcpm = reinterpret_cast<int32_t*>(own + lay.rcpm_off);
@@ -425,8 +449,8 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
           MOED_CHECK(row == h.rank_prefix_matrix[size_t(src) * R + r], "forwarded rows of rank ",
                      src, " for rank ", r, " do not fill its block");
           if (meta && count_to(h, src, r) > 0) {
-            auto* rcpm =
-                reinterpret_cast<int32_t*>(target[size_t(lr)] + lay.rcpm_off) + size_t(src) * C;
+            auto* rcpm = reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) +
+                         size_t(src) * C;
             std::memcpy(rcpm, msg + ml.cpm_off + size_t(lr) * C * 4, size_t(C) * 4);
           }
         }
@@ -446,7 +470,8 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
   // num_worst_tokens: the rows past the received ones are zero (-1 for indices).
   if (h.num_rows > h.num_recv_tokens) {
     const size_t lo = size_t(h.num_recv_tokens), n = size_t(h.num_rows) - lo;
-    std::memset(own + lo * lay.row_bytes, 0, n * lay.row_bytes);
+    for (size_t i = lo; i < lo + n; ++i)
+      std::memset(own_rows.rows + i * own_rows.rows_stride, 0, lay.row_bytes);
     if (lay.scale_bytes)
       std::memset(own + lay.scales_off + lo * lay.scale_bytes, 0, n * lay.scale_bytes);
     if (meta) {
@@ -459,7 +484,15 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
 
   NormalDispatchOutput out;
   const int64_t nr = h.num_rows;
-  out.recv_x.x = TensorView(own, h.dtype, nr, H);
+  if (out_rows) {
+    if (!s.in_place) {  // MPI world: the rows are in the node-shared block
+      for (int64_t i = 0; i < nr; ++i)
+        std::memcpy(out_rows->row_ptr(i), own + size_t(i) * lay.row_bytes, lay.row_bytes);
+    }
+    out.recv_x.x = *out_rows;
+  } else {
+    out.recv_x.x = TensorView(own, h.dtype, nr, H);
+  }
   if (h.dtype == DType::kFP8) {
     out.recv_x.scales = TensorView(own + lay.scales_off, DType::kF32, nr, H / kFp8BlockSize);
   }
@@ -481,6 +514,19 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
 
 }  // namespace
 
+// NormalDispatchInput::out: the rows must be known before the count exchange.
+Status check_out_rows(const NormalDispatchInput& in) {
+  const int64_t rows = in.handle ? in.handle->num_rows : in.num_worst_tokens;
+  if (rows <= 0 && !in.handle) {
+    return invalid_argument(
+        "out needs num_worst_tokens > 0 or a cached handle (num_worst_tokens = ",
+        in.num_worst_tokens,
+        "): without them recv_x's rows are known only after the count "
+        "exchange");
+  }
+  return moed::internal::check_out_buffer("out", *in.out, rows, in.x.x.cols, in.x.x.dtype, "x");
+}
+
 StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in) {
   World& w = *s.world;
   const int R = s.topo.num_ranks, N = s.topo.num_nodes;
@@ -497,6 +543,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
         invalid_argument("num_tokens_per_expert has ", E,
                          " entries; num_experts must be a positive multiple of the ", R, " ranks");
   if (local.ok()) local = cached ? check_cached(s, in) : check_uncached(s, in);
+  if (local.ok() && in.out) local = check_out_rows(in);
   std::vector<int64_t> mine(kPrefix + 1, 0);
   mine[0] = local.ok() ? 0 : 1;
   mine[1] = cached ? 1 : 0;
@@ -529,7 +576,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
     // NOTE: the handle is shared with earlier outputs; the cached push writes no metadata
     // into it (meta = false), it only reads it.
     auto& h = const_cast<NormalHandle&>(*in.handle);
-    return push(s, h, in.x, TopkView{}, /*meta=*/false);
+    return push(s, h, in.x, TopkView{}, /*meta=*/false, in.out);
   }
   static const char* kNames[] = {
       "",           "", "", "hidden", "x dtype", "num_topk", "expert_alignment", "num_worst_tokens",
@@ -561,7 +608,8 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
   std::vector<int32_t> expert_list;
   MOED_ASSIGN_OR_RETURN(std::shared_ptr<NormalHandle> h,
                         make_handle(s, in, all, width, &expert_list));
-  MOED_ASSIGN_OR_RETURN(NormalDispatchOutput out, push(s, *h, in.x, in.topk, /*meta=*/true));
+  MOED_ASSIGN_OR_RETURN(NormalDispatchOutput out,
+                        push(s, *h, in.x, in.topk, /*meta=*/true, in.out));
   out.num_recv_tokens_per_expert = std::move(expert_list);
   out.handle = std::move(h);
   return out;
