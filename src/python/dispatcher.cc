@@ -209,12 +209,9 @@ void bind_dispatcher(py::module_& m) {
                       int num_channels, bool zero_copy) {
             DispatchConfig c;
             c.kind = check(parse_dispatcher_kind(kind));
-            c.num_experts = num_experts;
-            c.ep_size = ep_size;
-            c.etp_size = etp_size;
-            c.layout = layout_arg(capacity_factor, drop_policy, pad_to_capacity, expert_alignment,
-                                  router_padding_multiple);
-            c.weighted_combine = weighted_combine;
+            set_dispatch_fields(c, num_experts, ep_size, etp_size, capacity_factor, drop_policy,
+                                pad_to_capacity, expert_alignment, router_padding_multiple,
+                                weighted_combine);
             c.num_worst_tokens = num_worst_tokens;
             c.num_channels = num_channels;
             World& w = world->get();

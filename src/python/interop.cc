@@ -7,6 +7,8 @@
 #include <climits>
 #include <cstring>
 
+#include "core/enum_names.h"
+
 namespace moed::python {
 namespace {
 
@@ -128,26 +130,13 @@ std::string allowed_str(std::initializer_list<DType> allowed) {
 
 }  // namespace
 
-const char* elem_type_name(ElemType t) {
-  switch (t) {
-    case ElemType::kF32:
-      return "torch.float32";
-    case ElemType::kBF16:
-      return "torch.bfloat16";
-    case ElemType::kFP8:
-      return "torch.float8_e4m3fn";
-    case ElemType::kU8:
-      return "torch.uint8";
-    case ElemType::kBool:
-      return "torch.bool";
-    case ElemType::kI32:
-      return "torch.int32";
-    case ElemType::kI64:
-      return "torch.int64";
-    default:
-      return "another dtype";
-  }
-}
+constexpr EnumName<ElemType> kElemTypeNames[] = {
+    {ElemType::kF32, "torch.float32"},       {ElemType::kBF16, "torch.bfloat16"},
+    {ElemType::kFP8, "torch.float8_e4m3fn"}, {ElemType::kU8, "torch.uint8"},
+    {ElemType::kBool, "torch.bool"},         {ElemType::kI32, "torch.int32"},
+    {ElemType::kI64, "torch.int64"}};
+
+const char* elem_type_name(ElemType t) { return enum_name(kElemTypeNames, t, "another dtype"); }
 
 ElemType elem_type_of(py::handle dtype) {
   TorchRefs* r = refs();

@@ -103,6 +103,19 @@ TopkView topk_view_arg(py::handle topk_idx, py::handle topk_weights, py::object&
 // Layout options as the Python layer passes them; capacity_factor None = dropless.
 LayoutOptions layout_arg(py::handle capacity_factor, const std::string& drop_policy,
                          bool pad_to_capacity, int expert_alignment, int router_padding_multiple);
+// The fields a DispatchConfig and a ReferenceProblem share, from the Python arguments.
+template <typename Config>
+void set_dispatch_fields(Config& c, int num_experts, int ep_size, int etp_size,
+                         py::handle capacity_factor, const std::string& drop_policy,
+                         bool pad_to_capacity, int expert_alignment, int router_padding_multiple,
+                         bool weighted_combine) {
+  c.num_experts = num_experts;
+  c.ep_size = ep_size;
+  c.etp_size = etp_size;
+  c.layout = layout_arg(capacity_factor, drop_policy, pad_to_capacity, expert_alignment,
+                        router_padding_multiple);
+  c.weighted_combine = weighted_combine;
+}
 
 // ---- moed memory to torch, no copy ----
 

@@ -56,12 +56,9 @@ void bind_reference(py::module_& m) {
                        const py::list& scales) {
              PyProblem pp;
              ReferenceProblem& p = pp.p;
-             p.num_experts = num_experts;
-             p.ep_size = ep_size;
-             p.etp_size = etp_size;
-             p.layout = layout_arg(capacity_factor, drop_policy, pad_to_capacity, expert_alignment,
-                                   router_padding_multiple);
-             p.weighted_combine = weighted_combine;
+             set_dispatch_fields(p, num_experts, ep_size, etp_size, capacity_factor, drop_policy,
+                                 pad_to_capacity, expert_alignment, router_padding_multiple,
+                                 weighted_combine);
              p.num_topk = num_topk;
              const size_t R = routing_maps.size();
              if (probs.size() != R || hidden.size() != R || (!scales.empty() && scales.size() != R))
