@@ -3,8 +3,8 @@
 // requests are never null, a Flex step makes one collective, the pools are settable.
 #include <gtest/gtest.h>
 
-#include <tuple>
 
+#include "api/api_grid.h"
 #include "dispatch/harness.h"
 #include "moed/dispatcher.h"
 #include "moed/thread_pool.h"
@@ -49,7 +49,7 @@ testing::DispatchCase make_case(int ranks, int g, uint64_t seed) {
   return c;
 }
 
-class OutputLifetime : public ::testing::TestWithParam<std::tuple<Backend, DispatcherKind>> {};
+class OutputLifetime : public testing::BackendAndKindTest {};
 
 // Hold output 1 (and its combine), dispatch and combine again with other routing and data:
 // output 1 is bitwise unchanged. Then with the outputs dropped, the steps run again.
@@ -135,17 +135,7 @@ TEST_P(OutputLifetime, RequestsAreNeverNull) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
-std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, DispatcherKind>>& info) {
-  return std::string(testing::backend_name(std::get<0>(info.param))) + "_" +
-         dispatcher_kind_name(std::get<1>(info.param));
-}
-
-INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime,
-                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values(DispatcherKind::kAllGather,
-                                                              DispatcherKind::kAlltoAll,
-                                                              DispatcherKind::kFlex)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime, testing::six_step_grid(), testing::six_step_grid_name);
 
 // One collective before data moves in each Flex step, in the steady state (same shapes, the
 // previous outputs dropped, so no region grows): dispatch 1, cached dispatch, combine and the

@@ -6,8 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <tuple>
 
+#include "api/api_grid.h"
 #include "dispatch/harness.h"
 #include "moed/deep_ep.h"
 #include "moed/dispatcher.h"
@@ -75,7 +75,7 @@ testing::DispatchCase make_case(int ranks, int g, DType dt) {
   return c;
 }
 
-class CombineOut : public ::testing::TestWithParam<std::tuple<Backend, DispatcherKind>> {};
+class CombineOut : public testing::BackendAndKindTest {};
 
 TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
   const auto [backend, kind] = GetParam();
@@ -155,17 +155,7 @@ TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
   }
 }
 
-std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, DispatcherKind>>& info) {
-  return std::string(testing::backend_name(std::get<0>(info.param))) + "_" +
-         dispatcher_kind_name(std::get<1>(info.param));
-}
-
-INSTANTIATE_TEST_SUITE_P(Worlds, CombineOut,
-                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values(DispatcherKind::kAllGather,
-                                                              DispatcherKind::kAlltoAll,
-                                                              DispatcherKind::kFlex)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, CombineOut, testing::six_step_grid(), testing::six_step_grid_name);
 
 // DeepEP's normal mode (rank-major) and low-latency combine, the same checks.
 class DeepEpCombineOut : public ::testing::TestWithParam<Backend> {};
@@ -244,9 +234,7 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DeepEpCombineOut, ::testing::ValuesIn(testing::backends()),
-                         [](const ::testing::TestParamInfo<Backend>& info) {
-                           return std::string(testing::backend_name(info.param));
-                         });
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 }  // namespace
 }  // namespace moed
