@@ -36,17 +36,7 @@ Status same(const DispatchOutput& out, const Held& h, const std::string& what) {
 }
 
 testing::DispatchCase make_case(int ranks, int g, uint64_t seed) {
-  testing::DispatchCase c;
-  c.ranks = ranks;
-  c.ranks_per_node = g;
-  c.num_experts = 2 * ranks;
-  c.num_topk = 2;
-  c.tokens.assign(size_t(ranks), 0);
-  for (int r = 0; r < ranks; ++r) c.tokens[size_t(r)] = 5 + 3 * r + int(seed);
-  c.tokens[1] = 0;  // a rank with no tokens
-  c.hidden = 72;    // not a multiple of 16
-  c.seed = seed;
-  return c;
+  return testing::api_case(ranks, g, 5 + int(seed), /*hidden=*/72, seed);
 }
 
 class OutputLifetime : public testing::BackendAndKindTest {};

@@ -61,17 +61,8 @@ Status expect_error(const Status& s, int bad_rank, const std::string& expect, co
 }
 
 testing::DispatchCase make_case(int ranks, int g, DType dt) {
-  testing::DispatchCase c;
-  c.ranks = ranks;
-  c.ranks_per_node = g;
-  c.num_experts = 2 * ranks;
-  c.num_topk = 2;
-  c.tokens.assign(size_t(ranks), 0);
-  for (int r = 0; r < ranks; ++r) c.tokens[size_t(r)] = 4 + 3 * r;
-  if (ranks > 1) c.tokens[1] = 0;  // a rank with no tokens
-  c.hidden = 100;                  // not a multiple of 16
+  testing::DispatchCase c = testing::api_case(ranks, g, 4, /*hidden=*/100, /*seed=*/7);
   c.dtype = dt;
-  c.seed = 7;
   return c;
 }
 
