@@ -301,6 +301,31 @@ StatusOr<std::vector<T>> to_integers(const NpyArray& a, const char* as, const ch
   return out;
 }
 
+// Float conversions: an array of T is copied; one of the other float type, Other, is
+// converted, and a value that does not convert exactly is an error.
+template <typename T, typename Other>
+StatusOr<std::vector<T>> to_floats(const NpyArray& a, NpyDType same, NpyDType other,
+                                   const char* as, const char* expected) {
+  MOED_RETURN_IF_ERROR(check_size(a));
+  const int64_t n = a.num_elements();
+  std::vector<T> out(static_cast<size_t>(n));
+  if (a.dtype == same) {
+    if (n) std::memcpy(out.data(), a.data.data(), size_t(n) * sizeof(T));
+    return out;
+  }
+  if (a.dtype != other) return wrong_dtype(a, as, expected);
+  for (int64_t i = 0; i < n; ++i) {
+    const Other d = element<Other>(a, i);
+    const T f = T(d);
+    if (Other(f) != d && !std::isnan(d)) {
+      return invalid_argument(a.name, ": value", index_string(a.shape, i), " = ", d,
+                              " is not exactly a ", as);
+    }
+    out[size_t(i)] = f;
+  }
+  return out;
+}
+
 }  // namespace
 
 const char* npy_descr(NpyDType t) { return enum_name(kDescrs, t, "?"); }
@@ -449,37 +474,11 @@ Status write_npy(const std::string& path, NpyDType dtype, std::initializer_list<
 }
 
 StatusOr<std::vector<float>> npy_to_f32(const NpyArray& a) {
-  MOED_RETURN_IF_ERROR(check_size(a));
-  const int64_t n = a.num_elements();
-  std::vector<float> out(static_cast<size_t>(n));
-  if (a.dtype == NpyDType::kF32) {
-    if (n) std::memcpy(out.data(), a.data.data(), size_t(n) * 4);
-    return out;
-  }
-  if (a.dtype != NpyDType::kF64) return wrong_dtype(a, "float32", "<f4, <f8");
-  for (int64_t i = 0; i < n; ++i) {
-    const double d = element<double>(a, i);
-    const float f = float(d);
-    if (double(f) != d && !std::isnan(d)) {
-      return invalid_argument(a.name, ": value", index_string(a.shape, i), " = ", d,
-                              " is not exactly a float32");
-    }
-    out[size_t(i)] = f;
-  }
-  return out;
+  return to_floats<float, double>(a, NpyDType::kF32, NpyDType::kF64, "float32", "<f4, <f8");
 }
 
 StatusOr<std::vector<double>> npy_to_f64(const NpyArray& a) {
-  MOED_RETURN_IF_ERROR(check_size(a));
-  const int64_t n = a.num_elements();
-  std::vector<double> out(static_cast<size_t>(n));
-  if (a.dtype == NpyDType::kF64) {
-    if (n) std::memcpy(out.data(), a.data.data(), size_t(n) * 8);
-    return out;
-  }
-  if (a.dtype != NpyDType::kF32) return wrong_dtype(a, "float64", "<f8, <f4");
-  for (int64_t i = 0; i < n; ++i) out[size_t(i)] = element<float>(a, i);
-  return out;
+  return to_floats<double, float>(a, NpyDType::kF64, NpyDType::kF32, "float64", "<f8, <f4");
 }
 
 StatusOr<std::vector<int32_t>> npy_to_i32(const NpyArray& a) {
