@@ -22,6 +22,14 @@ Status check_entries(const char* name, size_t entries, int64_t num_tokens, const
                           num_tokens, " * ", width, " = ", expected);
 }
 
+// The sizes of every routing form: E >= 1, T >= 0, K >= 0.
+Status check_sizes(int num_experts, int64_t num_tokens, int num_topk) {
+  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
+  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
+  if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
+  return ok_status();
+}
+
 }  // namespace
 
 RoutingMap RoutingMap::empty(int64_t num_tokens, int num_experts) {
@@ -37,9 +45,7 @@ RoutingMap RoutingMap::empty(int64_t num_tokens, int num_experts) {
 Status validate(const TopkRouting& routing, int num_experts) {
   const int64_t num_tokens = routing.num_tokens;
   const int num_topk = routing.num_topk;
-  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
-  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
-  if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
+  MOED_RETURN_IF_ERROR(check_sizes(num_experts, num_tokens, num_topk));
   MOED_RETURN_IF_ERROR(
       check_entries("topk_idx", routing.topk_idx.size(), num_tokens, "num_topk", num_topk));
   MOED_RETURN_IF_ERROR(
@@ -50,9 +56,7 @@ Status validate(const TopkRouting& routing, int num_experts) {
 Status validate(const TopkView& routing, int num_experts) {
   const int64_t num_tokens = routing.num_tokens;
   const int num_topk = routing.num_topk;
-  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
-  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
-  if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
+  MOED_RETURN_IF_ERROR(check_sizes(num_experts, num_tokens, num_topk));
   // NOTE: repeats are found with one stamp per expert (the last token that used it and at
   // which k), so the check is O(T * K) with no per-token allocation.
   std::vector<int64_t> seen_token(size_t(num_experts), -1);
@@ -125,11 +129,7 @@ Status validate(const RoutingMap& routing, int expected_experts) {
     return invalid_argument("routing map has num_experts = ", num_experts, ", expected ",
                             expected_experts);
   }
-  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
-  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
-  if (routing.num_topk < 0) {
-    return invalid_argument("num_topk = ", routing.num_topk, " must be >= 0");
-  }
+  MOED_RETURN_IF_ERROR(check_sizes(num_experts, num_tokens, routing.num_topk));
   MOED_RETURN_IF_ERROR(check_entries("routing_map", routing.routing_map.size(), num_tokens,
                                      "num_experts", num_experts));
   MOED_RETURN_IF_ERROR(
