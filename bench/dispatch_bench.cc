@@ -358,24 +358,15 @@ void run(const Args& a) {
   const uint64_t peak = peak_rss_bytes();
   Report report(a.json);
   for (const Figure& f : figures) {
-    const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
-    nlohmann::json rec =
-        world_record("dispatch", s, a.world, ranks, g, threads, a.iters,
-                     {{"dispatcher", f.dispatcher},
-                      {"phase", f.phase},
-                      {"dtype", "bf16"},
-                      {"rows", f.rows},
-                      {"bytes", bytes},
-                      {"network_bytes", f.traffic.network_bytes},
-                      {"shared_bytes", f.traffic.shared_bytes},
-                      {"collectives", f.traffic.collectives},
-                      {"peak_rss_bytes", peak},
-                      {"memory",
-                       {{"inputs_bytes", memory.inputs},
+    nlohmann::json fields =
+        bf16_phase_fields(f.dispatcher, f.phase, f.rows, s.hidden, f.traffic, f.verified);
+    fields["peak_rss_bytes"] = peak;
+    fields["memory"] = {{"inputs_bytes", memory.inputs},
                         {"reference_bytes", memory.reference},
                         {"copy_bound_bytes", memory.copy_bound},
-                        {"dispatcher_rss_bytes", f.dispatcher_rss_bytes}}},
-                      {"verified", f.verified}});
+                        {"dispatcher_rss_bytes", f.dispatcher_rss_bytes}};
+    nlohmann::json rec =
+        world_record("dispatch", s, a.world, ranks, g, threads, a.iters, std::move(fields));
     add_paired(rec, f.times);
     if (flat_bytes > 0 && f.phase == "dispatch") {
       rec["flat_network_bytes"] = flat_bytes;
