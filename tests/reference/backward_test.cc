@@ -5,14 +5,8 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::row_values;
-using testing::views_of;
 
 Tensor rows_f32(const std::vector<std::vector<float>>& values) {
   Tensor t = Tensor::zeros(DType::kF32, int64_t(values.size()), int64_t(values[0].size()));
@@ -168,4 +162,4 @@ TEST(ReferenceCombineBackward, PaddingRowsGetZero) {
 }
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

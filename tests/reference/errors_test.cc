@@ -4,13 +4,8 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::views_of;
 
 // Two ranks (EP = 2), E = 4, H = 2; rank 0 has 3 tokens, rank 1 has 1.
 struct Fixture {
@@ -175,4 +170,4 @@ TEST(ReferenceErrors, ExpertOutputsAndGradients) {
 }
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

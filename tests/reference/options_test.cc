@@ -5,13 +5,8 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::row_values;
 
 std::vector<int> routed_column(const RoutingMap& m, int e) {
   std::vector<int> out;
@@ -135,11 +130,22 @@ TEST(ReferenceOptions, PadToCapacityAfterDroppingThenAlignment) {
   EXPECT_EQ((*d)[0].permuted_probs, (std::vector<float>{0.5f, 0.75f, 0, 1, 0, 0}));
 }
 
-TEST(ReferenceOptions, ExpertAlignmentPadsEachSegmentAtItsEnd) {
+// One rank, E = 3, H = 1, four tokens: t0 -> {e0, e1}, t1 -> {e1, e2}, t2 -> {e0, e2},
+// t3 -> {e1}. The problem views xs, so a FourTokens is not copied.
+struct FourTokens {
   std::vector<Tensor> xs;
-  xs.push_back(named_hidden(0, 4, 1));
-  ReferenceProblem p =
-      make_problem(3, 1, 1, {make_map({{1, 1, 0}, {0, 1, 1}, {1, 0, 1}, {0, 1, 0}})}, xs);
+  ReferenceProblem p;
+  FourTokens() {
+    xs.push_back(named_hidden(0, 4, 1));
+    p = make_problem(3, 1, 1, {make_map({{1, 1, 0}, {0, 1, 1}, {1, 0, 1}, {0, 1, 0}})}, xs);
+  }
+  FourTokens(const FourTokens&) = delete;
+  FourTokens& operator=(const FourTokens&) = delete;
+};
+
+TEST(ReferenceOptions, ExpertAlignmentPadsEachSegmentAtItsEnd) {
+  FourTokens f;
+  ReferenceProblem& p = f.p;
   p.layout.expert_alignment = 4;
   auto d = reference_dispatch(p);
   ASSERT_TRUE(d.ok()) << d.status().to_string();
@@ -158,10 +164,8 @@ TEST(ReferenceOptions, ExpertAlignmentPadsEachSegmentAtItsEnd) {
 }
 
 TEST(ReferenceOptions, RouterPaddingRoutesLowestUnroutedTokensWithProbZero) {
-  std::vector<Tensor> xs;
-  xs.push_back(named_hidden(0, 4, 1));
-  ReferenceProblem p =
-      make_problem(3, 1, 1, {make_map({{1, 1, 0}, {0, 1, 1}, {1, 0, 1}, {0, 1, 0}})}, xs);
+  FourTokens f;
+  ReferenceProblem& p = f.p;
   p.layout.router_padding_multiple = 2;
   auto eff = reference_effective_routing(p);
   ASSERT_TRUE(eff.ok()) << eff.status().to_string();
@@ -217,4 +221,4 @@ TEST(ReferenceOptions, UnroutedProbsAreZeroInTheEffectiveRouting) {
 }
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing
