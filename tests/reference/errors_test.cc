@@ -8,16 +8,12 @@ namespace moed::testing {
 namespace {
 
 // Two ranks (EP = 2), E = 4, H = 2; rank 0 has 3 tokens, rank 1 has 1.
-struct Fixture {
-  std::vector<Tensor> xs;
-  ReferenceProblem p;
-  Fixture() {
-    xs.push_back(named_hidden(0, 3, 2));
-    xs.push_back(named_hidden(1, 1, 2));
-    p = make_problem(
-        4, 2, 1, {make_map({{1, 0, 1, 0}, {0, 1, 0, 0}, {0, 0, 1, 1}}), make_map({{1, 1, 0, 0}})},
-        xs);
-  }
+struct Fixture : HeldProblem {
+  Fixture()
+      : HeldProblem(
+            4, 2, 1,
+            {make_map({{1, 0, 1, 0}, {0, 1, 0, 0}, {0, 0, 1, 1}}), make_map({{1, 1, 0, 0}})},
+            /*hidden=*/2) {}
 };
 
 void expect_error(const Status& s, const std::string& message) {
