@@ -69,9 +69,7 @@ class HeaderParser {
     bool have_descr = false, have_order = false, have_shape = false;
     skip_ws();
     MOED_RETURN_IF_ERROR(expect('{'));
-    for (;;) {
-      skip_ws();
-      if (peek() == '}') break;
+    MOED_RETURN_IF_ERROR(parse_items('}', "expected ',' or '}'", [&]() -> Status {
       std::string key;
       MOED_RETURN_IF_ERROR(parse_string(&key));
       skip_ws();
@@ -95,14 +93,8 @@ class HeaderParser {
       } else {
         return error(str_cat("unexpected key '", key, "'"));
       }
-      skip_ws();
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() != '}') return error("expected ',' or '}'");
-    }
-    ++pos_;  // '}'
+      return ok_status();
+    }));
     skip_ws();
     if (pos_ != text_.size()) return error("unexpected text after '}'");
     if (!have_descr) return missing("descr");
@@ -128,6 +120,25 @@ class HeaderParser {
   Status expect(char c) {
     if (peek() != c) return error(str_cat("expected '", c, "'"));
     ++pos_;
+    return ok_status();
+  }
+
+  // Items up to `close` (the opening bracket read), comma-separated, a trailing comma allowed;
+  // item() parses one. `bad_separator` is the error when neither a comma nor `close` follows.
+  template <typename Item>
+  Status parse_items(char close, const char* bad_separator, const Item& item) {
+    for (;;) {
+      skip_ws();
+      if (peek() == close) break;
+      MOED_RETURN_IF_ERROR(item());
+      skip_ws();
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      if (peek() != close) return error(bad_separator);
+    }
+    ++pos_;  // close
     return ok_status();
   }
 
@@ -178,22 +189,13 @@ class HeaderParser {
   Status parse_shape(std::vector<int64_t>* shape) {
     MOED_RETURN_IF_ERROR(expect('('));
     shape->clear();
-    for (;;) {
-      skip_ws();
-      if (peek() == ')') break;
+    // "(5)" is an int in Python, not a tuple; numpy writes "(5,)".
+    return parse_items(')', "expected ',' or ')' in the shape", [&]() -> Status {
       int64_t dim = 0;
       MOED_RETURN_IF_ERROR(parse_dim(&dim));
       shape->push_back(dim);
-      skip_ws();
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() != ')') return error("expected ',' or ')' in the shape");
-    }
-    ++pos_;  // ')'
-    // "(5)" is an int in Python, not a tuple; numpy writes "(5,)".
-    return ok_status();
+      return ok_status();
+    });
   }
 
   Status parse_dim(int64_t* dim) {
