@@ -306,8 +306,8 @@ StatusOr<std::vector<T>> to_integers(const NpyArray& a, const char* as, const ch
 // Float conversions: an array of T is copied; one of the other float type, Other, is
 // converted, and a value that does not convert exactly is an error.
 template <typename T, typename Other>
-StatusOr<std::vector<T>> to_floats(const NpyArray& a, NpyDType same, NpyDType other,
-                                   const char* as, const char* expected) {
+StatusOr<std::vector<T>> to_floats(const NpyArray& a, NpyDType same, NpyDType other, const char* as,
+                                   const char* expected) {
   MOED_RETURN_IF_ERROR(check_size(a));
   const int64_t n = a.num_elements();
   std::vector<T> out(static_cast<size_t>(n));

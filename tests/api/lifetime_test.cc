@@ -3,7 +3,6 @@
 // requests are never null, a Flex step makes one collective, the pools are settable.
 #include <gtest/gtest.h>
 
-
 #include "api/api_grid.h"
 #include "dispatch/harness.h"
 #include "moed/dispatcher.h"
@@ -125,7 +124,8 @@ TEST_P(OutputLifetime, RequestsAreNeverNull) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime, testing::six_step_grid(), testing::six_step_grid_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime, testing::six_step_grid(),
+                         testing::six_step_grid_name);
 
 // One collective before data moves in each Flex step, in the steady state (same shapes, the
 // previous outputs dropped, so no region grows): dispatch 1, cached dispatch, combine and the

@@ -61,6 +61,13 @@ DispatchInput input_of(const Tensor& x, const TopkRouting* topk, const RoutingMa
   return in;
 }
 
+// OK when dispatching x with `topk` (or `map`) fails with InvalidArgument and `message`.
+Status expect_dispatch_error(TokenDispatcher& d, const Tensor& x, const TopkRouting* topk,
+                             const std::string& message, const RoutingMap* map = nullptr) {
+  return expect_error(d.dispatch(input_of(x, topk, map)).status(), StatusCode::kInvalidArgument,
+                      message);
+}
+
 TopkRouting simple_topk(int64_t T, int K, int E, int shift) {
   TopkRouting r;
   r.num_tokens = T;
@@ -79,9 +86,7 @@ TEST_P(DispatchErrors, RoutingOutsideNumExpertsOnOneRank) {
     Tensor x = Tensor::zeros(DType::kF32, 3, 128);
     TopkRouting r = simple_topk(3, 2, 8, w.rank());
     if (w.rank() == 2) r.topk_idx[2] = 8;  // token 1, k = 0
-    auto out = d.dispatch(input_of(x, &r));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "rank 2: topk_idx[1][0] = 8 is outside [-1, 8)");
+    return expect_dispatch_error(d, x, &r, "rank 2: topk_idx[1][0] = 8 is outside [-1, 8)");
   });
 }
 
@@ -89,9 +94,8 @@ TEST_P(DispatchErrors, RoutingMapWithOtherNumExperts) {
   on_dispatchers(2, 8, [&](World&, TokenDispatcher& d) -> Status {
     Tensor x = Tensor::zeros(DType::kBF16, 2, 128);
     RoutingMap m = to_map(simple_topk(2, 1, 4, 0), 4);
-    auto out = d.dispatch(input_of(x, nullptr, &m));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "rank 0: routing map has num_experts = 4, expected 8");
+    return expect_dispatch_error(d, x, nullptr,
+                                 "rank 0: routing map has num_experts = 4, expected 8", &m);
   });
 }
 
@@ -117,9 +121,7 @@ TEST_P(DispatchErrors, HiddenSizeDiffersAcrossRanks) {
     const int64_t T = w.rank() == 2 ? 0 : 2;
     Tensor x = Tensor::zeros(DType::kF32, T, H);
     TopkRouting r = simple_topk(T, 2, 6, 0);
-    auto out = d.dispatch(input_of(x, &r));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "hidden = 128 on rank 0 but 256 on rank 1");
+    return expect_dispatch_error(d, x, &r, "hidden = 128 on rank 0 but 256 on rank 1");
   });
 }
 
@@ -128,9 +130,7 @@ TEST_P(DispatchErrors, NanProbOnOneRank) {
     Tensor x = Tensor::zeros(DType::kF32, 2, 128);
     TopkRouting r = simple_topk(2, 1, 4, w.rank());
     if (w.rank() == 3) r.topk_weights[1] = std::numeric_limits<float>::quiet_NaN();
-    auto out = d.dispatch(input_of(x, &r));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "rank 3: topk_weights[1][0] = nan is not a valid prob");
+    return expect_dispatch_error(d, x, &r, "rank 3: topk_weights[1][0] = nan is not a valid prob");
   });
 }
 

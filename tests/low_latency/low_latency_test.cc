@@ -247,10 +247,10 @@ TEST_P(LowLatencyTest, DispatchAndCombineMatchTheReference) {
           const bool fp8 = mode >= 2, round_scale = mode == 3, hook = mode % 2 == 1;
           MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
                                 buffer.low_latency_dispatch({.x = p.x[size_t(me)].view(),
-                                                              .topk = &p.topk[size_t(me)],
-                                                              .use_fp8 = fp8,
-                                                              .round_scale = round_scale,
-                                                              .return_recv_hook = hook}));
+                                                             .topk = &p.topk[size_t(me)],
+                                                             .use_fp8 = fp8,
+                                                             .round_scale = round_scale,
+                                                             .return_recv_hook = hook}));
           if (!d.hook) return internal_error("hook is null");
           if (hook == d.hook->ready()) return internal_error("hook ready() = ", d.hook->ready());
           if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
@@ -259,9 +259,9 @@ TEST_P(LowLatencyTest, DispatchAndCombineMatchTheReference) {
           Tensor y = expert_output(p, me, d);
           MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
                                 buffer.low_latency_combine({.x = y.view(),
-                                                             .topk = &p.topk[size_t(me)],
-                                                             .handle = d.handle,
-                                                             .return_recv_hook = hook}));
+                                                            .topk = &p.topk[size_t(me)],
+                                                            .handle = d.handle,
+                                                            .return_recv_hook = hook}));
           if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
           Status cs = check_combine(p, me, out.combined_x);
           if (!cs.ok()) return cs.with_context(str_cat("round ", round, " mode ", mode));
@@ -284,12 +284,12 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
       const int me = w.rank();
       for (int round = 0; round < 2; ++round) {
         MOED_ASSIGN_OR_RETURN(auto da, buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
-                                                                     .topk = &a->topk[size_t(me)],
-                                                                     .use_fp8 = round == 1,
-                                                                     .return_recv_hook = true}));
+                                                                    .topk = &a->topk[size_t(me)],
+                                                                    .use_fp8 = round == 1,
+                                                                    .return_recv_hook = true}));
         MOED_ASSIGN_OR_RETURN(auto db, buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
-                                                                     .topk = &b->topk[size_t(me)],
-                                                                     .return_recv_hook = true}));
+                                                                    .topk = &b->topk[size_t(me)],
+                                                                    .return_recv_hook = true}));
         // A third dispatch before the first is received is refused on every rank.
         auto third = buffer.low_latency_dispatch(
             {.x = a->x[size_t(me)].view(), .topk = &a->topk[size_t(me)]});
@@ -314,13 +314,13 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
         TensorView va(ya.data(), DType::kBF16, ya.rows(), c.hidden, c.hidden * 2);
         TensorView vb(yb.data(), DType::kBF16, yb.rows(), c.hidden, c.hidden * 2);
         MOED_ASSIGN_OR_RETURN(auto ca, buffer.low_latency_combine({.x = va,
-                                                                    .topk = &a->topk[size_t(me)],
-                                                                    .handle = da.handle,
-                                                                    .return_recv_hook = true}));
+                                                                   .topk = &a->topk[size_t(me)],
+                                                                   .handle = da.handle,
+                                                                   .return_recv_hook = true}));
         MOED_ASSIGN_OR_RETURN(auto cb, buffer.low_latency_combine({.x = vb,
-                                                                    .topk = &b->topk[size_t(me)],
-                                                                    .handle = db.handle,
-                                                                    .return_recv_hook = true}));
+                                                                   .topk = &b->topk[size_t(me)],
+                                                                   .handle = db.handle,
+                                                                   .return_recv_hook = true}));
         MOED_RETURN_IF_ERROR(cb.hook->wait());  // out of order on purpose
         MOED_RETURN_IF_ERROR(ca.hook->wait());
         MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
@@ -347,23 +347,23 @@ TEST_P(LowLatencyTest, HooksRunInAnyOrderAcrossRanks) {
       return second->wait();
     };
     MOED_ASSIGN_OR_RETURN(auto da, buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
-                                                                 .topk = &a->topk[size_t(me)],
-                                                                 .return_recv_hook = true}));
+                                                                .topk = &a->topk[size_t(me)],
+                                                                .return_recv_hook = true}));
     MOED_ASSIGN_OR_RETURN(auto db, buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
-                                                                 .topk = &b->topk[size_t(me)],
-                                                                 .return_recv_hook = true}));
+                                                                .topk = &b->topk[size_t(me)],
+                                                                .return_recv_hook = true}));
     MOED_RETURN_IF_ERROR(in_order(da.hook, db.hook));
     MOED_RETURN_IF_ERROR(check_dispatch(*a, me, da, false, false));
     MOED_RETURN_IF_ERROR(check_dispatch(*b, me, db, false, false));
     Tensor ya = expert_output(*a, me, da), yb = expert_output(*b, me, db);
     MOED_ASSIGN_OR_RETURN(auto ca, buffer.low_latency_combine({.x = ya.view(),
-                                                                .topk = &a->topk[size_t(me)],
-                                                                .handle = da.handle,
-                                                                .return_recv_hook = true}));
+                                                               .topk = &a->topk[size_t(me)],
+                                                               .handle = da.handle,
+                                                               .return_recv_hook = true}));
     MOED_ASSIGN_OR_RETURN(auto cb, buffer.low_latency_combine({.x = yb.view(),
-                                                                .topk = &b->topk[size_t(me)],
-                                                                .handle = db.handle,
-                                                                .return_recv_hook = true}));
+                                                               .topk = &b->topk[size_t(me)],
+                                                               .handle = db.handle,
+                                                               .return_recv_hook = true}));
     MOED_RETURN_IF_ERROR(in_order(ca.hook, cb.hook));
     MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
     return check_combine(*b, me, cb.combined_x);
@@ -416,9 +416,9 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
         const TensorView y = strided_copy(expert_output(*p, me, d), &y_keep);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
                               buffer.low_latency_combine({.x = y,
-                                                           .topk = &p->topk[size_t(me)],
-                                                           .handle = d.handle,
-                                                           .return_recv_hook = hook}));
+                                                          .topk = &p->topk[size_t(me)],
+                                                          .handle = d.handle,
+                                                          .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
         Status cs = check_combine(*p, me, out.combined_x);
         if (!cs.ok()) return cs.with_context(str_cat("mode ", mode));
@@ -450,12 +450,11 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
         const bool fp8 = mode >= 2, hook = mode % 2 == 1;
         if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
         Tensor x = Tensor::copy_of(p->x[size_t(me)].view());
-        MOED_ASSIGN_OR_RETURN(
-            LowLatencyDispatchOutput d,
-            buffer.low_latency_dispatch({.x = x.view(),
-                                          .topk = &p->topk[size_t(me)],
-                                          .use_fp8 = fp8,
-                                          .return_recv_hook = hook}));
+        MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
+                              buffer.low_latency_dispatch({.x = x.view(),
+                                                           .topk = &p->topk[size_t(me)],
+                                                           .use_fp8 = fp8,
+                                                           .return_recv_hook = hook}));
         // DeepEP's contract: dispatch's x is free once the send phase has returned.
         scribble(x);
         if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
@@ -465,9 +464,9 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
         Tensor y = expert_output(*p, me, d);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
                               buffer.low_latency_combine({.x = y.view(),
-                                                           .topk = &p->topk[size_t(me)],
-                                                           .handle = d.handle,
-                                                           .return_recv_hook = hook}));
+                                                          .topk = &p->topk[size_t(me)],
+                                                          .handle = d.handle,
+                                                          .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
         scribble(y);
         MOED_RETURN_IF_ERROR(w.barrier());

@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "comm/gloo/gloo_world.h"
 #include "comm/backend.h"
+#include "comm/gloo/gloo_world.h"
 #include "comm/sum_rows.h"
 
 namespace moed::gloo_comm {
@@ -239,8 +239,8 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   const uint64_t mine = count;
   MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> counts,
                         gather_words(*this, ranks, slot, &mine, 1, "all_reduce_f32"));
-  MOED_RETURN_IF_ERROR(internal::check_same_as_rank0(
-      "all_reduce_f32", "count", size_, [&](int r) { return counts[size_t(r)]; }));
+  MOED_RETURN_IF_ERROR(internal::check_same_as_rank0("all_reduce_f32", "count", size_,
+                                                     [&](int r) { return counts[size_t(r)]; }));
   if (count == 0) return ok_status();
   // Gathering everything costs R times the data of a reduction tree, but fixes the order.
   std::vector<float> rows(count * size_t(size_));

@@ -8,8 +8,8 @@
 #include <functional>
 #include <string>
 
-#include "comm/mpi/mpi_world.h"
 #include "comm/backend.h"
+#include "comm/mpi/mpi_world.h"
 #include "comm/sum_rows.h"
 
 namespace moed::mpi {
@@ -193,8 +193,8 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   CallBuffers buf;
   const uint64_t mine = count;
   MOED_ASSIGN_OR_RETURN(const uint64_t* counts, gather_words(*this, buf, &mine, 1, what));
-  MOED_RETURN_IF_ERROR(internal::check_same_as_rank0(
-      "all_reduce_f32", "count", size_, [&](int r) { return counts[size_t(r)]; }));
+  MOED_RETURN_IF_ERROR(internal::check_same_as_rank0("all_reduce_f32", "count", size_,
+                                                     [&](int r) { return counts[size_t(r)]; }));
   MOED_RETURN_IF_ERROR(agree_verdict(
       fits_int(count * sizeof(float) * size_t(size_), "all_reduce_f32"), "all_reduce_f32"));
   if (count == 0) return ok_status();

@@ -43,9 +43,8 @@ Status check_exchange(const std::vector<Slot>& slots, const char* name, bool rec
     const Slot& s = slots[r];
     MOED_RETURN_IF_ERROR(
         recv_only ? internal::check_length(name, int(r), "recv sizes", s.recv_sizes.size(), n)
-                  : internal::check_exchange_lengths(name, int(r), n, s.send_sizes,
-                                                     s.send_offsets, s.recv_sizes,
-                                                     s.recv_offsets));
+                  : internal::check_exchange_lengths(name, int(r), n, s.send_sizes, s.send_offsets,
+                                                     s.recv_sizes, s.recv_offsets));
   }
   for (size_t d = 0; d < n; ++d) {
     MOED_RETURN_IF_ERROR(internal::check_recv_sizes(
