@@ -32,6 +32,11 @@ inline void count_send(World& w, int dst, uint64_t bytes) {
   }
 }
 
+// Counts a send of `bytes` to every rank (a broadcast's root, an all-gather, an all-reduce).
+inline void count_send_to_all(World& w, uint64_t bytes) {
+  for (int d = 0; d < w.size(); ++d) count_send(w, d, bytes);
+}
+
 // Rank `rank`'s span `name` has one entry per rank of the `n`.
 inline Status check_length(const char* op, int rank, const char* name, size_t length, size_t n) {
   if (length == n) return ok_status();

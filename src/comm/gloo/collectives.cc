@@ -52,7 +52,7 @@ Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
         staged, [&](char* s) { std::memcpy(s, data, bytes); },
         [&](int, const char* s) { std::memcpy(data, s, bytes); }, "broadcast"));
     if (rank_ == root)
-      for (int d = 0; d < size_; ++d) count_send(d, bytes);
+      internal::count_send_to_all(*this, bytes);
     return ok_status();
   }
   std::vector<Transfer> sends, recvs;
@@ -104,7 +104,7 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
   }
   // After the others have read `send` (it may overlap this rank's part of recv).
   if (send_bytes > 0) std::memmove(out + offsets[size_t(rank_)], send, send_bytes);
-  for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
+  internal::count_send_to_all(*this, send_bytes);
   return ok_status();
 }
 
@@ -257,7 +257,7 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
         gather(ranks, slot, send, count * sizeof(float), rows.data(), "all_reduce_f32"));
   }
   internal::sum_rows(pool(), rows.data(), size_, count, recv);
-  for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
+  internal::count_send_to_all(*this, count * sizeof(float));
   return ok_status();
 }
 

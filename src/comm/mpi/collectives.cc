@@ -63,7 +63,7 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
       check(MPI_Ibcast(data, int(bytes), MPI_BYTE, root, comm_, &req), "MPI_Ibcast"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   if (rank_ == root) {
-    for (int d = 0; d < size_; ++d) count_send(d, bytes);
+    internal::count_send_to_all(*this, bytes);
   }
   return ok_status();
 }
@@ -97,7 +97,7 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
       MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts, displs, MPI_BYTE, comm_, &req),
       "MPI_Iallgatherv"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
-  for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
+  internal::count_send_to_all(*this, send_bytes);
   return ok_status();
 }
 
@@ -206,7 +206,7 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
             "MPI_Iallgather"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   internal::sum_rows(pool(), rows, size_, count, recv);
-  for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
+  internal::count_send_to_all(*this, count * sizeof(float));
   return ok_status();
 }
 

@@ -77,7 +77,7 @@ Status ThreadsWorld::broadcast_bytes(void* data, size_t bytes, int root) {
       },
       [&](const std::vector<Slot>& slots) {
         if (rank_ == root) {
-          for (int d = 0; d < size_; ++d) count_send(d, bytes);
+          internal::count_send_to_all(*this, bytes);
         } else if (bytes > 0) {
           std::memcpy(data, slots[size_t(root)].recv, bytes);
         }
@@ -193,7 +193,7 @@ Status ThreadsWorld::all_reduce_f32(const float* send, float* recv, size_t count
         sum.resize(count);
         internal::sum_rows(pool(), size_, count, sum.data(),
                            [&](int r) { return static_cast<const float*>(slots[size_t(r)].send); });
-        for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
+        internal::count_send_to_all(*this, count * sizeof(float));
       });
   if (status.ok() && count > 0) std::memcpy(recv, sum.data(), count * sizeof(float));
   return status;
