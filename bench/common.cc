@@ -294,6 +294,20 @@ nlohmann::json world_record(std::string_view suite, const Shape& s, const std::s
   return shape_record(suite, s, threads, iters, std::move(fields));
 }
 
+nlohmann::json bf16_phase_fields(const std::string& dispatcher, const std::string& phase,
+                                 int64_t rows, int64_t hidden, const Traffic& traffic,
+                                 bool verified) {
+  return {{"dispatcher", dispatcher},
+          {"phase", phase},
+          {"dtype", "bf16"},
+          {"rows", rows},
+          {"bytes", size_t(rows) * size_t(hidden) * 2},
+          {"network_bytes", traffic.network_bytes},
+          {"shared_bytes", traffic.shared_bytes},
+          {"collectives", traffic.collectives},
+          {"verified", verified}};
+}
+
 void add_mpi_baseline(nlohmann::json& record, double mpi_seconds) {
   if (mpi_seconds <= 0) return;
   const double bytes = record["bytes"].get<double>();

@@ -166,6 +166,12 @@ nlohmann::json shape_record(std::string_view suite, const Shape& s, int threads,
 nlohmann::json world_record(std::string_view suite, const Shape& s, const std::string& world,
                             int ranks, int ranks_per_node, int threads, int iters,
                             nlohmann::json fields);
+// A dispatcher phase's own fields over `rows` bf16 rows of `hidden` values: dispatcher, phase,
+// dtype, rows, bytes, the traffic of one call (network_bytes, shared_bytes, collectives) and
+// verified (checked against the reference).
+nlohmann::json bf16_phase_fields(const std::string& dispatcher, const std::string& phase,
+                                 int64_t rows, int64_t hidden, const Traffic& traffic,
+                                 bool verified);
 // A bare MPI_Alltoallv of the record's bytes, timed the same way in the same run, beside its
 // figure: mpi_seconds, mpi_gbps and ratio_to_mpi (= gbps / mpi_gbps). Nothing when
 // mpi_seconds is 0 (not the MPI world).

@@ -15,7 +15,7 @@
 // is the collectives one call entered on each rank (TrafficCounters, mean over ranks). With several
 // nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a flat all-to-all of
 // the same routing would send between nodes, and network_vs_flat = network_bytes / that; Flex
-// records add copies_per_row and ideal_ratio, counted from the routing (two_hop_network_rows).
+// records add copies_per_row and ideal_ratio, counted from the routing (cross_node_rows).
 // Every record says what holds the memory: peak_rss_bytes and `memory` (inputs_bytes,
 // reference_bytes, copy_bound_bytes, all ranks, and dispatcher_rss_bytes, the resident memory
 // the dispatcher's creation and first dispatch + combine added: its buffers and outputs).
@@ -247,54 +247,35 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
   return ok_status();
 }
 
-// Bytes a flat all-to-all of the same routing would send between nodes: one bf16 row per
-// (token, destination rank on another node), the traffic Flex's two hops cut to one row per
-// (token, destination node) (spec §5.5).
-int64_t flat_network_bytes(const Shape& s, const std::vector<TopkRouting>& topk, int ranks,
-                           int ranks_per_node) {
+// Rows the routing sends between nodes, counted from it (spec §5.5). `flat`: what a flat
+// all-to-all sends, one bf16 row per (token, destination rank on another node). Flex's two
+// hops cut dispatch to one row per (token, remote node) (`dispatch`); combine (per-expert
+// terms) sends one per (token, expert on a remote node) (`combine`). In the threads world the
+// network is itself a memory copy (the model): every received row costs one copy and
+// a row that crosses the network one more, so ideal_ratio = rows / copies is the best ratio to
+// copy such a routing allows.
+struct CrossNodeRows {
+  int64_t flat = 0, dispatch = 0, combine = 0;
+};
+CrossNodeRows cross_node_rows(const Shape& s, const std::vector<TopkRouting>& topk, int ranks,
+                              int ranks_per_node) {
   const int L = s.num_experts / ranks;
-  int64_t rows = 0;
-  std::vector<int> dests;
+  CrossNodeRows n;
+  std::vector<int> dests, nodes;
   for (int src = 0; src < ranks; ++src) {
     const TopkRouting& r = topk[size_t(src)];
     for (int64_t t = 0; t < r.num_tokens; ++t) {
       dests.clear();
-      for (int k = 0; k < r.num_topk; ++k) {
-        const int e = r.topk_idx[size_t(t * r.num_topk + k)];
-        if (e < 0) continue;
-        const int dst = e / L;
-        if (dst / ranks_per_node != src / ranks_per_node) dests.push_back(dst);
-      }
-      std::sort(dests.begin(), dests.end());
-      rows += std::unique(dests.begin(), dests.end()) - dests.begin();
-    }
-  }
-  return rows * int64_t(s.hidden) * 2;
-}
-
-// Flex's ideal across nodes, counted from the routing (the model of the threads world,
-// where the network is itself a memory copy): every received row costs one copy, and a row
-// that crosses the network one more. Dispatch sends one row per (token, remote node); combine
-// (per-expert terms) one per (token, expert on a remote node). ideal_ratio = rows / copies is
-// the best ratio to copy such a routing allows.
-struct TwoHopRows {
-  int64_t dispatch = 0, combine = 0;
-};
-TwoHopRows two_hop_network_rows(const Shape& s, const std::vector<TopkRouting>& topk, int ranks,
-                                int ranks_per_node) {
-  const int L = s.num_experts / ranks;
-  TwoHopRows n;
-  std::vector<int> nodes;
-  for (int src = 0; src < ranks; ++src) {
-    const TopkRouting& r = topk[size_t(src)];
-    for (int64_t t = 0; t < r.num_tokens; ++t) {
       nodes.clear();
       for (int k = 0; k < r.num_topk; ++k) {
         const int e = r.topk_idx[size_t(t * r.num_topk + k)];
         if (e < 0 || (e / L) / ranks_per_node == src / ranks_per_node) continue;
+        dests.push_back(e / L);
         nodes.push_back((e / L) / ranks_per_node);
         ++n.combine;
       }
+      std::sort(dests.begin(), dests.end());
+      n.flat += std::unique(dests.begin(), dests.end()) - dests.begin();
       std::sort(nodes.begin(), nodes.end());
       n.dispatch += std::unique(nodes.begin(), nodes.end()) - nodes.begin();
     }
@@ -328,7 +309,7 @@ void run(const Args& a) {
   int g = a.ranks_per_node == 0 ? ranks : a.ranks_per_node;
   int64_t flat_bytes = 0;
   Memory memory;
-  TwoHopRows net_rows;
+  CrossNodeRows net_rows;
   {
     StatusOr<Problem> pr = make_problem(s, ranks);
     if (!pr.ok()) fail("dispatch", pr.status());
@@ -347,8 +328,8 @@ void run(const Args& a) {
         &my_rank);
     if (!st.ok()) fail("dispatch", st);
     if (g < ranks) {
-      flat_bytes = flat_network_bytes(s, pr->topk, ranks, g);
-      net_rows = two_hop_network_rows(s, pr->topk, ranks, g);
+      net_rows = cross_node_rows(s, pr->topk, ranks, g);
+      flat_bytes = net_rows.flat * int64_t(s.hidden) * 2;
     }
   }
   if (my_rank != 0) return;
@@ -358,24 +339,15 @@ void run(const Args& a) {
   const uint64_t peak = peak_rss_bytes();
   Report report(a.json);
   for (const Figure& f : figures) {
-    const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
-    nlohmann::json rec =
-        world_record("dispatch", s, a.world, ranks, g, threads, a.iters,
-                     {{"dispatcher", f.dispatcher},
-                      {"phase", f.phase},
-                      {"dtype", "bf16"},
-                      {"rows", f.rows},
-                      {"bytes", bytes},
-                      {"network_bytes", f.traffic.network_bytes},
-                      {"shared_bytes", f.traffic.shared_bytes},
-                      {"collectives", f.traffic.collectives},
-                      {"peak_rss_bytes", peak},
-                      {"memory",
-                       {{"inputs_bytes", memory.inputs},
+    nlohmann::json fields =
+        bf16_phase_fields(f.dispatcher, f.phase, f.rows, s.hidden, f.traffic, f.verified);
+    fields["peak_rss_bytes"] = peak;
+    fields["memory"] = {{"inputs_bytes", memory.inputs},
                         {"reference_bytes", memory.reference},
                         {"copy_bound_bytes", memory.copy_bound},
-                        {"dispatcher_rss_bytes", f.dispatcher_rss_bytes}}},
-                      {"verified", f.verified}});
+                        {"dispatcher_rss_bytes", f.dispatcher_rss_bytes}};
+    nlohmann::json rec =
+        world_record("dispatch", s, a.world, ranks, g, threads, a.iters, std::move(fields));
     add_paired(rec, f.times);
     if (flat_bytes > 0 && f.phase == "dispatch") {
       rec["flat_network_bytes"] = flat_bytes;

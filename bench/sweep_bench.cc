@@ -271,30 +271,23 @@ void sweep(const SweepArgs& a) {
       if (my_rank != 0) continue;
       std::map<std::string, SummaryRow> rows;
       for (const Figure& f : figures) {
-        const size_t bytes = size_t(f.rows) * size_t(s.hidden) * 2;
-        nlohmann::json rec =
-            world_record("sweep", s, world, R, a.ranks_per_node, pool_threads, a.iters,
-                         {{"dispatcher", f.dispatcher},
-                          {"phase", f.phase},
-                          {"dtype", "bf16"},
-                          {"rows", f.rows},
-                          {"bytes", bytes},
-                          {"network_bytes", f.traffic.network_bytes},
-                          {"shared_bytes", f.traffic.shared_bytes},
-                          {"verified", f.verified}});
+        nlohmann::json rec = world_record(
+            "sweep", s, world, R, a.ranks_per_node, pool_threads, a.iters,
+            bf16_phase_fields(f.dispatcher, f.phase, f.rows, s.hidden, f.traffic, f.verified));
         add_paired(rec, f.times);
         const double seconds = rec["seconds"].get<double>();
         const double copy = rec["copy_gbps"].get<double>();
         const double ratio = rec["ratio_to_copy"].get<double>();
         rec["microseconds"] = seconds * 1e6;
         const bool noisy = rec["noisy"].get<bool>();
+        const double rec_bytes = rec["bytes"].get<double>();
         report.add(std::move(rec));
         SummaryRow& row = rows[f.dispatcher];
         row.world = world;
         row.shape = s.name;
         row.dispatcher = f.dispatcher;
         row.ranks = R;
-        const double gbps = seconds > 0 ? double(bytes) / seconds / 1e9 : 0;
+        const double gbps = seconds > 0 ? rec_bytes / seconds / 1e9 : 0;
         (f.phase == "dispatch" ? row.dispatch_gbps : row.combine_gbps) = gbps;
         (f.phase == "dispatch" ? row.dispatch_us : row.combine_us) = seconds * 1e6;
         (f.phase == "dispatch" ? row.dispatch_ratio : row.combine_ratio) = ratio;

@@ -69,9 +69,7 @@ class HeaderParser {
     bool have_descr = false, have_order = false, have_shape = false;
     skip_ws();
     MOED_RETURN_IF_ERROR(expect('{'));
-    for (;;) {
-      skip_ws();
-      if (peek() == '}') break;
+    MOED_RETURN_IF_ERROR(parse_items('}', "expected ',' or '}'", [&]() -> Status {
       std::string key;
       MOED_RETURN_IF_ERROR(parse_string(&key));
       skip_ws();
@@ -95,14 +93,8 @@ class HeaderParser {
       } else {
         return error(str_cat("unexpected key '", key, "'"));
       }
-      skip_ws();
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() != '}') return error("expected ',' or '}'");
-    }
-    ++pos_;  // '}'
+      return ok_status();
+    }));
     skip_ws();
     if (pos_ != text_.size()) return error("unexpected text after '}'");
     if (!have_descr) return missing("descr");
@@ -128,6 +120,25 @@ class HeaderParser {
   Status expect(char c) {
     if (peek() != c) return error(str_cat("expected '", c, "'"));
     ++pos_;
+    return ok_status();
+  }
+
+  // Items up to `close` (the opening bracket read), comma-separated, a trailing comma allowed;
+  // item() parses one. `bad_separator` is the error when neither a comma nor `close` follows.
+  template <typename Item>
+  Status parse_items(char close, const char* bad_separator, const Item& item) {
+    for (;;) {
+      skip_ws();
+      if (peek() == close) break;
+      MOED_RETURN_IF_ERROR(item());
+      skip_ws();
+      if (peek() == ',') {
+        ++pos_;
+        continue;
+      }
+      if (peek() != close) return error(bad_separator);
+    }
+    ++pos_;  // close
     return ok_status();
   }
 
@@ -178,22 +189,13 @@ class HeaderParser {
   Status parse_shape(std::vector<int64_t>* shape) {
     MOED_RETURN_IF_ERROR(expect('('));
     shape->clear();
-    for (;;) {
-      skip_ws();
-      if (peek() == ')') break;
+    // "(5)" is an int in Python, not a tuple; numpy writes "(5,)".
+    return parse_items(')', "expected ',' or ')' in the shape", [&]() -> Status {
       int64_t dim = 0;
       MOED_RETURN_IF_ERROR(parse_dim(&dim));
       shape->push_back(dim);
-      skip_ws();
-      if (peek() == ',') {
-        ++pos_;
-        continue;
-      }
-      if (peek() != ')') return error("expected ',' or ')' in the shape");
-    }
-    ++pos_;  // ')'
-    // "(5)" is an int in Python, not a tuple; numpy writes "(5,)".
-    return ok_status();
+      return ok_status();
+    });
   }
 
   Status parse_dim(int64_t* dim) {
@@ -297,6 +299,31 @@ StatusOr<std::vector<T>> to_integers(const NpyArray& a, const char* as, const ch
                               " does not fit ", as, " [", lo, ", ", hi, "]");
     }
     out[size_t(i)] = T(v);
+  }
+  return out;
+}
+
+// Float conversions: an array of T is copied; one of the other float type, Other, is
+// converted, and a value that does not convert exactly is an error.
+template <typename T, typename Other>
+StatusOr<std::vector<T>> to_floats(const NpyArray& a, NpyDType same, NpyDType other, const char* as,
+                                   const char* expected) {
+  MOED_RETURN_IF_ERROR(check_size(a));
+  const int64_t n = a.num_elements();
+  std::vector<T> out(static_cast<size_t>(n));
+  if (a.dtype == same) {
+    if (n) std::memcpy(out.data(), a.data.data(), size_t(n) * sizeof(T));
+    return out;
+  }
+  if (a.dtype != other) return wrong_dtype(a, as, expected);
+  for (int64_t i = 0; i < n; ++i) {
+    const Other d = element<Other>(a, i);
+    const T f = T(d);
+    if (Other(f) != d && !std::isnan(d)) {
+      return invalid_argument(a.name, ": value", index_string(a.shape, i), " = ", d,
+                              " is not exactly a ", as);
+    }
+    out[size_t(i)] = f;
   }
   return out;
 }
@@ -449,37 +476,11 @@ Status write_npy(const std::string& path, NpyDType dtype, std::initializer_list<
 }
 
 StatusOr<std::vector<float>> npy_to_f32(const NpyArray& a) {
-  MOED_RETURN_IF_ERROR(check_size(a));
-  const int64_t n = a.num_elements();
-  std::vector<float> out(static_cast<size_t>(n));
-  if (a.dtype == NpyDType::kF32) {
-    if (n) std::memcpy(out.data(), a.data.data(), size_t(n) * 4);
-    return out;
-  }
-  if (a.dtype != NpyDType::kF64) return wrong_dtype(a, "float32", "<f4, <f8");
-  for (int64_t i = 0; i < n; ++i) {
-    const double d = element<double>(a, i);
-    const float f = float(d);
-    if (double(f) != d && !std::isnan(d)) {
-      return invalid_argument(a.name, ": value", index_string(a.shape, i), " = ", d,
-                              " is not exactly a float32");
-    }
-    out[size_t(i)] = f;
-  }
-  return out;
+  return to_floats<float, double>(a, NpyDType::kF32, NpyDType::kF64, "float32", "<f4, <f8");
 }
 
 StatusOr<std::vector<double>> npy_to_f64(const NpyArray& a) {
-  MOED_RETURN_IF_ERROR(check_size(a));
-  const int64_t n = a.num_elements();
-  std::vector<double> out(static_cast<size_t>(n));
-  if (a.dtype == NpyDType::kF64) {
-    if (n) std::memcpy(out.data(), a.data.data(), size_t(n) * 8);
-    return out;
-  }
-  if (a.dtype != NpyDType::kF32) return wrong_dtype(a, "float64", "<f8, <f4");
-  for (int64_t i = 0; i < n; ++i) out[size_t(i)] = element<float>(a, i);
-  return out;
+  return to_floats<double, float>(a, NpyDType::kF64, NpyDType::kF32, "float64", "<f8, <f4");
 }
 
 StatusOr<std::vector<int32_t>> npy_to_i32(const NpyArray& a) {

@@ -23,6 +23,14 @@ Status check_entries(const char* name, size_t entries, int64_t num_tokens, const
                           num_tokens, " * ", width, " = ", expected);
 }
 
+// The sizes of every routing form: E >= 1, T >= 0, K >= 0.
+Status check_sizes(int num_experts, int64_t num_tokens, int num_topk) {
+  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
+  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
+  if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
+  return ok_status();
+}
+
 // Calls f(e, row[e]) for each nonzero byte of row[0, E), e ascending, while f returns true.
 // NOTE: a map row is mostly zeros (K of E cells), so it is read a word at a time and only
 // words with a routed cell are looked into: O(T * E / 8 + entries) instead of O(T * E).
@@ -57,9 +65,7 @@ RoutingMap RoutingMap::empty(int64_t num_tokens, int num_experts) {
 Status validate(const TopkRouting& routing, int num_experts) {
   const int64_t num_tokens = routing.num_tokens;
   const int num_topk = routing.num_topk;
-  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
-  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
-  if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
+  MOED_RETURN_IF_ERROR(check_sizes(num_experts, num_tokens, num_topk));
   MOED_RETURN_IF_ERROR(
       check_entries("topk_idx", routing.topk_idx.size(), num_tokens, "num_topk", num_topk));
   MOED_RETURN_IF_ERROR(
@@ -70,9 +76,7 @@ Status validate(const TopkRouting& routing, int num_experts) {
 Status validate(const TopkView& routing, int num_experts) {
   const int64_t num_tokens = routing.num_tokens;
   const int num_topk = routing.num_topk;
-  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
-  if (num_tokens < 0) return invalid_argument("num_tokens = ", num_tokens, " must be >= 0");
-  if (num_topk < 0) return invalid_argument("num_topk = ", num_topk, " must be >= 0");
+  MOED_RETURN_IF_ERROR(check_sizes(num_experts, num_tokens, num_topk));
   // NOTE: repeats are found with one stamp per expert (the last token that used it and at
   // which k), so the check is O(T * K) with no per-token allocation.
   std::vector<int64_t> seen_token(size_t(num_experts), -1);
@@ -146,14 +150,7 @@ Status check_map_header(const MapView& routing, int expected_experts) {
     return invalid_argument("routing map has num_experts = ", num_experts, ", expected ",
                             expected_experts);
   }
-  if (num_experts < 1) return invalid_argument("num_experts = ", num_experts, " must be >= 1");
-  if (routing.num_tokens < 0) {
-    return invalid_argument("num_tokens = ", routing.num_tokens, " must be >= 0");
-  }
-  if (routing.num_topk < 0) {
-    return invalid_argument("num_topk = ", routing.num_topk, " must be >= 0");
-  }
-  return ok_status();
+  return check_sizes(num_experts, routing.num_tokens, routing.num_topk);
 }
 
 Status check_map_cells(const MapView& routing) {

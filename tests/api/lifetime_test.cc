@@ -3,8 +3,7 @@
 // requests are never null, a Flex step makes one collective, the pools are settable.
 #include <gtest/gtest.h>
 
-#include <tuple>
-
+#include "api/api_grid.h"
 #include "dispatch/harness.h"
 #include "moed/dispatcher.h"
 #include "moed/thread_pool.h"
@@ -36,20 +35,10 @@ Status same(const DispatchOutput& out, const Held& h, const std::string& what) {
 }
 
 testing::DispatchCase make_case(int ranks, int g, uint64_t seed) {
-  testing::DispatchCase c;
-  c.ranks = ranks;
-  c.ranks_per_node = g;
-  c.num_experts = 2 * ranks;
-  c.num_topk = 2;
-  c.tokens.assign(size_t(ranks), 0);
-  for (int r = 0; r < ranks; ++r) c.tokens[size_t(r)] = 5 + 3 * r + int(seed);
-  c.tokens[1] = 0;  // a rank with no tokens
-  c.hidden = 72;    // not a multiple of 16
-  c.seed = seed;
-  return c;
+  return testing::api_case(ranks, g, 5 + int(seed), /*hidden=*/72, seed);
 }
 
-class OutputLifetime : public ::testing::TestWithParam<std::tuple<Backend, DispatcherKind>> {};
+class OutputLifetime : public testing::BackendAndKindTest {};
 
 // Hold output 1 (and its combine), dispatch and combine again with other routing and data:
 // output 1 is bitwise unchanged. Then with the outputs dropped, the steps run again.
@@ -135,17 +124,8 @@ TEST_P(OutputLifetime, RequestsAreNeverNull) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
-std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, DispatcherKind>>& info) {
-  return std::string(testing::backend_name(std::get<0>(info.param))) + "_" +
-         dispatcher_kind_name(std::get<1>(info.param));
-}
-
-INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime,
-                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values(DispatcherKind::kAllGather,
-                                                              DispatcherKind::kAlltoAll,
-                                                              DispatcherKind::kFlex)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime, testing::six_step_grid(),
+                         testing::six_step_grid_name);
 
 // One collective before data moves in each Flex step, in the steady state (same shapes, the
 // previous outputs dropped, so no region grows): dispatch 1, cached dispatch, combine and the

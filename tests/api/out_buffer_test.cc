@@ -7,8 +7,8 @@
 
 #include <algorithm>
 #include <cstring>
-#include <tuple>
 
+#include "api/api_grid.h"
 #include "dispatch/harness.h"
 #include "moed/deep_ep.h"
 #include "moed/dispatcher.h"
@@ -63,21 +63,12 @@ Status expect_error(const Status& s, int bad_rank, const std::string& expect, co
 }
 
 testing::DispatchCase make_case(int ranks, int g, DType dt) {
-  testing::DispatchCase c;
-  c.ranks = ranks;
-  c.ranks_per_node = g;
-  c.num_experts = 2 * ranks;
-  c.num_topk = 2;
-  c.tokens.assign(size_t(ranks), 0);
-  for (int r = 0; r < ranks; ++r) c.tokens[size_t(r)] = 4 + 3 * r;
-  if (ranks > 1) c.tokens[1] = 0;  // a rank with no tokens
-  c.hidden = 100;                  // not a multiple of 16
+  testing::DispatchCase c = testing::api_case(ranks, g, 4, /*hidden=*/100, /*seed=*/7);
   c.dtype = dt;
-  c.seed = 7;
   return c;
 }
 
-class CombineOut : public ::testing::TestWithParam<std::tuple<Backend, DispatcherKind>> {};
+class CombineOut : public testing::BackendAndKindTest {};
 
 TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
   const auto [backend, kind] = GetParam();
@@ -161,17 +152,7 @@ TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
   }
 }
 
-std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, DispatcherKind>>& info) {
-  return std::string(testing::backend_name(std::get<0>(info.param))) + "_" +
-         dispatcher_kind_name(std::get<1>(info.param));
-}
-
-INSTANTIATE_TEST_SUITE_P(Worlds, CombineOut,
-                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values(DispatcherKind::kAllGather,
-                                                              DispatcherKind::kAlltoAll,
-                                                              DispatcherKind::kFlex)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, CombineOut, testing::six_step_grid(), testing::six_step_grid_name);
 
 // DeepEP's normal mode (rank-major) and low-latency combine, the same checks.
 class DeepEpCombineOut : public ::testing::TestWithParam<Backend> {};
@@ -251,9 +232,7 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DeepEpCombineOut, ::testing::ValuesIn(testing::backends()),
-                         [](const ::testing::TestParamInfo<Backend>& info) {
-                           return std::string(testing::backend_name(info.param));
-                         });
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 // DeepEP's normal dispatch into a caller's recv_x (NormalDispatchInput::out), sized by
 // num_worst_tokens or by a cached handle: the same bits as moed's own recv_x, the padding

@@ -12,14 +12,8 @@
 #include "moed/world.h"
 #include "support/world_test.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using ::moed::testing::Backend;
-using ::moed::testing::grid_name;
-using ::moed::testing::mix;
-using ::moed::testing::run_world;
-using ::moed::testing::test_float;
 
 class CollectivesTest : public ::testing::TestWithParam<Backend> {};
 
@@ -293,4 +287,4 @@ INSTANTIATE_TEST_SUITE_P(Worlds, CollectivesTest, ::testing::ValuesIn(moed::test
                          moed::testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

@@ -9,13 +9,8 @@
 #include "moed/world.h"
 #include "support/world_test.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using ::moed::testing::Backend;
-using ::moed::testing::grid_name;
-using ::moed::testing::mix;
-using ::moed::testing::run_world;
 
 class NetworkTest : public ::testing::TestWithParam<Backend> {};
 
@@ -111,4 +106,4 @@ INSTANTIATE_TEST_SUITE_P(Worlds, NetworkTest, ::testing::ValuesIn(moed::testing:
                          moed::testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

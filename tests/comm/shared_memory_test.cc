@@ -10,13 +10,8 @@
 #include "moed/world.h"
 #include "support/world_test.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using ::moed::testing::Backend;
-using ::moed::testing::grid_name;
-using ::moed::testing::mix;
-using ::moed::testing::run_world;
 
 class SharedMemoryTest : public ::testing::TestWithParam<Backend> {};
 
@@ -128,4 +123,4 @@ INSTANTIATE_TEST_SUITE_P(Worlds, SharedMemoryTest, ::testing::ValuesIn(moed::tes
                          moed::testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

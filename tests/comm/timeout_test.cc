@@ -8,11 +8,8 @@
 #include "moed/world.h"
 #include "support/world_test.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using ::moed::testing::Backend;
-using ::moed::testing::run_world;
 
 class TimeoutTest : public ::testing::TestWithParam<Backend> {};
 
@@ -58,4 +55,4 @@ INSTANTIATE_TEST_SUITE_P(Worlds, TimeoutTest, ::testing::ValuesIn(moed::testing:
                          moed::testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "dispatch/allgather/allgather.h"
@@ -33,6 +34,16 @@ class DispatchErrors : public ::testing::TestWithParam<std::tuple<Backend, int>>
     c.num_experts = num_experts;
     return c;
   }
+  // Runs body on `ranks` ranks (one node), each with a dispatcher of this test's kind for
+  // `num_experts` experts; the test fails with body's error.
+  void on_dispatchers(int ranks, int num_experts,
+                      const std::function<Status(World&, TokenDispatcher&)>& body) const {
+    Status s = testing::run_world(backend(), ranks, 0, [&](World& w) -> Status {
+      MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(num_experts)));
+      return body(w, *d);
+    });
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
 };
 
 // OK when `got` is `code` with `message` (exactly), else an error saying what came instead.
@@ -50,6 +61,13 @@ DispatchInput input_of(const Tensor& x, const TopkRouting* topk, const RoutingMa
   return in;
 }
 
+// OK when dispatching x with `topk` (or `map`) fails with InvalidArgument and `message`.
+Status expect_dispatch_error(TokenDispatcher& d, const Tensor& x, const TopkRouting* topk,
+                             const std::string& message, const RoutingMap* map = nullptr) {
+  return expect_error(d.dispatch(input_of(x, topk, map)).status(), StatusCode::kInvalidArgument,
+                      message);
+}
+
 TopkRouting simple_topk(int64_t T, int K, int E, int shift) {
   TopkRouting r;
   r.num_tokens = T;
@@ -64,28 +82,21 @@ TopkRouting simple_topk(int64_t T, int K, int E, int shift) {
 }
 
 TEST_P(DispatchErrors, RoutingOutsideNumExpertsOnOneRank) {
-  Status s = testing::run_world(backend(), 4, 0, [&](World& w) -> Status {
-    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(8)));
+  on_dispatchers(4, 8, [&](World& w, TokenDispatcher& d) -> Status {
     Tensor x = Tensor::zeros(DType::kF32, 3, 128);
     TopkRouting r = simple_topk(3, 2, 8, w.rank());
     if (w.rank() == 2) r.topk_idx[2] = 8;  // token 1, k = 0
-    auto out = d->dispatch(input_of(x, &r));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "rank 2: topk_idx[1][0] = 8 is outside [-1, 8)");
+    return expect_dispatch_error(d, x, &r, "rank 2: topk_idx[1][0] = 8 is outside [-1, 8)");
   });
-  ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 TEST_P(DispatchErrors, RoutingMapWithOtherNumExperts) {
-  Status s = testing::run_world(backend(), 2, 0, [&](World& w) -> Status {
-    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(8)));
+  on_dispatchers(2, 8, [&](World&, TokenDispatcher& d) -> Status {
     Tensor x = Tensor::zeros(DType::kBF16, 2, 128);
     RoutingMap m = to_map(simple_topk(2, 1, 4, 0), 4);
-    auto out = d->dispatch(input_of(x, nullptr, &m));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "rank 0: routing map has num_experts = 4, expected 8");
+    return expect_dispatch_error(d, x, nullptr,
+                                 "rank 0: routing map has num_experts = 4, expected 8", &m);
   });
-  ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 TEST_P(DispatchErrors, EpTimesEtpIsNotTheWorldSize) {
@@ -105,52 +116,42 @@ TEST_P(DispatchErrors, EpTimesEtpIsNotTheWorldSize) {
 }
 
 TEST_P(DispatchErrors, HiddenSizeDiffersAcrossRanks) {
-  Status s = testing::run_world(backend(), 3, 0, [&](World& w) -> Status {
-    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(6)));
+  on_dispatchers(3, 6, [&](World& w, TokenDispatcher& d) -> Status {
     const int H = w.rank() == 1 ? 256 : 128;
     const int64_t T = w.rank() == 2 ? 0 : 2;
     Tensor x = Tensor::zeros(DType::kF32, T, H);
     TopkRouting r = simple_topk(T, 2, 6, 0);
-    auto out = d->dispatch(input_of(x, &r));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "hidden = 128 on rank 0 but 256 on rank 1");
+    return expect_dispatch_error(d, x, &r, "hidden = 128 on rank 0 but 256 on rank 1");
   });
-  ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 TEST_P(DispatchErrors, NanProbOnOneRank) {
-  Status s = testing::run_world(backend(), 4, 0, [&](World& w) -> Status {
-    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(4)));
+  on_dispatchers(4, 4, [&](World& w, TokenDispatcher& d) -> Status {
     Tensor x = Tensor::zeros(DType::kF32, 2, 128);
     TopkRouting r = simple_topk(2, 1, 4, w.rank());
     if (w.rank() == 3) r.topk_weights[1] = std::numeric_limits<float>::quiet_NaN();
-    auto out = d->dispatch(input_of(x, &r));
-    return expect_error(out.status(), StatusCode::kInvalidArgument,
-                        "rank 3: topk_weights[1][0] = nan is not a valid prob");
+    return expect_dispatch_error(d, x, &r, "rank 3: topk_weights[1][0] = nan is not a valid prob");
   });
-  ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 TEST_P(DispatchErrors, CombineRowsDisagreeWithTheDispatchOnOneRank) {
-  Status s = testing::run_world(backend(), 2, 0, [&](World& w) -> Status {
-    MOED_ASSIGN_OR_RETURN(auto d, kind().make(w, config(2)));
+  on_dispatchers(2, 2, [&](World& w, TokenDispatcher& d) -> Status {
     Tensor x = Tensor::zeros(DType::kF32, 3, 128);
     TopkRouting r = simple_topk(3, 1, 2, 0);  // tokens 0, 2 -> expert 0; token 1 -> expert 1
-    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input_of(x, &r)));
+    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d.dispatch(input_of(x, &r)));
     const int64_t rows = out.num_rows() + (w.rank() == 1 ? 1 : 0);
     Tensor y = Tensor::zeros(DType::kF32, rows, 128);
-    auto c = d->combine(CombineInput{TokenRows{y.view(), TensorView()}, out.handle});
+    auto c = d.combine(CombineInput{TokenRows{y.view(), TensorView()}, out.handle});
     MOED_RETURN_IF_ERROR(expect_error(c.status(), StatusCode::kInvalidArgument,
                                       "rank 1: expert_output is [3, 128] but the dispatch gave "
                                       "this rank [2, 128]"));
     // fp8 expert outputs are refused on every rank too.
     Tensor y8 = Tensor::zeros(DType::kFP8, out.num_rows(), 128);
-    auto c8 = d->combine(CombineInput{TokenRows{y8.view(), TensorView()}, out.handle});
+    auto c8 = d.combine(CombineInput{TokenRows{y8.view(), TensorView()}, out.handle});
     return expect_error(c8.status(), StatusCode::kInvalidArgument,
                         "rank 0: expert_output is fp8; expert outputs and gradients must be f32 "
                         "or bf16");
   });
-  ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, int>>& info) {

@@ -61,10 +61,13 @@ wait_for_rank() {
 # A run long enough that a fault lands in the middle of it.
 long_run=(run --world mpi --preset small --steps 400 --timeout "$world_timeout")
 
-# check_fault RC ELAPSED CULPRIT_PATTERN PID: the job failed, in time, the survivors said who,
-# and the culprit process PID is gone.
+# check_fault JOB START CULPRIT_PATTERN PID: waits for JOB (the fault came at START, in
+# seconds); it failed, in time, the survivors said who, and the culprit process PID is gone.
 check_fault() {
-  local rc=$1 elapsed=$2 pattern=$3 pid=$4
+  local job=$1 start=$2 pattern=$3 pid=$4 rc elapsed
+  wait "$job"
+  rc=$?
+  elapsed=$(( $(date +%s) - start ))
   [ "$rc" -ne 0 ] || fail "the job exited 0 after the fault"
   [ "$elapsed" -le $((world_timeout + fault_slack)) ] ||
     fail "the job took ${elapsed}s after the fault (timeout ${world_timeout}s + ${fault_slack}s)"
@@ -72,6 +75,8 @@ check_fault() {
   if ip netns list 2>/dev/null | grep -q '^moedh-'; then fail "namespaces left behind"; fi
   for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   if kill -0 "$pid" 2>/dev/null; then fail "the faulty rank (pid $pid) was left behind"; fi
+  echo "fault '$case_name': job exited $rc after ${elapsed}s"
+  grep -E "moed|rank|host|daemon" "$log" | head -20
 }
 
 case "$case_name" in
@@ -129,12 +134,7 @@ EOF
       kill) kill -KILL "$pid"; pattern="rank [23]|exited|signal|killed" ;;
       cut) ip -n moedh-2 link set eth0 down; pattern="rank [23]|lost communication|unreachable|10\.213\.77\.2" ;;
     esac
-    wait $job
-    rc=$?
-    elapsed=$(( $(date +%s) - start ))
-    check_fault $rc $elapsed "$pattern" "$pid"
-    echo "fault '$case_name': job exited $rc after ${elapsed}s"
-    grep -E "moed|rank|host|daemon" "$log" | head -20
+    check_fault $job $start "$pattern" "$pid"
     ;;
   stall-local)
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -151,12 +151,7 @@ EOF
     sleep 3
     start=$(date +%s)
     kill -STOP "$pid"
-    wait $job
-    rc=$?
-    elapsed=$(( $(date +%s) - start ))
-    check_fault $rc $elapsed "no sign of life .* from rank [0-3]" "$pid"
-    echo "fault 'stall-local': job exited $rc after ${elapsed}s"
-    grep -E "moed|rank|host|daemon" "$log" | head -20
+    check_fault $job $start "no sign of life .* from rank [0-3]" "$pid"
     ;;
   *)
     echo "hosts_test: unknown case '$case_name'"

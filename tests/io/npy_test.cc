@@ -260,34 +260,32 @@ TEST(NpyErrors, MalformedFiles) {
             "x.npy: truncated data (shape (2,) of <f4 needs 8 bytes; the file has 7)");
   EXPECT_EQ(parse_error(make_npy(ok, 9)),
             "x.npy: 1 unexpected bytes after the data (shape (2,) of <f4 needs 8)");
-  EXPECT_EQ(parse_error(make_npy("{'descr': '<f4', 'fortran_order': False, 'shape': "
-                                 "(4611686018427387904, 2), }",
-                                 0)),
-            "x.npy: shape (4611686018427387904, 2) is too large (its byte count overflows int64)");
-  EXPECT_EQ(parse_error(make_npy("{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }", 0)),
-            "x.npy: shape has a negative dimension");
-  EXPECT_EQ(parse_error(make_npy("{'descr': '<f4', 'fortran_order': False, 'shape': "
-                                 "(99999999999999999999,), }",
-                                 0)),
-            "x.npy: a shape dimension does not fit int64");
-  EXPECT_EQ(parse_error(make_npy("{'descr': '<f4', 'fortran_order': False}", 0)),
-            "x.npy: malformed .npy header (no 'shape' key)");
-  EXPECT_EQ(parse_error(make_npy("{'descr': '<f4', 'descr': '<f4'}", 0)),
-            "x.npy: malformed .npy header (key 'descr' appears twice at offset 26)");
-  EXPECT_EQ(parse_error(make_npy("{'descr': '<f4', 'extra': 1}", 0)),
-            "x.npy: malformed .npy header (unexpected key 'extra' at offset 26)");
-  EXPECT_EQ(parse_error(make_npy("{'descr' '<f4'}", 0)),
-            "x.npy: malformed .npy header (expected ':' at offset 9)");
-  EXPECT_EQ(parse_error(make_npy("{'descr': '<f4", 0)),
-            "x.npy: malformed .npy header (unterminated string at offset 10)");
-  EXPECT_EQ(parse_error(make_npy("{'fortran_order': 0}", 0)),
-            "x.npy: malformed .npy header (expected True or False at offset 18)");
-  EXPECT_EQ(parse_error(make_npy("{'shape': (2 3)}", 0)),
-            "x.npy: malformed .npy header (expected ',' or ')' in the shape at offset 13)");
+  // Headers with no data after them that do not parse, and the message for each.
+  const std::pair<std::string, std::string> bad_headers[] = {
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 2), }",
+       "x.npy: shape (4611686018427387904, 2) is too large (its byte count overflows int64)"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }",
+       "x.npy: shape has a negative dimension"},
+      {"{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999,), }",
+       "x.npy: a shape dimension does not fit int64"},
+      {"{'descr': '<f4', 'fortran_order': False}", "x.npy: malformed .npy header (no 'shape' key)"},
+      {"{'descr': '<f4', 'descr': '<f4'}",
+       "x.npy: malformed .npy header (key 'descr' appears twice at offset 26)"},
+      {"{'descr': '<f4', 'extra': 1}",
+       "x.npy: malformed .npy header (unexpected key 'extra' at offset 26)"},
+      {"{'descr' '<f4'}", "x.npy: malformed .npy header (expected ':' at offset 9)"},
+      {"{'descr': '<f4", "x.npy: malformed .npy header (unterminated string at offset 10)"},
+      {"{'fortran_order': 0}",
+       "x.npy: malformed .npy header (expected True or False at offset 18)"},
+      {"{'shape': (2 3)}",
+       "x.npy: malformed .npy header (expected ',' or ')' in the shape at offset 13)"},
+      {"", "x.npy: malformed .npy header (expected '{' at offset 0)"},
+  };
+  for (const auto& [header, message] : bad_headers) {
+    EXPECT_EQ(parse_error(make_npy(header, 0)), message) << header;
+  }
   EXPECT_EQ(parse_error(make_npy(ok + "x", 8)),
             "x.npy: malformed .npy header (unexpected text after '}' at offset 58)");
-  EXPECT_EQ(parse_error(make_npy("", 0)),
-            "x.npy: malformed .npy header (expected '{' at offset 0)");
 }
 
 TEST(NpyErrors, Writing) {

@@ -7,8 +7,10 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -193,6 +195,25 @@ Status check_combine(const Problem& p, int rank, const Tensor& out) {
   return ok_status();
 }
 
+// Runs body on every rank of case c with a LowLatencyBuffer sized for c.
+Status run_with_buffer(Backend backend, const Case& c,
+                       const std::function<Status(World&, LowLatencyBuffer&)>& body) {
+  return run_world(backend, c.ranks, c.per_node, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto buffer,
+                          LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+    return body(w, *buffer);
+  });
+}
+
+// Two problems of c's shape (the second from seed + 1000), for two operations in flight.
+StatusOr<std::array<Problem, 2>> two_problems(const Case& c) {
+  Case c2 = c;
+  c2.seed += 1000;
+  MOED_ASSIGN_OR_RETURN(Problem a, make_problem(c));
+  MOED_ASSIGN_OR_RETURN(Problem b, make_problem(c2));
+  return std::array<Problem, 2>{std::move(a), std::move(b)};
+}
+
 class LowLatencyTest : public ::testing::TestWithParam<Backend> {};
 
 std::vector<Case> sweep() {
@@ -218,20 +239,18 @@ TEST_P(LowLatencyTest, DispatchAndCombineMatchTheReference) {
       ASSERT_TRUE(p.ok()) << p.status().to_string();
       problems.push_back(std::move(p).value());
     }
-    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
-      MOED_ASSIGN_OR_RETURN(auto buffer,
-                            LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+    Status s = run_with_buffer(GetParam(), c, [&](World& w, LowLatencyBuffer& buffer) -> Status {
       for (size_t round = 0; round < problems.size(); ++round) {
         const Problem& p = problems[round];
         const int me = w.rank();
         for (int mode = 0; mode < 4; ++mode) {
           const bool fp8 = mode >= 2, round_scale = mode == 3, hook = mode % 2 == 1;
           MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
-                                buffer->low_latency_dispatch({.x = p.x[size_t(me)].view(),
-                                                              .topk = &p.topk[size_t(me)],
-                                                              .use_fp8 = fp8,
-                                                              .round_scale = round_scale,
-                                                              .return_recv_hook = hook}));
+                                buffer.low_latency_dispatch({.x = p.x[size_t(me)].view(),
+                                                             .topk = &p.topk[size_t(me)],
+                                                             .use_fp8 = fp8,
+                                                             .round_scale = round_scale,
+                                                             .return_recv_hook = hook}));
           if (!d.hook) return internal_error("hook is null");
           if (hook == d.hook->ready()) return internal_error("hook ready() = ", d.hook->ready());
           if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
@@ -239,10 +258,10 @@ TEST_P(LowLatencyTest, DispatchAndCombineMatchTheReference) {
           if (!ds.ok()) return ds.with_context(str_cat("round ", round, " mode ", mode));
           Tensor y = expert_output(p, me, d);
           MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
-                                buffer->low_latency_combine({.x = y.view(),
-                                                             .topk = &p.topk[size_t(me)],
-                                                             .handle = d.handle,
-                                                             .return_recv_hook = hook}));
+                                buffer.low_latency_combine({.x = y.view(),
+                                                            .topk = &p.topk[size_t(me)],
+                                                            .handle = d.handle,
+                                                            .return_recv_hook = hook}));
           if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
           Status cs = check_combine(p, me, out.combined_x);
           if (!cs.ok()) return cs.with_context(str_cat("round ", round, " mode ", mode));
@@ -258,24 +277,21 @@ TEST_P(LowLatencyTest, DispatchAndCombineMatchTheReference) {
 // reference; the expert outputs of both are strided views (the combine stages them).
 TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
   for (const Case& c : {Case{4, 2, 8, 128, 3, 6, 31}, Case{3, 0, 6, 256, 2, 5, 32}}) {
-    Case c2 = c;
-    c2.seed += 1000;
-    auto a = make_problem(c), b = make_problem(c2);
-    ASSERT_TRUE(a.ok() && b.ok());
-    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
-      MOED_ASSIGN_OR_RETURN(auto buffer,
-                            LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+    const auto ab = two_problems(c);
+    ASSERT_TRUE(ab.ok()) << ab.status().to_string();
+    const Problem *a = &(*ab)[0], *b = &(*ab)[1];
+    Status s = run_with_buffer(GetParam(), c, [&](World& w, LowLatencyBuffer& buffer) -> Status {
       const int me = w.rank();
       for (int round = 0; round < 2; ++round) {
-        MOED_ASSIGN_OR_RETURN(auto da, buffer->low_latency_dispatch({.x = a->x[size_t(me)].view(),
-                                                                     .topk = &a->topk[size_t(me)],
-                                                                     .use_fp8 = round == 1,
-                                                                     .return_recv_hook = true}));
-        MOED_ASSIGN_OR_RETURN(auto db, buffer->low_latency_dispatch({.x = b->x[size_t(me)].view(),
-                                                                     .topk = &b->topk[size_t(me)],
-                                                                     .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(auto da, buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
+                                                                    .topk = &a->topk[size_t(me)],
+                                                                    .use_fp8 = round == 1,
+                                                                    .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(auto db, buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
+                                                                    .topk = &b->topk[size_t(me)],
+                                                                    .return_recv_hook = true}));
         // A third dispatch before the first is received is refused on every rank.
-        auto third = buffer->low_latency_dispatch(
+        auto third = buffer.low_latency_dispatch(
             {.x = a->x[size_t(me)].view(), .topk = &a->topk[size_t(me)]});
         if (third.ok() || third.status().code() != StatusCode::kFailedPrecondition ||
             third.status().message().find("two dispatches are already in flight") ==
@@ -297,14 +313,14 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
         Tensor ya = widen(expert_output(*a, me, da)), yb = widen(expert_output(*b, me, db));
         TensorView va(ya.data(), DType::kBF16, ya.rows(), c.hidden, c.hidden * 2);
         TensorView vb(yb.data(), DType::kBF16, yb.rows(), c.hidden, c.hidden * 2);
-        MOED_ASSIGN_OR_RETURN(auto ca, buffer->low_latency_combine({.x = va,
-                                                                    .topk = &a->topk[size_t(me)],
-                                                                    .handle = da.handle,
-                                                                    .return_recv_hook = true}));
-        MOED_ASSIGN_OR_RETURN(auto cb, buffer->low_latency_combine({.x = vb,
-                                                                    .topk = &b->topk[size_t(me)],
-                                                                    .handle = db.handle,
-                                                                    .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(auto ca, buffer.low_latency_combine({.x = va,
+                                                                   .topk = &a->topk[size_t(me)],
+                                                                   .handle = da.handle,
+                                                                   .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(auto cb, buffer.low_latency_combine({.x = vb,
+                                                                   .topk = &b->topk[size_t(me)],
+                                                                   .handle = db.handle,
+                                                                   .return_recv_hook = true}));
         MOED_RETURN_IF_ERROR(cb.hook->wait());  // out of order on purpose
         MOED_RETURN_IF_ERROR(ca.hook->wait());
         MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
@@ -320,37 +336,34 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
 // operations in flight first, odd ranks the second.
 TEST_P(LowLatencyTest, HooksRunInAnyOrderAcrossRanks) {
   const Case c{4, 0, 8, 128, 3, 5, 61};
-  Case c2 = c;
-  c2.seed += 1000;
-  auto a = make_problem(c), b = make_problem(c2);
-  ASSERT_TRUE(a.ok() && b.ok());
-  Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
-    MOED_ASSIGN_OR_RETURN(auto buffer,
-                          LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+  const auto ab = two_problems(c);
+  ASSERT_TRUE(ab.ok()) << ab.status().to_string();
+  const Problem *a = &(*ab)[0], *b = &(*ab)[1];
+  Status s = run_with_buffer(GetParam(), c, [&](World& w, LowLatencyBuffer& buffer) -> Status {
     const int me = w.rank();
     auto in_order = [&](Request& first, Request& second) -> Status {
       if (me % 2 == 1) std::swap(first, second);
       MOED_RETURN_IF_ERROR(first->wait());
       return second->wait();
     };
-    MOED_ASSIGN_OR_RETURN(auto da, buffer->low_latency_dispatch({.x = a->x[size_t(me)].view(),
-                                                                 .topk = &a->topk[size_t(me)],
-                                                                 .return_recv_hook = true}));
-    MOED_ASSIGN_OR_RETURN(auto db, buffer->low_latency_dispatch({.x = b->x[size_t(me)].view(),
-                                                                 .topk = &b->topk[size_t(me)],
-                                                                 .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto da, buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
+                                                                .topk = &a->topk[size_t(me)],
+                                                                .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto db, buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
+                                                                .topk = &b->topk[size_t(me)],
+                                                                .return_recv_hook = true}));
     MOED_RETURN_IF_ERROR(in_order(da.hook, db.hook));
     MOED_RETURN_IF_ERROR(check_dispatch(*a, me, da, false, false));
     MOED_RETURN_IF_ERROR(check_dispatch(*b, me, db, false, false));
     Tensor ya = expert_output(*a, me, da), yb = expert_output(*b, me, db);
-    MOED_ASSIGN_OR_RETURN(auto ca, buffer->low_latency_combine({.x = ya.view(),
-                                                                .topk = &a->topk[size_t(me)],
-                                                                .handle = da.handle,
-                                                                .return_recv_hook = true}));
-    MOED_ASSIGN_OR_RETURN(auto cb, buffer->low_latency_combine({.x = yb.view(),
-                                                                .topk = &b->topk[size_t(me)],
-                                                                .handle = db.handle,
-                                                                .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto ca, buffer.low_latency_combine({.x = ya.view(),
+                                                               .topk = &a->topk[size_t(me)],
+                                                               .handle = da.handle,
+                                                               .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto cb, buffer.low_latency_combine({.x = yb.view(),
+                                                               .topk = &b->topk[size_t(me)],
+                                                               .handle = db.handle,
+                                                               .return_recv_hook = true}));
     MOED_RETURN_IF_ERROR(in_order(ca.hook, cb.hook));
     MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
     return check_combine(*b, me, cb.combined_x);
@@ -385,9 +398,7 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
                                       << c.num_experts << " H=" << c.hidden << " seed=" << c.seed);
     auto p = make_problem(c);
     ASSERT_TRUE(p.ok()) << p.status().to_string();
-    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
-      MOED_ASSIGN_OR_RETURN(auto buffer,
-                            LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+    Status s = run_with_buffer(GetParam(), c, [&](World& w, LowLatencyBuffer& buffer) -> Status {
       const int me = w.rank();
       Tensor x_keep;
       const TensorView x = strided_copy(p->x[size_t(me)], &x_keep);
@@ -396,7 +407,7 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
         if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
         MOED_ASSIGN_OR_RETURN(
             LowLatencyDispatchOutput d,
-            buffer->low_latency_dispatch(
+            buffer.low_latency_dispatch(
                 {.x = x, .topk = &p->topk[size_t(me)], .use_fp8 = fp8, .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
         Status ds = check_dispatch(*p, me, d, fp8, false);
@@ -404,10 +415,10 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
         Tensor y_keep;
         const TensorView y = strided_copy(expert_output(*p, me, d), &y_keep);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
-                              buffer->low_latency_combine({.x = y,
-                                                           .topk = &p->topk[size_t(me)],
-                                                           .handle = d.handle,
-                                                           .return_recv_hook = hook}));
+                              buffer.low_latency_combine({.x = y,
+                                                          .topk = &p->topk[size_t(me)],
+                                                          .handle = d.handle,
+                                                          .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
         Status cs = check_combine(*p, me, out.combined_x);
         if (!cs.ok()) return cs.with_context(str_cat("mode ", mode));
@@ -428,9 +439,7 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
     SCOPED_TRACE(::testing::Message() << "R=" << c.ranks << " G=" << c.per_node);
     auto p = make_problem(c);
     ASSERT_TRUE(p.ok()) << p.status().to_string();
-    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) -> Status {
-      MOED_ASSIGN_OR_RETURN(auto buffer,
-                            LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
+    Status s = run_with_buffer(GetParam(), c, [&](World& w, LowLatencyBuffer& buffer) -> Status {
       const int me = w.rank();
       auto scribble = [](Tensor& t) {
         for (int64_t i = 0; i < t.rows(); ++i) {
@@ -441,12 +450,11 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
         const bool fp8 = mode >= 2, hook = mode % 2 == 1;
         if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
         Tensor x = Tensor::copy_of(p->x[size_t(me)].view());
-        MOED_ASSIGN_OR_RETURN(
-            LowLatencyDispatchOutput d,
-            buffer->low_latency_dispatch({.x = x.view(),
-                                          .topk = &p->topk[size_t(me)],
-                                          .use_fp8 = fp8,
-                                          .return_recv_hook = hook}));
+        MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
+                              buffer.low_latency_dispatch({.x = x.view(),
+                                                           .topk = &p->topk[size_t(me)],
+                                                           .use_fp8 = fp8,
+                                                           .return_recv_hook = hook}));
         // DeepEP's contract: dispatch's x is free once the send phase has returned.
         scribble(x);
         if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
@@ -455,10 +463,10 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
         if (!ds.ok()) return ds.with_context(str_cat("mode ", mode));
         Tensor y = expert_output(*p, me, d);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
-                              buffer->low_latency_combine({.x = y.view(),
-                                                           .topk = &p->topk[size_t(me)],
-                                                           .handle = d.handle,
-                                                           .return_recv_hook = hook}));
+                              buffer.low_latency_combine({.x = y.view(),
+                                                          .topk = &p->topk[size_t(me)],
+                                                          .handle = d.handle,
+                                                          .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
         scribble(y);
         MOED_RETURN_IF_ERROR(w.barrier());

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <mutex>
 
 #include "moed/dispatcher.h"
@@ -21,8 +22,15 @@ struct Measured {
   std::vector<int64_t> d_shared, d_network, c_shared, c_network;
 };
 
-// Runs dispatch + combine of bf16 rows with the routing plan_routing(o, rank) (or none).
-StatusOr<Measured> measure(const PlanOptions& o, DispatcherKind kind, bool empty) {
+// One rank's counters of a dispatch and of the combine after it.
+struct StepCounters {
+  TrafficCounters dispatch, combine;
+};
+using RunSteps = std::function<StatusOr<StepCounters>(World&, const TopkRouting&)>;
+
+// Runs run_steps on every rank of o's threads world with the routing plan_routing(o, rank)
+// (or one that routes nothing) and collects every rank's shared and network bytes.
+StatusOr<Measured> measure_steps(const PlanOptions& o, bool empty, const RunSteps& run_steps) {
   const int R = o.ep;
   Measured m;
   for (auto* v : {&m.d_shared, &m.d_network, &m.c_shared, &m.c_network}) v->assign(size_t(R), 0);
@@ -41,74 +49,61 @@ StatusOr<Measured> measure(const PlanOptions& o, DispatcherKind kind, bool empty
       MOED_ASSIGN_OR_RETURN(topk.topk_idx, plan_routing(o, r));
     }
     topk.topk_weights.assign(topk.topk_idx.size(), 0.5f);
-    DispatchConfig cfg{.kind = kind, .num_experts = o.experts};
-    MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
-    // fp8 rows carry one fp32 scale per 128 values, as the model charges.
-    Tensor x = Tensor::zeros(o.fp8_dispatch ? DType::kFP8 : DType::kBF16, o.tokens, o.hidden);
-    Tensor sc = o.fp8_dispatch ? Tensor::zeros(DType::kF32, o.tokens, o.hidden / 128) : Tensor();
-    w.reset_counters();
-    MOED_ASSIGN_OR_RETURN(
-        DispatchOutput out,
-        d->dispatch(
-            {.hidden = {x.view(), o.fp8_dispatch ? sc.view() : TensorView()}, .topk = &topk}));
-    const TrafficCounters dc = w.counters();
-    Tensor y = Tensor::zeros(DType::kBF16, out.num_rows(), o.hidden);
-    w.reset_counters();
-    MOED_RETURN_IF_ERROR(
-        d->combine({.expert_output = {y.view(), TensorView()}, .handle = out.handle}).status());
-    const TrafficCounters cc = w.counters();
+    MOED_ASSIGN_OR_RETURN(const StepCounters c, run_steps(w, topk));
     std::lock_guard<std::mutex> lock(mu);
-    m.d_shared[size_t(r)] = int64_t(dc.shared_bytes);
-    m.d_network[size_t(r)] = int64_t(dc.network_bytes);
-    m.c_shared[size_t(r)] = int64_t(cc.shared_bytes);
-    m.c_network[size_t(r)] = int64_t(cc.network_bytes);
+    m.d_shared[size_t(r)] = int64_t(c.dispatch.shared_bytes);
+    m.d_network[size_t(r)] = int64_t(c.dispatch.network_bytes);
+    m.c_shared[size_t(r)] = int64_t(c.combine.shared_bytes);
+    m.c_network[size_t(r)] = int64_t(c.combine.network_bytes);
     return ok_status();
   });
   if (!s.ok()) return s;
   return m;
 }
 
+// Dispatch + combine of bf16 (or fp8) rows with a dispatcher of `kind`.
+StatusOr<Measured> measure(const PlanOptions& o, DispatcherKind kind, bool empty) {
+  return measure_steps(o, empty, [&](World& w, const TopkRouting& topk) -> StatusOr<StepCounters> {
+    DispatchConfig cfg{.kind = kind, .num_experts = o.experts};
+    MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
+    // fp8 rows carry one fp32 scale per 128 values, as the model charges.
+    Tensor x = Tensor::zeros(o.fp8_dispatch ? DType::kFP8 : DType::kBF16, o.tokens, o.hidden);
+    Tensor sc = o.fp8_dispatch ? Tensor::zeros(DType::kF32, o.tokens, o.hidden / 128) : Tensor();
+    StepCounters c;
+    w.reset_counters();
+    MOED_ASSIGN_OR_RETURN(
+        DispatchOutput out,
+        d->dispatch(
+            {.hidden = {x.view(), o.fp8_dispatch ? sc.view() : TensorView()}, .topk = &topk}));
+    c.dispatch = w.counters();
+    Tensor y = Tensor::zeros(DType::kBF16, out.num_rows(), o.hidden);
+    w.reset_counters();
+    MOED_RETURN_IF_ERROR(
+        d->combine({.expert_output = {y.view(), TensorView()}, .handle = out.handle}).status());
+    c.combine = w.counters();
+    return c;
+  });
+}
+
 // The same for moed's low-latency buffer (M = T, fp8 cast on the way when asked).
 StatusOr<Measured> measure_low_latency(const PlanOptions& o, bool empty) {
-  const int R = o.ep;
-  Measured m;
-  for (auto* v : {&m.d_shared, &m.d_network, &m.c_shared, &m.c_network}) v->assign(size_t(R), 0);
-  std::mutex mu;
-  WorldOptions wo;
-  wo.ranks_per_node = o.ranks_per_node;
-  wo.threads_per_rank = 1;
-  Status s = run_threads(R, wo, [&](World& w) -> Status {
-    TopkRouting topk;
-    topk.num_tokens = o.tokens;
-    topk.num_topk = o.topk;
-    if (empty) {
-      topk.topk_idx.assign(size_t(o.tokens) * o.topk, -1);
-    } else {
-      MOED_ASSIGN_OR_RETURN(topk.topk_idx, plan_routing(o, w.rank()));
-    }
-    topk.topk_weights.assign(topk.topk_idx.size(), 0.5f);
+  return measure_steps(o, empty, [&](World& w, const TopkRouting& topk) -> StatusOr<StepCounters> {
     MOED_ASSIGN_OR_RETURN(auto buf,
                           LowLatencyBuffer::create(w, o.tokens, int(o.hidden), o.experts));
     Tensor x = Tensor::zeros(DType::kBF16, o.tokens, o.hidden);
+    StepCounters c;
     w.reset_counters();
     MOED_ASSIGN_OR_RETURN(
         LowLatencyDispatchOutput d,
         buf->low_latency_dispatch({.x = x.view(), .topk = &topk, .use_fp8 = o.fp8_dispatch}));
-    const TrafficCounters dc = w.counters();
+    c.dispatch = w.counters();
     Tensor y = Tensor::zeros(DType::kBF16, d.num_local_experts * d.rows_per_expert, o.hidden);
     w.reset_counters();
     MOED_RETURN_IF_ERROR(
         buf->low_latency_combine({.x = y.view(), .topk = &topk, .handle = d.handle}).status());
-    const TrafficCounters cc = w.counters();
-    std::lock_guard<std::mutex> lock(mu);
-    m.d_shared[size_t(w.rank())] = int64_t(dc.shared_bytes);
-    m.d_network[size_t(w.rank())] = int64_t(dc.network_bytes);
-    m.c_shared[size_t(w.rank())] = int64_t(cc.shared_bytes);
-    m.c_network[size_t(w.rank())] = int64_t(cc.network_bytes);
-    return ok_status();
+    c.combine = w.counters();
+    return c;
   });
-  if (!s.ok()) return s;
-  return m;
 }
 
 std::vector<int64_t> minus(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {

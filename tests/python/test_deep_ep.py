@@ -38,6 +38,18 @@ def make_inputs(R, E, K, H, seed, dtype=torch.bfloat16, tokens=None):
     return xs, idxs, ws
 
 
+def low_latency_inputs(group, M, H, E, K, seed, empty_rank=False):
+    """Every rank's token count (1..M; none on rank 1 with empty_rank), its inputs and this
+    rank's low-latency Buffer for them."""
+    R = group.size()
+    tokens = [0 if (empty_rank and R > 1 and s == 1) else min(M, 1 + (3 * s + seed) % M)
+              for s in range(R)]
+    xs, idxs, ws = make_inputs(R, E, K, H, seed, tokens=tokens)
+    buffer = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
+                            low_latency_mode=True, num_qps_per_rank=E // R)
+    return tokens, xs, idxs, ws, buffer
+
+
 def rank_of(idx, E, R):
     L = E // R
     r = idx // L
@@ -244,10 +256,7 @@ def e4m3_bits(v):
 def case_low_latency(group, M, H, E, K, seed, use_fp8, round_scale, use_ue8m0, hook_mode):
     R, r = group.size(), group.rank()
     L = E // R
-    tokens = [min(M, 1 + (3 * s + seed) % M) for s in range(R)]
-    xs, idxs, ws = make_inputs(R, E, K, H, seed, tokens=tokens)
-    buffer = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
-                            low_latency_mode=True, num_qps_per_rank=L)
+    tokens, xs, idxs, ws, buffer = low_latency_inputs(group, M, H, E, K, seed)
     stats = torch.zeros(L, dtype=torch.int32)
     recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(
         xs[r], idxs[r], M, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,

@@ -16,7 +16,7 @@ import torch
 
 import moed
 import moed.deep_ep as deep_ep
-from test_deep_ep import make_inputs, run
+from test_deep_ep import low_latency_inputs, make_inputs, run
 
 WORLDS = [(1, 0), (3, 0), (4, 2), (5, 0)]
 WORLD_IDS = ["R1", "R3", "R4_G2", "R5"]
@@ -131,12 +131,8 @@ def test_dispatch_out(world, dtype):
 
 
 def case_low_latency_out(group, M, H, E, K, seed, hook_mode):
-    R, r = group.size(), group.rank()
-    L = E // R
-    tokens = [0 if (R > 1 and s == 1) else min(M, 1 + (3 * s + seed) % M) for s in range(R)]
-    xs, idxs, ws = make_inputs(R, E, K, H, seed, tokens=tokens)
-    buffer = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
-                            low_latency_mode=True, num_qps_per_rank=L)
+    r = group.rank()
+    tokens, xs, idxs, ws, buffer = low_latency_inputs(group, M, H, E, K, seed, empty_rank=True)
     recv_x, _, handle, _, hook = buffer.low_latency_dispatch(
         xs[r], idxs[r], M, E, use_fp8=False, return_recv_hook=hook_mode)
     hook() if hook_mode else None
@@ -164,10 +160,7 @@ def case_low_latency_errors(group, M, H, E, K, seed):
     """Each bad argument on the last rank only; returns what every rank raised."""
     R, r = group.size(), group.rank()
     L = E // R
-    tokens = [min(M, 1 + (3 * s + seed) % M) for s in range(R)]
-    xs, idxs, ws = make_inputs(R, E, K, H, seed, tokens=tokens)
-    buffer = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(M, H, R, E),
-                            low_latency_mode=True, num_qps_per_rank=L)
+    tokens, xs, idxs, ws, buffer = low_latency_inputs(group, M, H, E, K, seed)
     last = r == R - 1
     errors = []
 

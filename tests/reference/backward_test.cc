@@ -5,14 +5,8 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::row_values;
-using testing::views_of;
 
 Tensor rows_f32(const std::vector<std::vector<float>>& values) {
   Tensor t = Tensor::zeros(DType::kF32, int64_t(values.size()), int64_t(values[0].size()));
@@ -24,15 +18,11 @@ Tensor rows_f32(const std::vector<std::vector<float>>& values) {
 
 // EP = 1, ETP = 2, E = 2, H = 2. Rank 0: t0 -> {e0, e1} probs 0.5, 0.25; t1 -> nothing.
 // Rank 1: T = 0. Both ranks hold rows (e0: t0), (e1: t0).
-struct EtpCase {
-  std::vector<Tensor> xs;
-  ReferenceProblem p;
-  EtpCase() {
-    xs.push_back(named_hidden(0, 2, 2));
-    xs.push_back(named_hidden(1, 0, 2));
-    p = make_problem(
-        2, 1, 2, {make_map({{1, 1}, {0, 0}}, {{0.5f, 0.25f}, {0, 0}}), make_map({}, {}, 2)}, xs);
-  }
+struct EtpCase : HeldProblem {
+  EtpCase()
+      : HeldProblem(2, 1, 2,
+                    {make_map({{1, 1}, {0, 0}}, {{0.5f, 0.25f}, {0, 0}}), make_map({}, {}, 2)},
+                    /*hidden=*/2) {}
 };
 
 TEST(ReferenceDispatchBackward, SumsRowGradientsAndPermutedProbGradients) {
@@ -168,4 +158,4 @@ TEST(ReferenceCombineBackward, PaddingRowsGetZero) {
 }
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

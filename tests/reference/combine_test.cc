@@ -8,14 +8,8 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using testing::bits_of;
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::views_of;
 
 Tensor column_f32(const std::vector<float>& values) {
   Tensor t = Tensor::zeros(DType::kF32, int64_t(values.size()), 1);
@@ -269,4 +263,4 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

@@ -7,13 +7,8 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::row_values;
 
 // Spec §3's worked example; probs chosen so every permuted prob says where it came from.
 RoutingMap worked_example_map() {
@@ -172,4 +167,4 @@ TEST(ReferenceDispatch, Fp8PayloadCarriesScalesAndPaddingIsZero) {
 }
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

@@ -4,25 +4,16 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
 
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::views_of;
-
 // Two ranks (EP = 2), E = 4, H = 2; rank 0 has 3 tokens, rank 1 has 1.
-struct Fixture {
-  std::vector<Tensor> xs;
-  ReferenceProblem p;
-  Fixture() {
-    xs.push_back(named_hidden(0, 3, 2));
-    xs.push_back(named_hidden(1, 1, 2));
-    p = make_problem(
-        4, 2, 1, {make_map({{1, 0, 1, 0}, {0, 1, 0, 0}, {0, 0, 1, 1}}), make_map({{1, 1, 0, 0}})},
-        xs);
-  }
+struct Fixture : HeldProblem {
+  Fixture()
+      : HeldProblem(
+            4, 2, 1,
+            {make_map({{1, 0, 1, 0}, {0, 1, 0, 0}, {0, 0, 1, 1}}), make_map({{1, 1, 0, 0}})},
+            /*hidden=*/2) {}
 };
 
 void expect_error(const Status& s, const std::string& message) {
@@ -175,4 +166,4 @@ TEST(ReferenceErrors, ExpertOutputsAndGradients) {
 }
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

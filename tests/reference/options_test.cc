@@ -5,13 +5,8 @@
 #include "moed/reference.h"
 #include "reference/reference_test_util.h"
 
-namespace moed {
+namespace moed::testing {
 namespace {
-
-using testing::make_map;
-using testing::make_problem;
-using testing::named_hidden;
-using testing::row_values;
 
 std::vector<int> routed_column(const RoutingMap& m, int e) {
   std::vector<int> out;
@@ -24,15 +19,18 @@ std::vector<float> prob_column(const RoutingMap& m, int e) {
   return out;
 }
 
+// probs[t] on expert 0, nothing on expert 1.
+std::vector<std::vector<float>> on_expert_0(const std::vector<float>& probs) {
+  std::vector<std::vector<float>> out;
+  for (float v : probs) out.push_back({v, 0.0f});
+  return out;
+}
+
 // One rank, 4 tokens, 2 experts, K = 1, every token on expert 0: C = ceil(4 * 1 / 2 * 1) = 2.
-struct DropCase {
-  std::vector<Tensor> xs;
-  ReferenceProblem p;
-  explicit DropCase(std::vector<float> probs0, DropPolicy policy) {
-    std::vector<std::vector<float>> probs;
-    for (float v : probs0) probs.push_back({v, 0.0f});
-    xs.push_back(named_hidden(0, 4, 1));
-    p = make_problem(2, 1, 1, {make_map({{1, 0}, {1, 0}, {1, 0}, {1, 0}}, probs)}, xs);
+struct DropCase : HeldProblem {
+  DropCase(const std::vector<float>& probs0, DropPolicy policy)
+      : HeldProblem(2, 1, 1, {make_map({{1, 0}, {1, 0}, {1, 0}, {1, 0}}, on_expert_0(probs0))},
+                    /*hidden=*/1) {
     p.num_topk = 1;
     p.layout.capacity_factor = 1.0;
     p.layout.drop_policy = policy;
@@ -135,11 +133,17 @@ TEST(ReferenceOptions, PadToCapacityAfterDroppingThenAlignment) {
   EXPECT_EQ((*d)[0].permuted_probs, (std::vector<float>{0.5f, 0.75f, 0, 1, 0, 0}));
 }
 
+// One rank, E = 3, H = 1, four tokens: t0 -> {e0, e1}, t1 -> {e1, e2}, t2 -> {e0, e2},
+// t3 -> {e1}.
+struct FourTokens : HeldProblem {
+  FourTokens()
+      : HeldProblem(3, 1, 1, {make_map({{1, 1, 0}, {0, 1, 1}, {1, 0, 1}, {0, 1, 0}})},
+                    /*hidden=*/1) {}
+};
+
 TEST(ReferenceOptions, ExpertAlignmentPadsEachSegmentAtItsEnd) {
-  std::vector<Tensor> xs;
-  xs.push_back(named_hidden(0, 4, 1));
-  ReferenceProblem p =
-      make_problem(3, 1, 1, {make_map({{1, 1, 0}, {0, 1, 1}, {1, 0, 1}, {0, 1, 0}})}, xs);
+  FourTokens f;
+  ReferenceProblem& p = f.p;
   p.layout.expert_alignment = 4;
   auto d = reference_dispatch(p);
   ASSERT_TRUE(d.ok()) << d.status().to_string();
@@ -158,10 +162,8 @@ TEST(ReferenceOptions, ExpertAlignmentPadsEachSegmentAtItsEnd) {
 }
 
 TEST(ReferenceOptions, RouterPaddingRoutesLowestUnroutedTokensWithProbZero) {
-  std::vector<Tensor> xs;
-  xs.push_back(named_hidden(0, 4, 1));
-  ReferenceProblem p =
-      make_problem(3, 1, 1, {make_map({{1, 1, 0}, {0, 1, 1}, {1, 0, 1}, {0, 1, 0}})}, xs);
+  FourTokens f;
+  ReferenceProblem& p = f.p;
   p.layout.router_padding_multiple = 2;
   auto eff = reference_effective_routing(p);
   ASSERT_TRUE(eff.ok()) << eff.status().to_string();
@@ -217,4 +219,4 @@ TEST(ReferenceOptions, UnroutedProbsAreZeroInTheEffectiveRouting) {
 }
 
 }  // namespace
-}  // namespace moed
+}  // namespace moed::testing

@@ -94,6 +94,22 @@ inline ReferenceProblem make_problem(int num_experts, int ep_size, int etp_size,
   return p;
 }
 
+// A problem over named_hidden inputs (rank s: maps[s].num_tokens rows of `hidden`) that holds
+// them: p views xs, so a HeldProblem is never copied.
+struct HeldProblem {
+  std::vector<Tensor> xs;
+  ReferenceProblem p;
+  HeldProblem(int num_experts, int ep_size, int etp_size, std::vector<RoutingMap> maps,
+              int64_t hidden) {
+    for (size_t s = 0; s < maps.size(); ++s) {
+      xs.push_back(named_hidden(int(s), maps[s].num_tokens, hidden));
+    }
+    p = make_problem(num_experts, ep_size, etp_size, std::move(maps), xs);
+  }
+  HeldProblem(const HeldProblem&) = delete;
+  HeldProblem& operator=(const HeldProblem&) = delete;
+};
+
 inline uint32_t bits_of(float f) { return float_to_bits(f); }
 
 }  // namespace moed::testing

@@ -7,14 +7,26 @@
 #include <algorithm>
 #include <cstring>
 
+#include "comm/backend.h"
 #include "comm/gloo/gloo_world.h"
 #include "comm/sum_rows.h"
 
 namespace moed::gloo_comm {
+namespace {
+
+// Every rank's `n` words (rank r's at [r * n]), so every rank can name a disagreement.
+StatusOr<std::vector<uint64_t>> gather_words(GlooWorld& w, std::span<const int> ranks,
+                                             uint64_t slot, const uint64_t* words, size_t n,
+                                             const char* op) {
+  std::vector<uint64_t> all(n * size_t(w.size()));
+  MOED_RETURN_IF_ERROR(w.gather(ranks, slot, words, n * sizeof(uint64_t), all.data(), op));
+  return all;
+}
+
+}  // namespace
 
 Status GlooWorld::barrier() {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   const std::vector<int> ranks = all_ranks();
   const char mine = 1;
   std::vector<char> all(static_cast<size_t>(size_));
@@ -22,30 +34,16 @@ Status GlooWorld::barrier() {
 }
 
 Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   const uint64_t slot = next_slot();
   const std::vector<int> ranks = all_ranks();
   // Everyone's (root, bytes), so every rank can name the disagreement.
   const uint64_t mine[2] = {uint64_t(int64_t(root)), bytes};
-  std::vector<uint64_t> all(2 * size_t(size_));
-  MOED_RETURN_IF_ERROR(gather(ranks, slot, mine, sizeof(mine), all.data(), "broadcast"));
-  for (int r = 0; r < size_; ++r) {
-    if (all[2 * size_t(r)] != all[0]) {
-      return invalid_argument("broadcast: rank ", r, " has root ", int64_t(all[2 * size_t(r)]),
-                              ", rank 0 has ", int64_t(all[0]));
-    }
-  }
-  if (root < 0 || root >= size_) {
-    return invalid_argument("broadcast: root = ", root, " is outside [0, ", size_, ")");
-  }
-  const uint64_t root_bytes = all[2 * size_t(root) + 1];
-  for (int r = 0; r < size_; ++r) {
-    if (all[2 * size_t(r) + 1] != root_bytes) {
-      return invalid_argument("broadcast: rank ", r, " expects ", all[2 * size_t(r) + 1],
-                              " bytes, root ", root, " sends ", root_bytes);
-    }
-  }
+  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
+                        gather_words(*this, ranks, slot, mine, 2, "broadcast"));
+  MOED_RETURN_IF_ERROR(internal::check_broadcast(
+      size_, root, [&](int r) { return int64_t(all[2 * size_t(r)]); },
+      [&](int r) { return all[2 * size_t(r) + 1]; }));
   if (bytes == 0) return ok_status();
   if (host_staging()) {
     std::vector<uint64_t> staged(size_t(size_), 0);
@@ -54,7 +52,7 @@ Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
         staged, [&](char* s) { std::memcpy(s, data, bytes); },
         [&](int, const char* s) { std::memcpy(data, s, bytes); }, "broadcast"));
     if (rank_ == root)
-      for (int d = 0; d < size_; ++d) count_send(d, bytes);
+      internal::count_send_to_all(*this, bytes);
     return ok_status();
   }
   std::vector<Transfer> sends, recvs;
@@ -72,23 +70,18 @@ Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
 
 Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
                                      std::span<const size_t> recv_bytes) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   const uint64_t slot = next_slot();
   const std::vector<int> ranks = all_ranks();
   const uint64_t mine = send_bytes;
-  std::vector<uint64_t> sizes(static_cast<size_t>(size_));
-  MOED_RETURN_IF_ERROR(gather(ranks, slot, &mine, sizeof(mine), sizes.data(), "all_gather_v"));
-  Status local;
-  if (recv_bytes.size() != size_t(size_)) {
-    local = invalid_argument("all_gather_v: rank ", rank_, " passed recv sizes of length ",
-                             recv_bytes.size(), "; must be the world size ", size_);
-  }
-  for (int s = 0; s < size_ && local.ok(); ++s) {
-    if (recv_bytes[size_t(s)] != sizes[size_t(s)]) {
-      local = invalid_argument("all_gather_v: rank ", rank_, " expects ", recv_bytes[size_t(s)],
-                               " bytes from rank ", s, ", which sends ", sizes[size_t(s)]);
-    }
+  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes,
+                        gather_words(*this, ranks, slot, &mine, 1, "all_gather_v"));
+  Status local =
+      internal::check_length("all_gather_v", rank_, "recv sizes", recv_bytes.size(), size_t(size_));
+  if (local.ok()) {
+    local = internal::check_recv_sizes(
+        "all_gather_v", rank_, size_, [&](int s) { return recv_bytes[size_t(s)]; },
+        [&](int s) { return sizes[size_t(s)]; });
   }
   MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "all_gather_v"));
   char* out = static_cast<char*>(recv);
@@ -111,7 +104,7 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
   }
   // After the others have read `send` (it may overlap this rank's part of recv).
   if (send_bytes > 0) std::memmove(out + offsets[size_t(rank_)], send, send_bytes);
-  for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
+  internal::count_send_to_all(*this, send_bytes);
   return ok_status();
 }
 
@@ -119,34 +112,22 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
                                      std::span<const size_t> send_offsets, void* recv,
                                      std::span<const size_t> recv_bytes,
                                      std::span<const size_t> recv_offsets) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   const uint64_t slot = next_slot();
   const std::vector<int> ranks = all_ranks();
   const size_t n = size_t(size_);
-  Status local;
-  auto length = [&](std::span<const size_t> s, const char* name) {
-    if (local.ok() && s.size() != n) {
-      local = invalid_argument("all_to_all_v: rank ", rank_, " passed ", name, " of length ",
-                               s.size(), "; must be the world size ", n);
-    }
-  };
-  length(send_bytes, "send sizes");
-  length(send_offsets, "send offsets");
-  length(recv_bytes, "recv sizes");
-  length(recv_offsets, "recv offsets");
+  Status local = internal::check_exchange_lengths("all_to_all_v", rank_, n, send_bytes,
+                                                  send_offsets, recv_bytes, recv_offsets);
   // Every rank's send sizes (zeros where this rank's spans are malformed; the verdict below
   // carries that error): rank s's row says what it sends to each rank.
-  std::vector<uint64_t> mine(n, 0), all(n * n);
+  std::vector<uint64_t> mine(n, 0);
   if (local.ok()) std::copy(send_bytes.begin(), send_bytes.end(), mine.begin());
-  MOED_RETURN_IF_ERROR(
-      gather(ranks, slot, mine.data(), n * sizeof(uint64_t), all.data(), "all_to_all_v"));
-  for (size_t s = 0; s < n && local.ok(); ++s) {
-    const uint64_t sent = all[s * n + size_t(rank_)];
-    if (recv_bytes[s] != sent) {
-      local = invalid_argument("all_to_all_v: rank ", rank_, " expects ", recv_bytes[s],
-                               " bytes from rank ", s, ", which sends ", sent);
-    }
+  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
+                        gather_words(*this, ranks, slot, mine.data(), n, "all_to_all_v"));
+  if (local.ok()) {
+    local = internal::check_recv_sizes(
+        "all_to_all_v", rank_, size_, [&](int s) { return recv_bytes[size_t(s)]; },
+        [&](int s) { return all[size_t(s) * n + size_t(rank_)]; });
   }
   MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "all_to_all_v"));
   const char* in = static_cast<const char*>(send);
@@ -192,28 +173,18 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
 
 Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
                                        float* recv) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   const uint64_t slot = next_slot();
   const std::vector<int> ranks = all_ranks();
   const size_t n = size_t(size_);
-  Status local;
-  if (counts.size() != n) {
-    local = invalid_argument("reduce_scatter_v_f32: rank ", rank_, " passed ", counts.size(),
-                             " counts; must be world size ", n);
-  }
-  std::vector<uint64_t> mine(n, 0), all(n * n);
+  Status local = internal::check_counts_length(rank_, counts.size(), n);
+  std::vector<uint64_t> mine(n, 0);
   if (local.ok()) std::copy(counts.begin(), counts.end(), mine.begin());
-  MOED_RETURN_IF_ERROR(
-      gather(ranks, slot, mine.data(), n * sizeof(uint64_t), all.data(), "reduce_scatter_v_f32"));
+  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
+                        gather_words(*this, ranks, slot, mine.data(), n, "reduce_scatter_v_f32"));
   MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "reduce_scatter_v_f32"));
   for (size_t r = 0; r < n; ++r) {
-    for (size_t d = 0; d < n; ++d) {
-      if (all[r * n + d] != all[d]) {
-        return invalid_argument("reduce_scatter_v_f32: rank ", r, " has counts[", d,
-                                "] = ", all[r * n + d], ", rank 0 has ", all[d]);
-      }
-    }
+    MOED_RETURN_IF_ERROR(internal::check_counts_match(r, all.data() + r * n, all.data(), n));
   }
   // Block d of every rank goes to rank d; rank d adds the R blocks in rank order.
   const size_t mine_count = counts[size_t(rank_)];
@@ -262,19 +233,14 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
 }
 
 Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   const uint64_t slot = next_slot();
   const std::vector<int> ranks = all_ranks();
   const uint64_t mine = count;
-  std::vector<uint64_t> counts(static_cast<size_t>(size_));
-  MOED_RETURN_IF_ERROR(gather(ranks, slot, &mine, sizeof(mine), counts.data(), "all_reduce_f32"));
-  for (int r = 0; r < size_; ++r) {
-    if (counts[size_t(r)] != counts[0]) {
-      return invalid_argument("all_reduce_f32: rank ", r, " has count ", counts[size_t(r)],
-                              ", rank 0 has ", counts[0]);
-    }
-  }
+  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> counts,
+                        gather_words(*this, ranks, slot, &mine, 1, "all_reduce_f32"));
+  MOED_RETURN_IF_ERROR(internal::check_same_as_rank0("all_reduce_f32", "count", size_,
+                                                     [&](int r) { return counts[size_t(r)]; }));
   if (count == 0) return ok_status();
   // Gathering everything costs R times the data of a reduction tree, but fixes the order.
   std::vector<float> rows(count * size_t(size_));
@@ -291,7 +257,7 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
         gather(ranks, slot, send, count * sizeof(float), rows.data(), "all_reduce_f32"));
   }
   internal::sum_rows(pool(), rows.data(), size_, count, recv);
-  for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
+  internal::count_send_to_all(*this, count * sizeof(float));
   return ok_status();
 }
 

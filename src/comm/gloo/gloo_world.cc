@@ -149,15 +149,6 @@ std::vector<int> GlooWorld::node_ranks() const {
   return r;
 }
 
-void GlooWorld::count_send(int dst, uint64_t bytes) {
-  if (dst == rank_ || bytes == 0) return;
-  if (same_node(dst, rank_)) {
-    counters_.shared_bytes += bytes;
-  } else {
-    counters_.network_bytes += bytes;
-  }
-}
-
 void GlooWorld::record_failure(int rank, const Status& reason) const {
   {
     std::lock_guard<std::mutex> lock(fail_mu_);

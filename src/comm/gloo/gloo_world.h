@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/backend.h"
 #include "moed/gloo_world.h"
 #include "moed/world.h"
 
@@ -163,7 +164,7 @@ class GlooWorld final : public World {
   StatusOr<void*> map_segment(std::span<const int> ranks, uint64_t slot, const std::string& name,
                               size_t bytes);
   const HostLayout& host() const { return host_; }
-  void count_send(int dst, uint64_t bytes);
+  void count_send(int dst, uint64_t bytes) { internal::count_send(*this, dst, bytes); }
 
  private:
   // Records `reason` as the world's failure, blamed on `rank`, and wakes the current wait.

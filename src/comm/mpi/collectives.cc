@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "comm/backend.h"
 #include "comm/mpi/mpi_world.h"
 #include "comm/sum_rows.h"
 
@@ -38,8 +39,7 @@ StatusOr<const uint64_t*> gather_words(MpiWorld& w, CallBuffers& buf, const uint
 }  // namespace
 
 Status MpiWorld::barrier() {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   MPI_Request req;
   MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier"));
   auto what = [&] { return str_cat("rank ", rank_, " in barrier"); };
@@ -47,29 +47,15 @@ Status MpiWorld::barrier() {
 }
 
 Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   // Everyone's (root, bytes), so every rank can name the disagreement.
   CallBuffers buf;
   const uint64_t root_and_bytes[2] = {uint64_t(int64_t(root)), bytes};
   auto what = [&] { return str_cat("rank ", rank_, " in broadcast"); };
   MOED_ASSIGN_OR_RETURN(const uint64_t* all, gather_words(*this, buf, root_and_bytes, 2, what));
-  for (int r = 0; r < size_; ++r) {
-    if (int(int64_t(all[2 * size_t(r)])) != int(int64_t(all[0]))) {
-      return invalid_argument("broadcast: rank ", r, " has root ", int64_t(all[2 * size_t(r)]),
-                              ", rank 0 has ", int64_t(all[0]));
-    }
-  }
-  if (root < 0 || root >= size_) {
-    return invalid_argument("broadcast: root = ", root, " is outside [0, ", size_, ")");
-  }
-  const uint64_t root_bytes = all[2 * size_t(root) + 1];
-  for (int r = 0; r < size_; ++r) {
-    if (all[2 * size_t(r) + 1] != root_bytes) {
-      return invalid_argument("broadcast: rank ", r, " expects ", all[2 * size_t(r) + 1],
-                              " bytes, root ", root, " sends ", root_bytes);
-    }
-  }
+  MOED_RETURN_IF_ERROR(internal::check_broadcast(
+      size_, root, [&](int r) { return int64_t(all[2 * size_t(r)]); },
+      [&](int r) { return all[2 * size_t(r) + 1]; }));
   MOED_RETURN_IF_ERROR(agree_verdict(fits_int(bytes, "broadcast"), "broadcast"));
   if (bytes == 0) return ok_status();
   MPI_Request req;
@@ -77,29 +63,24 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
       check(MPI_Ibcast(data, int(bytes), MPI_BYTE, root, comm_, &req), "MPI_Ibcast"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   if (rank_ == root) {
-    for (int d = 0; d < size_; ++d) count_send(d, bytes);
+    internal::count_send_to_all(*this, bytes);
   }
   return ok_status();
 }
 
 Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
                                     std::span<const size_t> recv_bytes) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   auto what = [&] { return str_cat("rank ", rank_, " in all_gather_v"); };
   CallBuffers buf;
   const uint64_t mine = send_bytes;
   MOED_ASSIGN_OR_RETURN(const uint64_t* sizes, gather_words(*this, buf, &mine, 1, what));
-  Status local;
-  if (recv_bytes.size() != size_t(size_)) {
-    local = invalid_argument("all_gather_v: rank ", rank_, " passed recv sizes of length ",
-                             recv_bytes.size(), "; must be the world size ", size_);
-  }
-  for (int s = 0; s < size_ && local.ok(); ++s) {
-    if (recv_bytes[size_t(s)] != sizes[size_t(s)]) {
-      local = invalid_argument("all_gather_v: rank ", rank_, " expects ", recv_bytes[size_t(s)],
-                               " bytes from rank ", s, ", which sends ", sizes[size_t(s)]);
-    }
+  Status local =
+      internal::check_length("all_gather_v", rank_, "recv sizes", recv_bytes.size(), size_t(size_));
+  if (local.ok()) {
+    local = internal::check_recv_sizes(
+        "all_gather_v", rank_, size_, [&](int s) { return recv_bytes[size_t(s)]; },
+        [&](int s) { return sizes[size_t(s)]; });
   }
   int* counts = buf.make<int>(size_t(size_));
   int* displs = buf.make<int>(size_t(size_));
@@ -116,7 +97,7 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
       MPI_Iallgatherv(send, int(send_bytes), MPI_BYTE, recv, counts, displs, MPI_BYTE, comm_, &req),
       "MPI_Iallgatherv"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
-  for (int d = 0; d < size_; ++d) count_send(d, send_bytes);
+  internal::count_send_to_all(*this, send_bytes);
   return ok_status();
 }
 
@@ -124,21 +105,11 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
                                     std::span<const size_t> send_offsets, void* recv,
                                     std::span<const size_t> recv_bytes,
                                     std::span<const size_t> recv_offsets) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   auto what = [&] { return str_cat("rank ", rank_, " in all_to_all_v"); };
   const size_t n = size_t(size_);
-  Status local;
-  auto length = [&](std::span<const size_t> s, const char* name) {
-    if (local.ok() && s.size() != n) {
-      local = invalid_argument("all_to_all_v: rank ", rank_, " passed ", name, " of length ",
-                               s.size(), "; must be the world size ", n);
-    }
-  };
-  length(send_bytes, "send sizes");
-  length(send_offsets, "send offsets");
-  length(recv_bytes, "recv sizes");
-  length(recv_offsets, "recv offsets");
+  Status local = internal::check_exchange_lengths("all_to_all_v", rank_, n, send_bytes,
+                                                  send_offsets, recv_bytes, recv_offsets);
   // Exchange the sizes (zeros where this rank's spans are malformed; the verdict below
   // carries that error), then agree once on everything checked.
   CallBuffers buf;
@@ -153,11 +124,10 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
   int* sd = buf.make<int>(n);
   int* rc = buf.make<int>(n);
   int* rd = buf.make<int>(n);
-  for (size_t s = 0; s < n && local.ok(); ++s) {
-    if (recv_bytes[s] != sent[s]) {
-      local = invalid_argument("all_to_all_v: rank ", rank_, " expects ", recv_bytes[s],
-                               " bytes from rank ", s, ", which sends ", sent[s]);
-    }
+  if (local.ok()) {
+    local = internal::check_recv_sizes(
+        "all_to_all_v", rank_, size_, [&](int s) { return recv_bytes[size_t(s)]; },
+        [&](int s) { return sent[size_t(s)]; });
   }
   for (size_t i = 0; i < n && local.ok(); ++i) {
     local = fits_int(std::max(send_offsets[i] + send_bytes[i], recv_offsets[i] + recv_bytes[i]),
@@ -178,27 +148,17 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
 
 Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
                                       float* recv) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   auto what = [&] { return str_cat("rank ", rank_, " in reduce_scatter_v_f32"); };
   const size_t n = size_t(size_);
-  Status local;
-  if (counts.size() != n) {
-    local = invalid_argument("reduce_scatter_v_f32: rank ", rank_, " passed ", counts.size(),
-                             " counts; must be world size ", n);
-  }
+  Status local = internal::check_counts_length(rank_, counts.size(), n);
   MOED_RETURN_IF_ERROR(agree_verdict(local, "reduce_scatter_v_f32"));
   // Everyone's counts, so every rank can name the first disagreement.
   CallBuffers buf;
   const std::vector<uint64_t> mine(counts.begin(), counts.end());
   MOED_ASSIGN_OR_RETURN(const uint64_t* all, gather_words(*this, buf, mine.data(), n, what));
   for (size_t r = 0; r < n; ++r) {
-    for (size_t d = 0; d < n; ++d) {
-      if (all[r * n + d] != all[d]) {
-        return invalid_argument("reduce_scatter_v_f32: rank ", r, " has counts[", d,
-                                "] = ", all[r * n + d], ", rank 0 has ", all[d]);
-      }
-    }
+    MOED_RETURN_IF_ERROR(internal::check_counts_match(r, all + r * n, all, n));
   }
   // Block d of every rank goes to rank d; rank d adds the R blocks in rank order.
   const size_t mine_count = counts[size_t(rank_)];
@@ -228,18 +188,13 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
 }
 
 Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   auto what = [&] { return str_cat("rank ", rank_, " in all_reduce_f32"); };
   CallBuffers buf;
   const uint64_t mine = count;
   MOED_ASSIGN_OR_RETURN(const uint64_t* counts, gather_words(*this, buf, &mine, 1, what));
-  for (int r = 0; r < size_; ++r) {
-    if (counts[size_t(r)] != counts[0]) {
-      return invalid_argument("all_reduce_f32: rank ", r, " has count ", counts[size_t(r)],
-                              ", rank 0 has ", counts[0]);
-    }
-  }
+  MOED_RETURN_IF_ERROR(internal::check_same_as_rank0("all_reduce_f32", "count", size_,
+                                                     [&](int r) { return counts[size_t(r)]; }));
   MOED_RETURN_IF_ERROR(agree_verdict(
       fits_int(count * sizeof(float) * size_t(size_), "all_reduce_f32"), "all_reduce_f32"));
   if (count == 0) return ok_status();
@@ -251,7 +206,7 @@ Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
             "MPI_Iallgather"));
   MOED_RETURN_IF_ERROR(wait(&req, what, &buf, Completion::kEvenAfterFailure));
   internal::sum_rows(pool(), rows, size_, count, recv);
-  for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
+  internal::count_send_to_all(*this, count * sizeof(float));
   return ok_status();
 }
 

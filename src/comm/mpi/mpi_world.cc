@@ -354,15 +354,6 @@ void MpiWorld::abort(const Status& reason) {
   MPI_Abort(comm_, 1);
 }
 
-void MpiWorld::count_send(int dst, uint64_t bytes) {
-  if (dst == rank_ || bytes == 0) return;
-  if (same_node(dst, rank_)) {
-    counters_.shared_bytes += bytes;
-  } else {
-    counters_.network_bytes += bytes;
-  }
-}
-
 Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& what,
                       CallBuffers* buffers, Completion completion) {
   MPI_Status st;

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/backend.h"
 #include "moed/mpi_world.h"
 #include "moed/world.h"
 
@@ -90,7 +91,7 @@ class MpiWorld final : public World {
   enum class Completion { kOrFailure, kEvenAfterFailure };
   Status wait(MPI_Request* request, const std::function<std::string()>& what, CallBuffers* buffers,
               Completion completion = Completion::kOrFailure);
-  void count_send(int dst, uint64_t bytes);
+  void count_send(int dst, uint64_t bytes) { internal::count_send(*this, dst, bytes); }
   MPI_Comm comm() const { return comm_; }
   int tag_ub() const { return tag_ub_; }
 

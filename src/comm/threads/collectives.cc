@@ -4,6 +4,7 @@
 // verdict and return the same error.
 #include <cstring>
 
+#include "comm/backend.h"
 #include "comm/sum_rows.h"
 #include "comm/threads/threads_world.h"
 #include "moed/status.h"
@@ -12,8 +13,7 @@ namespace moed::threads {
 
 template <typename Check, typename Work>
 Status ThreadsWorld::collective(const Slot& mine, Check&& check, Work&& work) {
-  MOED_RETURN_IF_ERROR(failure());
-  ++counters_.collectives;
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
   ctx_->slots[size_t(rank_)] = mine;
   MOED_RETURN_IF_ERROR(internal_barrier(mine.op));
   const std::vector<Slot>& slots = ctx_->slots;
@@ -32,22 +32,24 @@ Status ThreadsWorld::collective(const Slot& mine, Check&& check, Work&& work) {
 }
 
 namespace {
-// Span lengths are checked on every rank from the slots, so a wrong length on one rank is
-// an error on all of them (the spans themselves are only read when the lengths are right).
-Status check_lengths(const std::vector<Slot>& slots, const char* name, bool recv_only) {
+// Span lengths, then each rank d's recv sizes against what each rank s sends it (sent(s, d)),
+// checked on every rank from the slots, so a wrong argument on one rank is an error on all of
+// them (the spans themselves are only read when the lengths are right).
+template <typename Sent>
+Status check_exchange(const std::vector<Slot>& slots, const char* name, bool recv_only,
+                      const Sent& sent) {
   const size_t n = slots.size();
-  auto bad = [&](size_t r, const char* what, size_t len) {
-    return invalid_argument(name, ": rank ", r, " passed ", what, " of length ", len,
-                            "; must be the world size ", n);
-  };
   for (size_t r = 0; r < n; ++r) {
     const Slot& s = slots[r];
-    if (!recv_only && s.send_sizes.size() != n) return bad(r, "send sizes", s.send_sizes.size());
-    if (!recv_only && s.send_offsets.size() != n) {
-      return bad(r, "send offsets", s.send_offsets.size());
-    }
-    if (s.recv_sizes.size() != n) return bad(r, "recv sizes", s.recv_sizes.size());
-    if (s.recv_offsets.size() != n) return bad(r, "recv offsets", s.recv_offsets.size());
+    MOED_RETURN_IF_ERROR(
+        recv_only ? internal::check_length(name, int(r), "recv sizes", s.recv_sizes.size(), n)
+                  : internal::check_exchange_lengths(name, int(r), n, s.send_sizes, s.send_offsets,
+                                                     s.recv_sizes, s.recv_offsets));
+  }
+  for (size_t d = 0; d < n; ++d) {
+    MOED_RETURN_IF_ERROR(internal::check_recv_sizes(
+        name, int(d), int(n), [&](int s) { return slots[d].recv_sizes[size_t(s)]; },
+        [&](int s) { return sent(size_t(s), d); }));
   }
   return ok_status();
 }
@@ -68,29 +70,14 @@ Status ThreadsWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   mine.root = root;
   return collective(
       mine,
-      [&](const std::vector<Slot>& slots) -> Status {
-        for (int r = 0; r < size_; ++r) {
-          const Slot& s = slots[size_t(r)];
-          if (s.root != slots[0].root) {
-            return invalid_argument("broadcast: rank ", r, " has root ", s.root, ", rank 0 has ",
-                                    slots[0].root);
-          }
-        }
-        if (root < 0 || root >= size_) {
-          return invalid_argument("broadcast: root = ", root, " is outside [0, ", size_, ")");
-        }
-        for (int r = 0; r < size_; ++r) {
-          if (slots[size_t(r)].send_bytes != slots[size_t(root)].send_bytes) {
-            return invalid_argument("broadcast: rank ", r, " expects ", slots[size_t(r)].send_bytes,
-                                    " bytes, root ", root, " sends ",
-                                    slots[size_t(root)].send_bytes);
-          }
-        }
-        return ok_status();
+      [&](const std::vector<Slot>& slots) {
+        return internal::check_broadcast(
+            size_, root, [&](int r) { return slots[size_t(r)].root; },
+            [&](int r) { return slots[size_t(r)].send_bytes; });
       },
       [&](const std::vector<Slot>& slots) {
         if (rank_ == root) {
-          for (int d = 0; d < size_; ++d) count_send(d, bytes);
+          internal::count_send_to_all(*this, bytes);
         } else if (bytes > 0) {
           std::memcpy(data, slots[size_t(root)].recv, bytes);
         }
@@ -105,21 +92,11 @@ Status ThreadsWorld::all_gather_v_bytes(const void* send, size_t send_bytes, voi
   mine.send_bytes = send_bytes;
   mine.recv = recv;
   mine.recv_sizes = recv_bytes;
-  mine.recv_offsets = recv_bytes;  // only its length is checked
   return collective(
       mine,
-      [&](const std::vector<Slot>& slots) -> Status {
-        MOED_RETURN_IF_ERROR(check_lengths(slots, "all_gather_v", true));
-        for (int d = 0; d < size_; ++d) {
-          for (int s = 0; s < size_; ++s) {
-            if (slots[size_t(d)].recv_sizes[size_t(s)] != slots[size_t(s)].send_bytes) {
-              return invalid_argument("all_gather_v: rank ", d, " expects ",
-                                      slots[size_t(d)].recv_sizes[size_t(s)], " bytes from rank ",
-                                      s, ", which sends ", slots[size_t(s)].send_bytes);
-            }
-          }
-        }
-        return ok_status();
+      [&](const std::vector<Slot>& slots) {
+        return check_exchange(slots, "all_gather_v", true,
+                              [&](size_t s, size_t) { return slots[s].send_bytes; });
       },
       [&](const std::vector<Slot>& slots) {
         size_t off = 0;
@@ -146,19 +123,9 @@ Status ThreadsWorld::all_to_all_v_bytes(const void* send, std::span<const size_t
   mine.recv_offsets = recv_offsets;
   return collective(
       mine,
-      [&](const std::vector<Slot>& slots) -> Status {
-        MOED_RETURN_IF_ERROR(check_lengths(slots, "all_to_all_v", false));
-        for (int d = 0; d < size_; ++d) {
-          for (int s = 0; s < size_; ++s) {
-            const size_t want = slots[size_t(d)].recv_sizes[size_t(s)];
-            const size_t sent = slots[size_t(s)].send_sizes[size_t(d)];
-            if (want != sent) {
-              return invalid_argument("all_to_all_v: rank ", d, " expects ", want,
-                                      " bytes from rank ", s, ", which sends ", sent);
-            }
-          }
-        }
-        return ok_status();
+      [&](const std::vector<Slot>& slots) {
+        return check_exchange(slots, "all_to_all_v", false,
+                              [&](size_t s, size_t d) { return slots[s].send_sizes[d]; });
       },
       [&](const std::vector<Slot>& slots) {
         for (int i = 0; i < size_; ++i) {
@@ -186,19 +153,12 @@ Status ThreadsWorld::reduce_scatter_v_f32(const float* send, std::span<const siz
   Status status = collective(
       mine,
       [&](const std::vector<Slot>& slots) -> Status {
-        for (int r = 0; r < size_; ++r) {
-          std::span<const size_t> c = slots[size_t(r)].send_sizes;
-          if (c.size() != size_t(size_)) {
-            return invalid_argument("reduce_scatter_v_f32: rank ", r, " passed ", c.size(),
-                                    " counts; must be world size ", size_);
-          }
-          for (int d = 0; d < size_; ++d) {
-            if (c[size_t(d)] != slots[0].send_sizes[size_t(d)]) {
-              return invalid_argument("reduce_scatter_v_f32: rank ", r, " has counts[", d,
-                                      "] = ", c[size_t(d)], ", rank 0 has ",
-                                      slots[0].send_sizes[size_t(d)]);
-            }
-          }
+        const size_t n = size_t(size_);
+        for (size_t r = 0; r < n; ++r) {
+          std::span<const size_t> c = slots[r].send_sizes;
+          MOED_RETURN_IF_ERROR(internal::check_counts_length(int(r), c.size(), n));
+          MOED_RETURN_IF_ERROR(
+              internal::check_counts_match(r, c.data(), slots[0].send_sizes.data(), n));
         }
         return ok_status();
       },
@@ -225,21 +185,15 @@ Status ThreadsWorld::all_reduce_f32(const float* send, float* recv, size_t count
   std::vector<float> sum;
   Status status = collective(
       mine,
-      [&](const std::vector<Slot>& slots) -> Status {
-        for (int r = 0; r < size_; ++r) {
-          if (slots[size_t(r)].send_bytes != slots[0].send_bytes) {
-            return invalid_argument("all_reduce_f32: rank ", r, " has count ",
-                                    slots[size_t(r)].send_bytes, ", rank 0 has ",
-                                    slots[0].send_bytes);
-          }
-        }
-        return ok_status();
+      [&](const std::vector<Slot>& slots) {
+        return internal::check_same_as_rank0("all_reduce_f32", "count", size_,
+                                             [&](int r) { return slots[size_t(r)].send_bytes; });
       },
       [&](const std::vector<Slot>& slots) {
         sum.resize(count);
         internal::sum_rows(pool(), size_, count, sum.data(),
                            [&](int r) { return static_cast<const float*>(slots[size_t(r)].send); });
-        for (int d = 0; d < size_; ++d) count_send(d, count * sizeof(float));
+        internal::count_send_to_all(*this, count * sizeof(float));
       });
   if (status.ok() && count > 0) std::memcpy(recv, sum.data(), count * sizeof(float));
   return status;

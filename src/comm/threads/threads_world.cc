@@ -61,15 +61,6 @@ ThreadsWorld::ThreadsWorld(Context* ctx, int rank, std::chrono::milliseconds tim
 
 void ThreadsWorld::abort(const Status& reason) { ctx_->fail(rank_, reason); }
 
-void ThreadsWorld::count_send(int dst, uint64_t bytes) {
-  if (dst == rank_ || bytes == 0) return;
-  if (same_node(dst, rank_)) {
-    counters_.shared_bytes += bytes;
-  } else {
-    counters_.network_bytes += bytes;
-  }
-}
-
 Status ThreadsWorld::fail_on_timeout(const Status& s) {
   if (s.code() == StatusCode::kDeadlineExceeded) ctx_->fail(rank_, s);
   return s;

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/backend.h"
 #include "moed/world.h"
 
 namespace moed::threads {
@@ -135,9 +136,8 @@ class ThreadsWorld final : public World {
   Status failure() const override { return ctx_->failure(); }
 
   Context& context() { return *ctx_; }
-  // Counts `bytes` this rank sends to `dst`: nothing to itself, shared within a node,
-  // network between nodes (the rule every collective and isend follows).
-  void count_send(int dst, uint64_t bytes);
+  // Counts `bytes` this rank sends to `dst` (backend.h: the rule every backend follows).
+  void count_send(int dst, uint64_t bytes) { internal::count_send(*this, dst, bytes); }
   // A wait that timed out leaves the collective state half-updated, so it fails the world.
   Status fail_on_timeout(const Status& s);
 

@@ -1,0 +1,119 @@
+// Internal: what every backend's World does the same way: the start of a collective, the
+// traffic count of a send, and the argument checks each rank runs over every rank's arguments
+// (so all reach the same verdict, with the same message on every backend). Ranks' values come
+// through accessors
+// (`value_of(r)`), since each backend holds them in its own form (slots, gathered words).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+#include "moed/status.h"
+#include "moed/world.h"
+
+namespace moed::internal {
+
+// Every collective starts so: a world that has failed fails the call; else it is counted.
+inline Status start_collective(World& w) {
+  MOED_RETURN_IF_ERROR(w.failure());
+  ++w.counters().collectives;
+  return ok_status();
+}
+
+// Counts `bytes` this rank sends to `dst`: nothing to itself, shared within a node, network
+// between nodes (the rule every collective and isend follows).
+inline void count_send(World& w, int dst, uint64_t bytes) {
+  if (dst == w.rank() || bytes == 0) return;
+  if (w.same_node(dst, w.rank())) {
+    w.add_shared_bytes(bytes);
+  } else {
+    w.add_network_bytes(bytes);
+  }
+}
+
+// Counts a send of `bytes` to every rank (a broadcast's root, an all-gather, an all-reduce).
+inline void count_send_to_all(World& w, uint64_t bytes) {
+  for (int d = 0; d < w.size(); ++d) count_send(w, d, bytes);
+}
+
+// Rank `rank`'s span `name` has one entry per rank of the `n`.
+inline Status check_length(const char* op, int rank, const char* name, size_t length, size_t n) {
+  if (length == n) return ok_status();
+  return invalid_argument(op, ": rank ", rank, " passed ", name, " of length ", length,
+                          "; must be the world size ", n);
+}
+
+// The four spans of rank `rank`'s all-to-all-v, each one entry per rank.
+inline Status check_exchange_lengths(const char* op, int rank, size_t n,
+                                     std::span<const size_t> send_sizes,
+                                     std::span<const size_t> send_offsets,
+                                     std::span<const size_t> recv_sizes,
+                                     std::span<const size_t> recv_offsets) {
+  MOED_RETURN_IF_ERROR(check_length(op, rank, "send sizes", send_sizes.size(), n));
+  MOED_RETURN_IF_ERROR(check_length(op, rank, "send offsets", send_offsets.size(), n));
+  MOED_RETURN_IF_ERROR(check_length(op, rank, "recv sizes", recv_sizes.size(), n));
+  return check_length(op, rank, "recv offsets", recv_offsets.size(), n);
+}
+
+// Rank `rank` expects want(s) bytes from each rank s, which sends sent(s).
+template <typename Want, typename Sent>
+Status check_recv_sizes(const char* op, int rank, int size, const Want& want, const Sent& sent) {
+  for (int s = 0; s < size; ++s) {
+    if (want(s) != sent(s)) {
+      return invalid_argument(op, ": rank ", rank, " expects ", want(s), " bytes from rank ", s,
+                              ", which sends ", sent(s));
+    }
+  }
+  return ok_status();
+}
+
+// Every rank's value_of(r) (its `what`) equals rank 0's.
+template <typename ValueOf>
+Status check_same_as_rank0(const char* op, const char* what, int size, const ValueOf& value_of) {
+  for (int r = 0; r < size; ++r) {
+    if (value_of(r) != value_of(0)) {
+      return invalid_argument(op, ": rank ", r, " has ", what, " ", value_of(r), ", rank 0 has ",
+                              value_of(0));
+    }
+  }
+  return ok_status();
+}
+
+// A broadcast's arguments: every rank names the same root, inside the world, and expects as
+// many bytes as the root sends.
+template <typename RootOf, typename BytesOf>
+Status check_broadcast(int size, int root, const RootOf& root_of, const BytesOf& bytes_of) {
+  MOED_RETURN_IF_ERROR(check_same_as_rank0("broadcast", "root", size, root_of));
+  if (root < 0 || root >= size) {
+    return invalid_argument("broadcast: root = ", root, " is outside [0, ", size, ")");
+  }
+  for (int r = 0; r < size; ++r) {
+    if (bytes_of(r) != bytes_of(root)) {
+      return invalid_argument("broadcast: rank ", r, " expects ", bytes_of(r), " bytes, root ",
+                              root, " sends ", bytes_of(root));
+    }
+  }
+  return ok_status();
+}
+
+// Rank `rank` passed one reduce-scatter count per rank of the `n`.
+inline Status check_counts_length(int rank, size_t length, size_t n) {
+  if (length == n) return ok_status();
+  return invalid_argument("reduce_scatter_v_f32: rank ", rank, " passed ", length,
+                          " counts; must be world size ", n);
+}
+
+// Rank r's `n` reduce-scatter counts equal rank 0's.
+template <typename T>
+Status check_counts_match(size_t r, const T* counts, const T* counts0, size_t n) {
+  for (size_t d = 0; d < n; ++d) {
+    if (counts[d] != counts0[d]) {
+      return invalid_argument("reduce_scatter_v_f32: rank ", r, " has counts[", d,
+                              "] = ", counts[d], ", rank 0 has ", counts0[d]);
+    }
+  }
+  return ok_status();
+}
+
+}  // namespace moed::internal
