@@ -1,8 +1,8 @@
 // Internal: what every backend's World does the same way: the start of a collective, the
 // traffic count of a send, and the argument checks each rank runs over every rank's arguments
 // (so all reach the same verdict, with the same message on every backend). Ranks' values come
-// through accessors
-// (`value_of(r)`), since each backend holds them in its own form (slots, gathered words).
+// through accessors (`value_of(r)`), since each backend holds them in its own form (slots,
+// gathered words).
 #pragma once
 
 #include <cstddef>
