@@ -403,7 +403,8 @@ def test_signatures_match_deepep():
     assert params(deep_ep.Buffer.dispatch) == [
         "self", "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
         "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
-        "config", "previous_event", "async_finish", "allocate_on_comm_stream"]
+        "config", "previous_event", "async_finish", "allocate_on_comm_stream",
+        "out"]  # out: keyword-only, moed's extension
     assert params(deep_ep.Buffer.combine) == [
         "self", "x", "handle", "topk_weights", "bias", "config", "previous_event", "async_finish",
         "allocate_on_comm_stream", "out"]  # out: keyword-only, moed's extension
