@@ -145,6 +145,47 @@ StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec,
   }
   MOED_RETURN_IF_ERROR(wait_all(ops.recvs_low));
 
+  // A turn that starts the sum (P = 1) folds its rows in one pass (fold_rows, as pull's home
+  // fold does): into the fp32 partial it sends on (an f32 store is exact), or rounded into the
+  // row it sends home or into the output.
+  auto start_turn = [&](const ChainItem& it, std::vector<const void*>* rows,
+                        std::vector<float>* probs) -> uint64_t {
+    rows->clear();
+    probs->clear();
+    auto take = [&](int ex, int64_t row, float prob) {
+      const PullSource& src = spec.sources[size_t(topo.first_rank_of_expert(ex) % G)];
+      rows->push_back(src.rows + size_t(row) * src.row_stride_bytes);
+      probs->push_back(prob);
+    };
+    if (it.plan) {
+      const ForwardPlan& f = *it.plan;
+      for (int64_t k = f.entry_begin[size_t(it.index)]; k < f.entry_begin[size_t(it.index) + 1];
+           ++k)
+        take(f.entry_expert[size_t(k)], f.entry_row[size_t(k)], f.entry_prob[size_t(k)]);
+    } else {
+      const SparseRouting& r = h.routing;
+      for (int64_t k = r.begin[size_t(it.index)]; k < r.begin[size_t(it.index) + 1]; ++k) {
+        const int ex = r.expert[size_t(k)];
+        if (topo.node_of_expert(ex) == topo.node) take(ex, own_row[size_t(k)], r.prob[size_t(k)]);
+      }
+    }
+    void* dst;
+    DType dt = spec.out.dtype;
+    if (it.next < 0) {
+      dst = spec.out.row_ptr(it.token);
+    } else if (it.last) {
+      dst = ops.send_buffers[size_t(it.next)].data() + ops.send_rows_off[size_t(it.next)] +
+            size_t(it.out_pos) * row_bytes;
+    } else {
+      dst = ops.send_buffers[size_t(it.next)].data() + size_t(it.out_pos) * f32_bytes;
+      dt = DType::kF32;
+    }
+    internal::row_kernels().fold_rows(rows->data(), spec.dtype,
+                                      spec.weighted ? probs->data() : nullptr, int(rows->size()),
+                                      dst, dt, size_t(H), /*stream=*/false);
+    return uint64_t(rows->size());
+  };
+
   std::vector<uint64_t> terms_read(ops.items.size(), 0);
   ctx.world->pool().parallel_for(
       int64_t(ops.items.size()),
@@ -166,9 +207,15 @@ StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec,
           }
           add_term_f32(acc, term.data(), spec.weighted, prob, H);
         };
+        std::vector<const void*> fold_rows;
+        std::vector<float> fold_probs;
         for (int64_t i = b; i < e; ++i) {
           const ChainItem& it = ops.items[size_t(i)];
           if (!it.turn) continue;
+          if (P == 1 && it.prev < 0) {  // the chain starts here: the one-pass fold (same bits)
+            terms_read[size_t(i)] = start_turn(it, &fold_rows, &fold_probs);
+            continue;
+          }
           // A partial that goes on is summed in place in its outgoing message.
           float* acc = it.next >= 0 && !it.last
                            ? reinterpret_cast<float*>(ops.send_buffers[size_t(it.next)].data() +
