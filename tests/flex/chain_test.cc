@@ -61,8 +61,8 @@ std::vector<testing::DispatchCase> chain_cases() {
 class FlexChain : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(FlexChain, EqualsTheReference) {
-  Status s = testing::run_cases(GetParam(), chain_cases(), DispatcherKind::kFlex,
-                                make_flex_dispatcher);
+  Status s =
+      testing::run_cases(GetParam(), chain_cases(), DispatcherKind::kFlex, make_flex_dispatcher);
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
@@ -85,7 +85,8 @@ uint64_t expected_combine_network_bytes(const testing::CaseInput& in, int rank, 
         if (e >= 0) nodes.push_back(e / L / G);
       }
       std::sort(nodes.begin(), nodes.end());
-      const int64_t remote = std::count_if(nodes.begin(), nodes.end(), [&](int n) { return n != hn; });
+      const int64_t remote =
+          std::count_if(nodes.begin(), nodes.end(), [&](int n) { return n != hn; });
       const int64_t mine = std::count(nodes.begin(), nodes.end(), node);
       nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
       if (nodes.empty()) continue;
@@ -168,22 +169,20 @@ TEST_P(FlexChain, CachedModeAndNetworkBytes) {
       MOED_ASSIGN_OR_RETURN(std::vector<Tensor> ref_out, reference_combine(ref, views));
       for (int pass = 0; pass < 2; ++pass) {
         w.reset_counters();
-        MOED_ASSIGN_OR_RETURN(
-            CombineOutput co,
-            d->combine(CombineInput{TokenRows{y[size_t(r)].view(), {}},
-                                    pass == 0 ? out.handle : first.handle}));
+        MOED_ASSIGN_OR_RETURN(CombineOutput co,
+                              d->combine(CombineInput{TokenRows{y[size_t(r)].view(), {}},
+                                                      pass == 0 ? out.handle : first.handle}));
         const uint64_t got = w.counters().network_bytes;
         const TensorView a = co.hidden.view(), b = ref_out[size_t(r)].view();
         for (int64_t t = 0; t < a.rows; ++t) {
           MOED_RETURN_IF_ERROR(expect(std::memcmp(a.row_ptr(t), b.row_ptr(t), a.row_bytes()) == 0,
                                       str_cat("rank ", r, ": combine row ", t, " differs")));
         }
-        const uint64_t want_bytes = expected_combine_network_bytes(
-                                        in, r, G, L, c.hidden, dtype_size(out_dtype) * c.hidden);
-        MOED_RETURN_IF_ERROR(expect(
-            got == want_bytes + agreement,
-            str_cat("rank ", r, ": combine network bytes ", got, " != ", want_bytes, " (+",
-                    agreement, " agreement)")));
+        const uint64_t want_bytes =
+            expected_combine_network_bytes(in, r, G, L, c.hidden, dtype_size(out_dtype) * c.hidden);
+        MOED_RETURN_IF_ERROR(expect(got == want_bytes + agreement,
+                                    str_cat("rank ", r, ": combine network bytes ", got,
+                                            " != ", want_bytes, " (+", agreement, " agreement)")));
         // In all (a rank's share depends on the routing): combine sends at most twice the
         // dispatch's bytes.
         const std::vector<int64_t> mine = {int64_t(got - agreement), int64_t(dispatch_bytes)};

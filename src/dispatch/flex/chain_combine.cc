@@ -250,8 +250,8 @@ StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec,
           if (it.next < 0) {
             store_row(spec.out.row_ptr(it.token), acc, spec.out.dtype, H);
           } else if (it.last) {
-            store_row(ops.send_buffers[size_t(it.next)].data() + ops.send_rows_off[size_t(it.next)] +
-                          size_t(it.out_pos) * row_bytes,
+            store_row(ops.send_buffers[size_t(it.next)].data() +
+                          ops.send_rows_off[size_t(it.next)] + size_t(it.out_pos) * row_bytes,
                       acc, spec.out.dtype, H);
           }
         }

@@ -105,8 +105,8 @@ struct SendPlan {
   std::vector<int64_t> node_entries;   // [(C + 1) * N] prefix of (t, e on m) pairs
   // The node-reduced combine: bit c of chain[t] set when token t chains in class c, and the
   // prefix of the (t, e on m) pairs of the tokens that do not (the per-expert terms left).
-  std::vector<uint8_t> chain;                          // [T]
-  std::vector<int64_t> term_entries[kChainClasses];    // [(C + 1) * N]
+  std::vector<uint8_t> chain;                        // [T]
+  std::vector<int64_t> term_entries[kChainClasses];  // [(C + 1) * N]
 };
 
 // Forwarder side: what one remote source sent this rank to place into its node.
@@ -298,9 +298,9 @@ void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const 
 // ranks' segments (filling ctx.forward_out from the headers in uncached mode) and waits for
 // the sends.
 struct RemoteOps {
-  std::vector<Bytes> send_buffers;  // [N]
-  std::vector<Bytes> recv_buffers;  // [N]
-  std::vector<Request> sends, recvs;            // recvs[m]: from the source on node m
+  std::vector<Bytes> send_buffers;    // [N]
+  std::vector<Bytes> recv_buffers;    // [N]
+  std::vector<Request> sends, recvs;  // recvs[m]: from the source on node m
 };
 StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec& spec, int tag);
 Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, RemoteOps& ops);
@@ -351,10 +351,10 @@ bool chain_enabled(const Topology& topo, const PullSpec& spec);
 // ascending, then token ascending (sender and receiver enumerate the same pairs so).
 struct ChainItem {
   int32_t home = 0, token = 0;
-  int16_t prev = -1;          // node whose message holds the partial; -1: the sum starts here
-  int16_t next = -1;          // node the partial goes to; -1: this rank is home and rounds it
-  bool turn = true;           // false: only the rounded row arrives (home, from the last node)
-  bool last = false;          // a turn that finishes the sum: rounds it (sends it to next, home)
+  int16_t prev = -1;  // node whose message holds the partial; -1: the sum starts here
+  int16_t next = -1;  // node the partial goes to; -1: this rank is home and rounds it
+  bool turn = true;   // false: only the rounded row arrives (home, from the last node)
+  bool last = false;  // a turn that finishes the sum: rounds it (sends it to next, home)
   const ForwardPlan* plan = nullptr;  // forwarded token (its index in plan), or own token
   int64_t index = 0;
   // Row in the message from prev / to next, in its section: fp32 partials first, then rows
@@ -363,7 +363,7 @@ struct ChainItem {
 };
 struct ChainOps {
   std::vector<ChainItem> items;
-  std::vector<Bytes> recv_buffers, send_buffers;  // [N]
+  std::vector<Bytes> recv_buffers, send_buffers;     // [N]
   std::vector<size_t> recv_rows_off, send_rows_off;  // [N] where the rounded rows start
   std::vector<Request> recvs_low, recvs_high, sends;
 };

@@ -47,7 +47,8 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
     for (int64_t i = 0; i < f.num_tokens; ++i) {
       const bool chained = (f.chain[size_t(i)].classes & chain_bit) != 0;
       first[size_t(i) + 1] =
-          first[size_t(i)] + (chained ? 0 : f.entry_begin[size_t(i) + 1] - f.entry_begin[size_t(i)]);
+          first[size_t(i)] +
+          (chained ? 0 : f.entry_begin[size_t(i) + 1] - f.entry_begin[size_t(i)]);
     }
     const int64_t q = first[size_t(f.num_tokens)];
     if (q == 0) continue;
@@ -75,8 +76,8 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
                 float* term = reinterpret_cast<float*>(piece);
                 std::memset(term, 0, r.piece_bytes);
                 for (int p = 0; p < P; ++p) {
-                  const PullSource& src = spec.sources[size_t(
-                      (topo.first_rank_of_expert(ex) + p) % topo.ranks_per_node)];
+                  const PullSource& src = spec.sources[size_t((topo.first_rank_of_expert(ex) + p) %
+                                                              topo.ranks_per_node)];
                   accumulate_raw(term, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype,
                                  H);
                   if (spec.with_scalars) s = s + src.scalars[row];

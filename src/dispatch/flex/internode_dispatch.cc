@@ -51,8 +51,8 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
     MOED_CHECK(hd.chain.classes == 0 ||
                    (hd.chain.prev >= -1 && hd.chain.prev < topo.node && hd.chain.next >= 0 &&
                     hd.chain.next < topo.num_nodes && hd.chain.next != topo.node),
-               "forwarded token ", hd.src_token, " from rank ", src, ": chain link ",
-               hd.chain.prev, " -> ", hd.chain.next, " on node ", topo.node);
+               "forwarded token ", hd.src_token, " from rank ", src, ": chain link ", hd.chain.prev,
+               " -> ", hd.chain.next, " on node ", topo.node);
     f.entry_begin[size_t(i)] = k;
     uint64_t mask = 0;
     for (int32_t x = 0; x < hd.num_entries; ++x, ++k) {
@@ -131,8 +131,9 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
           mask[size_t(m)] = rank_mask_of(topo, e, mask[size_t(m)]);
         }
         const int64_t b = h.routing.begin[size_t(t)];
-        const uint32_t classes = chain_classes(topo, &h.routing.expert[size_t(b)],
-                                               h.routing.begin[size_t(t) + 1] - b, topo.node, &nodes);
+        const uint32_t classes =
+            chain_classes(topo, &h.routing.expert[size_t(b)], h.routing.begin[size_t(t) + 1] - b,
+                          topo.node, &nodes);
         for (int m = 0; m < N; ++m) {
           if (count[size_t(m)] == 0) continue;
           char* msg = ops.send_buffers[size_t(m)].data();

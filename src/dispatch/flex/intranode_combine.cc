@@ -123,10 +123,9 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
           }
         }
         if (fused) {
-          internal::row_kernels().fold_rows(fold_rows.data(), spec.dtype,
-                                            spec.weighted ? fold_probs.data() : nullptr,
-                                            int(fold_rows.size()), spec.out.row_ptr(t),
-                                            spec.out.dtype, size_t(H), stream);
+          internal::row_kernels().fold_rows(
+              fold_rows.data(), spec.dtype, spec.weighted ? fold_probs.data() : nullptr,
+              int(fold_rows.size()), spec.out.row_ptr(t), spec.out.dtype, size_t(H), stream);
         } else if (spec.mode != PullMode::kProbGrad) {
           store_row(spec.out.row_ptr(t), acc.data(), spec.out.dtype, H);
         }
