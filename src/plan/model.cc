@@ -158,7 +158,10 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
     std::fill(rank_stamp.begin(), rank_stamp.end(), -1);
     std::fill(node_stamp.begin(), node_stamp.end(), -1);
     int64_t selections = 0;
+    const int ns = s / G, ls = s % G;
+    std::vector<int> nodes;
     for (int64_t t = 0; t < T; ++t) {
+      nodes.clear();
       for (int k = 0; k < K; ++k) {
         const int32_t e = idx[size_t(t * K + k)];
         if (e < 0) continue;
@@ -172,9 +175,33 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
         ++ent_node[size_t(n)];
         if (rank_stamp[size_t(d)] != t) rank_stamp[size_t(d)] = t, ++toks[size_t(d)];
         if (node_stamp[size_t(n)] != t) node_stamp[size_t(n)] = t, ++tok_node[size_t(n)];
+        nodes.push_back(n);
+      }
+      // moed Flex's combine across nodes (spec §5.5), on the network: per-expert terms from
+      // each remote node's forwarder, or, where fewer bytes, the chain over the token's nodes
+      // ascending (an fp32 row per hop between them, then the rounded row home), each hop
+      // sent by the rank of its node on the home's rail.
+      if (N == 1 || nodes.empty()) continue;
+      std::sort(nodes.begin(), nodes.end());
+      const int64_t remote =
+          std::count_if(nodes.begin(), nodes.end(), [&](int n) { return n != ns; });
+      nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+      const int64_t inner = int64_t(nodes.size()) - 1, home_hop = nodes.back() != ns ? 1 : 0;
+      std::vector<int64_t>& net = m.flex_combine.network;
+      if (4 * H * inner + row_c * home_hop < row_c * remote) {
+        for (size_t i = 0; i + 1 < nodes.size(); ++i) net[size_t(nodes[i] * G + ls)] += 4 * H;
+        if (home_hop) net[size_t(nodes.back() * G + ls)] += row_c;
+      } else {
+        for (size_t i = 0; i < nodes.size(); ++i) {
+          if (nodes[i] == ns) continue;
+          // the entries of t on that node: one term each
+          for (int k = 0; k < K; ++k) {
+            const int32_t e = idx[size_t(t * K + k)];
+            if (e >= 0 && e / L / G == nodes[i]) net[size_t(nodes[i] * G + ls)] += row_c;
+          }
+        }
       }
     }
-    const int ns = s / G, ls = s % G;
     // DeepEP's bandwidth numerators (moed/plan.h PublishedBytes).
     if (o.low_latency) {
       pub_d += selections * (o.fp8_dispatch ? ll_row_d : 2 * H);  // the test's num_bf16_bytes
@@ -226,17 +253,16 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
     for (int n = 0; n < N; ++n) {
       if (n == ns) continue;
       const int f = n * G + ls;
-      // DeepEP / moed wire format: 16-byte header per token, 8 bytes per expert entry.
+      // moed wire format: kFlexTokenHeaderBytes per token, 8 bytes per expert entry.
       const int64_t msg = tok_node[size_t(n)] * (row_d + kFlexTokenHeaderBytes) +
                           ent_node[size_t(n)] * kFlexEntryBytes;
       add(flex_d, false, s, f, msg);
       add(flex_c, false, f, s, tok_node[size_t(n)] * row_c);
       // moed Flex: the message to the forwarder, which writes one row per expert entry;
-      // combine reads one term per entry there and sends them back.
+      // combine reads one term per entry there (its network bytes are charged per token above).
       m.flex_dispatch.network[size_t(s)] += msg;
       m.flex_dispatch.shared[size_t(f)] += ent_node[size_t(n)] * flex_row_total;
       m.flex_combine.shared[size_t(f)] += ent_node[size_t(n)] * row_c;
-      m.flex_combine.network[size_t(f)] += ent_node[size_t(n)] * row_c;
     }
     m.flex_dispatch.shared[size_t(s)] += ent_node[size_t(ns)] * flex_row_total;
     m.flex_combine.shared[size_t(s)] += ent_node[size_t(ns)] * row_c;

@@ -188,7 +188,7 @@ TEST_P(FlexFeatures, NumWorstTokensTooSmallIsEveryonesError) {
 }
 
 // Network bytes of a dispatch = sum over tokens of (remote nodes it routes to) x
-// (payload + scales + 16-byte header + 8 bytes per expert entry on that node).
+// (payload + scales + 24-byte header + 8 bytes per expert entry on that node).
 TEST_P(FlexFeatures, NetworkBytesMatchAnalyticCount) {
   const Problem p = make_problem(DType::kFP8, 8, 2, 16, 4);
   Status s = testing::run_world(GetParam(), 8, 2, [&](World& w) -> Status {
@@ -215,7 +215,7 @@ TEST_P(FlexFeatures, NetworkBytesMatchAnalyticCount) {
       }
       for (int m = 0; m < 4; ++m) {
         if (m == w.node() || entries[size_t(m)] == 0) continue;
-        want += 256 + 2 * 4 + 16 + 8 * uint64_t(entries[size_t(m)]);
+        want += 256 + 2 * 4 + 24 + 8 * uint64_t(entries[size_t(m)]);
         ++rows;
       }
     }

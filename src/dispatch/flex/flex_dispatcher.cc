@@ -319,6 +319,10 @@ StatusOr<std::unique_ptr<TokenDispatcher>> make_flex_dispatcher(World& world,
         "Flex across nodes supports up to 64 ranks per node (the header's rank "
         "mask); ranks_per_node = ",
         G);
+  } else if (world.num_nodes() > 32767) {
+    local = unimplemented(
+        "Flex across nodes supports up to 32767 nodes (the header's chain links); num_nodes = ",
+        world.num_nodes());
   }
   MOED_RETURN_IF_ERROR(world.agree(local));
   auto d = std::make_unique<flex::FlexDispatcher>(world, config);

@@ -44,6 +44,38 @@ struct Topology {
   int forwarder_on(int n) const { return n * ranks_per_node + local_rank; }
 };
 
+// ---- the node-reduced combine (spec §5.5): a chain per token over its nodes ascending ----
+// A token's combine either ships per-expert terms to its home (the pull below), or chains: the
+// lowest node holding its experts starts the fp32 running sum over them (ascending), sends the
+// fp32 partial to the next such node, which continues the same sum, and the last one rounds it
+// (once, as the home would) and sends the rounded row home. Per token, whichever crosses the
+// network in fewer bytes. That depends on the sizes of a term and of an output row, so there
+// are three classes (chain_class): 0, bf16 rows with P = 1 (a term is a 2H-byte row, the output
+// row 2H); 1, f32 rows (4H, 4H); 2, bf16 rows with P > 1 (a term is the fp32 sum of the P
+// partials, 4H; the output row 2H). An fp32 partial is 4H.
+constexpr int kChainClasses = 3;
+inline int chain_class(DType dt, int etp_size) {
+  return dt != DType::kBF16 ? 1 : etp_size == 1 ? 0 : 2;
+}
+// The nodes holding a token's experts (ascending; experts are ascending) into *nodes, and the
+// classes (bit c) in which the token chains, for a token of home node `home`.
+uint32_t chain_classes(const Topology& topo, const int32_t* experts, int64_t k, int home,
+                       std::vector<int>* nodes);
+// Node m's place in a token's chain: where the partial comes from (-1: m starts it) and where
+// it goes (the next node, or the home node when m is last: then it goes rounded). Sent in the
+// dispatch header.
+struct ChainLink {
+  int16_t prev = -1;
+  int16_t next = -1;
+  uint8_t classes = 0;  // bit c: the token chains in class c
+  uint8_t last = 0;     // m is the last node: it rounds and sends the row home
+  uint16_t reserved = 0;
+};
+ChainLink chain_link(std::span<const int> nodes, uint32_t classes, int m, int home);
+// The chain messages ride on their own tag: they travel between the same rail pairs as the
+// per-expert terms of the same step.
+inline int chain_tag(int tag) { return tag + 0x8; }
+
 // What notify exchanges: every rank's counts, so every rank can compute every rank's
 // canonical layout and every message size without asking again.
 struct GlobalInfo {
@@ -71,6 +103,10 @@ struct SendPlan {
   std::vector<int64_t> expert_prefix;  // [C * E] rows for e in earlier channels
   std::vector<int64_t> node_tokens;    // [(C + 1) * N] prefix of tokens needing node m
   std::vector<int64_t> node_entries;   // [(C + 1) * N] prefix of (t, e on m) pairs
+  // The node-reduced combine: bit c of chain[t] set when token t chains in class c, and the
+  // prefix of the (t, e on m) pairs of the tokens that do not (the per-expert terms left).
+  std::vector<uint8_t> chain;                        // [T]
+  std::vector<int64_t> term_entries[kChainClasses];  // [(C + 1) * N]
 };
 
 // Forwarder side: what one remote source sent this rank to place into its node.
@@ -83,6 +119,7 @@ struct ForwardPlan {
   std::vector<int32_t> entry_expert;  // [q]
   std::vector<float> entry_prob;      // [q]
   std::vector<int64_t> entry_row;     // [q] canonical row on every rank of the expert
+  std::vector<ChainLink> chain;       // [n] this node's place in each token's combine chain
 };
 
 // The wire format of one dispatch message (source -> forwarder): headers, then the expert
@@ -91,12 +128,13 @@ struct MessageHeader {
   int32_t src_token;
   int32_t num_entries;
   uint64_t rank_mask;  // local ranks of the destination node that need the token
+  ChainLink chain;     // the destination node's place in the token's combine chain
 };
 struct MessageEntry {
   int32_t expert;
   float prob;
 };
-static_assert(sizeof(MessageHeader) == 16 && sizeof(MessageEntry) == 8);
+static_assert(sizeof(MessageHeader) == 24 && sizeof(MessageEntry) == 8);
 struct MessageLayout {
   size_t entries_off = 0, payload_off = 0, scales_off = 0, bytes = 0;
   static MessageLayout of(int64_t tokens, int64_t entries, size_t row_bytes, size_t scale_bytes);
@@ -222,10 +260,13 @@ class NetScratch {
  public:
   Bytes send(int node, size_t bytes) { return at(send_, node, bytes); }
   Bytes recv(int node, size_t bytes) { return at(recv_, node, bytes); }
+  // The chain messages of the node-reduced combine (in flight with the terms' messages).
+  Bytes chain_send(int node, size_t bytes) { return at(chain_send_, node, bytes); }
+  Bytes chain_recv(int node, size_t bytes) { return at(chain_recv_, node, bytes); }
 
  private:
   static Bytes at(std::vector<ScratchBuffer>& v, int node, size_t bytes);
-  std::vector<ScratchBuffer> send_, recv_;
+  std::vector<ScratchBuffer> send_, recv_, chain_send_, chain_recv_;
 };
 
 struct DispatchContext {
@@ -257,9 +298,9 @@ void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const 
 // ranks' segments (filling ctx.forward_out from the headers in uncached mode) and waits for
 // the sends.
 struct RemoteOps {
-  std::vector<Bytes> send_buffers;  // [N]
-  std::vector<Bytes> recv_buffers;  // [N]
-  std::vector<Request> sends, recvs;            // recvs[m]: from the source on node m
+  std::vector<Bytes> send_buffers;    // [N]
+  std::vector<Bytes> recv_buffers;    // [N]
+  std::vector<Request> sends, recvs;  // recvs[m]: from the source on node m
 };
 StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec& spec, int tag);
 Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, RemoteOps& ops);
@@ -295,6 +336,39 @@ struct PullRemote {
   size_t piece_bytes = 0;  // a raw row (P = 1) or an fp32 term (P > 1)
 };
 StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpec& spec, int tag);
+
+// The chain half of pull (chain_combine.cc), for the steps that chain: kCombine, and
+// kDispatchBackward without prob gradients (kProbGrad needs every expert's term; the prob
+// gradients of the dispatch backward are per expert). Tokens whose SendPlan::chain / ForwardPlan
+// chain bit of chain_class(spec.dtype, P) is set take it; the others ship per-expert terms.
+// chain_start posts this rank's chain receives, waits for those from lower nodes (all that its
+// turns read), runs its turns (its own tokens where its node holds experts, and the forwarded
+// tokens: fp32 sum continued over this node's experts ascending) and sends the partials on, one
+// message per next node. chain_finish waits for the finished sums of this rank's tokens (from
+// their last nodes), rounds them once into spec.out, and waits for the sends.
+bool chain_enabled(const Topology& topo, const PullSpec& spec);
+// One (home rank, token) this rank handles, in the order every message lists them: home rank
+// ascending, then token ascending (sender and receiver enumerate the same pairs so).
+struct ChainItem {
+  int32_t home = 0, token = 0;
+  int16_t prev = -1;  // node whose message holds the partial; -1: the sum starts here
+  int16_t next = -1;  // node the partial goes to; -1: this rank is home and rounds it
+  bool turn = true;   // false: only the rounded row arrives (home, from the last node)
+  bool last = false;  // a turn that finishes the sum: rounds it (sends it to next, home)
+  const ForwardPlan* plan = nullptr;  // forwarded token (its index in plan), or own token
+  int64_t index = 0;
+  // Row in the message from prev / to next, in its section: fp32 partials first, then rows
+  // rounded by the last node (turn = false at the receiver, last = true at the sender).
+  int64_t in_pos = 0, out_pos = 0;
+};
+struct ChainOps {
+  std::vector<ChainItem> items;
+  std::vector<Bytes> recv_buffers, send_buffers;     // [N]
+  std::vector<size_t> recv_rows_off, send_rows_off;  // [N] where the rounded rows start
+  std::vector<Request> recvs_low, recvs_high, sends;
+};
+StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec, int tag);
+Status chain_finish(const DispatchContext& ctx, const PullSpec& spec, ChainOps& ops);
 
 // Phase 2, notify: the one count exchange (collective), then every rank's layout, the send
 // plan and the handle. Errors (num_worst_tokens exceeded) are the same on every rank.

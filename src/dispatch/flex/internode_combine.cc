@@ -9,6 +9,7 @@
 // outputs of each expert inside the node (term_e = 0 + sum over p ascending, exactly the
 // reference's term), a P-fold reduction of network bytes; with P = 1 the term is the raw
 // row in its own dtype (no widening to fp32). The home rank then folds all terms in order.
+// Tokens for which a chain of fp32 partials is smaller (chain_combine.cc) send no terms here.
 #include <cstring>
 
 #include "dispatch/flex/flex_internal.h"
@@ -23,11 +24,15 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
   PullRemote r;
   r.piece_bytes = P == 1 ? dtype_row_bytes(spec.dtype, H) : size_t(H) * sizeof(float);
   const size_t scalar_bytes = spec.with_scalars ? sizeof(float) : 0;
+  // Tokens that chain (chain_combine.cc) send no terms.
+  const uint32_t chain_bit = chain_enabled(topo, spec) ? 1u << chain_class(spec.dtype, P) : 0;
+  const std::vector<int64_t>& terms =
+      chain_bit ? h.send.term_entries[chain_class(spec.dtype, P)] : h.send.node_entries;
   r.recv_buffers.resize(size_t(N));
   r.send_buffers.resize(size_t(N));
   for (int m = 0; m < N; ++m) {
     if (m == topo.node) continue;
-    const int64_t q = h.send.node_entries[size_t(C) * N + m];
+    const int64_t q = terms[size_t(C) * N + m];
     if (q == 0) continue;
     r.recv_buffers[size_t(m)] = ctx.net->recv(m, size_t(q) * (r.piece_bytes + scalar_bytes));
     MOED_ASSIGN_OR_RETURN(
@@ -37,42 +42,56 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
   }
   uint64_t rows_read = 0;
   for (const ForwardPlan& f : h.forward) {
-    if (f.num_entries == 0) continue;
+    // Piece index of each token's first term: its entries, less those of chained tokens.
+    std::vector<int64_t> first(size_t(f.num_tokens) + 1, 0);
+    for (int64_t i = 0; i < f.num_tokens; ++i) {
+      const bool chained = (f.chain[size_t(i)].classes & chain_bit) != 0;
+      first[size_t(i) + 1] =
+          first[size_t(i)] +
+          (chained ? 0 : f.entry_begin[size_t(i) + 1] - f.entry_begin[size_t(i)]);
+    }
+    const int64_t q = first[size_t(f.num_tokens)];
+    if (q == 0) continue;
     const int m = topo.node_of_rank(f.src);
     Bytes& buf = r.send_buffers[size_t(m)];
-    buf = ctx.net->send(m, size_t(f.num_entries) * (r.piece_bytes + scalar_bytes));
-    char* scalars_out = buf.data() + size_t(f.num_entries) * r.piece_bytes;
+    buf = ctx.net->send(m, size_t(q) * (r.piece_bytes + scalar_bytes));
+    char* scalars_out = buf.data() + size_t(q) * r.piece_bytes;
     ctx.world->pool().parallel_for(
-        f.num_entries,
+        f.num_tokens,
         [&](int64_t b, int64_t e, int) {
-          for (int64_t k = b; k < e; ++k) {
-            const int ex = f.entry_expert[size_t(k)];
-            const int64_t row = f.entry_row[size_t(k)];
-            char* piece = buf.data() + size_t(k) * r.piece_bytes;
-            float s = 0.0f;
-            if (P == 1) {
-              const PullSource& src =
-                  spec.sources[size_t(topo.first_rank_of_expert(ex) % topo.ranks_per_node)];
-              std::memcpy(piece, src.rows + size_t(row) * src.row_stride_bytes, r.piece_bytes);
-              if (spec.with_scalars) s = s + src.scalars[row];
-            } else {
-              float* term = reinterpret_cast<float*>(piece);
-              std::memset(term, 0, r.piece_bytes);
-              for (int p = 0; p < P; ++p) {
+          for (int64_t i = b; i < e; ++i) {
+            if (f.chain[size_t(i)].classes & chain_bit) continue;
+            for (int64_t k = f.entry_begin[size_t(i)]; k < f.entry_begin[size_t(i) + 1]; ++k) {
+              const int64_t out = first[size_t(i)] + (k - f.entry_begin[size_t(i)]);
+              const int ex = f.entry_expert[size_t(k)];
+              const int64_t row = f.entry_row[size_t(k)];
+              char* piece = buf.data() + size_t(out) * r.piece_bytes;
+              float s = 0.0f;
+              if (P == 1) {
                 const PullSource& src =
-                    spec.sources[size_t((topo.first_rank_of_expert(ex) + p) % topo.ranks_per_node)];
-                accumulate_raw(term, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype, H);
+                    spec.sources[size_t(topo.first_rank_of_expert(ex) % topo.ranks_per_node)];
+                std::memcpy(piece, src.rows + size_t(row) * src.row_stride_bytes, r.piece_bytes);
                 if (spec.with_scalars) s = s + src.scalars[row];
+              } else {
+                float* term = reinterpret_cast<float*>(piece);
+                std::memset(term, 0, r.piece_bytes);
+                for (int p = 0; p < P; ++p) {
+                  const PullSource& src = spec.sources[size_t((topo.first_rank_of_expert(ex) + p) %
+                                                              topo.ranks_per_node)];
+                  accumulate_raw(term, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype,
+                                 H);
+                  if (spec.with_scalars) s = s + src.scalars[row];
+                }
               }
+              if (spec.with_scalars)
+                std::memcpy(scalars_out + size_t(out) * sizeof(float), &s, sizeof(s));
             }
-            if (spec.with_scalars)
-              std::memcpy(scalars_out + size_t(k) * sizeof(float), &s, sizeof(s));
           }
         },
         16);
-    rows_read += uint64_t(f.num_entries) * uint64_t(P);
+    rows_read += uint64_t(q) * uint64_t(P);
     MOED_ASSIGN_OR_RETURN(Request req, ctx.world->isend(f.src, tag, buf.data(), buf.size()));
-    ctx.world->add_network_bytes(0, uint64_t(f.num_entries));
+    ctx.world->add_network_bytes(0, uint64_t(q));
     r.sends.push_back(std::move(req));
   }
   ctx.world->add_shared_bytes(rows_read * dtype_row_bytes(spec.dtype, H), rows_read);

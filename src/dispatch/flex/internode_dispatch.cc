@@ -3,6 +3,10 @@
 // (source token, mask of the node's ranks that need it, its experts there and their probs).
 // The forwarder places it over shared memory into each needed rank's canonical row.
 //
+// The header also carries the destination node's place in the token's combine chain
+// (ChainLink, flex_internal.h), kept in the forward plan so cached dispatches and every
+// combine of the handle reuse it.
+//
 // NOTE: the forwarder learns a token's rows from a running count per expert over the
 // source's headers, which arrive in token order: every token of source s for an expert of
 // node m goes through the same forwarder, so the count is the token's index in its chunk.
@@ -33,6 +37,7 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
   f.entry_expert.resize(size_t(q));
   f.entry_prob.resize(size_t(q));
   f.entry_row.resize(size_t(q));
+  f.chain.resize(size_t(n));
   const MessageLayout ml = MessageLayout::of(n, q, 0, 0);
   const auto* headers = reinterpret_cast<const MessageHeader*>(msg);
   const auto* entries = reinterpret_cast<const MessageEntry*>(msg + ml.entries_off);
@@ -42,6 +47,12 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
     MessageHeader hd;
     std::memcpy(&hd, &headers[i], sizeof(hd));
     f.src_token[size_t(i)] = hd.src_token;
+    f.chain[size_t(i)] = hd.chain;
+    MOED_CHECK(hd.chain.classes == 0 ||
+                   (hd.chain.prev >= -1 && hd.chain.prev < topo.node && hd.chain.next >= 0 &&
+                    hd.chain.next < topo.num_nodes && hd.chain.next != topo.node),
+               "forwarded token ", hd.src_token, " from rank ", src, ": chain link ", hd.chain.prev,
+               " -> ", hd.chain.next, " on node ", topo.node);
     f.entry_begin[size_t(i)] = k;
     uint64_t mask = 0;
     for (int32_t x = 0; x < hd.num_entries; ++x, ++k) {
@@ -99,6 +110,7 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
     std::vector<int64_t> tok(static_cast<size_t>(N)), ent(static_cast<size_t>(N));
     std::vector<int32_t> count(static_cast<size_t>(N));
     std::vector<uint64_t> mask(static_cast<size_t>(N));
+    std::vector<int> nodes;
     for (int64_t c = cb; c < ce; ++c) {
       for (int m = 0; m < N; ++m) {
         tok[size_t(m)] = plan.node_tokens[size_t(c) * N + m];
@@ -118,11 +130,16 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
           ++count[size_t(m)];
           mask[size_t(m)] = rank_mask_of(topo, e, mask[size_t(m)]);
         }
+        const int64_t b = h.routing.begin[size_t(t)];
+        const uint32_t classes =
+            chain_classes(topo, &h.routing.expert[size_t(b)], h.routing.begin[size_t(t) + 1] - b,
+                          topo.node, &nodes);
         for (int m = 0; m < N; ++m) {
           if (count[size_t(m)] == 0) continue;
           char* msg = ops.send_buffers[size_t(m)].data();
           const MessageLayout& ml = layouts[size_t(m)];
-          const MessageHeader hd{int32_t(t), count[size_t(m)], mask[size_t(m)]};
+          const MessageHeader hd{int32_t(t), count[size_t(m)], mask[size_t(m)],
+                                 chain_link(nodes, classes, m, topo.node)};
           const size_t i = size_t(tok[size_t(m)]);
           std::memcpy(msg + i * sizeof(MessageHeader), &hd, sizeof(hd));
           std::memcpy(msg + ml.payload_off + i * l.row_bytes, spec.rows.x.row_ptr(t), l.row_bytes);

@@ -16,7 +16,17 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   const int E = topo.num_experts, L = topo.num_local_experts, P = topo.etp_size;
   const int N = topo.num_nodes, C = plan.num_channels;
   const int64_t H = h.hidden;
+  // Chained tokens (chain_combine.cc) are summed along their nodes and arrive finished; the
+  // fold below skips them and reads per-expert terms only for the others.
+  const bool chain_on = chain_enabled(topo, spec);
+  const uint32_t chain_bit = chain_on ? 1u << chain_class(spec.dtype, P) : 0;
+  const std::vector<int64_t>& terms =
+      chain_on ? plan.term_entries[chain_class(spec.dtype, P)] : plan.node_entries;
   MOED_ASSIGN_OR_RETURN(PullRemote remote, pull_remote_start(ctx, spec, tag));
+  ChainOps chain;
+  if (chain_on) {
+    MOED_ASSIGN_OR_RETURN(chain, chain_start(ctx, spec, chain_tag(tag)));
+  }
   MOED_RETURN_IF_ERROR(wait_all(remote.recvs));
   const size_t scalar_off_unit = remote.piece_bytes;
   // P = 1 folds (every term a raw row) are one fold_rows call per token: the fp32 sum stays in
@@ -35,9 +45,14 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());
-      for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_entries[size_t(c) * N + m];
+      for (int m = 0; m < N; ++m) cursor[size_t(m)] = terms[size_t(c) * N + m];
       uint64_t read = 0;
       for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
+        if (plan.chain[size_t(t)] & chain_bit) {
+          for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k)
+            ++run[size_t(h.routing.expert[size_t(k)])];
+          continue;
+        }
         if (!fused) std::fill(acc.begin(), acc.end(), 0.0f);
         fold_rows.clear();
         fold_probs.clear();
@@ -77,7 +92,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
               f32_term = reinterpret_cast<const float*>(piece);
             }
             if (spec.with_scalars) {
-              const int64_t q = plan.node_entries[size_t(C) * N + m];
+              const int64_t q = terms[size_t(C) * N + m];
               std::memcpy(&scalar, msg.data() + size_t(q) * scalar_off_unit + size_t(i) * 4, 4);
             }
           }
@@ -108,10 +123,9 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
           }
         }
         if (fused) {
-          internal::row_kernels().fold_rows(fold_rows.data(), spec.dtype,
-                                            spec.weighted ? fold_probs.data() : nullptr,
-                                            int(fold_rows.size()), spec.out.row_ptr(t),
-                                            spec.out.dtype, size_t(H), stream);
+          internal::row_kernels().fold_rows(
+              fold_rows.data(), spec.dtype, spec.weighted ? fold_probs.data() : nullptr,
+              int(fold_rows.size()), spec.out.row_ptr(t), spec.out.dtype, size_t(H), stream);
         } else if (spec.mode != PullMode::kProbGrad) {
           store_row(spec.out.row_ptr(t), acc.data(), spec.out.dtype, H);
         }
@@ -123,7 +137,10 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   uint64_t rows = 0;
   for (uint64_t r : rows_read) rows += r;
   ctx.world->add_shared_bytes(rows * dtype_row_bytes(spec.dtype, H), rows);
-  return wait_all(remote.sends);
+  Status s = chain_on ? chain_finish(ctx, spec, chain) : ok_status();
+  Status sent = wait_all(remote.sends);
+  MOED_RETURN_IF_ERROR(s);
+  return sent;
 }
 
 }  // namespace moed::flex

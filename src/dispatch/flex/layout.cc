@@ -32,6 +32,41 @@ int64_t GlobalInfo::node_entries(const Topology& topo, int s, int m) const {
   return q;
 }
 
+uint32_t chain_classes(const Topology& topo, const int32_t* experts, int64_t k, int home,
+                       std::vector<int>* nodes) {
+  nodes->clear();
+  int64_t remote = 0;
+  for (int64_t i = 0; i < k; ++i) {
+    const int m = topo.node_of_expert(experts[i]);
+    if (nodes->empty() || nodes->back() != m) nodes->push_back(m);
+    if (m != home) ++remote;
+  }
+  if (nodes->empty()) return 0;
+  // Network bytes (in units of H): the chain sends an fp32 partial between its nodes and a
+  // rounded row from the last one home; the terms are one per remote expert.
+  const int64_t inner = int64_t(nodes->size()) - 1, home_hop = nodes->back() != home ? 1 : 0;
+  constexpr int64_t kTerm[kChainClasses] = {2, 4, 4}, kRow[kChainClasses] = {2, 4, 2};
+  uint32_t classes = 0;
+  for (int c = 0; c < kChainClasses; ++c) {
+    if (4 * inner + kRow[c] * home_hop < kTerm[c] * remote) classes |= 1u << c;
+  }
+  return classes;
+}
+
+ChainLink chain_link(std::span<const int> nodes, uint32_t classes, int m, int home) {
+  ChainLink l;
+  l.classes = uint8_t(classes);
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (nodes[i] != m) continue;
+    l.prev = int16_t(i == 0 ? -1 : nodes[i - 1]);
+    l.next = int16_t(i + 1 < nodes.size() ? nodes[i + 1] : home);
+    l.last = i + 1 == nodes.size() ? 1 : 0;
+    return l;
+  }
+  MOED_CHECK(false, "node ", m, " holds none of the token's experts");
+  return l;
+}
+
 MessageLayout MessageLayout::of(int64_t tokens, int64_t entries, size_t row_bytes,
                                 size_t scale_bytes) {
   MessageLayout l;

@@ -28,19 +28,30 @@ SendPlan make_send_plan(const Topology& topo, const SparseRouting& routes, int n
   // Per-channel counts first (disjoint rows of the matrices), then exclusive prefixes.
   std::vector<int64_t> expert_count(size_t(C) * E, 0);
   std::vector<int64_t> node_tokens(size_t(C) * N, 0), node_entries(size_t(C) * N, 0);
+  std::vector<int64_t> term_entries[kChainClasses];
+  for (auto& v : term_entries) v.assign(size_t(C) * N, 0);
+  plan.chain.assign(size_t(T), 0);
   pool.parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<uint8_t> seen(static_cast<size_t>(N));
+    std::vector<int> nodes;
     for (int64_t c = cb; c < ce; ++c) {
       int64_t* ec = &expert_count[size_t(c) * E];
       int64_t* nt = &node_tokens[size_t(c) * N];
       int64_t* ne = &node_entries[size_t(c) * N];
       for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
         std::fill(seen.begin(), seen.end(), 0);
-        for (int64_t k = routes.begin[size_t(t)]; k < routes.begin[size_t(t) + 1]; ++k) {
-          const int e = routes.expert[size_t(k)];
+        const int64_t b = routes.begin[size_t(t)], k = routes.begin[size_t(t) + 1] - b;
+        const uint32_t classes =
+            N > 1 ? chain_classes(topo, &routes.expert[size_t(b)], k, topo.node, &nodes) : 0;
+        plan.chain[size_t(t)] = uint8_t(classes);
+        for (int64_t i = b; i < b + k; ++i) {
+          const int e = routes.expert[size_t(i)];
           const int m = topo.node_of_expert(e);
           ++ec[e];
           ++ne[m];
+          for (int cls = 0; cls < kChainClasses; ++cls) {
+            if (!(classes >> cls & 1)) ++term_entries[cls][size_t(c) * N + m];
+          }
           if (!seen[size_t(m)]) {
             seen[size_t(m)] = 1;
             ++nt[m];
@@ -58,12 +69,14 @@ SendPlan make_send_plan(const Topology& topo, const SparseRouting& routes, int n
   }
   plan.node_tokens.assign(size_t(C + 1) * N, 0);
   plan.node_entries.assign(size_t(C + 1) * N, 0);
+  for (auto& v : plan.term_entries) v.assign(size_t(C + 1) * N, 0);
   for (int c = 0; c < C; ++c) {
     for (int m = 0; m < N; ++m) {
-      plan.node_tokens[size_t(c + 1) * N + m] =
-          plan.node_tokens[size_t(c) * N + m] + node_tokens[size_t(c) * N + m];
-      plan.node_entries[size_t(c + 1) * N + m] =
-          plan.node_entries[size_t(c) * N + m] + node_entries[size_t(c) * N + m];
+      const size_t i = size_t(c) * N + m, j = size_t(c + 1) * N + m;
+      plan.node_tokens[j] = plan.node_tokens[i] + node_tokens[i];
+      plan.node_entries[j] = plan.node_entries[i] + node_entries[i];
+      for (int cls = 0; cls < kChainClasses; ++cls)
+        plan.term_entries[cls][j] = plan.term_entries[cls][i] + term_entries[cls][i];
     }
   }
   return plan;
