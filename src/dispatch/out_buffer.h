@@ -1,6 +1,7 @@
-// The check of a caller-owned output buffer (CombineInput::out, the `out` of the DeepEP-style
-// combines), one form for every dispatcher. Its verdict joins the call's own agreement, so a
-// bad buffer on one rank is every rank's error and no rank writes into a buffer it rejected.
+// The checks of a caller-owned output buffer (CombineInput::out, the `out` of the DeepEP-style
+// calls) and of a float rows input (Flex's and the rank-major combine's), one form for every
+// dispatcher. Their verdicts join the call's own agreement, so a bad buffer on one rank is
+// every rank's error and no rank writes into a buffer it rejected.
 #pragma once
 
 #include <cstdint>
@@ -12,8 +13,8 @@ namespace moed::internal {
 
 // `what` is the argument's name ("out"); rows x cols of `dtype` (named by `dtype_of`, the input
 // it must match), row_stride >= cols, data non-null unless empty.
-inline Status check_out_buffer(const char* what, const TensorView& out, int64_t rows,
-                               int64_t cols, DType dtype, const char* dtype_of) {
+inline Status check_out_buffer(const char* what, const TensorView& out, int64_t rows, int64_t cols,
+                               DType dtype, const char* dtype_of) {
   if (out.rows != rows || out.cols != cols) {
     return invalid_argument(what, " is [", out.rows, ", ", out.cols, "]; expected [", rows, ", ",
                             cols, "]");
@@ -23,11 +24,25 @@ inline Status check_out_buffer(const char* what, const TensorView& out, int64_t 
                             dtype_name(dtype), " (the dtype of ", dtype_of, ")");
   }
   if (out.row_stride < out.cols) {
-    return invalid_argument(what, " row_stride = ", out.row_stride, " < ", out.cols,
-                            " columns");
+    return invalid_argument(what, " row_stride = ", out.row_stride, " < ", out.cols, " columns");
   }
   if (out.rows > 0 && out.cols > 0 && out.data == nullptr)
     return invalid_argument(what, ".data is null for [", rows, ", ", cols, "]");
+  return ok_status();
+}
+
+// `what` is [rows, cols] of f32 or bf16, row_stride >= cols, data non-null unless empty.
+inline Status check_float_rows(const char* what, const TensorView& v, int64_t rows, int64_t cols) {
+  if (v.dtype != DType::kF32 && v.dtype != DType::kBF16) {
+    return invalid_argument(what, " dtype is ", dtype_name(v.dtype), "; it must be f32 or bf16");
+  }
+  if (v.rows != rows || v.cols != cols) {
+    return invalid_argument(what, " is [", v.rows, ", ", v.cols, "]; expected [", rows, ", ", cols,
+                            "]");
+  }
+  if (v.rows > 0 && v.data == nullptr) return invalid_argument(what, ".data is null");
+  if (v.row_stride < v.cols)
+    return invalid_argument(what, " row_stride = ", v.row_stride, " < ", v.cols);
   return ok_status();
 }
 

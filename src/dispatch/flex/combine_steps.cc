@@ -9,23 +9,7 @@
 
 namespace moed::flex {
 
-namespace {
-
-Status check_float_rows(const char* what, const TensorView& v, int64_t rows, int64_t cols) {
-  if (v.dtype != DType::kF32 && v.dtype != DType::kBF16) {
-    return invalid_argument(what, " dtype is ", dtype_name(v.dtype), "; it must be f32 or bf16");
-  }
-  if (v.rows != rows || v.cols != cols) {
-    return invalid_argument(what, " is [", v.rows, ", ", v.cols, "]; expected [", rows, ", ", cols,
-                            "]");
-  }
-  if (v.rows > 0 && v.data == nullptr) return invalid_argument(what, ".data is null");
-  if (v.row_stride < v.cols)
-    return invalid_argument(what, " row_stride = ", v.row_stride, " < ", v.cols);
-  return ok_status();
-}
-
-}  // namespace
+using moed::internal::check_float_rows;
 
 // ---- combine ----
 
@@ -39,8 +23,8 @@ Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
   }
   if (c.local.ok() && input.out) {
     c.local = moed::internal::check_out_buffer("out", *input.out, c.handle->routing.num_tokens(),
-                                         c.handle->hidden, input.expert_output.x.dtype,
-                                         "expert_output");
+                                               c.handle->hidden, input.expert_output.x.dtype,
+                                               "expert_output");
   }
   c.rows = input.expert_output.x;
   c.user_out = input.out;

@@ -95,6 +95,31 @@ struct GlobalInfo {
   int64_t node_entries(const Topology& topo, int s, int m) const;
 };
 
+// The token ranges of C channels over T tokens (ThreadPool::split's): [C + 1] bounds.
+inline std::vector<int64_t> channel_bounds(int64_t T, int C) {
+  std::vector<int64_t> bounds(size_t(C) + 1, 0);
+  for (int c = 0; c < C; ++c) {
+    int64_t b, e;
+    ThreadPool::split(T, C, c, &b, &e);
+    bounds[size_t(c)] = b;
+    bounds[size_t(c) + 1] = e;
+  }
+  return bounds;
+}
+
+// Per-channel counts [C * N] as prefixes over the channels: [(C + 1) * N], row c = the counts
+// of channels 0..c-1 (so channel c writes from row c, and row C is the total).
+inline std::vector<int64_t> channel_prefix(const std::vector<int64_t>& counts, int C, int N) {
+  std::vector<int64_t> p(size_t(C + 1) * size_t(N), 0);
+  for (int c = 0; c < C; ++c) {
+    for (int m = 0; m < N; ++m) {
+      const size_t i = size_t(c) * N + m;
+      p[i + size_t(N)] = p[i] + counts[i];
+    }
+  }
+  return p;
+}
+
 // Home side: the channel split and the per-channel prefix matrices (DeepEP's
 // channel_prefix_matrix), so each channel writes disjoint rows with no sort.
 struct SendPlan {

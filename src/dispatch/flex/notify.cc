@@ -18,13 +18,7 @@ SendPlan make_send_plan(const Topology& topo, const SparseRouting& routes, int n
   const int C = num_channels, E = topo.num_experts, N = topo.num_nodes;
   SendPlan plan;
   plan.num_channels = C;
-  plan.channel_begin.resize(size_t(C) + 1);
-  for (int c = 0; c < C; ++c) {
-    int64_t b, e;
-    ThreadPool::split(T, C, c, &b, &e);
-    plan.channel_begin[size_t(c)] = b;
-    plan.channel_begin[size_t(c) + 1] = e;
-  }
+  plan.channel_begin = channel_bounds(T, C);
   // Per-channel counts first (disjoint rows of the matrices), then exclusive prefixes.
   std::vector<int64_t> expert_count(size_t(C) * E, 0);
   std::vector<int64_t> node_tokens(size_t(C) * N, 0), node_entries(size_t(C) * N, 0);
@@ -67,18 +61,10 @@ SendPlan make_send_plan(const Topology& topo, const SparseRouting& routes, int n
           plan.expert_prefix[size_t(c - 1) * E + e] + expert_count[size_t(c - 1) * E + e];
     }
   }
-  plan.node_tokens.assign(size_t(C + 1) * N, 0);
-  plan.node_entries.assign(size_t(C + 1) * N, 0);
-  for (auto& v : plan.term_entries) v.assign(size_t(C + 1) * N, 0);
-  for (int c = 0; c < C; ++c) {
-    for (int m = 0; m < N; ++m) {
-      const size_t i = size_t(c) * N + m, j = size_t(c + 1) * N + m;
-      plan.node_tokens[j] = plan.node_tokens[i] + node_tokens[i];
-      plan.node_entries[j] = plan.node_entries[i] + node_entries[i];
-      for (int cls = 0; cls < kChainClasses; ++cls)
-        plan.term_entries[cls][j] = plan.term_entries[cls][i] + term_entries[cls][i];
-    }
-  }
+  plan.node_tokens = channel_prefix(node_tokens, C, N);
+  plan.node_entries = channel_prefix(node_entries, C, N);
+  for (int cls = 0; cls < kChainClasses; ++cls)
+    plan.term_entries[cls] = channel_prefix(term_entries[cls], C, N);
   return plan;
 }
 

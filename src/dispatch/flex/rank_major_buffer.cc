@@ -65,13 +65,7 @@ RmSendPlan make_rm_send_plan(const flex::Topology& topo, const NormalHandle& h, 
   const int64_t T = h.num_tokens;
   RmSendPlan p;
   p.num_channels = C;
-  p.channel_begin.resize(size_t(C) + 1);
-  for (int c = 0; c < C; ++c) {
-    int64_t b, e;
-    ThreadPool::split(T, C, c, &b, &e);
-    p.channel_begin[size_t(c)] = b;
-    p.channel_begin[size_t(c) + 1] = e;
-  }
+  p.channel_begin = flex::channel_bounds(T, C);
   std::vector<int64_t> tok(size_t(C) * N, 0), pairs(size_t(C) * N, 0);
   pool.parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     for (int64_t c = cb; c < ce; ++c) {
@@ -86,16 +80,8 @@ RmSendPlan make_rm_send_plan(const flex::Topology& topo, const NormalHandle& h, 
       }
     }
   });
-  p.node_tokens.assign(size_t(C + 1) * N, 0);
-  p.node_pairs.assign(size_t(C + 1) * N, 0);
-  for (int c = 0; c < C; ++c) {
-    for (int m = 0; m < N; ++m) {
-      p.node_tokens[size_t(c + 1) * N + m] =
-          p.node_tokens[size_t(c) * N + m] + tok[size_t(c) * N + m];
-      p.node_pairs[size_t(c + 1) * N + m] =
-          p.node_pairs[size_t(c) * N + m] + pairs[size_t(c) * N + m];
-    }
-  }
+  p.node_tokens = flex::channel_prefix(tok, C, N);
+  p.node_pairs = flex::channel_prefix(pairs, C, N);
   return p;
 }
 

@@ -13,6 +13,8 @@
 
 namespace moed::deep_ep {
 
+using moed::internal::check_float_rows;
+
 namespace {
 
 constexpr int kTagCombine = 0x4d21;
@@ -24,36 +26,24 @@ struct Source {
   const float* weights = nullptr;  // [rows, K] or null
 };
 
-Status check_rows(const char* what, const TensorView& v, int64_t rows, int64_t cols) {
-  if (v.dtype != DType::kF32 && v.dtype != DType::kBF16)
-    return invalid_argument(what, " dtype is ", dtype_name(v.dtype), "; it must be f32 or bf16");
-  if (v.rows != rows || v.cols != cols)
-    return invalid_argument(what, " is [", v.rows, ", ", v.cols, "]; expected [", rows, ", ", cols,
-                            "]");
-  if (v.rows > 0 && v.data == nullptr) return invalid_argument(what, ".data is null");
-  if (v.row_stride < v.cols)
-    return invalid_argument(what, " row_stride = ", v.row_stride, " < ", v.cols);
-  return ok_status();
-}
-
 Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in) {
   if (!in.caller_error.ok()) return in.caller_error;
   const NormalHandle* h = in.handle.get();
   if (h == nullptr || h->buffer_id != s.id)
     return invalid_argument("handle was not made by a dispatch of this buffer");
   const int64_t rows = in.x.rows == h->num_recv_tokens ? h->num_recv_tokens : h->num_rows;
-  MOED_RETURN_IF_ERROR(check_rows("x", in.x, rows, h->hidden));
+  MOED_RETURN_IF_ERROR(check_float_rows("x", in.x, rows, h->hidden));
   if (in.num_topk < 0 || (in.num_topk > 0 && rows > 0 && in.topk_weights == nullptr))
     return invalid_argument("topk_weights: num_topk = ", in.num_topk, " with ",
                             in.topk_weights ? "data" : "no data");
   for (const TensorView* b : {&in.bias_0, &in.bias_1}) {
     if (b->data == nullptr && b->rows == 0 && b->cols == 0) continue;
     MOED_RETURN_IF_ERROR(
-        check_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, h->num_tokens, h->hidden));
+        check_float_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, h->num_tokens, h->hidden));
   }
   if (in.out) {
     return moed::internal::check_out_buffer("out", *in.out, h->num_tokens, h->hidden, in.x.dtype,
-                                      "x");
+                                            "x");
   }
   return ok_status();
 }
