@@ -512,8 +512,6 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
   return out;
 }
 
-}  // namespace
-
 // NormalDispatchInput::out: the rows must be known before the count exchange.
 Status check_out_rows(const NormalDispatchInput& in) {
   const int64_t rows = in.handle ? in.handle->num_rows : in.num_worst_tokens;
@@ -521,11 +519,12 @@ Status check_out_rows(const NormalDispatchInput& in) {
     return invalid_argument(
         "out needs num_worst_tokens > 0 or a cached handle (num_worst_tokens = ",
         in.num_worst_tokens,
-        "): without them recv_x's rows are known only after the count "
-        "exchange");
+        "): without them recv_x's rows are known only after the count exchange");
   }
   return moed::internal::check_out_buffer("out", *in.out, rows, in.x.x.cols, in.x.x.dtype, "x");
 }
+
+}  // namespace
 
 StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in) {
   World& w = *s.world;
