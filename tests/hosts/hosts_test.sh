@@ -143,7 +143,8 @@ EOF
     job=$!
     pid=""
     for _ in $(seq 100); do
-      pid=$(pgrep -x moed | sort -n | sed -n 3p)
+      # The job's own ranks only (mpirun's children): another moed on the machine is not ours.
+      pid=$(pgrep -P "$job" -x moed | sort -n | sed -n 3p)
       [ -n "$pid" ] && break
       sleep 0.1
     done
