@@ -68,6 +68,16 @@ Status check_recv_sizes(const char* op, int rank, int size, const Want& want, co
   return ok_status();
 }
 
+// Rank `rank`'s all-gather-v: one recv size per rank, each the bytes that rank sends (sent(s)).
+template <typename Sent>
+Status check_all_gather_v(int rank, int size, std::span<const size_t> recv_bytes,
+                          const Sent& sent) {
+  MOED_RETURN_IF_ERROR(
+      check_length("all_gather_v", rank, "recv sizes", recv_bytes.size(), size_t(size)));
+  return check_recv_sizes(
+      "all_gather_v", rank, size, [&](int s) { return recv_bytes[size_t(s)]; }, sent);
+}
+
 // Every rank's value_of(r) (its `what`) equals rank 0's.
 template <typename ValueOf>
 Status check_same_as_rank0(const char* op, const char* what, int size, const ValueOf& value_of) {

@@ -51,8 +51,7 @@ Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
     MOED_RETURN_IF_ERROR(host_stage(
         staged, [&](char* s) { std::memcpy(s, data, bytes); },
         [&](int, const char* s) { std::memcpy(data, s, bytes); }, "broadcast"));
-    if (rank_ == root)
-      internal::count_send_to_all(*this, bytes);
+    if (rank_ == root) internal::count_send_to_all(*this, bytes);
     return ok_status();
   }
   std::vector<Transfer> sends, recvs;
@@ -76,13 +75,8 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
   const uint64_t mine = send_bytes;
   MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes,
                         gather_words(*this, ranks, slot, &mine, 1, "all_gather_v"));
-  Status local =
-      internal::check_length("all_gather_v", rank_, "recv sizes", recv_bytes.size(), size_t(size_));
-  if (local.ok()) {
-    local = internal::check_recv_sizes(
-        "all_gather_v", rank_, size_, [&](int s) { return recv_bytes[size_t(s)]; },
-        [&](int s) { return sizes[size_t(s)]; });
-  }
+  Status local = internal::check_all_gather_v(rank_, size_, recv_bytes,
+                                              [&](int s) { return sizes[size_t(s)]; });
   MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "all_gather_v"));
   char* out = static_cast<char*>(recv);
   std::vector<size_t> offsets(size_t(size_) + 1, 0);
@@ -99,8 +93,8 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
       if (sizes[size_t(s)] > 0) recvs.push_back({s, out + offsets[size_t(s)], sizes[size_t(s)]});
       if (send_bytes > 0) sends.push_back({s, const_cast<void*>(send), send_bytes});
     }
-    MOED_RETURN_IF_ERROR(exchange(slot, sends, recvs,
-                                  [&] { return str_cat("rank ", rank_, " in all_gather_v"); }));
+    MOED_RETURN_IF_ERROR(
+        exchange(slot, sends, recvs, [&] { return str_cat("rank ", rank_, " in all_gather_v"); }));
   }
   // After the others have read `send` (it may overlap this rank's part of recv).
   if (send_bytes > 0) std::memmove(out + offsets[size_t(rank_)], send, send_bytes);

@@ -75,13 +75,8 @@ Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* r
   CallBuffers buf;
   const uint64_t mine = send_bytes;
   MOED_ASSIGN_OR_RETURN(const uint64_t* sizes, gather_words(*this, buf, &mine, 1, what));
-  Status local =
-      internal::check_length("all_gather_v", rank_, "recv sizes", recv_bytes.size(), size_t(size_));
-  if (local.ok()) {
-    local = internal::check_recv_sizes(
-        "all_gather_v", rank_, size_, [&](int s) { return recv_bytes[size_t(s)]; },
-        [&](int s) { return sizes[size_t(s)]; });
-  }
+  Status local = internal::check_all_gather_v(rank_, size_, recv_bytes,
+                                              [&](int s) { return sizes[size_t(s)]; });
   int* counts = buf.make<int>(size_t(size_));
   int* displs = buf.make<int>(size_t(size_));
   size_t off = 0;
