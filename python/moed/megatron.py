@@ -184,11 +184,15 @@ class MoETokenDispatcher:
         [rows] f32), in moed's canonical layout (expert-major, padded as configured)."""
         s = self._need(self._state, "dispatch_postprocess", "dispatch_preprocess")
         x, scales, pprobs, tpe, handle = self._box.dispatch_postprocess()
-        s.handle, s.expert_input, s.permuted_probs = handle, x, pprobs
+        s.handle = handle
         self._state = None
         self._last = s
         if x.is_floating_point() and torch.is_grad_enabled() and (
                 hidden_states.requires_grad or (probs is not None and probs.requires_grad)):
+            # Handed to the Function through the state, which drops them at once: a state that
+            # kept the outputs would keep their slot of moed's output ring after the caller
+            # let them go, so the next dispatch would write colder memory.
+            s.expert_input, s.permuted_probs = x, pprobs
             x, pprobs = _DispatchFn.apply(hidden_states, probs, s)
         return x, tpe, pprobs
 

@@ -224,6 +224,25 @@ def test_flex_outputs_stay_unchanged_after_the_next_dispatch():
     assert all(run(body4, (2, 0)))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_dispatcher_keeps_no_output_the_caller_dropped(kind, grad):
+    """Once the caller (and autograd) let the outputs go, nothing of the dispatcher's holds
+    them: a held Flex output keeps its ring slot, so the next dispatch would write elsewhere."""
+    import weakref
+
+    def body5(g):
+        x, rmap, probs, _, _ = inputs(g.rank(), 16, 2, torch.float32)
+        x.requires_grad_(grad)
+        d = make_dispatcher(kind, num_moe_experts=E, moe_router_topk=2)
+        ei, tpe, pp = six_steps(d, x, rmap, probs, False)
+        y = combine_steps(d, ei, False)
+        refs = [weakref.ref(t) for t in (ei, pp, y)]
+        del ei, tpe, pp, y
+        return [r() is None for r in refs]
+    assert all(all(v) for v in run(body5, (3, 0)))
+
+
 # ---- bad inputs: an exception naming the value, on every rank, never a hang ----
 
 def expect_everywhere(world, fn, exc, words):
