@@ -6,6 +6,7 @@ into moed.
 
     python3 bench/python/bench_python.py --shape mixtral --ranks 4 --iters 10
     python3 bench/python/bench_python.py --shape decode --kinds alltoall,flex,deep_ep --json
+    mpirun --oversubscribe --bind-to none -np 4 python3 bench/python/bench_python.py --world mpi --shape decode
 
 Shapes as `moed bench dispatch` has them (tokens per rank, hidden, experts, top-k), bf16.
 Per iteration: dispatch then combine with expert_output = dispatched_input. Figures are the
@@ -153,14 +154,24 @@ def main():
     ap.add_argument("--pairs", type=int, default=200,
                     help="paired C++/Python iterations for the per-call overhead (0: none)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--world", default="threads", choices=["threads", "mpi"],
+                    help="threads: --ranks rank threads of this process (one GIL); mpi: one "
+                         "process per rank, run under mpiexec (--ranks is mpiexec's -n)")
     a = ap.parse_args()
     kinds = a.kinds.split(",")
     parse, ret = call_overhead()
-    out = moed.launch(body, a.ranks, a.shape, kinds, a.iters, a.warmup, a.rounds, a.flex_zero_copy,
-                      a.pairs, ranks_per_node=a.ranks_per_node)[0]
+    args = (a.shape, kinds, a.iters, a.warmup, a.rounds, a.flex_zero_copy, a.pairs)
+    if a.world == "mpi":
+        g = moed.init(ranks_per_node=a.ranks_per_node)
+        out = body(g, *args)
+        a.ranks = g.size()
+        if g.rank() != 0:
+            return
+    else:
+        out = moed.launch(body, a.ranks, *args, ranks_per_node=a.ranks_per_node)[0]
     recs = []
     for kind, (cpp, py, d, d25, d75, dcpu) in out.items():
-        recs.append(dict(shape=a.shape, ranks=a.ranks, kind=kind, cpp_us=cpp * 1e6, python_us=py * 1e6,
+        recs.append(dict(shape=a.shape, ranks=a.ranks, world=a.world, kind=kind, cpp_us=cpp * 1e6, python_us=py * 1e6,
                          extra_us=(py - cpp) * 1e6, ratio=py / cpp, paired_extra_us=d * 1e6,
                          paired_p25_us=d25 * 1e6, paired_p75_us=d75 * 1e6, paired_cpu_extra_us=dcpu * 1e6,
                          # A call = a dispatch or a combine (deep_ep's local layout counts with its
