@@ -176,7 +176,7 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
       [&] {
         in.x = token_rows_arg(x, scales, "x", kPayload);
         // Shape and dtype are checked by the dispatch (errors name both values).
-        if (!out_arg.is_none()) in.out = rows_arg(out_arg, "out", kFloatRows);
+        if (!out_arg.is_none()) in.out = rows_arg(out_arg, "out", kPayload);
         if (!handle.is_none()) {
           in.handle = handle.cast<NormalHandleBox&>().h;
           return;

@@ -193,6 +193,13 @@ def case_fp8(group, seed):
         assert torch.equal(bits(recv_data[i]), bits(data[s][t])) and torch.equal(recv_scales[i], scales[s][t])
     (d2, s2), *_ = buffer.dispatch((data[r], scales[r]), handle=handle)
     assert torch.equal(bits(d2), bits(recv_data)) and torch.equal(s2, recv_scales)
+    # Into a caller's fp8 tensor (moed's extension; rows strided): the same bits, and the
+    # columns beside the rows untouched. The scales stay moed's.
+    big = torch.full((recv_data.size(0), H + 3), 0x7f, dtype=torch.uint8)
+    out = big[:, :H] if fp8 is torch.uint8 else big.view(fp8)[:, :H]
+    (d3, s3), *_ = buffer.dispatch((data[r], scales[r]), handle=handle, out=out)
+    assert d3 is out and torch.equal(bits(out), bits(recv_data)) and torch.equal(s3, recv_scales)
+    assert bool((big[:, H:] == 0x7f).all())
     return True
 
 
