@@ -26,6 +26,8 @@
 //   - CombineOutput, DispatchGrad, CombineGrad: owning Tensors and vectors; the caller's.
 //   - CombineInput::out (optional): the caller's own [T, H] buffer; combine writes the result
 //     there and nowhere else, and CombineOutput::hidden stays empty (result() views `out`).
+//     DispatchInput::out likewise: expert_input views it, and `storage` holds only what stays
+//     the dispatcher's (Flex's fp8 scales) or nothing.
 //   - Inputs are read, never kept: views passed to a step must stay valid until the step that
 //     communicates (token_*) has completed (its request waited on).
 //   - flex_expert_output_buffer (moed/flex.h) is the one buffer the caller writes into that the
@@ -112,6 +114,16 @@ struct DispatchInput {
   // Router with the same LayoutOptions did it), so the dispatcher does not apply them again;
   // it still checks that no expert holds more than the capacity.
   bool layout_applied = false;
+  // Optional caller-owned expert_input: [num_rows, H] of the payload dtype (fp8: the data;
+  // the scales stay the dispatcher's), row_stride >= H. num_rows is what this rank receives:
+  // Flex's num_worst_tokens when set, a cached handle's rows, or what the routing gives (the
+  // handle of an earlier dispatch with the same routing tells it). Checked against every
+  // rank's row count in the call's own count exchange, so a wrong `out` on one rank is an
+  // error on every rank, naming it, and no rank's `out` is written. AllGather and AlltoAll
+  // store their rows there (no extra copy); Flex copies them once out of the node-shared
+  // region its peers write (the default, zero-copy expert_input, saves that copy). It must
+  // stay valid until dispatch_postprocess has returned.
+  std::optional<TensorView> out = std::nullopt;
 };
 
 struct DispatchOutput {

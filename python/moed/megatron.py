@@ -155,20 +155,27 @@ class MoETokenDispatcher:
         self._combine_in = None
 
     # ---- dispatch ----
-    def dispatch_preprocess(self, hidden_states, routing_map, probs, topk_idx=None, scales=None):
+    def dispatch_preprocess(self, hidden_states, routing_map, probs, topk_idx=None, scales=None,
+                            *, out=None):
         """Local: checks the inputs and prepares the layout. hidden_states [..., H] (f32, bf16,
         or fp8 with `scales`); routing_map bool [T, E] and probs [T, E], or routing_map=None and
-        topk_idx [T, K] with probs [T, K]. Returns (hidden_states as [T, H], probs)."""
+        topk_idx [T, K] with probs [T, K]. Returns (hidden_states as [T, H], probs).
+
+        out (keyword-only, moed's extension): a [rows, H] tensor of hidden_states' dtype (rows
+        may be strided) that dispatch_postprocess returns as dispatched_input, filled. rows is
+        what this rank receives (Flex's moe_num_worst_tokens when set; else what the routing
+        gives, e.g. an earlier dispatch's handle.num_rows for the same routing); a wrong `out`
+        on one rank raises ValueError on every rank, naming it."""
         shape = tuple(hidden_states.shape)
         x = hidden_states.reshape(-1, shape[-1]) if hidden_states.dim() != 2 else hidden_states
         state = _DispatchState(self._box, shape, probs, topk_idx, bool(self.config.moe_weighted_combine))
         if routing_map is not None:
             self._box.dispatch_preprocess(x, scales, routing_map=routing_map, probs=probs,
-                                          num_topk=int(self.config.moe_router_topk))
+                                          num_topk=int(self.config.moe_router_topk), out=out)
         else:
             if topk_idx is None:
                 raise ValueError("pass routing_map (with probs [T, E]) or topk_idx (with probs [T, K])")
-            self._box.dispatch_preprocess(x, scales, topk_idx=topk_idx, topk_weights=probs)
+            self._box.dispatch_preprocess(x, scales, topk_idx=topk_idx, topk_weights=probs, out=out)
         self._state = state
         return x, probs
 

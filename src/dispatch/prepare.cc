@@ -2,6 +2,8 @@
 
 #include <array>
 
+#include "dispatch/out_buffer.h"
+
 namespace moed {
 
 namespace {
@@ -78,6 +80,11 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
     return invalid_argument("routing has ", routing_tokens(input), " tokens but hidden has ",
                             h.x.rows, " rows");
   }
+  // out's rows are known only after the count exchange (check_out_rows there).
+  if (input.out) {
+    MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer("out", *input.out, input.out->rows,
+                                                          h.x.cols, h.x.dtype, "hidden"));
+  }
   return check_routing(config, input);
 }
 
@@ -94,6 +101,7 @@ PreparedInput prepared_shapes(const DispatchInput& input) {
   p.hidden = int(input.hidden.x.cols);
   p.dtype = input.hidden.x.dtype;
   p.num_topk = routing_topk(input);
+  p.out_rows = input.out ? input.out->rows : -1;
   return p;
 }
 

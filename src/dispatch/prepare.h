@@ -27,6 +27,7 @@ struct PreparedInput {
   std::vector<int64_t> tokens_per_expert;
   // C_s of this rank when capacity_factor is set (else 0).
   int64_t capacity = 0;
+  int64_t out_rows = -1;  // DispatchInput::out's rows, -1 without one
 };
 
 // Local checks (shapes, dtype, fp8 scales present and shaped [T, H/128], exactly one routing

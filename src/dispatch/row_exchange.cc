@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "core/row_kernels.h"
 #include "dispatch/out_buffer.h"
@@ -54,7 +55,7 @@ TensorView ScratchBuffer::view(DType dtype, int64_t rows, int64_t cols) {
 }
 
 std::shared_ptr<void> OutputPool::acquire(DType dtype, int64_t rows, int64_t cols,
-                                          TokenRows& rows_out) {
+                                          TokenRows& rows_out, bool with_x) {
   // NOTE: two entries cover the usual caller, which holds the previous output while the next
   // dispatch runs; a caller holding more gets unpooled buffers instead of unbounded growth.
   constexpr size_t kMaxEntries = 2;
@@ -69,7 +70,7 @@ std::shared_ptr<void> OutputPool::acquire(DType dtype, int64_t rows, int64_t col
     e = std::make_shared<Entry>();
     if (entries_.size() < kMaxEntries) entries_.push_back(e);
   }
-  rows_out.x = e->x.view(dtype, rows, cols);
+  rows_out.x = with_x ? e->x.view(dtype, rows, cols) : TensorView();
   rows_out.scales =
       dtype == DType::kFP8 ? e->scales.view(DType::kF32, rows, cols / kFp8BlockSize) : TensorView();
   return e;
@@ -81,17 +82,20 @@ StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& confi
   std::vector<int64_t> mine(input.tokens_per_expert);
   mine.push_back(input.num_tokens);
   mine.push_back(input.capacity);
+  mine.push_back(input.out_rows);
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
                         all_gather<int64_t>(world, std::span<const int64_t>(mine)));
   GlobalCounts c;
   c.counts.resize(size_t(R) * E);
   c.num_tokens.resize(size_t(R));
   c.capacity.resize(size_t(R));
+  c.out_rows.resize(size_t(R));
   for (int s = 0; s < R; ++s) {
-    const int64_t* row = &all[size_t(s) * (E + 2)];
+    const int64_t* row = &all[size_t(s) * (E + 3)];
     std::copy(row, row + E, c.counts.begin() + size_t(s) * E);
     c.num_tokens[size_t(s)] = row[E];
     c.capacity[size_t(s)] = row[E + 1];
+    c.out_rows[size_t(s)] = row[E + 2];
   }
   return c;
 }
@@ -158,6 +162,35 @@ Status RowExchangeDispatcher::init_handle(ExchangeHandle& h, const GlobalCounts&
   h.tokens_per_expert = h.plan.layout.tokens_per_expert;
   h.tokens_per_expert_unpadded = h.plan.layout.tokens_per_expert_unpadded;
   return ok_status();
+}
+
+Status RowExchangeDispatcher::check_dispatch_out(const GlobalCounts& counts, int64_t hidden,
+                                                 const std::optional<TensorView>& out) {
+  const int R = world_->size();
+  for (int r = 0; r < R; ++r) {
+    if (counts.out_rows[size_t(r)] < 0) continue;
+    const int64_t rows =
+        compute_expert_layout(config_, R, r, counts.counts, counts.capacity).num_rows;
+    if (counts.out_rows[size_t(r)] != rows) {
+      return invalid_argument("rank ", r, ": out is [", counts.out_rows[size_t(r)], ", ", hidden,
+                              "]; expected [", rows, ", ", hidden, "]");
+    }
+  }
+  dispatch_out_ = out;
+  return ok_status();
+}
+
+std::shared_ptr<void> RowExchangeDispatcher::take_expert_input(const ExchangeHandle& h,
+                                                               TokenRows& expert_input) {
+  std::optional<TensorView> out = std::exchange(dispatch_out_, std::nullopt);
+  if (!out) return outputs_.acquire(h.dtype, h.num_rows, h.hidden, expert_input);
+  // fp8: the scales stay ours, in a pool buffer.
+  std::shared_ptr<void> storage =
+      h.dtype == DType::kFP8
+          ? outputs_.acquire(h.dtype, h.num_rows, h.hidden, expert_input, /*with_x=*/false)
+          : nullptr;
+  expert_input.x = *out;
+  return storage;
 }
 
 DispatchOutput RowExchangeDispatcher::dispatch_output(std::shared_ptr<const ExchangeHandle> h,

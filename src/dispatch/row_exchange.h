@@ -45,6 +45,7 @@ struct GlobalCounts {
   std::vector<int64_t> counts;      // [R * E] rows source s sends to global expert e
   std::vector<int64_t> num_tokens;  // [R] T_s
   std::vector<int64_t> capacity;    // [R] C_s (0 without capacity_factor)
+  std::vector<int64_t> out_rows;    // [R] rows of rank s's DispatchInput::out, -1 without one
 };
 // Collective.
 StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,
@@ -102,8 +103,10 @@ class ScratchBuffer {
 // it or copy it concurrently). A caller that keeps outputs gets fresh buffers.
 class OutputPool {
  public:
-  // Storage with room for [rows, cols] of dtype (+ fp8 scales); `rows_out` views into it.
-  std::shared_ptr<void> acquire(DType dtype, int64_t rows, int64_t cols, TokenRows& rows_out);
+  // Storage with room for [rows, cols] of dtype (+ fp8 scales); `rows_out` views into it
+  // (without x: the scales only, the rows being the caller's).
+  std::shared_ptr<void> acquire(DType dtype, int64_t rows, int64_t cols, TokenRows& rows_out,
+                                bool with_x = true);
 
  private:
   struct Entry {
@@ -143,6 +146,14 @@ class RowExchangeDispatcher : public TokenDispatcher {
   static DispatchOutput dispatch_output(std::shared_ptr<const ExchangeHandle> h,
                                         const TokenRows& expert_input,
                                         std::shared_ptr<void> storage);
+  // DispatchInput::out against the rows every rank receives (each rank's layout from the
+  // gathered counts: the same verdict on every rank, no collective); keeps `out` for
+  // take_expert_input. Call after exchange_counts.
+  Status check_dispatch_out(const GlobalCounts& counts, int64_t hidden,
+                            const std::optional<TensorView>& out);
+  // Where this dispatch's expert rows go: the caller's `out` (storage holds only fp8 scales),
+  // else a buffer of the output pool.
+  std::shared_ptr<void> take_expert_input(const ExchangeHandle& h, TokenRows& expert_input);
 
   // Expert rows on their way home: packed source-major (padding dropped), sent, received.
   // reset() keeps the buffers for the next call.
@@ -218,6 +229,8 @@ class RowExchangeDispatcher : public TokenDispatcher {
   ReturnState dispatch_grad_;
   std::vector<float> grad_pprobs_;
   CombineGradState combine_grad_;
+  OutputPool outputs_;                       // dispatch outputs (see OutputPool)
+  std::optional<TensorView> dispatch_out_;  // DispatchInput::out of the dispatch in progress
 };
 
 // Collective input check for a step: local verdict, agreed on every rank.

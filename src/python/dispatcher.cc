@@ -48,6 +48,7 @@ class DispatcherBox : public Closable {
   // read until the step's request completes); top-k routing is viewed in place (or in torch's
   // contiguous copy, kept here), a map is converted to moed's sparse form.
   py::object keep_x, keep_scales, keep_eo, keep_idx, keep_weights;
+  py::object keep_out;  // DispatchInput::out's tensor: returned as expert_input
   SparseRouting routing;
   TopkView topk;
   Request d_req, c_req;
@@ -63,8 +64,10 @@ auto nogil(F&& f) {
 
 void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
                       py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk,
-                      DispatchInput& in) {
+                      py::handle out, DispatchInput& in) {
   in.hidden = token_rows_arg(x, scales, "hidden_states", kPayload);
+  // Shape and dtype are checked by the dispatch, on every rank (errors name both values).
+  if (!out.is_none()) in.out = rows_arg(out, "out", kPayload);
   const bool has_map = !routing_map.is_none(), has_topk = !topk_idx.is_none();
   if (has_map == has_topk)
     throw py::value_error(
@@ -78,6 +81,7 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
   }
   b.keep_x = py::reinterpret_borrow<py::object>(x);
   b.keep_scales = py::reinterpret_borrow<py::object>(scales);
+  b.keep_out = py::reinterpret_borrow<py::object>(out);
 }
 
 py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
@@ -89,7 +93,15 @@ py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
   const bool copy = b.get().config().kind == DispatcherKind::kFlex &&
                     !(out.storage && (b.zero_copy || b.get().world().shares_address_space()));
   py::object x, scales = py::none();
-  if (copy) {
+  if (!b.keep_out.is_none()) {
+    // DispatchInput::out: the rows are in the caller's tensor; fp8 scales stay ours (copied
+    // as above where our memory may not outlive a tensor).
+    x = std::move(b.keep_out);
+    if (out.expert_input.has_scales()) {
+      scales = copy ? to_torch(nogil([&] { return Tensor::copy_of(out.expert_input.scales); }))
+                    : to_torch(out.expert_input.scales, out.storage);
+    }
+  } else if (copy) {
     TokenTensor t;
     nogil([&] {
       t.x = Tensor::copy_of(out.expert_input.x);
@@ -106,6 +118,7 @@ py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
   b.keep_scales = py::object();
   b.keep_idx = py::object();
   b.keep_weights = py::object();
+  b.keep_out = py::object();
   return py::make_tuple(x, scales, span_to_torch<float>(out.permuted_probs),
                         span_to_torch<int64_t>(out.tokens_per_expert), HandleBox{out.handle});
 }
@@ -149,14 +162,16 @@ void def_dispatch(Class& c, const char* name, F f) {
   c.def(
       name,
       [f](DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
-          py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk) {
+          py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk,
+          py::handle out) {
         DispatchInput in;
-        prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk, in);
+        prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk, out,
+                         in);
         return f(b, in);
       },
       py::arg("hidden_states"), py::arg("scales") = py::none(), py::arg("routing_map") = py::none(),
       py::arg("probs") = py::none(), py::arg("topk_idx") = py::none(),
-      py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0);
+      py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0, py::arg("out") = py::none());
 }
 
 }  // namespace

@@ -238,8 +238,10 @@ TensorView rows_arg(py::handle t, const char* name, std::initializer_list<DType>
                                       rows >= 0 ? std::to_string(rows) : "*",
                                       cols >= 0 ? std::to_string(cols) : "*"));
   }
-  int64_t row_stride = info.shape[0] <= 1 ? info.shape[1] : info.stride[0];
-  if ((info.shape[1] > 1 && info.stride[1] != 1) || row_stride < info.shape[1]) {
+  // An empty tensor's strides mean nothing (torch calls an expanded [0, H] contiguous).
+  const bool empty = info.shape[0] == 0 || info.shape[1] == 0;
+  int64_t row_stride = info.shape[0] <= 1 || empty ? info.shape[1] : info.stride[0];
+  if (!empty && ((info.shape[1] > 1 && info.stride[1] != 1) || row_stride < info.shape[1])) {
     throw py::value_error(fmt::format(
         "{} has strides {} for shape {}; rows must be dense (stride(1) == 1, stride(0) >= {})",
         name, stride_str(info), shape_str(info), info.shape[1]));

@@ -1,5 +1,5 @@
 // Caller-owned combine outputs (CombineInput::out, NormalCombineInput::out,
-// LowLatencyCombineInput::out) and DeepEP-style dispatch rows (NormalDispatchInput::out), for every
+// LowLatencyCombineInput::out) and dispatch rows (DispatchInput::out, NormalDispatchInput::out), for every
 // dispatcher on both worlds: the result written into a strided caller buffer is bitwise the owning
 // variant's, the bytes between its rows stay untouched, and a bad buffer on one rank is an
 // InvalidArgument on every rank naming that rank and the value, with no rank's buffer written.
@@ -153,6 +153,81 @@ TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, CombineOut, testing::six_step_grid(), testing::six_step_grid_name);
+
+// DispatchInput::out (the six-step dispatchers' expert_input in a caller's buffer): the same
+// bits, probs and counts as the owning dispatch, the same combine after it, and a buffer with
+// the wrong rows or dtype on the last rank is every rank's error with nobody's buffer written.
+class DispatchOut : public testing::BackendAndKindTest {};
+
+TEST_P(DispatchOut, SameBitsAndErrorsOnEveryRank) {
+  const auto [backend, kind] = GetParam();
+  struct World_ {
+    int R, G, P;
+  };
+  for (World_ wc : {World_{3, 0, 1}, World_{4, 2, 1}, World_{5, 0, 1}, World_{4, 0, 2}}) {
+    if (wc.P > 1 && kind == DispatcherKind::kFlex) continue;  // Flex has no ETP
+    for (DType dt : {DType::kF32, DType::kBF16, DType::kFP8}) {
+      testing::DispatchCase c = make_case(wc.R, wc.G, dt);
+      if (dt == DType::kFP8) c.hidden = 256;  // a multiple of the fp8 block
+      const testing::CaseInput in = testing::make_case_input(c);
+      const std::string name = str_cat(dispatcher_kind_name(kind), " R", wc.R, " G", wc.G, " P",
+                                       wc.P, " ", dtype_name(dt));
+      Status s = testing::run_world(backend, wc.R, wc.G, [&](World& w) -> Status {
+        const int r = w.rank(), R = w.size();
+        const int64_t H = c.hidden;
+        DispatchConfig cfg{.kind = kind, .num_experts = c.num_experts, .etp_size = wc.P};
+        MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
+        const DispatchInput base{.hidden = in.hidden[size_t(r)].rows(),
+                                 .topk = &in.topk[size_t(r)]};
+        MOED_ASSIGN_OR_RETURN(DispatchOutput o1, d->dispatch(base));
+        const int64_t rows = o1.num_rows();
+        Sentinel buf(dt, rows, H);
+        DispatchInput with_out = base;
+        with_out.out = buf.view;
+        MOED_ASSIGN_OR_RETURN(DispatchOutput o2, d->dispatch(with_out));
+        if (o2.expert_input.x.data != buf.view.data)
+          return internal_error("rank ", r, ": expert_input is not the caller's buffer");
+        MOED_RETURN_IF_ERROR(same_result(o1.expert_input.x, buf, str_cat("rank ", r)));
+        if (dt == DType::kFP8 && !bitwise_equal(o1.expert_input.scales, o2.expert_input.scales))
+          return internal_error("rank ", r, ": fp8 scales differ");
+        if (!std::ranges::equal(o1.permuted_probs, o2.permuted_probs) ||
+            !std::ranges::equal(o1.tokens_per_expert, o2.tokens_per_expert))
+          return internal_error("rank ", r, ": permuted_probs or tokens_per_expert differ");
+        if (dt != DType::kFP8) {
+          MOED_ASSIGN_OR_RETURN(CombineOutput y1,
+                                d->combine({.expert_output = o1.expert_input.x, .handle = o1.handle}));
+          MOED_ASSIGN_OR_RETURN(CombineOutput y2,
+                                d->combine({.expert_output = o2.expert_input.x, .handle = o2.handle}));
+          if (!bitwise_equal(y1.hidden.view(), y2.hidden.view()))
+            return internal_error("rank ", r, ": combine after dispatch(out) differs");
+        }
+
+        const bool bad = r == R - 1;
+        const DType other = dt == DType::kF32 ? DType::kBF16 : DType::kF32;
+        struct Bad {
+          Sentinel buf;
+          std::string expect;
+        };
+        Bad cases[] = {
+            {Sentinel(dt, bad ? rows + 1 : rows, H), "out is ["},
+            {Sentinel(bad ? other : dt, rows, H),
+             str_cat("out dtype is ", dtype_name(other), "; expected ", dtype_name(dt),
+                     " (the dtype of hidden)")},
+        };
+        for (Bad& b : cases) {
+          DispatchInput bad_in = base;
+          bad_in.out = b.buf.view;
+          MOED_RETURN_IF_ERROR(expect_error(d->dispatch(bad_in).status(), R - 1, b.expect, b.buf,
+                                            bad, str_cat("rank ", r)));
+        }
+        return d->dispatch(base).status();  // the dispatcher still works
+      });
+      ASSERT_TRUE(s.ok()) << name << ": " << s.to_string();
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, DispatchOut, testing::six_step_grid(), testing::six_step_grid_name);
 
 // DeepEP's normal mode (rank-major) and low-latency combine, the same checks.
 class DeepEpCombineOut : public ::testing::TestWithParam<Backend> {};

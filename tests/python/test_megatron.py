@@ -243,6 +243,67 @@ def test_dispatcher_keeps_no_output_the_caller_dropped(kind, grad):
     assert all(all(v) for v in run(body5, (3, 0)))
 
 
+def dispatch_out_body(g, kind, dtype, worst, grad):
+    """dispatch_preprocess(..., out=): the rows land in the caller's (strided) tensor, bit for
+    bit moed's own expert_input, and combine / backward give the same bits; then a wrong `out`
+    on the last rank is a ValueError on every rank and no rank's `out` is written."""
+    R, r = g.size(), g.rank()
+    H = 37
+    x, rmap, probs, _, _ = inputs(r, H, 2, dtype)
+    d = make_dispatcher(kind, num_moe_experts=E, moe_router_topk=2, moe_num_worst_tokens=worst)
+    want, want_tpe, want_pp = six_steps(d, x, rmap, probs, False)
+    want = want.detach().clone()
+    want_y = combine_steps(d, want.float().to(dtype) * 2, False).detach().clone()
+    rows = want.size(0)
+    big = torch.full((rows, H + 3), float("nan"), dtype=dtype)
+    out = big[:, :H]
+    xg = x.detach().clone().requires_grad_(grad)
+    pg = probs.detach().clone().requires_grad_(grad)
+    h, p = d.dispatch_preprocess(xg, rmap, pg, out=out)
+    h, p = d.token_dispatch(h, p)
+    got, tpe, pp = d.dispatch_postprocess(h, p)
+    ok = [torch.equal(got, want), torch.equal(tpe, want_tpe), torch.equal(pp, want_pp),
+          bool(torch.isnan(big[:, H:].float()).all()), got.data_ptr() == out.data_ptr()]
+    if not grad:
+        ok.append(got is out)
+    y = combine_steps(d, got * 2, False)
+    ok.append(torch.equal(y.detach(), want_y))
+    if grad:
+        y.float().sum().backward()
+        ok.append(xg.grad is not None and pg.grad is not None)
+    errors = []
+    bad = torch.full((rows + 1 if r == R - 1 else rows, H), float("nan"), dtype=dtype)
+    try:
+        six_steps_out = d.dispatch_preprocess(x, rmap, probs, out=bad)
+        d.token_dispatch(*six_steps_out)
+        d.dispatch_postprocess(*six_steps_out)
+    except ValueError as e:
+        errors.append(str(e))
+    ok.append(bool(torch.isnan(bad.float()).all()))
+    d.close()
+    return ok, errors, rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world", [(1, 0), (3, 0), (4, 2), (8, 0)], ids=["R1", "R3", "R4_G2", "R8"])
+def test_dispatch_into_callers_tensor(kind, world):
+    R = world[0]
+    results = run(dispatch_out_body, world, kind, torch.float32, 0, False)
+    last_rows = results[R - 1][2]
+    for ok, errors, _ in results:
+        assert all(ok), ok
+        assert len(errors) == 1, errors
+        assert f"rank {R - 1}: out is [{last_rows + 1}, 37]; expected [{last_rows}, 37]" in errors[0]
+
+
+@pytest.mark.parametrize("kind,worst,grad", [("flex", 40, False), ("alltoall", 0, True),
+                                             ("flex", 0, True)])
+def test_dispatch_into_callers_tensor_bf16_worst_and_autograd(kind, worst, grad):
+    for ok, errors, _ in run(dispatch_out_body, (4, 0), kind, torch.bfloat16, worst, grad):
+        assert all(ok), ok
+        assert len(errors) == 1 and "rank 3: out is" in errors[0], errors
+
+
 # ---- bad inputs: an exception naming the value, on every rank, never a hang ----
 
 def expect_everywhere(world, fn, exc, words):

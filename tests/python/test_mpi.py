@@ -53,6 +53,14 @@ def test_dispatchers_match_reference(group, kind, dtype):
         assert torch.equal(got[key], got["cpp"][key])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_dispatch_into_callers_tensor(group, kind):
+    from test_megatron import dispatch_out_body
+    ok, errors, _ = dispatch_out_body(group, kind, torch.float32, 0, False)
+    assert all(ok), ok
+    assert len(errors) == 1 and f"rank {group.size() - 1}: out is" in errors[0], errors
+
+
 def test_bad_input_every_rank(group):
     from moed.megatron import make_dispatcher
     with pytest.raises(ValueError, match="rank"):

@@ -110,7 +110,6 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
   CombineGradRows cg_;
   // Kept across calls (see ScratchBuffer); d_ and cg_ hold views into them.
   ScratchBuffer gathered_x_, gathered_scales_;
-  OutputPool outputs_;
 };
 
 // ---- dispatch ----
@@ -119,6 +118,7 @@ Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
   d_ = DispatchState{};
   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
   MOED_ASSIGN_OR_RETURN(d_.counts, exchange_counts(*world_, config_, in));
+  MOED_RETURN_IF_ERROR(check_dispatch_out(d_.counts, in.hidden, input.out));
   auto h = std::make_shared<AllGatherHandle>();
   MOED_RETURN_IF_ERROR(init_handle(*h, d_.counts, in));
   h->source_offsets.assign(1, 0);
@@ -163,7 +163,7 @@ StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
   MOED_CHECK(h.expert.num_rows == h.num_rows, "gathered layout has ", h.expert.num_rows,
              " rows; the counts gave ", h.num_rows);
   TokenRows expert_input;
-  std::shared_ptr<void> storage = outputs_.acquire(h.dtype, h.num_rows, h.hidden, expert_input);
+  std::shared_ptr<void> storage = take_expert_input(h, expert_input);
   MOED_RETURN_IF_ERROR(permute_rows_into(d_.gathered, h.expert, expert_input, world_->pool()));
   h.permuted_probs = h.expert.permuted_probs;
   h.row_src_rank.assign(size_t(h.num_rows), -1);

@@ -41,7 +41,6 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
   CombineGradRows cg_;
   // Kept across calls (see ScratchBuffer); d_ and cg_ hold views into them.
   ScratchBuffer permuted_x_, permuted_scales_, received_x_, received_scales_;
-  OutputPool outputs_;
 };
 
 // ---- dispatch ----
@@ -54,6 +53,7 @@ Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   // receiver needs every chunk's token count to place them; it is one all_gather of E + 2
   // integers per rank, done in preprocess as Megatron does.
   MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, in));
+  MOED_RETURN_IF_ERROR(check_dispatch_out(counts, in.hidden, input.out));
   auto h = std::make_shared<ExchangeHandle>();
   MOED_RETURN_IF_ERROR(init_handle(*h, counts, in));
   // Permute by global expert: destination d's rows are the contiguous block of ep(d)'s experts.
@@ -101,7 +101,7 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
   ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
   TokenRows expert_input;
-  std::shared_ptr<void> storage = outputs_.acquire(h.dtype, h.num_rows, h.hidden, expert_input);
+  std::shared_ptr<void> storage = take_expert_input(h, expert_input);
   // Source-major (s, j) chunks to expert-major (j, s) at their canonical offsets; the gaps are
   // the pad_to_capacity and expert_alignment padding, zeroed.
   MOED_RETURN_IF_ERROR(sort_chunks_by_idxs_into(d_.received, plan.chunk_sizes, plan.chunk_order,

@@ -38,10 +38,13 @@
 // (threads); otherwise (MPI) they are copied into a shared region first (counted), unless the
 // experts wrote them into flex_expert_output_buffer().
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
+#include "core/row_kernels.h"
 #include "dispatch/flex/flex.h"
 #include "dispatch/flex/steps.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed {
 namespace flex {
@@ -77,6 +80,25 @@ class AsyncOp final : public PendingOp {
 };
 
 // The verdict of the dispatch's first field when the ranks disagree on cached mode.
+// rows (dense, the region's) into `to` (the caller's, strided); as permute_rows_into stores.
+void copy_rows(const TensorView& rows, const TensorView& to, ThreadPool& pool) {
+  const size_t row_bytes = rows.row_bytes();
+  const bool stream = size_t(rows.rows) * row_bytes >= internal::kStreamThresholdBytes;
+  pool.parallel_for(
+      rows.rows,
+      [&](int64_t b, int64_t e, int) {
+        for (int64_t r = b; r < e; ++r) {
+          if (stream) {
+            internal::stream_copy(to.row_ptr(r), rows.row_ptr(r), row_bytes);
+          } else {
+            std::memcpy(to.row_ptr(r), rows.row_ptr(r), row_bytes);
+          }
+        }
+        if (stream) internal::stream_fence();
+      },
+      16);
+}
+
 constexpr const char* kCachedModeName =
     "cached mode (cached_handle given; cached mode must be used by every rank)";
 
@@ -94,9 +116,15 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
   dispatch_ = DispatchStep{};
   DispatchStep& d = dispatch_;
   d.rows = input.hidden;
+  d.out = input.out;
   d.cached_mode = input.cached_handle != nullptr;
   if (d.cached_mode) {
     d.local = check_cached(input);
+    if (d.local.ok() && input.out) {  // (uncached: prepare's checks have it)
+      d.local = moed::internal::check_out_buffer("out", *input.out, input.out->rows,
+                                                 input.hidden.x.cols, input.hidden.x.dtype,
+                                                 "hidden");
+    }
   } else {
     StatusOr<PreparedInput> p = prepare_dispatch_input_local(config_, input, world_->pool());
     if (p.ok()) {
@@ -121,13 +149,22 @@ StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
   DispatchOutput out;
   char* seg = outputs_.region(d.slot).local();
   out.expert_input.x = TensorView(seg, h->dtype, h->num_rows, h->hidden);
-  if (h->dtype == DType::kFP8) {
+  const bool fp8 = h->dtype == DType::kFP8;
+  if (fp8) {
     out.expert_input.scales =
         TensorView(seg + d.layout.scales_off, DType::kF32, h->num_rows, h->hidden / kFp8BlockSize);
   }
   out.permuted_probs = std::span<const float>(h->permuted_probs);
   out.tokens_per_expert = std::span<const int64_t>(h->tokens_per_expert);
-  out.storage = outputs_.hold(d.slot, /*keep_memory=*/in_place_);
+  if (d.out) {
+    // The peers wrote the region; one copy of each row into the caller's buffer, after which
+    // the slot is free again unless the fp8 scales (which stay ours) still live in it.
+    copy_rows(out.expert_input.x, *d.out, world_->pool());
+    out.expert_input.x = *d.out;
+    if (fp8) out.storage = outputs_.hold(d.slot, /*keep_memory=*/in_place_);
+  } else {
+    out.storage = outputs_.hold(d.slot, /*keep_memory=*/in_place_);
+  }
   out.handle = std::move(h);
   dispatch_ = DispatchStep{};
   return out;
@@ -149,8 +186,9 @@ Status FlexDispatcher::dispatch_body() {
       {"dtype", int64_t(x.dtype), AgreedField::kAgreeDType},
       {"num_topk", num_topk, AgreedField::kAgree},
       {"held outputs", int64_t(outputs_.held_mask()), AgreedField::kFree},
+      {"out rows", d.out ? d.out->rows : -1, AgreedField::kFree},
   };
-  constexpr size_t kHeld = 5, kCounts = 1 + std::size(fields);
+  constexpr size_t kHeld = 5, kOutRows = 6, kCounts = 1 + std::size(fields);
   MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, d.local, fields, counts));
   MOED_CHECK(t.width == dispatch_agreement_width(topo_));
 
@@ -170,6 +208,16 @@ Status FlexDispatcher::dispatch_body() {
   if (d.fresh) MOED_RETURN_IF_ERROR(notify_finish(config_, *d.fresh, t.table, t.width, kCounts));
 
   const FlexHandle& h = d.handle();
+  // Every rank's `out` against the rows it receives: the same table, so the same verdict.
+  for (int r = 0; r < world_->size(); ++r) {
+    const int64_t got = t.row(r)[kOutRows];
+    const int64_t want = config_.num_worst_tokens > 0 ? config_.num_worst_tokens
+                                                      : h.global->exact_rows[size_t(r)];
+    if (got >= 0 && got != want) {
+      return invalid_argument("rank ", r, ": out is [", got, ", ", h.hidden, "]; expected [", want,
+                              ", ", h.hidden, "]");
+    }
+  }
   d.layout = PushLayout::of(node_cap_rows(h), dtype_row_bytes(h.dtype, h.hidden),
                             scale_row_bytes(h.dtype, h.hidden), /*meta=*/true);
   Region& target = outputs_.region(d.slot);

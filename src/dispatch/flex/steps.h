@@ -78,10 +78,10 @@ StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
                                    std::span<const AgreedField> fields,
                                    std::span<const int64_t> payload = {});
 
-// Width in int64 of a dispatch's agreement row (flex_dispatcher.cc): the code, five fields and
+// Width in int64 of a dispatch's agreement row (flex_dispatcher.cc): the code, six fields and
 // notify's counts. Tests use it to tell the agreement's bytes from the payload's.
 inline size_t dispatch_agreement_width(const Topology& topo) {
-  return 1 + 5 + notify_row_width(topo);
+  return 1 + 6 + notify_row_width(topo);
 }
 
 class FlexDispatcher final : public TokenDispatcher {
@@ -116,6 +116,7 @@ class FlexDispatcher final : public TokenDispatcher {
     std::shared_ptr<const FlexHandle> cached;
     std::shared_ptr<FlexHandle> fresh;  // made by notify (uncached)
     int slot = -1;                      // ring slot written
+    std::optional<TensorView> out;      // DispatchInput::out: the rows are copied there
     PushLayout layout;
     std::shared_ptr<OpState> op;
     const FlexHandle& handle() const { return cached ? *cached : *fresh; }
