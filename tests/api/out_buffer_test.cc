@@ -68,14 +68,17 @@ testing::DispatchCase make_case(int ranks, int g, DType dt) {
   return c;
 }
 
+// R ranks, G per node, ETP P: odd sizes, two nodes, and ETP (which Flex has not).
+struct GridWorld {
+  int R, G, P;
+};
+constexpr GridWorld kGridWorlds[] = {{3, 0, 1}, {4, 2, 1}, {5, 0, 1}, {4, 0, 2}};
+
 class CombineOut : public testing::BackendAndKindTest {};
 
 TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
   const auto [backend, kind] = GetParam();
-  struct World_ {
-    int R, G, P;
-  };
-  for (World_ wc : {World_{3, 0, 1}, World_{4, 2, 1}, World_{5, 0, 1}, World_{4, 0, 2}}) {
+  for (GridWorld wc : kGridWorlds) {
     if (wc.P > 1 && kind == DispatcherKind::kFlex) continue;  // Flex has no ETP
     for (DType dt : {DType::kF32, DType::kBF16}) {
       for (bool weighted : {false, true}) {
@@ -161,10 +164,7 @@ class DispatchOut : public testing::BackendAndKindTest {};
 
 TEST_P(DispatchOut, SameBitsAndErrorsOnEveryRank) {
   const auto [backend, kind] = GetParam();
-  struct World_ {
-    int R, G, P;
-  };
-  for (World_ wc : {World_{3, 0, 1}, World_{4, 2, 1}, World_{5, 0, 1}, World_{4, 0, 2}}) {
+  for (GridWorld wc : kGridWorlds) {
     if (wc.P > 1 && kind == DispatcherKind::kFlex) continue;  // Flex has no ETP
     for (DType dt : {DType::kF32, DType::kBF16, DType::kFP8}) {
       testing::DispatchCase c = make_case(wc.R, wc.G, dt);
