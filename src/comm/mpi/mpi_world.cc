@@ -389,12 +389,17 @@ Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& 
   if (s.ok()) s = check(rc, "MPI_Test");
   if (!s.ok()) {
     if (buffers != nullptr) buffers->park();
-    // Who is missing? Ask everyone, so the error (and every rank's echo of it) names them.
-    if (s.code() == StatusCode::kDeadlineExceeded) s = census(s);
-    // The collective or message can't complete as a whole any more: fail this rank's world
-    // so later calls return at once (and the other ranks hear of it).
-    if (s.code() != StatusCode::kAborted) fail(s);
+    s = after_failed_wait(std::move(s));
   }
+  return s;
+}
+
+Status MpiWorld::after_failed_wait(Status s) {
+  // Who is missing? Ask everyone, so the error (and every rank's echo of it) names them.
+  if (s.code() == StatusCode::kDeadlineExceeded) s = census(s);
+  // The collective or message can't complete as a whole any more: fail this rank's world
+  // so later calls return at once (and the other ranks hear of it).
+  if (s.code() != StatusCode::kAborted) fail(s);
   return s;
 }
 

@@ -83,6 +83,10 @@ class MpiWorld final : public World {
 
   // Sends `reason` to every other rank (mpi_world_fail).
   void fail(const Status& reason);
+  // After a wait of this rank's (a collective's or a message's) ended in error `s`: a timeout
+  // asks every rank who is there (census), so the error names the silent ranks; then this
+  // rank's world is failed unless `s` is another rank's failure. Owner thread. Returns the error.
+  Status after_failed_wait(Status s);
   // Waits for `request` (MPI_Test polled against failure() and the timeout). On an error
   // the request is abandoned, `buffers` (the call's MPI buffers) are parked and this rank's
   // world is marked failed.

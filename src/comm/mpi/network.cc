@@ -49,6 +49,9 @@ class MpiRequest final : public PendingOp {
                           : str_cat("rank ", w->rank(), " sending ", bytes_, " bytes to rank ",
                                     peer_, " with tag ", tag_);
         });
+    // As a collective's wait does: a timeout names the ranks that gave no sign of life (the
+    // peer waited for may itself be waiting on a stalled one).
+    if (!s.ok()) s = w->after_failed_wait(std::move(s));
     finish(rc, st, s);
     return result_;
   }
