@@ -77,9 +77,8 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
         st.combines - 2, " first");
   }
   if (in.out) {
-    MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer("low_latency_combine: out", *in.out,
-                                                          h.num_tokens, lay.hidden, DType::kBF16,
-                                                          "x"));
+    MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer(
+        "low_latency_combine: out", *in.out, h.num_tokens, lay.hidden, DType::kBF16, "x"));
   }
   return ok_status();
 }
@@ -127,18 +126,21 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
     const int d = e / L, j = e % L;
     if (!pulled_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
     const low_latency::PullSource& p = peer[size_t(d)];
-    const int64_t row = int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
+    const int64_t row =
+        int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
     return reinterpret_cast<const bf16*>(p.rows + size_t(row) * p.stride);
   };
-  const internal::RowKernels& k = internal::row_kernels();
+  // One fold_rows per token (acc = 0, acc + w * y per expert ascending, rounded once: the
+  // chain above, the sum kept in registers), one token behind (FoldAhead).
   w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
-    std::vector<float> acc(static_cast<size_t>(H));
     struct Term {
       int32_t e;
       int32_t slot;
       float weight;
     };
     std::vector<Term> terms;
+    internal::FoldAhead fold(DType::kBF16, DType::kBF16, size_t(H), /*weighted=*/true,
+                             /*stream=*/false);
     for (int64_t t = t0; t < t1; ++t) {
       terms.clear();
       for (int k = 0; k < K; ++k) {
@@ -146,13 +148,10 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
         if (e >= 0) terms.push_back({e, handle.slot[size_t(t) * K + k], routing.weight(t, k)});
       }
       std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) { return a.e < b.e; });
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (const Term& term : terms) {
-        const bf16* row = row_of(term.e, term.slot);
-        k.accumulate_weighted(acc.data(), row, DType::kBF16, term.weight, size_t(H));
-      }
-      k.store(acc.data(), out.row<bf16>(t), DType::kBF16, size_t(H));
+      for (const Term& term : terms) fold.add(row_of(term.e, term.slot), term.weight);
+      fold.push(out.row<bf16>(t));
     }
+    fold.flush();
   });
   if (!st.pull) return ok_status();
   return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq);
