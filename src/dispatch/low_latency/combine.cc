@@ -205,7 +205,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   }
   const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
-  w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int worker) {
+  auto copy_chunks = [&](int64_t c0, int64_t c1, int worker) {
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
       const LowLatencyRange range = handle.layout_range[size_t(c)];
@@ -222,7 +222,18 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
       copy_rows(to, x, int64_t(j) * lay.rows_per_expert() + range.begin, range.count, row_bytes);
       shared_rows[size_t(worker)] += uint64_t(range.count);
     }
-  });
+  };
+  // Rows this rank copies itself (none where every in-node home pulls): a few go on this
+  // thread, as waking the pool costs more.
+  size_t copied = 0;
+  for (int64_t c = 0; c < int64_t(L) * R; ++c) {
+    const int s = int(c % R);
+    if (w.same_node(s, me) && !(pull_rows && st.pulls(s))) {
+      copied += size_t(handle.layout_range[size_t(c)].count);
+    }
+  }
+  w.pool().parallel_for(int64_t(L) * R, copy_chunks,
+                        copied * row_bytes < low_latency::kInlineBytes ? int64_t(L) * R : 1);
   low_latency::add_shared_rows(w, shared_rows, row_bytes);
   if (st.pull) {
     // Where in-node homes find this rank's expert outputs; the signals below publish it.
