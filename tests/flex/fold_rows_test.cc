@@ -129,5 +129,44 @@ TEST(FlexFoldRows, EqualsTheTermByTermChain) {
   }
 }
 
+// FoldAhead (one token behind) writes what one fold_rows per token writes, tokens with no
+// rows included, streamed or not.
+TEST(FlexFoldRows, FoldAheadEqualsOneFoldPerToken) {
+  const size_t n = 1000;
+  const int kTokens = 5;
+  const int kCount[kTokens] = {2, 0, 3, 1, 2};
+  std::mt19937 rng(7);
+  std::vector<std::vector<unsigned char>> rows;
+  std::vector<std::vector<const void*>> ptrs(kTokens);
+  std::vector<std::vector<float>> w(kTokens);
+  for (int t = 0; t < kTokens; ++t) {
+    for (int q = 0; q < kCount[t]; ++q) {
+      rows.push_back(random_row(DType::kBF16, n, /*allow_nan=*/q == 0, rng));
+      w[size_t(t)].push_back(std::uniform_real_distribution<float>(0.01f, 1.0f)(rng));
+    }
+  }
+  size_t next = 0;
+  for (int t = 0; t < kTokens; ++t) {
+    for (int q = 0; q < kCount[t]; ++q) ptrs[size_t(t)].push_back(rows[next++].data());
+  }
+  const RowKernels& k = internal::row_kernels();
+  for (bool stream : {false, true}) {
+    std::vector<uint16_t> want(size_t(kTokens) * n), got(want.size(), 0xa5a5);
+    for (int t = 0; t < kTokens; ++t) {
+      k.fold_rows(ptrs[size_t(t)].data(), DType::kBF16, w[size_t(t)].data(), kCount[t],
+                  want.data() + size_t(t) * n, DType::kBF16, n, false);
+    }
+    internal::FoldAhead fold(DType::kBF16, DType::kBF16, n, /*weighted=*/true, stream);
+    for (int t = 0; t < kTokens; ++t) {
+      for (int q = 0; q < kCount[t]; ++q)
+        fold.add(ptrs[size_t(t)][size_t(q)], w[size_t(t)][size_t(q)]);
+      fold.push(got.data() + size_t(t) * n);
+    }
+    fold.flush();
+    internal::stream_fence();
+    EXPECT_EQ(got, want) << "stream=" << stream;
+  }
+}
+
 }  // namespace
 }  // namespace moed
