@@ -43,6 +43,12 @@ struct Avx2 {
     const I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
   }
+  // Non-temporal; p is 32-byte aligned.
+  static void stream_u16x2(uint16_t* p, I a, I b) {
+    const I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
+  }
+  static void streamf(float* p, F v) { _mm256_stream_ps(p, v); }
   static void store_u8(uint8_t* p, I v) {
     const I w = _mm256_packus_epi16(_mm256_packus_epi32(v, v), _mm256_setzero_si256());
     const I packed = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));

@@ -46,6 +46,13 @@ struct Avx512 {
     store_u16(p, a);
     store_u16(p + kWidth, b);
   }
+  // Non-temporal; p is 64-byte aligned.
+  static void stream_u16x2(uint16_t* p, I a, I b) {
+    const I packed = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(a)),
+                                        _mm512_cvtepi32_epi16(b), 1);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), packed);
+  }
+  static void streamf(float* p, F v) { _mm512_stream_ps(p, v); }
   static void store_u8(uint8_t* p, I v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
   }

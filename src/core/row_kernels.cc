@@ -245,6 +245,32 @@ const RowKernels& row_kernels() {
   return kernels;
 }
 
+FoldAhead::FoldAhead(DType t, DType dt, size_t n, bool weighted, bool stream)
+    : t_(t),
+      dt_(dt),
+      n_(n),
+      // The distance fold_rows's own prefetches keep (dtype_simd.h, kFoldAheadBytes).
+      lead_bytes_(std::min(size_t(2048), n * dtype_size(t))),
+      weighted_(weighted),
+      stream_(stream) {}
+
+void FoldAhead::push(void* dst) {
+  for (const void* r : next_rows_) prefetch_row(r, lead_bytes_);
+  flush();
+  std::swap(rows_, next_rows_);
+  std::swap(w_, next_w_);
+  next_rows_.clear();
+  next_w_.clear();
+  dst_ = dst;
+}
+
+void FoldAhead::flush() {
+  if (dst_ == nullptr) return;
+  row_kernels().fold_rows(rows_.data(), t_, weighted_ ? w_.data() : nullptr, int(rows_.size()),
+                          dst_, dt_, n_, stream_);
+  dst_ = nullptr;
+}
+
 void stream_copy(void* dst, const void* src, size_t bytes) {
 #if defined(__SSE2__)
   char* d = static_cast<char*>(dst);

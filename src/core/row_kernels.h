@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "moed/dtype.h"
 
@@ -98,5 +99,33 @@ inline void prefetch_row(const void* p, size_t bytes) {
 }
 // Outputs at least this large are written with stream_copy.
 inline constexpr size_t kStreamThresholdBytes = size_t(8) << 20;
+
+// fold_rows over a run of tokens, one token behind: push() asks for the first lines of the
+// new token's rows, then folds the previous token, so those lines (each row starts at a
+// scattered place, where no prefetcher has been) arrive while that token is summed; fold_rows
+// asks for the rest itself. Each token is its own output row: the order changes no bits.
+//
+//   FoldAhead fold(DType::kBF16, DType::kBF16, hidden, stream);
+//   for (t ...) { for (each term) fold.add(row, w); fold.push(out_row(t)); }
+//   fold.flush();  // the last token (stream: then stream_fence())
+class FoldAhead {
+ public:
+  FoldAhead(DType t, DType dt, size_t n, bool weighted, bool stream);
+  void add(const void* row, float w) {
+    next_rows_.push_back(row);
+    next_w_.push_back(w);
+  }
+  // The rows added since the last push make dst.
+  void push(void* dst);
+  void flush();
+
+ private:
+  DType t_, dt_;
+  size_t n_, lead_bytes_;
+  bool weighted_, stream_;
+  std::vector<const void*> next_rows_, rows_;
+  std::vector<float> next_w_, w_;
+  void* dst_ = nullptr;
+};
 
 }  // namespace moed::internal

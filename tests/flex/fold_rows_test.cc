@@ -2,10 +2,11 @@
 // equals the chain it replaces, bit for bit, in every table this CPU runs: a zeroed fp32 row,
 // add_term / add_term_weighted per row in order, then store, all from the scalar table. Over
 // source and output types, lengths with vector tails and past the prefetch blocks (512), 0 to
-// 9 rows, weighted and not, streamed and not, with raw bit patterns (NaN, infinity, -0,
-// subnormals) among the values. NaNs only in the first row: where two NaNs meet in a sum, which
-// payload wins depends on operand order, which compilers may swap (tests/core/row_kernels_test.cc
-// keeps the same rule); one NaN operand is exact.
+// 9 rows, weighted and not, streamed and not (to 64-byte aligned and unaligned outputs), with
+// raw bit patterns (NaN, infinity, -0, subnormals) among the values. NaNs only in the first
+// row: where two NaNs meet in a sum, which payload wins depends on operand order, which
+// compilers may swap (tests/core/row_kernels_test.cc keeps the same rule); one NaN operand is
+// exact.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -73,7 +74,8 @@ std::vector<unsigned char> random_row(DType t, size_t n, bool allow_nan, std::mt
 
 TEST(FlexFoldRows, EqualsTheTermByTermChain) {
   const DType kTypes[] = {DType::kF32, DType::kBF16, DType::kFP8};
-  const size_t kLengths[] = {0, 1, 7, 8, 15, 16, 17, 33, 511, 512, 1024 + 9, 3 * 512 + 31};
+  const size_t kLengths[] = {0,  1,  7,   8,   15,       16,           17,
+                             33, 64, 511, 512, 1024 + 9, 3 * 512 + 31, 4096};
   const RowKernels& scalar = internal::scalar_kernels();
   std::mt19937 rng(2026);
   for (const RowKernels* k : tables()) {
@@ -101,23 +103,68 @@ TEST(FlexFoldRows, EqualsTheTermByTermChain) {
               }
               std::vector<unsigned char> want(n * dtype_size(dt) + 1, 0);
               scalar.store(acc.data(), want.data(), dt, n);
+              // dst 64-byte aligned (streamed: straight from the registers for bf16 and f32)
+              // and one element off (streamed through the L1 block).
               for (bool stream : {false, true}) {
-                std::vector<unsigned char> got(want.size(), 0xa5);
-                got.back() = 0;  // past the row: must stay untouched
-                k->fold_rows(ptrs.data(), t, weighted ? w.data() : nullptr, count, got.data(), dt,
-                             n, stream);
-                internal::stream_fence();
-                const size_t at = size_t(
-                    std::mismatch(got.begin(), got.end(), want.begin()).first - got.begin());
-                ASSERT_EQ(got, want) << "first byte " << at << ": " << k->isa << " " << dtype_name(t) << " -> " << dtype_name(dt)
-                                     << " n=" << n << " rows=" << count
-                                     << " weighted=" << weighted << " stream=" << stream;
+                for (size_t skew : {size_t(0), dtype_size(dt)}) {
+                  std::vector<unsigned char> space(want.size() + 128, 0xa5);
+                  unsigned char* got = space.data() + (64 - uintptr_t(space.data()) % 64) + skew;
+                  got[want.size() - 1] = 0;  // past the row: must stay untouched
+                  k->fold_rows(ptrs.data(), t, weighted ? w.data() : nullptr, count, got, dt, n,
+                               stream);
+                  internal::stream_fence();
+                  const size_t at =
+                      size_t(std::mismatch(got, got + want.size(), want.begin()).first - got);
+                  ASSERT_EQ(std::vector<unsigned char>(got, got + want.size()), want)
+                      << "first byte " << at << ": " << k->isa << " " << dtype_name(t) << " -> "
+                      << dtype_name(dt) << " n=" << n << " rows=" << count
+                      << " weighted=" << weighted << " stream=" << stream << " skew=" << skew;
+                }
               }
             }
           }
         }
       }
     }
+  }
+}
+
+// FoldAhead (one token behind) writes what one fold_rows per token writes, tokens with no
+// rows included, streamed or not.
+TEST(FlexFoldRows, FoldAheadEqualsOneFoldPerToken) {
+  const size_t n = 1000;
+  const int kTokens = 5;
+  const int kCount[kTokens] = {2, 0, 3, 1, 2};
+  std::mt19937 rng(7);
+  std::vector<std::vector<unsigned char>> rows;
+  std::vector<std::vector<const void*>> ptrs(kTokens);
+  std::vector<std::vector<float>> w(kTokens);
+  for (int t = 0; t < kTokens; ++t) {
+    for (int q = 0; q < kCount[t]; ++q) {
+      rows.push_back(random_row(DType::kBF16, n, /*allow_nan=*/q == 0, rng));
+      w[size_t(t)].push_back(std::uniform_real_distribution<float>(0.01f, 1.0f)(rng));
+    }
+  }
+  size_t next = 0;
+  for (int t = 0; t < kTokens; ++t) {
+    for (int q = 0; q < kCount[t]; ++q) ptrs[size_t(t)].push_back(rows[next++].data());
+  }
+  const RowKernels& k = internal::row_kernels();
+  for (bool stream : {false, true}) {
+    std::vector<uint16_t> want(size_t(kTokens) * n), got(want.size(), 0xa5a5);
+    for (int t = 0; t < kTokens; ++t) {
+      k.fold_rows(ptrs[size_t(t)].data(), DType::kBF16, w[size_t(t)].data(), kCount[t],
+                  want.data() + size_t(t) * n, DType::kBF16, n, false);
+    }
+    internal::FoldAhead fold(DType::kBF16, DType::kBF16, n, /*weighted=*/true, stream);
+    for (int t = 0; t < kTokens; ++t) {
+      for (int q = 0; q < kCount[t]; ++q)
+        fold.add(ptrs[size_t(t)][size_t(q)], w[size_t(t)][size_t(q)]);
+      fold.push(got.data() + size_t(t) * n);
+    }
+    fold.flush();
+    internal::stream_fence();
+    EXPECT_EQ(got, want) << "stream=" << stream;
   }
 }
 

@@ -29,10 +29,11 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   }
   MOED_RETURN_IF_ERROR(wait_all(remote.recvs));
   const size_t scalar_off_unit = remote.piece_bytes;
-  // P = 1 folds (every term a raw row) are one fold_rows call per token: the fp32 sum stays in
-  // registers while the K rows stream past, and a large output is written with non-temporal
-  // stores (no read of the destination). Each element still sees acc = 0, + term, ... in
-  // expert order: the same bits.
+  // P = 1 folds (every term a raw row) are one fold_rows call per token (FoldAhead: one token
+  // behind, the next token's rows asked for first): the fp32 sum stays in registers while the
+  // K rows stream past, and a large output is written with non-temporal stores (no read of
+  // the destination). Each element still sees acc = 0, + term, ... in expert order: the same
+  // bits.
   const bool fused = P == 1 && spec.mode != PullMode::kProbGrad;
   const bool stream =
       fused && size_t(spec.out.rows) * spec.out.row_bytes() >= internal::kStreamThresholdBytes;
@@ -40,8 +41,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> run(static_cast<size_t>(E)), cursor(static_cast<size_t>(N));
     std::vector<float> acc(static_cast<size_t>(H)), term(static_cast<size_t>(H));
-    std::vector<const void*> fold_rows;
-    std::vector<float> fold_probs;
+    internal::FoldAhead fold(spec.dtype, spec.out.dtype, size_t(H), spec.weighted, stream);
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());
@@ -54,8 +54,6 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
           continue;
         }
         if (!fused) std::fill(acc.begin(), acc.end(), 0.0f);
-        fold_rows.clear();
-        fold_probs.clear();
         for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k) {
           const int e = h.routing.expert[size_t(k)];
           const float prob = h.routing.prob[size_t(k)];
@@ -98,8 +96,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
           }
           if (spec.mode == PullMode::kDispatchBackward) spec.out_probs[size_t(t) * E + e] = scalar;
           if (fused) {
-            fold_rows.push_back(raw);
-            fold_probs.push_back(prob);
+            fold.add(raw, prob);
             continue;
           }
           switch (spec.mode) {
@@ -123,15 +120,14 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
           }
         }
         if (fused) {
-          internal::row_kernels().fold_rows(
-              fold_rows.data(), spec.dtype, spec.weighted ? fold_probs.data() : nullptr,
-              int(fold_rows.size()), spec.out.row_ptr(t), spec.out.dtype, size_t(H), stream);
+          fold.push(spec.out.row_ptr(t));
         } else if (spec.mode != PullMode::kProbGrad) {
           store_row(spec.out.row_ptr(t), acc.data(), spec.out.dtype, H);
         }
       }
       rows_read[size_t(c)] = read;
     }
+    fold.flush();
     if (stream) internal::stream_fence();  // the rows are read by other threads next
   });
   uint64_t rows = 0;

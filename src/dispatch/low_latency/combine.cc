@@ -77,9 +77,8 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
         st.combines - 2, " first");
   }
   if (in.out) {
-    MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer("low_latency_combine: out", *in.out,
-                                                          h.num_tokens, lay.hidden, DType::kBF16,
-                                                          "x"));
+    MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer(
+        "low_latency_combine: out", *in.out, h.num_tokens, lay.hidden, DType::kBF16, "x"));
   }
   return ok_status();
 }
@@ -127,18 +126,21 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
     const int d = e / L, j = e % L;
     if (!pulled_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
     const low_latency::PullSource& p = peer[size_t(d)];
-    const int64_t row = int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
+    const int64_t row =
+        int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
     return reinterpret_cast<const bf16*>(p.rows + size_t(row) * p.stride);
   };
-  const internal::RowKernels& k = internal::row_kernels();
+  // One fold_rows per token (acc = 0, acc + w * y per expert ascending, rounded once: the
+  // chain above, the sum kept in registers), one token behind (FoldAhead).
   w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
-    std::vector<float> acc(static_cast<size_t>(H));
     struct Term {
       int32_t e;
       int32_t slot;
       float weight;
     };
     std::vector<Term> terms;
+    internal::FoldAhead fold(DType::kBF16, DType::kBF16, size_t(H), /*weighted=*/true,
+                             /*stream=*/false);
     for (int64_t t = t0; t < t1; ++t) {
       terms.clear();
       for (int k = 0; k < K; ++k) {
@@ -146,13 +148,10 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
         if (e >= 0) terms.push_back({e, handle.slot[size_t(t) * K + k], routing.weight(t, k)});
       }
       std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) { return a.e < b.e; });
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (const Term& term : terms) {
-        const bf16* row = row_of(term.e, term.slot);
-        k.accumulate_weighted(acc.data(), row, DType::kBF16, term.weight, size_t(H));
-      }
-      k.store(acc.data(), out.row<bf16>(t), DType::kBF16, size_t(H));
+      for (const Term& term : terms) fold.add(row_of(term.e, term.slot), term.weight);
+      fold.push(out.row<bf16>(t));
     }
+    fold.flush();
   });
   if (!st.pull) return ok_status();
   return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq);
@@ -206,7 +205,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   }
   const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
-  w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int worker) {
+  auto copy_chunks = [&](int64_t c0, int64_t c1, int worker) {
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
       const LowLatencyRange range = handle.layout_range[size_t(c)];
@@ -223,7 +222,18 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
       copy_rows(to, x, int64_t(j) * lay.rows_per_expert() + range.begin, range.count, row_bytes);
       shared_rows[size_t(worker)] += uint64_t(range.count);
     }
-  });
+  };
+  // Rows this rank copies itself (none where every in-node home pulls): a few go on this
+  // thread, as waking the pool costs more.
+  size_t copied = 0;
+  for (int64_t c = 0; c < int64_t(L) * R; ++c) {
+    const int s = int(c % R);
+    if (w.same_node(s, me) && !(pull_rows && st.pulls(s))) {
+      copied += size_t(handle.layout_range[size_t(c)].count);
+    }
+  }
+  w.pool().parallel_for(int64_t(L) * R, copy_chunks,
+                        copied * row_bytes < low_latency::kInlineBytes ? int64_t(L) * R : 1);
   low_latency::add_shared_rows(w, shared_rows, row_bytes);
   if (st.pull) {
     // Where in-node homes find this rank's expert outputs; the signals below publish it.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
 
 namespace moed {
@@ -168,7 +169,12 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   std::byte* scales = seg + lay.dispatch_scales[half];
   auto* src = reinterpret_cast<int32_t*>(seg + lay.dispatch_src[half]);
   auto* prob = reinterpret_cast<float*>(seg + lay.dispatch_prob[half]);
-  w.pool().parallel_for(L, [&](int64_t j0, int64_t j1, int worker) {
+  // As Flex's dispatch (flex/layout.cc): a large receive is written with non-temporal stores,
+  // which skip reading the destination lines first.
+  int64_t received = 0;
+  for (int j = 0; j < L; ++j) received += dh.recv_count[size_t(j)];
+  const bool stream = size_t(received) * payload >= internal::kStreamThresholdBytes;
+  auto pack = [&](int64_t j0, int64_t j1, int) {
     for (int j = int(j0); j < int(j1); ++j) {
       std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
       for (int s = 0; s < R; ++s) {
@@ -190,7 +196,11 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
           for (size_t i = 0; i < n; ++i) {
             const int32_t t = ps.tokens[chunk + i];
             const std::byte* row = ps.rows + size_t(t) * ps.stride;
-            std::memcpy(xs + size_t(to + int64_t(i)) * payload, row, payload);
+            if (stream) {
+              internal::stream_copy(xs + size_t(to + int64_t(i)) * payload, row, payload);
+            } else {
+              std::memcpy(xs + size_t(to + int64_t(i)) * payload, row, payload);
+            }
             std::memcpy(scales + size_t(to + int64_t(i)) * scale_bytes, row + payload, scale_bytes);
             src[to + int64_t(i)] = t;
             prob[to + int64_t(i)] = ps.probs[chunk + i];
@@ -219,7 +229,11 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
         }
       }
     }
-  });
+    if (stream) internal::stream_fence();  // the caller's threads read the rows next
+  };
+  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
+  w.pool().parallel_for(L, pack,
+                        size_t(received) * payload < low_latency::kInlineBytes ? int64_t(L) : 1);
 
   handle.layout_range = dh.layout_range;
   handle.received = true;

@@ -15,6 +15,10 @@ namespace moed {
 
 namespace low_latency {
 
+// Copies below this many bytes run on the calling thread (parallel_for's min_chunk): waking
+// the pool's workers costs more than they save.
+inline constexpr size_t kInlineBytes = size_t(256) << 10;
+
 // Keeps a posted isend / irecv in `requests` (waited on by the receive phase), or returns the
 // error of posting it.
 inline Status keep_request(StatusOr<Request> posted, std::vector<Request>& requests) {
