@@ -48,9 +48,10 @@ Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   if (host_staging()) {
     std::vector<uint64_t> staged(size_t(size_), 0);
     staged[size_t(root)] = bytes;
+    const StageSource mine[1] = {{data, rank_ == root ? bytes : 0}};
     MOED_RETURN_IF_ERROR(host_stage(
-        staged, [&](char* s) { std::memcpy(s, data, bytes); },
-        [&](int, const char* s) { std::memcpy(data, s, bytes); }, "broadcast"));
+        staged, mine, [&](int) { return std::vector<StageWant>{{0, data, bytes}}; },
+        "broadcast"));
     if (rank_ == root) internal::count_send_to_all(*this, bytes);
     return ok_status();
   }
@@ -82,9 +83,12 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
   std::vector<size_t> offsets(size_t(size_) + 1, 0);
   for (int s = 0; s < size_; ++s) offsets[size_t(s) + 1] = offsets[size_t(s)] + sizes[size_t(s)];
   if (host_staging()) {
+    const StageSource mine[1] = {{send, send_bytes}};
     MOED_RETURN_IF_ERROR(host_stage(
-        sizes, [&](char* s) { std::memcpy(s, send, send_bytes); },
-        [&](int r, const char* s) { std::memcpy(out + offsets[size_t(r)], s, sizes[size_t(r)]); },
+        sizes, mine,
+        [&](int r) {
+          return std::vector<StageWant>{{0, out + offsets[size_t(r)], sizes[size_t(r)]}};
+        },
         "all_gather_v"));
   } else {
     std::vector<Transfer> sends, recvs;
@@ -134,19 +138,17 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
     std::vector<uint64_t> staged(n, 0);
     for (size_t s = 0; s < n; ++s)
       for (size_t p = 0; p < n; ++p) staged[s] += p == s ? 0 : all[s * n + p];
+    std::vector<StageSource> mine;
+    for (size_t p = 0; p < n; ++p) {
+      if (p != me && send_bytes[p] > 0) mine.push_back({in + send_offsets[p], send_bytes[p]});
+    }
     MOED_RETURN_IF_ERROR(host_stage(
-        staged,
-        [&](char* st) {
-          for (size_t p = 0; p < n; ++p) {
-            if (p == me || send_bytes[p] == 0) continue;
-            std::memcpy(st, in + send_offsets[p], send_bytes[p]);
-            st += send_bytes[p];
-          }
-        },
-        [&](int r, const char* st) {
+        staged, mine,
+        [&](int r) {
           const size_t s = size_t(r);
-          for (size_t p = 0; p < me; ++p) st += p == s ? 0 : all[s * n + p];
-          if (recv_bytes[s] > 0) std::memcpy(out + recv_offsets[s], st, recv_bytes[s]);
+          size_t at = 0;
+          for (size_t p = 0; p < me; ++p) at += p == s ? 0 : all[s * n + p];
+          return std::vector<StageWant>{{at, out + recv_offsets[s], recv_bytes[s]}};
         },
         "all_to_all_v"));
     for (int d = 0; d < size_; ++d) count_send(d, send_bytes[size_t(d)]);
@@ -193,11 +195,13 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
     std::vector<uint64_t> staged(n, total * sizeof(float));
     std::copy(send + before, send + before + mine_count,
               blocks.data() + size_t(rank_) * mine_count);
+    const StageSource mine[1] = {{send, total * sizeof(float)}};
     MOED_RETURN_IF_ERROR(host_stage(
-        staged, [&](char* st) { std::memcpy(st, send, total * sizeof(float)); },
-        [&](int r, const char* st) {
-          std::memcpy(blocks.data() + size_t(r) * mine_count, st + before * sizeof(float),
-                      mine_count * sizeof(float));
+        staged, mine,
+        [&](int r) {
+          return std::vector<StageWant>{{before * sizeof(float),
+                                         blocks.data() + size_t(r) * mine_count,
+                                         mine_count * sizeof(float)}};
         },
         "reduce_scatter_v_f32"));
     internal::sum_rows(pool(), blocks.data(), size_, mine_count, recv);
@@ -241,10 +245,10 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
   if (host_staging()) {
     const size_t bytes = count * sizeof(float);
     std::memcpy(rows.data() + size_t(rank_) * count, send, bytes);
+    const StageSource mine[1] = {{send, bytes}};
     MOED_RETURN_IF_ERROR(host_stage(
-        std::vector<uint64_t>(size_t(size_), bytes),
-        [&](char* st) { std::memcpy(st, send, bytes); },
-        [&](int r, const char* st) { std::memcpy(rows.data() + size_t(r) * count, st, bytes); },
+        std::vector<uint64_t>(size_t(size_), bytes), mine,
+        [&](int r) { return std::vector<StageWant>{{0, rows.data() + size_t(r) * count, bytes}}; },
         "all_reduce_f32"));
   } else {
     MOED_RETURN_IF_ERROR(

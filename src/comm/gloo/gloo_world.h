@@ -63,7 +63,9 @@ struct HostControl {
 // Same-host collectives (every rank on one host): each rank's slot in a shared segment. Round
 // k: wait until every rank has read round k-1 (done), write, publish seq = k, read every
 // rank's slot once its seq reaches k, then mark done = k.
-// stage_seq publishes this rank's staging segment (host_staging.cc) for stage round k.
+// stage_seq publishes this rank's data for stage round k (host_staging.cc): in its staging
+// segment, or, with single-copy reads, as the addresses of its own buffers (sources);
+// stage_done = k once this rank has read everything it wanted in round k.
 struct CollSlot {
   std::atomic<uint64_t> seq;
   char pad0[56];
@@ -71,8 +73,13 @@ struct CollSlot {
   char pad1[56];
   std::atomic<uint64_t> stage_seq;
   char pad2[56];
+  std::atomic<uint64_t> stage_done;
+  char pad3[56];
   static constexpr size_t kBytes = 16384;
   char data[kBytes];
+  static constexpr size_t kMaxSources = 256;
+  uint64_t source_count;
+  uint64_t sources[kMaxSources][2];  // (address in this rank's process, bytes), in stream order
 };
 constexpr int32_t kAlive = 1;
 constexpr int32_t kClosed = 2;
@@ -98,6 +105,17 @@ struct HostLayout {
   std::vector<int> ranks;  // the world ranks on this host, ascending
   std::vector<int64_t> pids;
   uint64_t world_id = 0;
+};
+
+// A piece of this rank's stage stream, and a part of another rank's stream to copy to `dst`.
+struct StageSource {
+  const void* data;
+  size_t bytes;
+};
+struct StageWant {
+  size_t offset;  // in the writer's stream
+  void* dst;
+  size_t bytes;
 };
 
 // Drops the world's self-message mailbox (network.cc).
@@ -151,11 +169,13 @@ class GlooWorld final : public World {
   // gather() over every rank through the host's collective slots (one host, n small).
   Status host_gather(const void* mine, size_t n, void* out, const char* op);
   // Same-host data phase (host_staging.cc; only while host_staging()): every rank r publishes
-  // bytes[r] bytes (`write` fills this rank's part), then `read` gets every other rank's part.
-  // Every rank calls it with the same bytes, right after a gather() of the same call.
+  // a stream of bytes[r] bytes (this rank's is the concatenation of `mine`), then every rank
+  // copies the parts it wants (`wants(r)`) of every other rank's stream. Every rank calls it
+  // with the same bytes, right after a gather() of the same call; `mine` stays unchanged
+  // until it returns.
   bool host_staging() const { return coll_ != nullptr; }
-  Status host_stage(std::span<const uint64_t> bytes, const std::function<void(char*)>& write,
-                    const std::function<void(int, const char*)>& read, const char* op);
+  Status host_stage(std::span<const uint64_t> bytes, std::span<const StageSource> mine,
+                    const std::function<std::vector<StageWant>(int)>& wants, const char* op);
   uint64_t next_node_slot() { return make_slot(Space::kNode, node_calls_++); }
   std::vector<int> all_ranks() const;
   std::vector<int> node_ranks() const;
@@ -177,6 +197,12 @@ class GlooWorld final : public World {
                     const char* what);
   // Maps (or grows) the staging segments that host_stage needs for `bytes` (collective).
   Status grow_stages(std::span<const uint64_t> bytes, const char* op);
+  // Whether every rank can read every other's memory (process_vm_readv), agreed by all;
+  // start() asks once. Then host_stage reads the writers' own buffers: one copy a byte.
+  Status probe_single_copy();
+  Status read_single_copy(int r, const StageWant& want, const char* op);
+  uint64_t single_copy_min_ = UINT64_MAX;  // writers of this many bytes are read in place
+  uint64_t probe_word_ = 0;
   void unmap_stages();
   // A host-mate whose process is gone without closing its world: its rank, or -1.
   int find_dead_host_mate() const;

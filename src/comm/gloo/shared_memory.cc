@@ -92,6 +92,7 @@ Status GlooWorld::start() {
     MOED_ASSIGN_OR_RETURN(void* c, map_segment(host_.ranks, make_slot(Space::kHost, 3), coll,
                                                sizeof(CollSlot) * members));
     coll_ = static_cast<CollSlot*>(c);
+    MOED_RETURN_IF_ERROR(probe_single_copy());
   }
   if (size_ > 1) {
     fault_recv_ = ctx_->createUnboundBuffer(fault_in_.data(), fault_in_.size());
