@@ -229,7 +229,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
   ReturnState dispatch_grad_;
   std::vector<float> grad_pprobs_;
   CombineGradState combine_grad_;
-  OutputPool outputs_;                       // dispatch outputs (see OutputPool)
+  OutputPool outputs_;                      // dispatch outputs (see OutputPool)
   std::optional<TensorView> dispatch_out_;  // DispatchInput::out of the dispatch in progress
 };
 

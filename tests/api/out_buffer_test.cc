@@ -1,8 +1,8 @@
 // Caller-owned combine outputs (CombineInput::out, NormalCombineInput::out,
-// LowLatencyCombineInput::out) and dispatch rows (DispatchInput::out, NormalDispatchInput::out), for every
-// dispatcher on both worlds: the result written into a strided caller buffer is bitwise the owning
-// variant's, the bytes between its rows stay untouched, and a bad buffer on one rank is an
-// InvalidArgument on every rank naming that rank and the value, with no rank's buffer written.
+// LowLatencyCombineInput::out) and dispatch rows (DispatchInput::out, NormalDispatchInput::out),
+// for every dispatcher on both worlds: the result written into a strided caller buffer is bitwise
+// the owning variant's, the bytes between its rows stay untouched, and a bad buffer on one rank is
+// an InvalidArgument on every rank naming that rank and the value, with no rank's buffer written.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -194,10 +194,10 @@ TEST_P(DispatchOut, SameBitsAndErrorsOnEveryRank) {
             !std::ranges::equal(o1.tokens_per_expert, o2.tokens_per_expert))
           return internal_error("rank ", r, ": permuted_probs or tokens_per_expert differ");
         if (dt != DType::kFP8) {
-          MOED_ASSIGN_OR_RETURN(CombineOutput y1,
-                                d->combine({.expert_output = o1.expert_input.x, .handle = o1.handle}));
-          MOED_ASSIGN_OR_RETURN(CombineOutput y2,
-                                d->combine({.expert_output = o2.expert_input.x, .handle = o2.handle}));
+          MOED_ASSIGN_OR_RETURN(CombineOutput y1, d->combine({.expert_output = o1.expert_input.x,
+                                                              .handle = o1.handle}));
+          MOED_ASSIGN_OR_RETURN(CombineOutput y2, d->combine({.expert_output = o2.expert_input.x,
+                                                              .handle = o2.handle}));
           if (!bitwise_equal(y1.hidden.view(), y2.hidden.view()))
             return internal_error("rank ", r, ": combine after dispatch(out) differs");
         }
@@ -227,7 +227,8 @@ TEST_P(DispatchOut, SameBitsAndErrorsOnEveryRank) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, DispatchOut, testing::six_step_grid(), testing::six_step_grid_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, DispatchOut, testing::six_step_grid(),
+                         testing::six_step_grid_name);
 
 // DeepEP's normal mode (rank-major) and low-latency combine, the same checks.
 class DeepEpCombineOut : public ::testing::TestWithParam<Backend> {};

@@ -6,20 +6,21 @@
 // the two (one path per world, the same on every rank).
 //
 // Single copy (a writer of at least single_copy_min_ bytes, when every rank may read every
-// other's memory): the writer publishes the addresses of its stream's pieces in its CollSlot and stage_seq = k; each reader
-// waits for that and copies its parts straight out of the writer's buffers with
+// other's memory): the writer publishes the addresses of its stream's pieces in its CollSlot
+// and stage_seq = k; each reader waits for that and copies its parts straight out of the
+// writer's buffers with
 // process_vm_readv (the kernel copies once, like OpenMPI's vader with cma), then publishes
 // stage_done = k; the writer returns only once every rank is done, as its buffers are the
 // caller's. At mixtral sizes (16 MiB a rank) the staging copy below is ~4 ms of a rank's CPU
 // per AllGather iteration (40 MiB a rank written to DRAM and read back) that this saves.
 //
-// Staging (smaller writers, or no single copy): each rank owns one staging segment, mapped by every rank of the host.
-// The writer copies its stream into its own segment and publishes stage_seq = k; each reader
-// waits for that (bounded, like every host wait: await_host polls the world's failure state,
-// the deadline and the writer's liveness) and copies its parts out. Two copies per byte, no
-// syscalls. The writer needs no "everyone has read round k-1" word: every collective runs a
-// gather() before its data phase, and no rank leaves that gather until every rank has entered
-// it, i.e. has finished reading round k-1.
+// Staging (smaller writers, or no single copy): each rank owns one staging segment, mapped by
+// every rank of the host. The writer copies its stream into its own segment and publishes
+// stage_seq = k; each reader waits for that (bounded, like every host wait: await_host polls the
+// world's failure state, the deadline and the writer's liveness) and copies its parts out. Two
+// copies per byte, no syscalls. The writer needs no "everyone has read round k-1" word: every collective runs
+// a gather() before its data phase, and no rank leaves that gather until every rank has entered it,
+// i.e. has finished reading round k-1.
 //
 // Segments are cached and grown (doubling, from 1 MiB): every rank knows every rank's bytes
 // (the size exchange that precedes the data phase), so every rank decides the same growth and
@@ -28,11 +29,10 @@
 #include <sys/mman.h>
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-
-#include <algorithm>
 #include <vector>
 
 #include "comm/gloo/gloo_world.h"
@@ -108,7 +108,8 @@ Status GlooWorld::probe_single_copy() {
     iovec local{&got, sizeof(got)};
     iovec remote{reinterpret_cast<void*>(uintptr_t(where[2 * size_t(r)])), sizeof(got)};
     ok = process_vm_readv(pid_t(host_.pids[size_t(r)]), &local, 1, &remote, 1, 0) ==
-             ssize_t(sizeof(got)) && got == host_.world_id;
+             ssize_t(sizeof(got)) &&
+         got == host_.world_id;
   }
   std::vector<uint64_t> all(static_cast<size_t>(size_));
   MOED_RETURN_IF_ERROR(host_gather(&ok, sizeof(ok), all.data(), "start (probe verdict)"));

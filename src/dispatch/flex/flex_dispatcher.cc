@@ -121,9 +121,8 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
   if (d.cached_mode) {
     d.local = check_cached(input);
     if (d.local.ok() && input.out) {  // (uncached: prepare's checks have it)
-      d.local = moed::internal::check_out_buffer("out", *input.out, input.out->rows,
-                                                 input.hidden.x.cols, input.hidden.x.dtype,
-                                                 "hidden");
+      d.local = moed::internal::check_out_buffer(
+          "out", *input.out, input.out->rows, input.hidden.x.cols, input.hidden.x.dtype, "hidden");
     }
   } else {
     StatusOr<PreparedInput> p = prepare_dispatch_input_local(config_, input, world_->pool());
@@ -211,8 +210,8 @@ Status FlexDispatcher::dispatch_body() {
   // Every rank's `out` against the rows it receives: the same table, so the same verdict.
   for (int r = 0; r < world_->size(); ++r) {
     const int64_t got = t.row(r)[kOutRows];
-    const int64_t want = config_.num_worst_tokens > 0 ? config_.num_worst_tokens
-                                                      : h.global->exact_rows[size_t(r)];
+    const int64_t want =
+        config_.num_worst_tokens > 0 ? config_.num_worst_tokens : h.global->exact_rows[size_t(r)];
     if (got >= 0 && got != want) {
       return invalid_argument("rank ", r, ": out is [", got, ", ", h.hidden, "]; expected [", want,
                               ", ", h.hidden, "]");
