@@ -11,13 +11,17 @@ import torch.distributed as dist
 
 
 def _dispatchers(g, pg):
-    from test_megatron import LAYOUTS, body
+    from test_megatron import LAYOUTS, body, dispatch_out_body
     import moed
     out = {}
     for kind in ("allgather", "alltoall", "flex"):
         out[kind] = body(g, kind, 40, 2, torch.float32, LAYOUTS["cap1_probs"], True, False, False)
         out[kind + "_bf16"] = body(g, kind, 24, 1, torch.bfloat16, LAYOUTS["dropless"], False,
                                    True, True)
+        # Into a caller's tensor; a wrong one on the last rank is every rank's ValueError.
+        ok, errors, _ = dispatch_out_body(g, kind, torch.float32, 0, False)
+        assert all(ok) and len(errors) == 1 and f"rank {g.size() - 1}: out is" in errors[0], \
+            (ok, errors)
     # The dispatchers take the torch group itself, and reach the same moed world.
     d = moed.megatron.make_dispatcher("alltoall", group=pg, num_moe_experts=2 * g.size(),
                                       moe_router_topk=1)
