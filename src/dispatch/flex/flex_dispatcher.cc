@@ -79,7 +79,6 @@ class AsyncOp final : public PendingOp {
   std::thread thread_;
 };
 
-// The verdict of the dispatch's first field when the ranks disagree on cached mode.
 // rows (dense, the region's) into `to` (the caller's, strided); as permute_rows_into stores.
 void copy_rows(const TensorView& rows, const TensorView& to, ThreadPool& pool) {
   const size_t row_bytes = rows.row_bytes();
@@ -99,6 +98,7 @@ void copy_rows(const TensorView& rows, const TensorView& to, ThreadPool& pool) {
       16);
 }
 
+// The verdict of the dispatch's first field when the ranks disagree on cached mode.
 constexpr const char* kCachedModeName =
     "cached mode (cached_handle given; cached mode must be used by every rank)";
 
