@@ -80,11 +80,7 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
     return invalid_argument("routing has ", routing_tokens(input), " tokens but hidden has ",
                             h.x.rows, " rows");
   }
-  // out's rows are known only after the count exchange (check_out_rows there).
-  if (input.out) {
-    MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer("out", *input.out, input.out->rows,
-                                                          h.x.cols, h.x.dtype, "hidden"));
-  }
+  MOED_RETURN_IF_ERROR(check_dispatch_out_columns(input));
   return check_routing(config, input);
 }
 
@@ -106,6 +102,13 @@ PreparedInput prepared_shapes(const DispatchInput& input) {
 }
 
 }  // namespace
+
+Status check_dispatch_out_columns(const DispatchInput& input) {
+  if (!input.out) return ok_status();
+  const TensorView& x = input.hidden.x;
+  return moed::internal::check_out_buffer("out", *input.out, input.out->rows, x.cols, x.dtype,
+                                          "hidden");
+}
 
 Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t offset,
                           int world_size) {

@@ -48,6 +48,10 @@ StatusOr<PreparedInput> prepare_dispatch_input_local(const DispatchConfig& confi
 Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t offset,
                           int world_size);
 
+// DispatchInput::out's dtype, columns and stride against the hidden states (local; its rows
+// are known only after the count exchange, where each dispatcher checks them).
+Status check_dispatch_out_columns(const DispatchInput& input);
+
 // The canonical layout of rank `rank` (spec §3), from counts[s * E + e] (rows source s sends to
 // global expert e) and capacity[s] (C_s; used only with pad_to_capacity).
 struct ExpertLayout {

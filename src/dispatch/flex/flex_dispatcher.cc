@@ -44,7 +44,6 @@
 #include "core/row_kernels.h"
 #include "dispatch/flex/flex.h"
 #include "dispatch/flex/steps.h"
-#include "dispatch/out_buffer.h"
 
 namespace moed {
 namespace flex {
@@ -120,10 +119,7 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
   d.cached_mode = input.cached_handle != nullptr;
   if (d.cached_mode) {
     d.local = check_cached(input);
-    if (d.local.ok() && input.out) {  // (uncached: prepare's checks have it)
-      d.local = moed::internal::check_out_buffer(
-          "out", *input.out, input.out->rows, input.hidden.x.cols, input.hidden.x.dtype, "hidden");
-    }
+    if (d.local.ok()) d.local = check_dispatch_out_columns(input);  // (uncached: in prepare's)
   } else {
     StatusOr<PreparedInput> p = prepare_dispatch_input_local(config_, input, world_->pool());
     if (p.ok()) {
