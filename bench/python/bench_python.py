@@ -40,9 +40,9 @@ def routing(seed, T, E, K):
     return rmap, probs, topi, topw
 
 
-def megatron_pair(group, kind, E, K, zero_copy, x, rmap, probs):
+def megatron_pair(group, kind, E, K, x, rmap, probs):
     """(Python iteration, C++ loop) of one Megatron-style dispatcher, and its closer."""
-    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K, moe_flex_zero_copy=zero_copy)
+    cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K)
     d = make_dispatcher(kind, cfg, group=group)
     c = _C.TokenDispatcher(group.handle, kind, E)
 
@@ -80,7 +80,7 @@ def deep_ep_pair(group, E, x, topi, topw):
             buf.destroy)
 
 
-def body(group, shape, kinds, iters, warmup, rounds, zero_copy, pairs):
+def body(group, shape, kinds, iters, warmup, rounds, pairs):
     T, H, E, K = SHAPES[shape]
     E = max(E, group.size()) // group.size() * group.size()
     rmap, probs, topi, topw = routing(7 + group.rank(), T, E, K)
@@ -90,7 +90,7 @@ def body(group, shape, kinds, iters, warmup, rounds, zero_copy, pairs):
         if kind == "deep_ep":
             python_iter, cpp_loop, close = deep_ep_pair(group, E, x, topi, topw)
         else:
-            python_iter, cpp_loop, close = megatron_pair(group, kind, E, K, zero_copy, x, rmap, probs)
+            python_iter, cpp_loop, close = megatron_pair(group, kind, E, K, x, rmap, probs)
         py_t, cpp_t, diff = [], [], []
         for r in range(rounds):  # interleaved, so load from elsewhere hits both alike
             cpp_t += cpp_loop(iters, warmup if r == 0 else 1)
@@ -149,8 +149,6 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--flex-zero-copy", action="store_true",
-                    help="Flex outputs stay in moed's region (no copy; see MoEConfig)")
     ap.add_argument("--pairs", type=int, default=200,
                     help="paired C++/Python iterations for the per-call overhead (0: none)")
     ap.add_argument("--json", action="store_true")
@@ -160,7 +158,7 @@ def main():
     a = ap.parse_args()
     kinds = a.kinds.split(",")
     parse, ret = call_overhead()
-    args = (a.shape, kinds, a.iters, a.warmup, a.rounds, a.flex_zero_copy, a.pairs)
+    args = (a.shape, kinds, a.iters, a.warmup, a.rounds, a.pairs)
     if a.world == "mpi":
         g = moed.init(ranks_per_node=a.ranks_per_node)
         out = body(g, *args)
@@ -176,8 +174,7 @@ def main():
                          paired_p25_us=d25 * 1e6, paired_p75_us=d75 * 1e6, paired_cpu_extra_us=dcpu * 1e6,
                          # A call = a dispatch or a combine (deep_ep's local layout counts with its
                          # dispatch): two per iteration.
-                         paired_extra_per_call_us=d * 1e6 / 2, pairs=a.pairs,
-                         flex_zero_copy=a.flex_zero_copy))
+                         paired_extra_per_call_us=d * 1e6 / 2, pairs=a.pairs))
     if a.json:
         print(json.dumps(dict(tensor_arg_us=parse * 1e6, dlpack_return_us=ret * 1e6, records=recs)))
         return

@@ -20,9 +20,8 @@
 //     the storage is still held (AllGather / AlltoAll: a fresh buffer from their pool; Flex: the
 //     next region of its ring) and reuses the memory once every copy is dropped, so a caller
 //     that drops each output before the next dispatch allocates nothing in the steady state.
-//     Flex in the MPI and gloo worlds only: the storage does not hold the node-shared memory
-//     (the dispatcher does), so the output is valid while its dispatcher also lives
-//     (everywhere else it may outlive it).
+//     The storage holds the memory too (Flex: its node-shared region), so an output may
+//     outlive its dispatcher and its world.
 //   - CombineOutput, DispatchGrad, CombineGrad: owning Tensors and vectors; the caller's.
 //   - CombineInput::out (optional): the caller's own [T, H] buffer; combine writes the result
 //     there and nowhere else, and CombineOutput::hidden stays empty (result() views `out`).

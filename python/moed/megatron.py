@@ -45,11 +45,6 @@ class MoEConfig:
     moe_weighted_combine: bool = False
     moe_num_worst_tokens: int = 0  # Flex: size the output up front
     moe_num_channels: int = 0  # Flex: worker threads owning token ranges; 0 = the rank's pool
-    # Flex, MPI world: dispatched_input stays in moed's node-shared segment instead of a copy;
-    # the segment lives as long as the dispatcher, so only for callers that drop it (and every
-    # autograd graph holding it) before the dispatcher. (Threads world: always zero-copy; no
-    # later dispatch writes an output while it is held.)
-    moe_flex_zero_copy: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -136,7 +131,7 @@ class MoETokenDispatcher:
             expert_alignment=int(c.moe_expert_alignment),
             router_padding_multiple=int(c.moe_router_padding_multiple),
             weighted_combine=bool(c.moe_weighted_combine), num_worst_tokens=int(c.moe_num_worst_tokens),
-            num_channels=int(c.moe_num_channels), zero_copy=bool(c.moe_flex_zero_copy))
+            num_channels=int(c.moe_num_channels))
         R = self.group.size()
         self.tp_size = int(c.expert_tensor_parallel_size)
         self.ep_size = int(c.expert_model_parallel_size) or R // self.tp_size

@@ -3,11 +3,10 @@
 // backward passes, over torch tensors.
 //
 // Lifetime of returned tensors: every dispatcher's outputs stay unchanged while their
-// DispatchOutput::storage is held (moed/dispatcher.h), and the DLPack capsule holds it. Flex's
-// storage keeps its memory in the threads world (zero-copy); in the MPI world a segment lives
-// only as long as the dispatcher, so Flex outputs are copied there unless zero_copy (the caller
-// drops outputs before the dispatcher). permuted_probs and tokens_per_expert are copied (the
-// handle's own vectors are what a weighted combine reads, so torch must not be able to write them).
+// DispatchOutput::storage is held (moed/dispatcher.h), and the DLPack capsule holds it; the
+// storage keeps the memory too (Flex: its node-shared region, in every world), so expert_input
+// is zero-copy and may outlive the dispatcher. permuted_probs and tokens_per_expert are copied
+// (the handle's own vectors are what a weighted combine reads, so torch must not write them).
 #include "moed/dispatcher.h"
 
 #include <pybind11/stl.h>
@@ -52,7 +51,6 @@ class DispatcherBox : public Closable {
   SparseRouting routing;
   TopkView topk;
   Request d_req, c_req;
-  bool zero_copy = false;  // Flex: expert_input stays in the region the next dispatch overwrites
 };
 
 // Runs a C++ call without the GIL and raises its error.
@@ -85,35 +83,15 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
 }
 
 py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
-  // Flex (the C++ lifetime rule, moed/dispatcher.h): an output's storage holds its slot of
-  // the output ring, so no later dispatch writes it while torch holds the tensor. In the
-  // threads world the storage also keeps the memory, so the tensor is zero-copy; an MPI segment
-  // lives only as long as the dispatcher, which a tensor may outlive, so there it is copied
-  // (unless zero_copy: the caller promises to drop outputs before the dispatcher).
-  const bool copy = b.get().config().kind == DispatcherKind::kFlex &&
-                    !(out.storage && (b.zero_copy || b.get().world().shares_address_space()));
+  // Every dispatcher's storage holds expert_input unchanged and alive (moed/dispatcher.h).
   py::object x, scales = py::none();
   if (!b.keep_out.is_none()) {
-    // DispatchInput::out: the rows are in the caller's tensor; fp8 scales stay ours (copied
-    // as above where our memory may not outlive a tensor).
+    // DispatchInput::out: the rows are in the caller's tensor; fp8 scales stay ours.
     x = std::move(b.keep_out);
-    if (out.expert_input.has_scales()) {
-      scales = copy ? to_torch(nogil([&] { return Tensor::copy_of(out.expert_input.scales); }))
-                    : to_torch(out.expert_input.scales, out.storage);
-    }
-  } else if (copy) {
-    TokenTensor t;
-    nogil([&] {
-      t.x = Tensor::copy_of(out.expert_input.x);
-      if (out.expert_input.has_scales()) t.scales = Tensor::copy_of(out.expert_input.scales);
-      return 0;
-    });
-    x = to_torch(std::move(t.x));
-    if (out.expert_input.has_scales()) scales = to_torch(std::move(t.scales));
   } else {
     x = to_torch(out.expert_input.x, out.storage);
-    if (out.expert_input.has_scales()) scales = to_torch(out.expert_input.scales, out.storage);
   }
+  if (out.expert_input.has_scales()) scales = to_torch(out.expert_input.scales, out.storage);
   b.keep_x = py::object();
   b.keep_scales = py::object();
   b.keep_idx = py::object();
@@ -221,7 +199,7 @@ void bind_dispatcher(py::module_& m) {
                       int ep_size, int etp_size, py::handle capacity_factor,
                       const std::string& drop_policy, bool pad_to_capacity, int expert_alignment,
                       int router_padding_multiple, bool weighted_combine, int64_t num_worst_tokens,
-                      int num_channels, bool zero_copy) {
+                      int num_channels) {
             DispatchConfig c;
             c.kind = check(parse_dispatcher_kind(kind));
             set_dispatch_fields(c, num_experts, ep_size, etp_size, capacity_factor, drop_policy,
@@ -232,7 +210,6 @@ void bind_dispatcher(py::module_& m) {
             World& w = world->get();
             auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
             auto box = std::make_shared<DispatcherBox>(world, std::move(d));
-            box->zero_copy = zero_copy;
             world->add(box);
             return box;
           }),
@@ -241,7 +218,7 @@ void bind_dispatcher(py::module_& m) {
           py::arg("drop_policy") = "probs", py::arg("pad_to_capacity") = false,
           py::arg("expert_alignment") = 1, py::arg("router_padding_multiple") = 0,
           py::arg("weighted_combine") = false, py::arg("num_worst_tokens") = 0,
-          py::arg("num_channels") = 0, py::arg("zero_copy") = false)
+          py::arg("num_channels") = 0)
       .def_property_readonly(
           "kind",
           [](DispatcherBox& b) { return std::string(dispatcher_kind_name(b.get().config().kind)); })

@@ -81,6 +81,29 @@ TEST_P(OutputLifetime, HeldOutputsStayUnchanged) {
   }
 }
 
+// The storage keeps the memory too: an output read after its dispatcher is gone (and, in the
+// MPI and gloo worlds, after every local rank unmapped its view of Flex's region) is unchanged.
+TEST_P(OutputLifetime, OutputOutlivesItsDispatcher) {
+  const auto [backend, kind] = GetParam();
+  const testing::DispatchCase c = make_case(4, 2, 3);
+  const testing::CaseInput in = testing::make_case_input(c);
+  Status s = testing::run_world(backend, 4, 2, [&](World& w) -> Status {
+    const int r = w.rank();
+    DispatchOutput held;
+    Held copy;
+    {
+      MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, {.kind = kind,
+                                                                .num_experts = c.num_experts}));
+      MOED_ASSIGN_OR_RETURN(held, d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
+                                               .topk = &in.topk[size_t(r)]}));
+      copy = copy_of(held);
+    }
+    MOED_RETURN_IF_ERROR(w.barrier());  // every rank's dispatcher is gone
+    return same(held, copy, str_cat("rank ", r, " after the dispatcher"));
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 // Every token_* returns a non-null request, done after wait() (async or not).
 TEST_P(OutputLifetime, RequestsAreNeverNull) {
   const auto [backend, kind] = GetParam();

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 
 def _dispatchers(g, pg):
-    from test_megatron import LAYOUTS, body, dispatch_out_body
+    from test_megatron import LAYOUTS, body, dispatch_out_body, held_output_body
     import moed
     out = {}
     for kind in ("allgather", "alltoall", "flex"):
@@ -22,6 +22,7 @@ def _dispatchers(g, pg):
         ok, errors, _ = dispatch_out_body(g, kind, torch.float32, 0, False)
         assert all(ok) and len(errors) == 1 and f"rank {g.size() - 1}: out is" in errors[0], \
             (ok, errors)
+        assert held_output_body(g, kind), kind  # and outlives its dispatcher
     # The dispatchers take the torch group itself, and reach the same moed world.
     d = moed.megatron.make_dispatcher("alltoall", group=pg, num_moe_experts=2 * g.size(),
                                       moe_router_topk=1)

@@ -61,6 +61,12 @@ def test_dispatch_into_callers_tensor(group, kind):
     assert len(errors) == 1 and f"rank {group.size() - 1}: out is" in errors[0], errors
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_held_output_outlives_its_dispatcher(group, kind):
+    from test_megatron import held_output_body
+    assert held_output_body(group, kind)
+
+
 def test_bad_input_every_rank(group):
     from moed.megatron import make_dispatcher
     with pytest.raises(ValueError, match="rank"):

@@ -77,15 +77,15 @@ namespace {
 // DispatchOutput.storage of a Flex output.
 struct OutputHold {
   std::shared_ptr<int> token;
-  std::shared_ptr<SharedBuffer> memory;  // null where the dispatcher keeps it (MPI, gloo)
+  std::shared_ptr<SharedBuffer> memory;  // freed locally with the last owner, in every world
 };
 }  // namespace
 
-std::shared_ptr<void> OutputRing::hold(int slot, bool keep_memory) const {
+std::shared_ptr<void> OutputRing::hold(int slot) const {
   const Slot& s = *slots_[size_t(slot)];
   auto h = std::make_shared<OutputHold>();
   h->token = s.token;
-  if (keep_memory) h->memory = s.region.buffer();
+  h->memory = s.region.buffer();
   return h;
 }
 

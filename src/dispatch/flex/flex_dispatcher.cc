@@ -27,10 +27,10 @@
 // into the lowest slot that no local rank's caller still holds (each rank's held mask travels
 // in the agreement; allocating node-shared memory is collective over the node, so every
 // local rank must pick the same slot). A caller that drops each output before the next
-// dispatch uses one slot; one that keeps k outputs uses k + 1. In the threads world the
-// storage also keeps the memory itself, so an output may outlive the dispatcher; in the MPI
-// and gloo worlds the dispatcher keeps the memory (valid until it goes). (Their segments are
-// now freed by a local munmap, so the storage could hold them there too: not done yet.)
+// dispatch uses one slot; one that keeps k outputs uses k + 1. The storage also keeps the
+// memory itself (node-shared memory is freed locally with its last owner: heap in the threads
+// world, a munmap of unlinked POSIX segments in the MPI and gloo worlds), so an output may
+// outlive the dispatcher in every world.
 // token_*(async = true) runs the step on its own thread where the world allows calls from any
 // thread (threads; MPI initialised with MPI_THREAD_MULTIPLE); elsewhere the step runs eagerly
 // and returns a completed request.
@@ -156,9 +156,9 @@ StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
     // the slot is free again unless the fp8 scales (which stay ours) still live in it.
     copy_rows(out.expert_input.x, *d.out, world_->pool());
     out.expert_input.x = *d.out;
-    if (fp8) out.storage = outputs_.hold(d.slot, /*keep_memory=*/in_place_);
+    if (fp8) out.storage = outputs_.hold(d.slot);
   } else {
-    out.storage = outputs_.hold(d.slot, /*keep_memory=*/in_place_);
+    out.storage = outputs_.hold(d.slot);
   }
   out.handle = std::move(h);
   dispatch_ = DispatchStep{};

@@ -42,9 +42,9 @@ class OutputRing {
   // when every slot is held; the same answer on every local rank. Error past kMaxSlots.
   StatusOr<int> pick(uint64_t node_mask);
   Region& region(int slot) { return slots_[size_t(slot)]->region; }
-  // What DispatchOutput.storage holds: the slot's token (so the slot counts as held) and, where
-  // the memory may outlive the dispatcher (shares_address_space), the buffer itself.
-  std::shared_ptr<void> hold(int slot, bool keep_memory) const;
+  // What DispatchOutput.storage holds: the slot's token (so the slot counts as held) and the
+  // buffer itself (freed locally with its last owner), so an output may outlive the dispatcher.
+  std::shared_ptr<void> hold(int slot) const;
   int size() const { return int(slots_.size()); }
 
  private:
