@@ -115,8 +115,10 @@ struct NormalDispatchOutput {
   // with num_worst_tokens or in cached mode (as DeepEP).
   std::vector<int32_t> num_recv_tokens_per_expert;
   std::shared_ptr<const NormalHandle> handle;
-  // Owns the memory above in the threads world (valid while held). In the MPI world the rows
-  // live in the buffer's node-shared window: valid until the next dispatch on this buffer.
+  // Holds the memory above unchanged while any copy is alive, even past the buffer (the
+  // lifetime rule of moed/dispatcher.h): a block of its own in the threads world; in the MPI
+  // and gloo worlds a slot of the buffer's ring of node-shared receive regions, which no later
+  // dispatch writes while it is held.
   std::shared_ptr<void> storage;
 };
 

@@ -4,10 +4,10 @@
 // tensors (in place, no copies of payloads) and runs every call without the GIL.
 //
 // Lifetime of returned tensors:
-//   - normal dispatch, threads world: recv_x, its scales and recv_topk_weights are views of a
-//     block allocated for this dispatch (the DLPack capsule owns it): valid while torch holds
-//     them, never overwritten. MPI world: the rows live in a node-shared segment the next
-//     dispatch overwrites, so they are copied out here (once, counted nowhere else).
+//   - normal dispatch: recv_x, its scales and recv_topk_weights are views of the dispatch's
+//     storage (the DLPack capsule owns it: a block of its own in the threads world, a slot of
+//     the buffer's node-shared receive ring in the MPI and gloo worlds): valid while torch
+//     holds them, never overwritten, even past the buffer.
 //   - low-latency dispatch: views of the buffer's current half, valid until the dispatch after
 //     next, exactly DeepEP's rule ("at most 2 low-latency results at a time").
 //   - handle arrays and recv_topk_idx are small copies.
@@ -153,11 +153,6 @@ TopkRouting topk_copy(const deep_ep::TopkView& v) {
   return r;
 }
 
-py::object rows_out(const TensorView& v, const std::shared_ptr<void>& storage) {
-  if (storage) return to_torch(v, storage);
-  return to_torch(Tensor::copy_of(v));  // MPI world: the segment is overwritten next dispatch
-}
-
 py::object int_matrix(const std::vector<int32_t>& v, int64_t rows, int64_t cols) {
   return vector_to_torch<int32_t>(std::vector<int32_t>(v), {rows, cols});
 }
@@ -202,15 +197,15 @@ py::tuple normal_dispatch(DeepEpBox& b, py::handle x, py::handle scales, py::han
   deep_ep::NormalDispatchOutput out = finish(nogil([&] { return nb.dispatch(in); }), error);
   const deep_ep::NormalHandle& h = *out.handle;
   py::object rx =
-      in.out ? py::reinterpret_borrow<py::object>(out_arg) : rows_out(out.recv_x.x, out.storage);
-  py::object rs = out.recv_x.has_scales() ? rows_out(out.recv_x.scales, out.storage) : py::none();
+      in.out ? py::reinterpret_borrow<py::object>(out_arg) : to_torch(out.recv_x.x, out.storage);
+  py::object rs = out.recv_x.has_scales() ? to_torch(out.recv_x.scales, out.storage) : py::none();
   if (!handle.is_none()) return py::make_tuple(rx, rs);
   py::object ridx = py::none(), rw = py::none();
   if (in.topk.num_topk > 0) {
     const int64_t K = in.topk.num_topk;
     ridx = vector_to_torch<int64_t>(
         std::vector<int64_t>(out.recv_topk_idx.begin(), out.recv_topk_idx.end()), {h.num_rows, K});
-    rw = rows_out(
+    rw = to_torch(
         TensorView(const_cast<float*>(out.recv_topk_weights.data()), DType::kF32, h.num_rows, K),
         out.storage);
   }

@@ -38,6 +38,7 @@ def _deep_ep(g, pg):
     assert cases.case_normal(g, 8, 8, 36, 12)
     assert cases.case_normal(g, 8, 3, 100, 3, 64, 4)
     assert cases.case_fp8(g, 11)
+    assert cases.case_held_recv(g, 8, 2, 64, 21)
     for mode in ("bf16", "bf16_hook", "fp8_round_hook", "ue8m0"):
         use_fp8 = mode.startswith("fp8") or mode == "ue8m0"
         assert cases.case_low_latency(g, 6, 512, 8, 3, 9, use_fp8, use_fp8, mode == "ue8m0",

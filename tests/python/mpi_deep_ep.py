@@ -28,6 +28,10 @@ def test_fp8(group):
     assert cases.case_fp8(group, 11)
 
 
+def test_held_recv_x(group):
+    assert cases.case_held_recv(group, 8, 2, 64, 21)
+
+
 @pytest.mark.parametrize("mode", ["bf16", "bf16_hook", "fp8_round_hook", "ue8m0"])
 def test_low_latency(group, mode):
     use_fp8 = mode.startswith("fp8") or mode == "ue8m0"

@@ -221,6 +221,31 @@ def test_fp8_dispatch(world):
     run(case_fp8, world, 11)
 
 
+def case_held_recv(group, E, K, H, seed):
+    """recv_x and recv_topk_weights stay unchanged through later dispatches while held (each
+    takes another receive region in the MPI and gloo worlds), and outlive the buffer."""
+    R, r = group.size(), group.rank()
+    xs, idxs, ws = make_inputs(R, E, K, H, seed)
+    buffer = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+    ntpr, _, ntpe, itir, _ = buffer.get_dispatch_layout(idxs[r], E)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+        xs[r], num_tokens_per_rank=ntpr, is_token_in_rank=itir, num_tokens_per_expert=ntpe,
+        topk_idx=idxs[r], topk_weights=ws[r])
+    kept = (recv_x.clone(), recv_w.clone())
+    for step in range(3):
+        later = buffer.dispatch(xs[r] * (step + 2), handle=handle)[0]
+        buffer.combine(later, handle)
+    unchanged = torch.equal(recv_x, kept[0]) and torch.equal(recv_w, kept[1])
+    buffer.destroy()
+    group.barrier()  # every rank's buffer is gone
+    return unchanged and torch.equal(recv_x, kept[0]) and torch.equal(recv_w, kept[1])
+
+
+@pytest.mark.parametrize("world", [(4, 0), (4, 2)], ids=["R4", "R4_G2"])
+def test_held_recv_x_is_never_overwritten(world):
+    assert all(run(case_held_recv, world, 8, 2, 64, 21))
+
+
 # ---- low-latency mode ----
 
 def quantize_ref(x, round_scale):

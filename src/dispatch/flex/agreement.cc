@@ -49,44 +49,4 @@ StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
   return t;
 }
 
-uint64_t OutputRing::held_mask() const {
-  uint64_t mask = 0;
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    // NOTE: the ring's own reference plus one per live OutputHold; a hold being dropped on
-    // another thread right now reads as held, which only costs a slot.
-    if (slots_[i]->token.use_count() > 1) mask |= uint64_t(1) << i;
-  }
-  return mask;
-}
-
-StatusOr<int> OutputRing::pick(uint64_t node_mask) {
-  const int free_slot = std::countr_one(node_mask);
-  if (free_slot < size()) return free_slot;
-  // Every slot is held somewhere on the node: the same conclusion on every local rank, so
-  // they all add the slot (its region is allocated, collectively, by the dispatch).
-  if (size() >= kMaxSlots) {
-    return failed_precondition("Flex: ", kMaxSlots,
-                               " dispatch outputs of this dispatcher are held at once on this "
-                               "node; drop some (DispatchOutput.storage) before dispatching again");
-  }
-  slots_.push_back(std::make_unique<Slot>());
-  return size() - 1;
-}
-
-namespace {
-// DispatchOutput.storage of a Flex output.
-struct OutputHold {
-  std::shared_ptr<int> token;
-  std::shared_ptr<SharedBuffer> memory;  // freed locally with the last owner, in every world
-};
-}  // namespace
-
-std::shared_ptr<void> OutputRing::hold(int slot) const {
-  const Slot& s = *slots_[size_t(slot)];
-  auto h = std::make_shared<OutputHold>();
-  h->token = s.token;
-  h->memory = s.region.buffer();
-  return h;
-}
-
 }  // namespace moed::flex

@@ -1,5 +1,7 @@
-// Node-shared memory for Flex: regions that grow collectively, and the per-pair epoch signals.
+// Node-shared memory for Flex: regions that grow collectively, the output ring, and the
+// per-pair epoch signals.
 #include <algorithm>
+#include <bit>
 
 #include "dispatch/flex/flex_internal.h"
 
@@ -16,6 +18,54 @@ Status Region::ensure(World& world, size_t bytes) {
   if (buffer_) retired_.push_back(std::move(buffer_));
   buffer_ = std::move(fresh);
   return ok_status();
+}
+
+uint64_t OutputRing::held_mask() const {
+  uint64_t mask = 0;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    // NOTE: the ring's own reference plus one per live OutputHold; a hold being dropped on
+    // another thread right now reads as held, which only costs a slot.
+    if (slots_[i]->token.use_count() > 1) mask |= uint64_t(1) << i;
+  }
+  return mask;
+}
+
+StatusOr<int> OutputRing::pick(const Topology& topo, const std::function<uint64_t(int)>& held_of,
+                               const char* who) {
+  const int G = topo.ranks_per_node;
+  uint64_t my_node_mask = 0;
+  for (int m = 0; m < topo.num_nodes; ++m) {
+    uint64_t mask = 0;
+    for (int lr = 0; lr < G; ++lr) mask |= held_of(m * G + lr);
+    if (mask == ~uint64_t(0)) {
+      return failed_precondition(who, ": node ", m, " holds ", kMaxSlots,
+                                 " dispatch outputs of this dispatcher at once; drop some "
+                                 "before dispatching again");
+    }
+    if (m == topo.node) my_node_mask = mask;
+  }
+  const int free_slot = std::countr_one(my_node_mask);
+  if (free_slot < size()) return free_slot;
+  // Every slot is held somewhere on the node: the same conclusion on every local rank, so
+  // they all add the slot (its region is allocated, collectively, by the dispatch).
+  slots_.push_back(std::make_unique<Slot>());
+  return size() - 1;
+}
+
+namespace {
+// DispatchOutput.storage of a Flex output.
+struct OutputHold {
+  std::shared_ptr<int> token;
+  std::shared_ptr<SharedBuffer> memory;  // freed locally with the last owner, in every world
+};
+}  // namespace
+
+std::shared_ptr<void> OutputRing::hold(int slot) const {
+  const Slot& s = *slots_[size_t(slot)];
+  auto h = std::make_shared<OutputHold>();
+  h->token = s.token;
+  h->memory = s.region.buffer();
+  return h;
 }
 
 Bytes NetScratch::at(std::vector<ScratchBuffer>& v, int node, size_t bytes) {

@@ -167,7 +167,6 @@ StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
 
 Status FlexDispatcher::dispatch_body() {
   DispatchStep& d = dispatch_;
-  const int G = topo_.ranks_per_node;
   std::vector<int64_t> counts(notify_row_width(topo_), 0);
   if (d.local.ok() && !d.cached_mode) {
     d.fresh = notify_local(*world_, config_, std::move(*d.prepared), id_, &counts);
@@ -188,18 +187,8 @@ Status FlexDispatcher::dispatch_body() {
   MOED_CHECK(t.width == dispatch_agreement_width(topo_));
 
   // Every rank checks every node's ring, so a full ring is every rank's error.
-  uint64_t my_node_mask = 0;
-  for (int m = 0; m < topo_.num_nodes; ++m) {
-    uint64_t mask = 0;
-    for (int lr = 0; lr < G; ++lr) mask |= uint64_t(t.row(m * G + lr)[kHeld]);
-    if (mask == ~uint64_t(0)) {
-      return failed_precondition("Flex: node ", m, " holds ", OutputRing::kMaxSlots,
-                                 " dispatch outputs of this dispatcher at once; drop some "
-                                 "(DispatchOutput.storage) before dispatching again");
-    }
-    if (m == topo_.node) my_node_mask = mask;
-  }
-  MOED_ASSIGN_OR_RETURN(d.slot, outputs_.pick(my_node_mask));
+  MOED_ASSIGN_OR_RETURN(d.slot, outputs_.pick(topo_, [&](int r) { return uint64_t(t.row(r)[kHeld]); },
+                                               "Flex"));
   if (d.fresh) MOED_RETURN_IF_ERROR(notify_finish(config_, *d.fresh, t.table, t.width, kCounts));
 
   const FlexHandle& h = d.handle();

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -211,6 +212,37 @@ class Region {
  private:
   std::shared_ptr<SharedBuffer> buffer_;
   std::vector<std::shared_ptr<SharedBuffer>> retired_;
+};
+
+// Dispatch outputs live in a ring of node-shared regions (Flex's expert-major output and the
+// rank-major receive in worlds without one address space). A slot is held while any copy of
+// an output's storage made from it is alive on any local rank; the next dispatch writes into
+// the lowest slot no local rank holds (every rank's held mask travels in the dispatch's first
+// collective), adding a slot when all are held. So an output never changes while its caller
+// holds it.
+class OutputRing {
+ public:
+  static constexpr int kMaxSlots = 64;  // one bit each in the agreement's held mask
+
+  // Slots whose output this rank's caller still holds (bit i = slot i).
+  uint64_t held_mask() const;
+  // From every rank's held mask (held_of(r), r < R): the lowest slot free on this node, a new
+  // one when every slot is held; the same answer on every local rank. A node whose ring is
+  // full is every rank's error (`who` names the dispatcher).
+  StatusOr<int> pick(const Topology& topo, const std::function<uint64_t(int)>& held_of,
+                     const char* who);
+  Region& region(int slot) { return slots_[size_t(slot)]->region; }
+  // What an output's storage holds: the slot's token (so the slot counts as held) and the
+  // buffer itself (freed locally with its last owner), so an output may outlive the dispatcher.
+  std::shared_ptr<void> hold(int slot) const;
+  int size() const { return int(slots_.size()); }
+
+ private:
+  struct Slot {
+    Region region;
+    std::shared_ptr<int> token = std::make_shared<int>(0);
+  };
+  std::vector<std::unique_ptr<Slot>> slots_;
 };
 
 // Per-pair completion signals with an epoch (one counter per ordered pair of local ranks).

@@ -56,7 +56,11 @@ struct NormalBuffer::State {
   flex::Topology topo;
   bool in_place = false;  // threads world: every rank's memory is node-shared
   flex::Signals signals;
-  flex::Region recv_region, pull_region;  // MPI world only
+  // Worlds without one address space (MPI, gloo): the receive blocks, as a ring of regions
+  // (recv_slot: this dispatch's), and the combine's pull region.
+  flex::OutputRing recv_ring;
+  int recv_slot = 0;
+  flex::Region pull_region;
   uint64_t epoch = 0;
 
   // Rows of the largest receive block of this node's ranks (all local ranks agree on it).

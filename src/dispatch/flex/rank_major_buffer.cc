@@ -2,7 +2,6 @@
 // block and message layouts, and the home side's channel plan of the rank-major receive.
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 
 #include "dispatch/flex/rank_major.h"
 
@@ -120,7 +119,7 @@ StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int n
   cfg.kind = DispatcherKind::kFlex;
   cfg.num_experts = world.size();  // the rank arithmetic used here does not depend on E
   s->topo = flex::Topology::of(world, cfg);
-  s->in_place = std::strcmp(world.backend_name(), "threads") == 0;
+  s->in_place = world.shares_address_space();
   MOED_RETURN_IF_ERROR(s->signals.init(world));
   return std::unique_ptr<NormalBuffer>(new NormalBuffer(std::move(s)));
 }

@@ -17,7 +17,8 @@ namespace moed::deep_ep {
 namespace {
 
 constexpr int kTagDispatch = 0x4d20;
-constexpr size_t kPrefix = 8;  // slots of the first exchange before E
+constexpr size_t kPrefix = 8;      // slots of the first exchange before E
+constexpr size_t kHeld = kPrefix + 1;  // then the receive ring's held mask (OutputRing)
 
 Status check_x(const TokenRows& x) {
   if (x.x.rows < 0 || x.x.cols <= 0) {
@@ -295,9 +296,12 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
     for (int lr = 0; lr < G; ++lr)
       std::memcpy(&target[size_t(lr)], s.signals.board(lr), sizeof(RecvTarget));
   } else {
-    MOED_RETURN_IF_ERROR(s.recv_region.ensure(w, lay.bytes));
+    flex::Region& recv = s.recv_ring.region(s.recv_slot);
+    MOED_RETURN_IF_ERROR(recv.ensure(w, lay.bytes));
+    // No local rank holds an output of this slot, so nothing reads its buffer before growth.
+    recv.release_retired();
     for (int lr = 0; lr < G; ++lr) {
-      char* b = s.recv_region.peer(lr);
+      char* b = recv.peer(lr);
       target[size_t(lr)] = {b, b, lay.row_bytes};
     }
   }
@@ -508,7 +512,7 @@ StatusOr<NormalDispatchOutput> push(NormalBuffer::State& s, NormalHandle& h, con
                                size_t(nr) * K};
     }
   }
-  out.storage = block;
+  out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
   return out;
 }
 
@@ -543,7 +547,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
                          " entries; num_experts must be a positive multiple of the ", R, " ranks");
   if (local.ok()) local = cached ? check_cached(s, in) : check_uncached(s, in);
   if (local.ok() && in.out) local = check_out_rows(in);
-  std::vector<int64_t> mine(kPrefix + 1, 0);
+  std::vector<int64_t> mine(kHeld + 1, 0);
   mine[0] = local.ok() ? 0 : 1;
   mine[1] = cached ? 1 : 0;
   if (local.ok() && !cached) {
@@ -555,7 +559,8 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
     mine[7] = in.num_worst_tokens;
     mine[8] = E;
   }
-  const size_t fixed = kPrefix + 1;
+  if (!s.in_place) mine[kHeld] = int64_t(s.recv_ring.held_mask());
+  const size_t fixed = kHeld + 1;
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> head,
                         all_gather<int64_t>(w, std::span<const int64_t>(mine)));
   bool any_bad = false;
@@ -571,6 +576,12 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
                               "; cached dispatch must be used by every rank");
     }
   }
+  if (!s.in_place) {
+    MOED_ASSIGN_OR_RETURN(
+        s.recv_slot,
+        s.recv_ring.pick(s.topo, [&](int r) { return uint64_t(head[size_t(r) * fixed + kHeld]); },
+                         "rank-major dispatch"));
+  }
   if (cached) {
     // NOTE: the handle is shared with earlier outputs; the cached push writes no metadata
     // into it (meta = false), it only reads it.
@@ -581,7 +592,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
       "",           "", "", "hidden", "x dtype", "num_topk", "expert_alignment", "num_worst_tokens",
       "num_experts"};
   for (int r = 1; r < R; ++r) {
-    for (size_t i = 3; i < fixed; ++i) {
+    for (size_t i = 3; i < kHeld; ++i) {
       if (head[size_t(r) * fixed + i] != head[i]) {
         return invalid_argument(kNames[i], " = ", head[i], " on rank 0 but ",
                                 head[size_t(r) * fixed + i], " on rank ", r);

@@ -28,33 +28,6 @@ struct OpState {
   Status status;
 };
 
-// Dispatch outputs live in a ring of node-shared regions. A slot is held while any copy of an
-// output's storage made from it is alive on any local rank; the next dispatch writes into the
-// lowest slot no local rank holds (agreed in the step's one collective), adding a slot when all
-// are held. So an output never changes while its caller holds it.
-class OutputRing {
- public:
-  static constexpr int kMaxSlots = 64;  // one bit each in the agreement's held mask
-
-  // Slots whose output this rank's caller still holds (bit i = slot i).
-  uint64_t held_mask() const;
-  // The lowest slot free in `node_mask` (the union of the local ranks' held masks), a new one
-  // when every slot is held; the same answer on every local rank. Error past kMaxSlots.
-  StatusOr<int> pick(uint64_t node_mask);
-  Region& region(int slot) { return slots_[size_t(slot)]->region; }
-  // What DispatchOutput.storage holds: the slot's token (so the slot counts as held) and the
-  // buffer itself (freed locally with its last owner), so an output may outlive the dispatcher.
-  std::shared_ptr<void> hold(int slot) const;
-  int size() const { return int(slots_.size()); }
-
- private:
-  struct Slot {
-    Region region;
-    std::shared_ptr<int> token = std::make_shared<int>(0);
-  };
-  std::vector<std::unique_ptr<Slot>> slots_;
-};
-
 // One row of the step agreement: every rank's verdict and values, gathered in one collective.
 // Field kinds: kAgree values must be equal on every rank (kAgreeDType prints dtype names);
 // kFree values may differ (counts, held masks).
