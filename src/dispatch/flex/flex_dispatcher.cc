@@ -78,25 +78,6 @@ class AsyncOp final : public PendingOp {
   std::thread thread_;
 };
 
-// rows (dense, the region's) into `to` (the caller's, strided); as permute_rows_into stores.
-void copy_rows(const TensorView& rows, const TensorView& to, ThreadPool& pool) {
-  const size_t row_bytes = rows.row_bytes();
-  const bool stream = size_t(rows.rows) * row_bytes >= internal::kStreamThresholdBytes;
-  pool.parallel_for(
-      rows.rows,
-      [&](int64_t b, int64_t e, int) {
-        for (int64_t r = b; r < e; ++r) {
-          if (stream) {
-            internal::stream_copy(to.row_ptr(r), rows.row_ptr(r), row_bytes);
-          } else {
-            std::memcpy(to.row_ptr(r), rows.row_ptr(r), row_bytes);
-          }
-        }
-        if (stream) internal::stream_fence();
-      },
-      16);
-}
-
 // The verdict of the dispatch's first field when the ranks disagree on cached mode.
 constexpr const char* kCachedModeName =
     "cached mode (cached_handle given; cached mode must be used by every rank)";
@@ -154,7 +135,7 @@ StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
   if (d.out) {
     // The peers wrote the region; one copy of each row into the caller's buffer, after which
     // the slot is free again unless the fp8 scales (which stay ours) still live in it.
-    copy_rows(out.expert_input.x, *d.out, world_->pool());
+    internal::copy_rows(*d.out, 0, out.expert_input.x, 0, h->num_rows, &world_->pool());
     out.expert_input.x = *d.out;
     if (fp8) out.storage = outputs_.hold(d.slot, /*keep_memory=*/in_place_);
   } else {
