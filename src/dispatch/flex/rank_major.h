@@ -71,8 +71,8 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
 // The data movement of both dispatch modes (rank_major_push.cc). `meta`: top-k, source indices
 // and the receive channel prefix matrix travel too (uncached mode); then the forwarder plans
 // are stored in h.
-StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h,
-                                       const TokenRows& x, const TopkView& topk, bool meta,
+StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
+                                       const TopkView& topk, bool meta,
                                        const std::optional<TensorView>& out_rows);
 
 inline int popcount64(uint64_t m) { return __builtin_popcountll(m); }

@@ -68,8 +68,8 @@ struct RowWriter {
 
 }  // namespace
 
-StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h,
-                                       const TokenRows& x, const TopkView& topk, bool meta,
+StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
+                                       const TopkView& topk, bool meta,
                                        const std::optional<TensorView>& out_rows) {
   World& w = *s.world;
   const flex::Topology& topo = s.topo;
