@@ -114,7 +114,7 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
 }
 
 StatusOr<Request> FlexDispatcher::token_dispatch(bool async) {
-  return run(async, &dispatch_.staged, "token_dispatch before dispatch_preprocess", &dispatch_.op,
+  return run(async, dispatch_, "token_dispatch before dispatch_preprocess",
              [this] { return dispatch_body(); });
 }
 
@@ -222,19 +222,18 @@ Status FlexDispatcher::dispatch_body() {
 
 // ---- shared by the steps ----
 
-StatusOr<Request> FlexDispatcher::run(bool async, bool* staged, const char* not_staged,
-                                      std::shared_ptr<OpState>* state,
+StatusOr<Request> FlexDispatcher::run(bool async, StepState& step, const char* not_staged,
                                       std::function<Status()> body) {
-  if (!*staged) return failed_precondition(not_staged);
-  *staged = false;
-  *state = std::make_shared<OpState>();
+  if (!step.staged) return failed_precondition(not_staged);
+  step.staged = false;
+  const std::shared_ptr<OpState> state = step.op = std::make_shared<OpState>();
   if (async && world_->calls_from_any_thread()) {
-    return Request(std::make_unique<AsyncOp>(std::move(body), *state));
+    return Request(std::make_unique<AsyncOp>(std::move(body), state));
   }
-  (*state)->status = body();
-  (*state)->done = true;
-  (*state)->finished.store(true);
-  if (!(*state)->status.ok()) return (*state)->status;
+  state->status = body();
+  state->done = true;
+  state->finished.store(true);
+  if (!state->status.ok()) return state->status;
   return completed_request();
 }
 
