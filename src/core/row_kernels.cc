@@ -1,5 +1,5 @@
 // The scalar row kernels (the definition every vector table must match), the choice of the
-// table, and the streaming-copy helpers.
+// table, and the copy helpers.
 #include "core/row_kernels.h"
 
 #include <algorithm>
@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+
+#include "moed/thread_pool.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -298,6 +300,33 @@ void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();
 #endif
+}
+
+void copy_rows(const TensorView& dst, int64_t dst_row, const TensorView& src, int64_t src_row,
+               int64_t count, ThreadPool* pool) {
+  const size_t row_bytes = dst.row_bytes();
+  if (count <= 0 || row_bytes == 0) return;
+  const bool packed = dst.contiguous() && src.contiguous();
+  const bool stream = size_t(count) * row_bytes >= kStreamThresholdBytes;
+  auto run = [&](int64_t b, int64_t e, int) {
+    const int64_t runs = packed ? 1 : e - b;
+    const size_t bytes = packed ? size_t(e - b) * row_bytes : row_bytes;
+    for (int64_t r = 0; r < runs; ++r) {
+      void* to = dst.row_ptr(dst_row + b + r);
+      const void* from = src.row_ptr(src_row + b + r);
+      if (stream) {
+        stream_copy(to, from, bytes);
+      } else {
+        std::memcpy(to, from, bytes);
+      }
+    }
+    if (stream) stream_fence();
+  };
+  if (pool) {
+    pool->parallel_for(count, run, 16);
+  } else {
+    run(0, count, 0);
+  }
 }
 
 }  // namespace moed::internal

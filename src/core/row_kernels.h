@@ -19,6 +19,11 @@
 #include <vector>
 
 #include "moed/dtype.h"
+#include "moed/tensor.h"
+
+namespace moed {
+class ThreadPool;
+}
 
 namespace moed::internal {
 
@@ -99,6 +104,13 @@ inline void prefetch_row(const void* p, size_t bytes) {
 }
 // Outputs at least this large are written with stream_copy.
 inline constexpr size_t kStreamThresholdBytes = size_t(8) << 20;
+// Rows [src_row, src_row + count) of src into rows [dst_row, dst_row + count) of dst (the same
+// row bytes; either side may be strided): one memcpy per run where both sides are packed. A
+// copy of kStreamThresholdBytes or more is written with stream_copy and fenced before the call
+// returns. pool: the rows are split across its workers (16 at least each); nullptr: on this
+// thread (a caller already inside a parallel_for).
+void copy_rows(const TensorView& dst, int64_t dst_row, const TensorView& src, int64_t src_row,
+               int64_t count, ThreadPool* pool = nullptr);
 
 // fold_rows over a run of tokens, one token behind: push() asks for the first lines of the
 // new token's rows, then folds the previous token, so those lines (each row starts at a

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "core/row_kernels.h"
 #include "moed/permute.h"
 #include "permute/checks.h"
 
@@ -80,18 +81,6 @@ StatusOr<ChunkPlan> make_plan(std::span<const int64_t> split_sizes,
   return p;
 }
 
-void copy_rows(const TensorView& dst, int64_t dst_row, const TensorView& src, int64_t src_row,
-               int64_t count) {
-  if (count <= 0 || dst.cols == 0) return;
-  if (dst.contiguous() && src.contiguous()) {
-    std::memcpy(dst.row_ptr(dst_row), src.row_ptr(src_row), size_t(count) * dst.row_bytes());
-    return;
-  }
-  for (int64_t r = 0; r < count; ++r) {
-    std::memcpy(dst.row_ptr(dst_row + r), src.row_ptr(src_row + r), dst.row_bytes());
-  }
-}
-
 void zero_rows(const TensorView& dst, int64_t dst_row, int64_t count) {
   if (count <= 0 || dst.cols == 0) return;
   if (dst.contiguous()) {
@@ -118,7 +107,7 @@ void run_moves(const std::vector<Move>& moves, int64_t total,
         if (mv.src < 0) {
           zero_rows(dst, r, stop - r);
         } else {
-          copy_rows(dst, r, src, mv.src + (r - mv.dst), stop - r);
+          internal::copy_rows(dst, r, src, mv.src + (r - mv.dst), stop - r);
         }
       }
       r = stop;

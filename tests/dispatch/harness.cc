@@ -493,6 +493,14 @@ std::vector<DispatchCase> sweep_cases() {
   return cases;
 }
 
+std::vector<DispatchCase> sweep_cases(int ranks) {
+  std::vector<DispatchCase> out;
+  for (const DispatchCase& c : sweep_cases()) {
+    if (c.ranks == ranks) out.push_back(c);
+  }
+  return out;
+}
+
 std::vector<DispatchCase> edge_cases() {
   std::vector<DispatchCase> cases;
   uint64_t seed = 5000;

@@ -74,6 +74,8 @@ Status run_cases(Backend b, const std::vector<DispatchCase>& cases, DispatcherKi
 // forms, f32 and bf16 expert outputs. Not the full product: every value of every axis, and
 // every (layout, dtype) pair for every (R, ETP).
 std::vector<DispatchCase> sweep_cases();
+// The sweep cases of `ranks` ranks (one ctest per rank count keeps each test short).
+std::vector<DispatchCase> sweep_cases(int ranks);
 
 // The corners the sweep leaves out, for every dispatcher: strided inputs (every dtype and
 // layout), R = 5 and 7, every rank with T = 0 (R > 1, every layout), hidden sizes that are not

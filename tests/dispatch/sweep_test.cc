@@ -11,26 +11,18 @@ namespace {
 
 using testing::Backend;
 
-std::vector<testing::DispatchCase> cases_with_ranks(int ranks) {
-  std::vector<testing::DispatchCase> out;
-  for (const testing::DispatchCase& c : testing::sweep_cases()) {
-    if (c.ranks == ranks) out.push_back(c);
-  }
-  return out;
-}
-
 class DispatchSweep : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
 
 TEST_P(DispatchSweep, AllGather) {
   const auto [backend, ranks] = GetParam();
-  Status s = testing::run_cases(backend, cases_with_ranks(ranks), DispatcherKind::kAllGather,
+  Status s = testing::run_cases(backend, testing::sweep_cases(ranks), DispatcherKind::kAllGather,
                                 make_allgather_dispatcher);
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 TEST_P(DispatchSweep, AlltoAll) {
   const auto [backend, ranks] = GetParam();
-  Status s = testing::run_cases(backend, cases_with_ranks(ranks), DispatcherKind::kAlltoAll,
+  Status s = testing::run_cases(backend, testing::sweep_cases(ranks), DispatcherKind::kAlltoAll,
                                 make_alltoall_dispatcher);
   ASSERT_TRUE(s.ok()) << s.to_string();
 }

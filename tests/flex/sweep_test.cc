@@ -15,11 +15,8 @@ class FlexSweep : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
 
 TEST_P(FlexSweep, OneNode) {
   const auto [backend, ranks] = GetParam();
-  std::vector<testing::DispatchCase> cases;
-  for (const testing::DispatchCase& c : testing::sweep_cases()) {
-    if (c.ranks == ranks) cases.push_back(c);
-  }
-  Status s = testing::run_cases(backend, cases, DispatcherKind::kFlex, make_flex_dispatcher);
+  Status s = testing::run_cases(backend, testing::sweep_cases(ranks), DispatcherKind::kFlex,
+                                make_flex_dispatcher);
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 

@@ -33,7 +33,7 @@ Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
 }
 
 StatusOr<Request> FlexDispatcher::token_combine(bool async) {
-  return run(async, &combine_.staged, "token_combine before combine_preprocess", &combine_.op,
+  return run(async, combine_, "token_combine before combine_preprocess",
              [this] { return combine_body(); });
 }
 
@@ -86,8 +86,7 @@ Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& gr
 }
 
 StatusOr<Request> FlexDispatcher::token_dispatch_backward(bool async) {
-  return run(async, &dispatch_grad_.staged,
-             "token_dispatch_backward before dispatch_postprocess_backward", &dispatch_grad_.op,
+  return run(async, dispatch_grad_, "token_dispatch_backward before dispatch_postprocess_backward",
              [this] { return dispatch_backward_body(); });
 }
 
@@ -150,8 +149,7 @@ Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad
 }
 
 StatusOr<Request> FlexDispatcher::token_combine_backward(bool async) {
-  return run(async, &combine_grad_.staged,
-             "token_combine_backward before combine_postprocess_backward", &combine_grad_.op,
+  return run(async, combine_grad_, "token_combine_backward before combine_postprocess_backward",
              [this] { return combine_backward_body(); });
 }
 

@@ -78,25 +78,6 @@ class AsyncOp final : public PendingOp {
   std::thread thread_;
 };
 
-// rows (dense, the region's) into `to` (the caller's, strided); as permute_rows_into stores.
-void copy_rows(const TensorView& rows, const TensorView& to, ThreadPool& pool) {
-  const size_t row_bytes = rows.row_bytes();
-  const bool stream = size_t(rows.rows) * row_bytes >= internal::kStreamThresholdBytes;
-  pool.parallel_for(
-      rows.rows,
-      [&](int64_t b, int64_t e, int) {
-        for (int64_t r = b; r < e; ++r) {
-          if (stream) {
-            internal::stream_copy(to.row_ptr(r), rows.row_ptr(r), row_bytes);
-          } else {
-            std::memcpy(to.row_ptr(r), rows.row_ptr(r), row_bytes);
-          }
-        }
-        if (stream) internal::stream_fence();
-      },
-      16);
-}
-
 // The verdict of the dispatch's first field when the ranks disagree on cached mode.
 constexpr const char* kCachedModeName =
     "cached mode (cached_handle given; cached mode must be used by every rank)";
@@ -133,7 +114,7 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
 }
 
 StatusOr<Request> FlexDispatcher::token_dispatch(bool async) {
-  return run(async, &dispatch_.staged, "token_dispatch before dispatch_preprocess", &dispatch_.op,
+  return run(async, dispatch_, "token_dispatch before dispatch_preprocess",
              [this] { return dispatch_body(); });
 }
 
@@ -154,7 +135,7 @@ StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
   if (d.out) {
     // The peers wrote the region; one copy of each row into the caller's buffer, after which
     // the slot is free again unless the fp8 scales (which stay ours) still live in it.
-    copy_rows(out.expert_input.x, *d.out, world_->pool());
+    internal::copy_rows(*d.out, 0, out.expert_input.x, 0, h->num_rows, &world_->pool());
     out.expert_input.x = *d.out;
     if (fp8) out.storage = outputs_.hold(d.slot);
   } else {
@@ -230,19 +211,18 @@ Status FlexDispatcher::dispatch_body() {
 
 // ---- shared by the steps ----
 
-StatusOr<Request> FlexDispatcher::run(bool async, bool* staged, const char* not_staged,
-                                      std::shared_ptr<OpState>* state,
+StatusOr<Request> FlexDispatcher::run(bool async, StepState& step, const char* not_staged,
                                       std::function<Status()> body) {
-  if (!*staged) return failed_precondition(not_staged);
-  *staged = false;
-  *state = std::make_shared<OpState>();
+  if (!step.staged) return failed_precondition(not_staged);
+  step.staged = false;
+  const std::shared_ptr<OpState> state = step.op = std::make_shared<OpState>();
   if (async && world_->calls_from_any_thread()) {
-    return Request(std::make_unique<AsyncOp>(std::move(body), *state));
+    return Request(std::make_unique<AsyncOp>(std::move(body), state));
   }
-  (*state)->status = body();
-  (*state)->done = true;
-  (*state)->finished.store(true);
-  if (!(*state)->status.ok()) return (*state)->status;
+  state->status = body();
+  state->done = true;
+  state->finished.store(true);
+  if (!state->status.ok()) return state->status;
   return completed_request();
 }
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dispatch/flex/flex_internal.h"
@@ -71,6 +72,12 @@ struct NormalBuffer::State {
 // Phases (rank_major_dispatch.cc / rank_major_combine.cc).
 StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in);
 StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in);
+// The data movement of both dispatch modes (rank_major_push.cc). `meta`: top-k, source indices
+// and the receive channel prefix matrix travel too (uncached mode); then the forwarder plans
+// are stored in h.
+StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
+                                       const TopkView& topk, bool meta,
+                                       const std::optional<TensorView>& out_rows);
 
 inline int popcount64(uint64_t m) { return __builtin_popcountll(m); }
 

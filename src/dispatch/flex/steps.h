@@ -80,54 +80,50 @@ class FlexDispatcher final : public TokenDispatcher {
 
  private:
   // ---- per-step state (reset by the step's first call) ----
-  struct DispatchStep {
+  // What every step has: the flag run() checks the call order by, this rank's verdict on
+  // its input (agreed in the step's one collective) and the communicating call's progress.
+  struct StepState {
+    bool staged = false;  // preprocess ran, the communicating call not yet
+    Status local;
+    std::shared_ptr<OpState> op;
+  };
+  struct DispatchStep : StepState {
     TokenRows rows;                         // the caller's tokens, until token_dispatch returns
-    bool staged = false;                    // dispatch_preprocess ran, token_dispatch not yet
     bool cached_mode = false;               // cached_handle given (agreed in the exchange)
-    Status local;                           // this rank's verdict on its input
     std::optional<PreparedInput> prepared;  // uncached
     std::shared_ptr<const FlexHandle> cached;
     std::shared_ptr<FlexHandle> fresh;  // made by notify (uncached)
     int slot = -1;                      // ring slot written
     std::optional<TensorView> out;      // DispatchInput::out: the rows are copied there
     PushLayout layout;
-    std::shared_ptr<OpState> op;
     const FlexHandle& handle() const { return cached ? *cached : *fresh; }
   };
-  struct CombineStep {
+  struct CombineStep : StepState {
     std::shared_ptr<const FlexHandle> handle;
-    bool staged = false;  // preprocess ran, the communicating call not yet
-    Status local;
     TensorView rows;  // expert outputs
     Tensor out;
     std::optional<TensorView> user_out;  // CombineInput::out: the result goes there instead
-    std::shared_ptr<OpState> op;
   };
-  struct DispatchBackwardStep {
+  struct DispatchBackwardStep : StepState {
     std::shared_ptr<const FlexHandle> handle;
-    bool staged = false;  // preprocess ran, the communicating call not yet
-    Status local;
     TensorView rows;  // grad of expert_input
     std::span<const float> grad_permuted_probs;
     Tensor out;
     std::vector<float> probs;
-    std::shared_ptr<OpState> op;
   };
-  struct CombineBackwardStep {
+  struct CombineBackwardStep : StepState {
     std::shared_ptr<const FlexHandle> handle;
-    bool staged = false;  // preprocess ran, the communicating call not yet
-    Status local;
     TensorView grad;  // grad of hidden
     TensorView rows;  // expert outputs (weighted combine)
     Tensor out;
     std::vector<float> probs;
-    std::shared_ptr<OpState> op;
   };
 
   // A step's communicating call: an error naming the order (`not_staged`) unless its
-  // preprocess call staged it (*staged, cleared here); then body, now or in the background.
-  StatusOr<Request> run(bool async, bool* staged, const char* not_staged,
-                        std::shared_ptr<OpState>* state, std::function<Status()> body);
+  // preprocess call staged it (step.staged, cleared here); then body, now or in the
+  // background, its progress in step.op.
+  StatusOr<Request> run(bool async, StepState& step, const char* not_staged,
+                        std::function<Status()> body);
   static Status finished(const std::shared_ptr<OpState>& state, const char* step);
   StatusOr<std::shared_ptr<const FlexHandle>> own_handle(
       const std::shared_ptr<const DispatchHandle>& handle, Status* local) const;

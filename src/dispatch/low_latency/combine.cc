@@ -83,17 +83,6 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
   return ok_status();
 }
 
-// Rows [from, from + n) of x, packed at `to`.
-void copy_rows(std::byte* to, const TensorView& x, int64_t from, int32_t n, size_t row_bytes) {
-  if (x.contiguous()) {
-    std::memcpy(to, x.row_ptr(from), size_t(n) * row_bytes);
-    return;
-  }
-  for (int32_t i = 0; i < n; ++i) {
-    std::memcpy(to + size_t(i) * row_bytes, x.row_ptr(from + i), row_bytes);
-  }
-}
-
 // Receive phase of combine `seq` from `half`: out[t] = sum over t's experts e ascending of
 // w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own.
 Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& handle,
@@ -219,7 +208,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
       const int e = me * L + j;
       std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
                       size_t(e) * size_t(lay.max_tokens) * row_bytes;
-      copy_rows(to, x, int64_t(j) * lay.rows_per_expert() + range.begin, range.count, row_bytes);
+      internal::copy_rows(TensorView(to, DType::kBF16, range.count, H), 0, x,
+                          int64_t(j) * lay.rows_per_expert() + range.begin, range.count);
       shared_rows[size_t(worker)] += uint64_t(range.count);
     }
   };
@@ -259,7 +249,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
       const void* data = x.row_ptr(from);
       if (strided) {
         std::byte* stage = ch.net_send.data() + staged * row_bytes;
-        copy_rows(stage, x, from, range.count, row_bytes);
+        internal::copy_rows(TensorView(stage, DType::kBF16, range.count, H), 0, x, from,
+                            range.count);
         data = stage;
         staged += size_t(range.count);
       }

@@ -1,0 +1,325 @@
+// The rank-major dispatch's data movement (rank_major_dispatch.cc makes the handle): every
+// channel writes its tokens' rows straight into each receiving rank's block on this node, and
+// sends one message per remote node to the forwarder there, which places them on its node.
+#include <algorithm>
+#include <cstring>
+
+#include "dispatch/flex/rank_major.h"
+
+namespace moed::deep_ep {
+
+namespace {
+
+constexpr int kTagDispatch = 0x4d20;
+
+// Exclusive start of channel c of the home rank inside its rows on rank r.
+inline int32_t channel_start(const NormalHandle& h, int r, int c) {
+  return c == 0 ? 0 : h.channel_prefix_matrix[size_t(r) * h.num_channels + size_t(c - 1)];
+}
+inline int32_t count_to(const NormalHandle& h, int s, int r) {
+  return h.rank_prefix_matrix[size_t(s) * h.num_ranks + r] - h.rank_begin(s, r);
+}
+
+// Where one receiving rank's rows go: its receive block (scales, metadata, and the rows unless
+// `rows` points elsewhere: the caller's recv_x buffer), published to the senders.
+struct RecvTarget {
+  char* block = nullptr;
+  char* rows = nullptr;
+  size_t rows_stride = 0;  // bytes
+};
+
+struct RowWriter {
+  const RecvLayout* lay;
+  int64_t hidden;
+  int L;
+  bool meta;  // source index (and top-k when num_topk > 0)
+  void write(const RecvTarget& to, int64_t row, int r, const void* payload, const void* scales,
+             const int32_t src_token, const TopkView* topk, int64_t t, const int64_t* msg_idx,
+             const float* msg_w) const {
+    char* block = to.block;
+    std::memcpy(to.rows + size_t(row) * to.rows_stride, payload, lay->row_bytes);
+    if (lay->scale_bytes) {
+      std::memcpy(block + lay->scales_off + size_t(row) * lay->scale_bytes, scales,
+                  lay->scale_bytes);
+    }
+    if (!meta) return;
+    reinterpret_cast<int32_t*>(block + lay->src_idx_off)[row] = src_token;
+    const int K = lay->num_topk;
+    auto* idx = reinterpret_cast<int64_t*>(block + lay->topk_idx_off) + size_t(row) * K;
+    auto* w = reinterpret_cast<float*>(block + lay->weights_off) + size_t(row) * K;
+    const int64_t lo = int64_t(r) * L;
+    for (int k = 0; k < K; ++k) {
+      // NOTE: a network message packs its entries without padding, so read them unaligned.
+      int64_t e = 0;
+      float wt = 0.0f;
+      if (topk) {
+        e = topk->at(t, k);
+        wt = topk->weights[size_t(t) * K + k];
+      } else {
+        std::memcpy(&e, msg_idx + k, sizeof(e));
+        std::memcpy(&wt, msg_w + k, sizeof(wt));
+      }
+      const bool local = e >= lo && e < lo + L;
+      idx[k] = local ? e - lo : -1;
+      w[k] = local ? wt : 0.0f;
+    }
+  }
+};
+
+}  // namespace
+
+StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
+                                       const TopkView& topk, bool meta,
+                                       const std::optional<TensorView>& out_rows) {
+  World& w = *s.world;
+  const flex::Topology& topo = s.topo;
+  const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes, C = h.num_channels;
+  const int me = topo.rank, L = s.num_experts / R;
+  const int64_t H = h.hidden;
+  const int64_t worst = h.num_worst_tokens;
+  const RmSendPlan plan = make_rm_send_plan(topo, h, w.pool());
+  const RecvLayout lay =
+      RecvLayout::of(s.node_cap_rows(h, worst), flex::dtype_row_bytes(h.dtype, H),
+                     flex::scale_row_bytes(h.dtype, H), meta ? topk.num_topk : 0, R, meta ? C : 0);
+  const int K = lay.num_topk;
+
+  // The receive blocks of this node's ranks. A caller's recv_x buffer takes the rows: in the
+  // threads world the senders write it (its address is published with the block's); in the
+  // MPI world it is filled from the node-shared block at the end.
+  std::shared_ptr<Tensor> block;
+  std::vector<RecvTarget> target(static_cast<size_t>(G));
+  if (s.in_place) {
+    block = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(lay.bytes)));
+    RecvTarget mine{static_cast<char*>(block->data()), static_cast<char*>(block->data()),
+                    lay.row_bytes};
+    if (out_rows) {
+      mine.rows = static_cast<char*>(out_rows->data);
+      mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(h.dtype);
+    }
+    static_assert(sizeof(RecvTarget) <= 64, "the signal board holds one RecvTarget per rank");
+    std::memcpy(s.signals.board(topo.local_rank), &mine, sizeof(mine));
+    MOED_RETURN_IF_ERROR(s.sync_round());
+    for (int lr = 0; lr < G; ++lr)
+      std::memcpy(&target[size_t(lr)], s.signals.board(lr), sizeof(RecvTarget));
+  } else {
+    flex::Region& recv = s.recv_ring.region(s.recv_slot);
+    MOED_RETURN_IF_ERROR(recv.ensure(w, lay.bytes));
+    // No local rank holds an output of this slot, so nothing reads its buffer before growth.
+    recv.release_retired();
+    for (int lr = 0; lr < G; ++lr) {
+      char* b = recv.peer(lr);
+      target[size_t(lr)] = {b, b, lay.row_bytes};
+    }
+  }
+  char* own = target[size_t(topo.local_rank)].block;
+  const RecvTarget& own_rows = target[size_t(topo.local_rank)];
+  const RowWriter writer{&lay, H, L, meta};
+
+  // Network: the forwarder role's receives, then one message per remote node.
+  std::vector<std::vector<char>> recv_buf(static_cast<size_t>(N)), send_buf(static_cast<size_t>(N));
+  std::vector<Request> recvs, sends;
+  const RmMessage none;
+  std::vector<RmMessage> out_msg(size_t(N), none);
+  if (N > 1) {
+    for (int m = 0; m < N; ++m) {
+      const int64_t n = h.forward_tokens[size_t(m)];
+      if (m == topo.node || n == 0) continue;
+      recv_buf[size_t(m)].resize(RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
+      MOED_ASSIGN_OR_RETURN(Request r,
+                            w.irecv(topo.forwarder_on(m), kTagDispatch, recv_buf[size_t(m)].data(),
+                                    recv_buf[size_t(m)].size()));
+      recvs.push_back(std::move(r));
+    }
+    for (int m = 0; m < N; ++m) {
+      const int64_t n = plan.node_tokens[size_t(C) * N + m];
+      if (m == topo.node || n == 0) continue;
+      out_msg[size_t(m)] = RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C);
+      send_buf[size_t(m)].resize(out_msg[size_t(m)].bytes);
+      auto* cpm =
+          reinterpret_cast<int32_t*>(send_buf[size_t(m)].data() + out_msg[size_t(m)].cpm_off);
+      for (int lr = 0; lr < G; ++lr) {
+        for (int c = 0; c < C; ++c) cpm[size_t(lr) * C + c] = channel_start(h, m * G + lr, c);
+      }
+    }
+    w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+      std::vector<int64_t> pos(static_cast<size_t>(N));
+      for (int64_t c = cb; c < ce; ++c) {
+        for (int m = 0; m < N; ++m) pos[size_t(m)] = plan.node_tokens[size_t(c) * N + m];
+        for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1];
+             ++t) {
+          const uint8_t* in = &h.is_token_in_rank[size_t(t) * R];
+          for (int m = 0; m < N; ++m) {
+            if (m == topo.node) continue;
+            uint64_t mask = 0;
+            for (int lr = 0; lr < G; ++lr) mask |= uint64_t(in[m * G + lr] != 0) << lr;
+            if (mask == 0) continue;
+            const RmMessage& ml = out_msg[size_t(m)];
+            char* msg = send_buf[size_t(m)].data();
+            const size_t i = size_t(pos[size_t(m)]++);
+            const RmHeader hd{int32_t(t), 0, mask};
+            std::memcpy(msg + i * sizeof(RmHeader), &hd, sizeof(hd));
+            std::memcpy(msg + ml.rows_off + i * lay.row_bytes, x.x.row_ptr(t), lay.row_bytes);
+            if (lay.scale_bytes) {
+              std::memcpy(msg + ml.scales_off + i * lay.scale_bytes, x.scales.row_ptr(t),
+                          lay.scale_bytes);
+            }
+            for (int k = 0; k < K; ++k) {
+              const int64_t e = topk.at(t, k);
+              std::memcpy(msg + ml.idx_off + (i * K + k) * 8, &e, 8);
+              std::memcpy(msg + ml.weights_off + (i * K + k) * 4, &topk.weights[size_t(t) * K + k],
+                          4);
+            }
+          }
+        }
+      }
+    });
+    for (int m = 0; m < N; ++m) {
+      if (send_buf[size_t(m)].empty()) continue;
+      MOED_ASSIGN_OR_RETURN(Request r,
+                            w.isend(topo.forwarder_on(m), kTagDispatch, send_buf[size_t(m)].data(),
+                                    send_buf[size_t(m)].size()));
+      w.add_network_bytes(0, uint64_t(plan.node_tokens[size_t(C) * N + m]));
+      sends.push_back(std::move(r));
+    }
+  }
+
+  // Inside the node: every channel writes its tokens' rows into the receivers' blocks.
+  std::vector<uint64_t> written(size_t(C), 0);
+  w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+    std::vector<int64_t> row(static_cast<size_t>(G));
+    for (int64_t c = cb; c < ce; ++c) {
+      for (int lr = 0; lr < G; ++lr) {
+        const int r = topo.node * G + lr;
+        row[size_t(lr)] = h.rank_begin(me, r) + channel_start(h, r, int(c));
+      }
+      uint64_t n = 0;
+      for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
+        const uint8_t* in = &h.is_token_in_rank[size_t(t) * R + size_t(topo.node) * G];
+        const void* sc = lay.scale_bytes ? x.scales.row_ptr(t) : nullptr;
+        for (int lr = 0; lr < G; ++lr) {
+          if (!in[lr]) continue;
+          writer.write(target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr, x.x.row_ptr(t),
+                       sc, int32_t(t), &topk, t, nullptr, nullptr);
+          ++n;
+        }
+      }
+      written[size_t(c)] = n;
+    }
+  });
+  uint64_t rows = 0;
+  for (uint64_t n : written) rows += n;
+  const size_t row_total = lay.row_bytes + lay.scale_bytes + (meta ? 4 + size_t(K) * 12 : 0);
+  if (meta) {
+    // Receive channel prefix rows: written by the sender (or its forwarder) when it sends the
+    // receiver anything, else by the receiver itself, so each row has one writer.
+    for (int lr = 0; lr < G; ++lr) {
+      const int r = topo.node * G + lr;
+      if (count_to(h, me, r) == 0) continue;
+      auto* rcpm =
+          reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) + size_t(me) * C;
+      for (int c = 0; c < C; ++c) rcpm[c] = channel_start(h, r, c);
+    }
+    auto* rcpm = reinterpret_cast<int32_t*>(own + lay.rcpm_off);
+    for (int src = 0; src < R; ++src) {
+      if (count_to(h, src, me) == 0)
+        std::fill(rcpm + size_t(src) * C, rcpm + size_t(src + 1) * C, 0);
+    }
+  }
+
+  // The forwarder role: place the rows other nodes' sources sent for this node.
+  if (N > 1) {
+    MOED_RETURN_IF_ERROR(wait_all(recvs));
+    for (int m = 0; m < N; ++m) {
+      const int64_t n = h.forward_tokens[size_t(m)];
+      if (m == topo.node || n == 0) continue;
+      const int src = topo.forwarder_on(m);
+      const char* msg = recv_buf[size_t(m)].data();
+      const RmMessage ml = RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C);
+      std::vector<int32_t> src_token(static_cast<size_t>(n));
+      std::vector<uint64_t> mask(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        RmHeader hd;
+        std::memcpy(&hd, msg + size_t(i) * sizeof(RmHeader), sizeof(hd));
+        src_token[size_t(i)] = hd.src_token;
+        mask[size_t(i)] = hd.rank_mask;
+      }
+      w.pool().parallel_for(G, [&](int64_t b, int64_t e, int) {
+        for (int64_t lr = b; lr < e; ++lr) {
+          const int r = topo.node * G + int(lr);
+          int64_t row = h.rank_begin(src, r);
+          for (int64_t i = 0; i < n; ++i) {
+            if (!((mask[size_t(i)] >> lr) & 1)) continue;
+            writer.write(
+                target[size_t(lr)], row++, r, msg + ml.rows_off + size_t(i) * lay.row_bytes,
+                lay.scale_bytes ? msg + ml.scales_off + size_t(i) * lay.scale_bytes : nullptr,
+                src_token[size_t(i)], nullptr, 0,
+                reinterpret_cast<const int64_t*>(msg + ml.idx_off) + size_t(i) * K,
+                reinterpret_cast<const float*>(msg + ml.weights_off) + size_t(i) * K);
+          }
+          MOED_CHECK(row == h.rank_prefix_matrix[size_t(src) * R + r], "forwarded rows of rank ",
+                     src, " for rank ", r, " do not fill its block");
+          if (meta && count_to(h, src, r) > 0) {
+            auto* rcpm = reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) +
+                         size_t(src) * C;
+            std::memcpy(rcpm, msg + ml.cpm_off + size_t(lr) * C * 4, size_t(C) * 4);
+          }
+        }
+      });
+      uint64_t q = 0;
+      for (uint64_t mk : mask) q += uint64_t(popcount64(mk));
+      rows += q;
+      if (meta) {
+        h.forward_src_token[size_t(m)] = std::move(src_token);
+        h.forward_mask[size_t(m)] = std::move(mask);
+      }
+    }
+    MOED_RETURN_IF_ERROR(wait_all(sends));
+  }
+  w.add_shared_bytes(rows * row_total, rows);
+
+  // num_worst_tokens: the rows past the received ones are zero (-1 for indices).
+  if (h.num_rows > h.num_recv_tokens) {
+    const size_t lo = size_t(h.num_recv_tokens), n = size_t(h.num_rows) - lo;
+    for (size_t i = lo; i < lo + n; ++i)
+      std::memset(own_rows.rows + i * own_rows.rows_stride, 0, lay.row_bytes);
+    if (lay.scale_bytes)
+      std::memset(own + lay.scales_off + lo * lay.scale_bytes, 0, n * lay.scale_bytes);
+    if (meta) {
+      std::memset(own + lay.src_idx_off + lo * 4, 0xff, n * 4);
+      std::memset(own + lay.topk_idx_off + lo * size_t(K) * 8, 0xff, n * size_t(K) * 8);
+      std::memset(own + lay.weights_off + lo * size_t(K) * 4, 0, n * size_t(K) * 4);
+    }
+  }
+  MOED_RETURN_IF_ERROR(s.sync_round());
+
+  NormalDispatchOutput out;
+  const int64_t nr = h.num_rows;
+  if (out_rows) {
+    if (!s.in_place) {  // MPI world: the rows are in the node-shared block
+      for (int64_t i = 0; i < nr; ++i)
+        std::memcpy(out_rows->row_ptr(i), own + size_t(i) * lay.row_bytes, lay.row_bytes);
+    }
+    out.recv_x.x = *out_rows;
+  } else {
+    out.recv_x.x = TensorView(own, h.dtype, nr, H);
+  }
+  if (h.dtype == DType::kFP8) {
+    out.recv_x.scales = TensorView(own + lay.scales_off, DType::kF32, nr, H / kFp8BlockSize);
+  }
+  if (meta) {
+    const auto* src_idx = reinterpret_cast<const int32_t*>(own + lay.src_idx_off);
+    h.recv_src_idx.assign(src_idx, src_idx + nr);
+    const auto* rcpm = reinterpret_cast<const int32_t*>(own + lay.rcpm_off);
+    h.recv_channel_prefix_matrix.assign(rcpm, rcpm + size_t(R) * C);
+    if (K > 0) {
+      out.recv_topk_idx = {reinterpret_cast<const int64_t*>(own + lay.topk_idx_off),
+                           size_t(nr) * K};
+      out.recv_topk_weights = {reinterpret_cast<const float*>(own + lay.weights_off),
+                               size_t(nr) * K};
+    }
+  }
+  out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
+  return out;
+}
+
+}  // namespace moed::deep_ep
