@@ -334,7 +334,8 @@ class Buffer:
             handle: DeepEP's intranode handle (rank_prefix_matrix, channel_prefix_matrix,
                 recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head).
             event: a complete EventOverlap.
-        In the threads world the returned tensors own their memory; under MPI they are copies.
+        The returned tensors are views of moed's memory that no later dispatch writes while
+        they are held, and they may outlive the buffer (every world).
         In cached mode the last four are None, as in DeepEP.
         """
         x, x_scales = x if isinstance(x, tuple) else (x, None)

@@ -261,7 +261,8 @@ class MoEAlltoAllTokenDispatcher(MoETokenDispatcher):
 
 class MoEFlexTokenDispatcher(MoETokenDispatcher):
     """DeepEP-style: node-shared buffers inside a node, each token once per node across
-    nodes (Megatron's flex / DeepEP). Its outputs are copies (see src/python/dispatcher.cc)."""
+    nodes (Megatron's flex / DeepEP). dispatched_input is a view of its node-shared output
+    region, which no later dispatch writes while the tensor is held."""
     kind = "flex"
 
 
