@@ -92,10 +92,10 @@ TEST_P(OutputLifetime, OutputOutlivesItsDispatcher) {
     DispatchOutput held;
     Held copy;
     {
-      MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, {.kind = kind,
-                                                                .num_experts = c.num_experts}));
-      MOED_ASSIGN_OR_RETURN(held, d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
-                                               .topk = &in.topk[size_t(r)]}));
+      MOED_ASSIGN_OR_RETURN(
+          auto d, TokenDispatcher::create(w, {.kind = kind, .num_experts = c.num_experts}));
+      MOED_ASSIGN_OR_RETURN(
+          held, d->dispatch({.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]}));
       copy = copy_of(held);
     }
     MOED_RETURN_IF_ERROR(w.barrier());  // every rank's dispatcher is gone

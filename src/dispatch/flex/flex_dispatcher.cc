@@ -168,8 +168,8 @@ Status FlexDispatcher::dispatch_body() {
   MOED_CHECK(t.width == dispatch_agreement_width(topo_));
 
   // Every rank checks every node's ring, so a full ring is every rank's error.
-  MOED_ASSIGN_OR_RETURN(d.slot, outputs_.pick(topo_, [&](int r) { return uint64_t(t.row(r)[kHeld]); },
-                                               "Flex"));
+  const auto held_of = [&](int r) { return uint64_t(t.row(r)[kHeld]); };
+  MOED_ASSIGN_OR_RETURN(d.slot, outputs_.pick(topo_, held_of, "Flex"));
   if (d.fresh) MOED_RETURN_IF_ERROR(notify_finish(config_, *d.fresh, t.table, t.width, kCounts));
 
   const FlexHandle& h = d.handle();

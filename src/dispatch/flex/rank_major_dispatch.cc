@@ -265,10 +265,8 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
     }
   }
   if (!s.in_place) {
-    MOED_ASSIGN_OR_RETURN(
-        s.recv_slot,
-        s.recv_ring.pick(s.topo, [&](int r) { return uint64_t(head[size_t(r) * fixed + kHeld]); },
-                         "rank-major dispatch"));
+    const auto held_of = [&](int r) { return uint64_t(head[size_t(r) * fixed + kHeld]); };
+    MOED_ASSIGN_OR_RETURN(s.recv_slot, s.recv_ring.pick(s.topo, held_of, "rank-major dispatch"));
   }
   if (cached) {
     // NOTE: the handle is shared with earlier outputs; the cached push writes no metadata
