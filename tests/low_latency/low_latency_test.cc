@@ -223,6 +223,7 @@ std::vector<Case> sweep() {
       {3, 1, 9, 128, 2, 4, 15},       {4, 2, 8, 256, 3, 9, 16},   // 2 nodes x 2
       {4, 0, 8, 128, 2, 6, 17, true}, {8, 4, 16, 128, 4, 5, 18},  // skewed; 2 nodes x 4
       {8, 2, 8, 256, 2, 4, 19},       {8, 0, 24, 128, 5, 3, 20},
+      {4, 2, 8, 4096, 3, 48, 21},  // rows enough to be read in place, not copied first
   };
 }
 
@@ -433,9 +434,11 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
 // reads its input rows any more: each rank overwrites its tokens and expert outputs right after,
 // and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
 // two (in-node peers read each other's memory in the threads world; other nodes get messages).
+// The last case has rows enough (over 256 KiB a rank) that in-node peers read the caller's
+// own rows and acks are waited for; the smaller ones are copied first.
 TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
   for (const Case& c : {Case{3, 0, 6, 128, 2, 1, 51}, Case{4, 2, 8, 256, 3, 1, 52},
-                        Case{5, 0, 10, 100, 4, 3, 53}}) {
+                        Case{5, 0, 10, 100, 4, 3, 53}, Case{3, 0, 6, 4096, 3, 48, 54}}) {
     SCOPED_TRACE(::testing::Message() << "R=" << c.ranks << " G=" << c.per_node);
     auto p = make_problem(c);
     ASSERT_TRUE(p.ok()) << p.status().to_string();

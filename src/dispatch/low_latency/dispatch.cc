@@ -175,9 +175,10 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   for (int j = 0; j < L; ++j) received += dh.recv_count[size_t(j)];
   const bool stream = size_t(received) * payload >= internal::kStreamThresholdBytes;
   auto pack = [&](int64_t j0, int64_t j1, int) {
+    std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
     for (int j = int(j0); j < int(j1); ++j) {
-      std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
       for (int s = 0; s < R; ++s) {
+        net_row[size_t(s)] = 0;
         if (w.same_node(s, me)) continue;
         for (int j2 = 0; j2 < j; ++j2) net_row[size_t(s)] += count[size_t(j2) * R + s];
       }
@@ -316,6 +317,15 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
 
   const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
   const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
+  // Receivers read this half's own rows (no acks to wait for): the FP8 rows always, a few
+  // bf16 rows once copied here; else the caller's x.
+  const bool own_rows = pull_rows && (fp8 || size_t(T) * payload <= low_latency::kStageBytes);
+  if (own_rows && !fp8) {
+    dh.staged_rows.resize(size_t(T) * payload);
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(dh.staged_rows.data() + size_t(t) * payload, in.x.row_ptr(t), payload);
+    }
+  }
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -368,8 +378,13 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
     low_latency::PullSource* ps =
         st.pull_source(w.local_rank(), half, low_latency::PullKind::kDispatch);
     ps->pulled = pull_rows;
-    ps->rows = fp8 ? dh.fp8_rows.data() : static_cast<const std::byte*>(in.x.data);
-    ps->stride = fp8 ? payload + scale_bytes : size_t(in.x.row_stride) * sizeof(bf16);
+    ps->acked = pull_rows && !own_rows;
+    ps->rows = fp8        ? dh.fp8_rows.data()
+               : own_rows ? dh.staged_rows.data()
+                          : static_cast<const std::byte*>(in.x.data);
+    ps->stride = fp8        ? payload + scale_bytes
+                 : own_rows ? payload
+                            : size_t(in.x.row_stride) * sizeof(bf16);
     ps->tokens = dh.pull_tokens.data();
     ps->probs = dh.pull_probs.data();
   }

@@ -18,6 +18,9 @@ namespace low_latency {
 // Copies below this many bytes run on the calling thread (parallel_for's min_chunk): waking
 // the pool's workers costs more than they save.
 inline constexpr size_t kInlineBytes = size_t(256) << 10;
+// Pull mode: a sender whose rows to be read total at most this many bytes copies them into
+// its half first, so that its call need not wait for every receiver's ack (state.h).
+inline constexpr size_t kStageBytes = size_t(256) << 10;
 
 // Keeps a posted isend / irecv in `requests` (waited on by the receive phase), or returns the
 // error of posting it.
@@ -35,19 +38,22 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// Pull mode, at the end of a receive: acks every in-node peer that left its rows to be read
-// (its PullSource says so), then, if this rank left its own rows, waits until every in-node
-// peer has acked (so that the call may return and its rows be reused). Ranks that used the
-// hook copied their rows and wait for nobody, so hooks may run in any order.
+// Pull mode, at the end of a receive: acks every in-node peer that left the caller's rows to
+// be read (its PullSource says so), then, if this rank left its caller's rows, waits until
+// every in-node peer has acked (so that the call may return and the caller reuse them). Ranks
+// that used the hook copied their rows, and ranks that read from their own copy (acked =
+// false) wait for nobody, so hooks may run in any order.
 inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
   World& w = *st.world;
   const int G = w.ranks_per_node(), me = w.local_rank();
   for (int p = 0; p < G; ++p) {
-    if (p != me && st.pull_source(p, half, kind)->pulled) {
+    const PullSource* ps = st.pull_source(p, half, kind);
+    if (p != me && ps->pulled && ps->acked) {
       st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
     }
   }
-  if (!st.pull_source(me, half, kind)->pulled) return ok_status();
+  const PullSource* own = st.pull_source(me, half, kind);
+  if (!own->pulled || !own->acked) return ok_status();
   std::atomic<uint64_t>* mine = st.acks(me, half, kind);
   for (int p = 0; p < G; ++p) {
     if (p == me) continue;

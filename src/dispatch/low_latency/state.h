@@ -79,8 +79,12 @@ struct SegmentLayout {
 // before the counts (dispatch) or the signal (combine) that make it visible.
 struct PullSource {
   // The sender left its in-node rows for the receivers to read (a call without a receive
-  // hook, which returns only after they have); else it copied them into their slots.
+  // hook); else it copied them into their slots.
   bool pulled = false;
+  // The rows read are the caller's memory, so the call returns only after every receiver has
+  // acked; else they are this half's own copy, which the agreement opening the call two later
+  // (every rank has received this one by then) releases.
+  bool acked = false;
   const std::byte* rows = nullptr;  // dispatch: token rows (x, or its FP8 rows + scales);
                                     // combine: the expert outputs
   size_t stride = 0;                // bytes from one row to the next
@@ -104,6 +108,7 @@ struct DispatchHalf {
   std::vector<Request> header_requests;  // header receives of this op
   std::vector<Request> send_requests;    // this op's sends
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
+  std::vector<std::byte> staged_rows;    // pull mode, few bf16 rows: [T] copies of x's rows
   std::vector<int32_t> pull_tokens;      // pull mode: [E][M], PullSource::tokens
   std::vector<float> pull_probs;         // pull mode: [E][M], PullSource::probs
 };
