@@ -174,6 +174,22 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   int64_t received = 0;
   for (int j = 0; j < L; ++j) received += dh.recv_count[size_t(j)];
   const bool stream = size_t(received) * payload >= internal::kStreamThresholdBytes;
+  auto pulled_from = [&](int s) -> const low_latency::PullSource* {
+    if (!st.pulls(s)) return nullptr;
+    const low_latency::PullSource* ps =
+        st.pull_source(st.local_of(s), half, low_latency::PullKind::kDispatch);
+    return ps->pulled ? ps : nullptr;
+  };
+  std::vector<const low_latency::PullSource*> pulled(size_t(R), nullptr);
+  bool any_slots = false;  // rows in this rank's slots or messages, packed per expert below
+  for (int s = 0; s < R; ++s) {
+    pulled[size_t(s)] = pulled_from(s);
+    if (pulled[size_t(s)] == nullptr) {
+      for (int j = 0; j < L; ++j) any_slots |= count[size_t(j) * R + s] > 0;
+    }
+  }
+  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
+  const bool inline_copy = size_t(received) * payload < low_latency::kInlineBytes;
   auto pack = [&](int64_t j0, int64_t j1, int) {
     std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
     for (int j = int(j0); j < int(j1); ++j) {
@@ -184,29 +200,10 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
       }
       for (int s = 0; s < R; ++s) {
         const LowLatencyRange range = dh.layout_range[size_t(j) * R + s];
-        if (range.count == 0) continue;
+        if (range.count == 0 || pulled[size_t(s)] != nullptr) continue;
         const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
         const size_t n = size_t(range.count);
-        const low_latency::PullSource* ps_at =
-            st.pulls(s) ? st.pull_source(st.local_of(s), half, low_latency::PullKind::kDispatch)
-                        : nullptr;
-        if (ps_at != nullptr && ps_at->pulled) {
-          // Straight from the source's rows into their packed place.
-          const low_latency::PullSource ps = *ps_at;
-          const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
-          for (size_t i = 0; i < n; ++i) {
-            const int32_t t = ps.tokens[chunk + i];
-            const std::byte* row = ps.rows + size_t(t) * ps.stride;
-            if (stream) {
-              internal::stream_copy(xs + size_t(to + int64_t(i)) * payload, row, payload);
-            } else {
-              std::memcpy(xs + size_t(to + int64_t(i)) * payload, row, payload);
-            }
-            std::memcpy(scales + size_t(to + int64_t(i)) * scale_bytes, row + payload, scale_bytes);
-            src[to + int64_t(i)] = t;
-            prob[to + int64_t(i)] = ps.probs[chunk + i];
-          }
-        } else if (w.same_node(s, me)) {
+        if (w.same_node(s, me)) {
           const int64_t from = lay.fixed_row(j, s, 0);
           if (from == to) continue;
           std::memmove(xs + size_t(to) * payload, xs + size_t(from) * payload, n * payload);
@@ -230,11 +227,63 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
         }
       }
     }
+  };
+  if (any_slots) w.pool().parallel_for(L, pack, inline_copy ? int64_t(L) : 1);
+
+  // Pulled sources, straight from their rows into the packed place, in (source, token) order:
+  // a token bound for several of this rank's experts is read from its source once, the later
+  // copies hitting the cache (expert order would read it again from memory). After the pass
+  // above, which reads the slots these rows may land on.
+  struct PullRow {
+    int32_t source, token;
+    int64_t to;   // packed row
+    size_t from;  // entry of the source's PullSource::tokens / probs
+  };
+  std::vector<PullRow> rows;
+  std::vector<int32_t> first(size_t(lay.max_tokens) + 1);
+  for (int s = 0; s < R; ++s) {
+    const low_latency::PullSource* ps = pulled[size_t(s)];
+    if (ps == nullptr) continue;
+    // Counting sort of the source's (expert, slot) rows by token.
+    std::fill(first.begin(), first.end(), 0);
+    for (int j = 0; j < L; ++j) {
+      const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
+      for (int32_t i = 0; i < dh.layout_range[size_t(j) * R + s].count; ++i) {
+        ++first[size_t(ps->tokens[chunk + size_t(i)]) + 1];
+      }
+    }
+    for (size_t t = 1; t < first.size(); ++t) first[t] += first[t - 1];
+    const size_t base = rows.size();
+    rows.resize(base + size_t(first.back()));
+    for (int j = 0; j < L; ++j) {
+      const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
+      const LowLatencyRange range = dh.layout_range[size_t(j) * R + s];
+      for (int32_t i = 0; i < range.count; ++i) {
+        const int32_t t = ps->tokens[chunk + size_t(i)];
+        rows[base + size_t(first[size_t(t)]++)] =
+            PullRow{s, t, int64_t(j) * lay.rows_per_expert() + range.begin + i, chunk + size_t(i)};
+      }
+    }
+  }
+  auto pull = [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const PullRow& pr = rows[size_t(r)];
+      const low_latency::PullSource& ps = *pulled[size_t(pr.source)];
+      const std::byte* row = ps.rows + size_t(pr.token) * ps.stride;
+      std::byte* to = xs + size_t(pr.to) * payload;
+      if (stream) {
+        internal::stream_copy(to, row, payload);
+      } else {
+        std::memcpy(to, row, payload);
+      }
+      std::memcpy(scales + size_t(pr.to) * scale_bytes, row + payload, scale_bytes);
+      src[pr.to] = pr.token;
+      prob[pr.to] = ps.probs[pr.from];
+    }
     if (stream) internal::stream_fence();  // the caller's threads read the rows next
   };
-  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
-  w.pool().parallel_for(L, pack,
-                        size_t(received) * payload < low_latency::kInlineBytes ? int64_t(L) : 1);
+  w.pool().parallel_for(int64_t(rows.size()), pull,
+                        inline_copy ? std::max<int64_t>(1, int64_t(rows.size())) : 1);
 
   handle.layout_range = dh.layout_range;
   handle.received = true;
