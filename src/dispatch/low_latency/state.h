@@ -21,7 +21,8 @@
 // (PullSource) before its counts, and the receiver copies them once, straight into their packed
 // place (dispatch), or reduces them where they are (combine). Every receive in the threads world
 // then acks its in-node peers and waits for their acks, so the call returns only once nobody
-// reads its rows any more. With a hook the sender copies as before, so that its rows are free
+// reads its rows any more; a sender with few rows (phases.h, kStageBytes) copies them first
+// (dispatch: into its half; combine: into the homes' slots) and waits for no acks. With a hook the sender copies as before, so that its rows are free
 // once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
 #pragma once
 
@@ -85,7 +86,7 @@ struct PullSource {
   // acked; else they are this half's own copy, which the agreement opening the call two later
   // (every rank has received this one by then) releases.
   bool acked = false;
-  const std::byte* rows = nullptr;  // dispatch: token rows (x, or its FP8 rows + scales);
+  const std::byte* rows = nullptr;  // dispatch: token rows (x, its copy, or FP8 rows + scales);
                                     // combine: the expert outputs
   size_t stride = 0;                // bytes from one row to the next
   const int32_t* tokens = nullptr;  // dispatch: [E][M] token of row i of chunk (me, e)
