@@ -434,8 +434,8 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
 // reads its input rows any more: each rank overwrites its tokens and expert outputs right after,
 // and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
 // two (in-node peers read each other's memory in the threads world; other nodes get messages).
-// The last case has rows enough (over 256 KiB a rank) that in-node peers read the caller's
-// own rows and acks are waited for; the smaller ones are copied first.
+// The last case has rows enough (over 64 KiB a rank) that in-node peers read the caller's
+// own rows and acks are waited for; a dispatch of fewer copies them first.
 TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
   for (const Case& c : {Case{3, 0, 6, 128, 2, 1, 51}, Case{4, 2, 8, 256, 3, 1, 52},
                         Case{5, 0, 10, 100, 4, 3, 53}, Case{3, 0, 6, 4096, 3, 48, 54}}) {

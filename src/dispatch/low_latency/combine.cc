@@ -203,14 +203,9 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     }
     ch.net_send.resize(staged * row_bytes);
   }
-  // Pull mode (state.h), unless the in-node rows are few: copying them into the homes' slots
-  // then costs less than waiting for every home's ack.
-  size_t in_node_rows = 0;
-  for (int64_t c = 0; c < int64_t(L) * R; ++c) {
-    if (w.same_node(int(c % R), me)) in_node_rows += size_t(handle.layout_range[size_t(c)].count);
-  }
-  const bool pull_rows =
-      st.pull && !in.return_recv_hook && in_node_rows * row_bytes > low_latency::kStageBytes;
+  // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
+  // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
+  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   auto copy_chunks = [&](int64_t c0, int64_t c1, int worker) {
     for (int64_t c = c0; c < c1; ++c) {

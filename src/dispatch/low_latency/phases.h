@@ -18,9 +18,10 @@ namespace low_latency {
 // Copies below this many bytes run on the calling thread (parallel_for's min_chunk): waking
 // the pool's workers costs more than they save.
 inline constexpr size_t kInlineBytes = size_t(256) << 10;
-// Pull mode: a sender whose rows to be read total at most this many bytes copies them into
-// its half first, so that its call need not wait for every receiver's ack (state.h).
-inline constexpr size_t kStageBytes = size_t(256) << 10;
+// Pull-mode dispatch: a sender whose bf16 rows total at most this many bytes copies them into
+// its half first, so that its call need not wait for every receiver's ack (state.h): copying
+// 64 KiB takes a few microseconds, about what one round of acks costs on a 2-core host.
+inline constexpr size_t kStageBytes = size_t(64) << 10;
 
 // Keeps a posted isend / irecv in `requests` (waited on by the receive phase), or returns the
 // error of posting it.

@@ -21,8 +21,8 @@
 // (PullSource) before its counts, and the receiver copies them once, straight into their packed
 // place (dispatch), or reduces them where they are (combine). Every receive in the threads world
 // then acks its in-node peers and waits for their acks, so the call returns only once nobody
-// reads its rows any more; a sender with few rows (phases.h, kStageBytes) copies them first
-// (dispatch: into its half; combine: into the homes' slots) and waits for no acks. With a hook the sender copies as before, so that its rows are free
+// reads its rows any more; a dispatch with few rows (phases.h, kStageBytes) copies them into
+// its half first and waits for no acks. With a hook the sender copies as before, so that its rows are free
 // once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
 #pragma once
 
