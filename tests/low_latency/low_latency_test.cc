@@ -554,6 +554,28 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
         return early;
       },
       StatusCode::kFailedPrecondition, "has not been received yet; call its hook first");
+
+  // Threads world (in-node ranks read each other's rows): return_recv_hook must agree, as a
+  // rank that reads in place and one that copies cannot meet.
+  if (GetParam() == Backend::kThreads) {
+    expect_error(
+        GetParam(),
+        [](World& w) -> Status {
+          MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, 4, 128, 8));
+          Tensor x = Tensor::zeros(DType::kBF16, 1, 128);
+          TopkRouting r{.num_tokens = 1, .num_topk = 1, .topk_idx = {7}, .topk_weights = {1.0f}};
+          MOED_ASSIGN_OR_RETURN(auto d, buffer->low_latency_dispatch({.x = x.view(), .topk = &r}));
+          Tensor y = Tensor::zeros(DType::kBF16, 2 * 4 * 4, 128);
+          return buffer
+              ->low_latency_combine({.x = y.view(),
+                                     .topk = &r,
+                                     .handle = d.handle,
+                                     .return_recv_hook = w.rank() == 2})
+              .status();
+        },
+        StatusCode::kInvalidArgument,
+        "low_latency_combine: return_recv_hook = 0 on rank 0 but 1 on rank 2");
+  }
 }
 
 TEST(LowLatencySizeHint, CoversTheSlots) {

@@ -43,18 +43,25 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
 // be read (its PullSource says so), then, if this rank left its caller's rows, waits until
 // every in-node peer has acked (so that the call may return and the caller reuse them). Ranks
 // that used the hook copied their rows, and ranks that read from their own copy (acked =
-// false) wait for nobody, so hooks may run in any order.
-inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
+// false) wait for nobody, so hooks may run in any order. `published`: every rank's
+// PullSource as the opening collective gathered it (combine), else they are read from the
+// in-node segments.
+inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
+                            const PullSource* published = nullptr) {
   World& w = *st.world;
   const int G = w.ranks_per_node(), me = w.local_rank();
+  auto source = [&](int p) -> const PullSource& {
+    return published != nullptr ? published[size_t(w.node()) * size_t(G) + size_t(p)]
+                                : *st.pull_source(p, half, kind);
+  };
   for (int p = 0; p < G; ++p) {
-    const PullSource* ps = st.pull_source(p, half, kind);
-    if (p != me && ps->pulled && ps->acked) {
+    const PullSource& ps = source(p);
+    if (p != me && ps.pulled && ps.acked) {
       st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
     }
   }
-  const PullSource* own = st.pull_source(me, half, kind);
-  if (!own->pulled || !own->acked) return ok_status();
+  const PullSource& own = source(me);
+  if (!own.pulled || !own.acked) return ok_status();
   std::atomic<uint64_t>* mine = st.acks(me, half, kind);
   for (int p = 0; p < G; ++p) {
     if (p == me) continue;

@@ -22,8 +22,8 @@
 // place (dispatch), or reduces them where they are (combine). Every receive in the threads world
 // then acks its in-node peers and waits for their acks, so the call returns only once nobody
 // reads its rows any more; a dispatch with few rows (phases.h, kStageBytes) copies them into
-// its half first and waits for no acks. With a hook the sender copies as before, so that its rows are free
-// once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
+// its half first and waits for no acks. With a hook the sender copies as before, so that its rows
+// are free once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
 #pragma once
 
 #include <atomic>
@@ -118,6 +118,8 @@ struct CombineHalf {
   bool pending = false;
   std::vector<std::byte> net_send;  // staged rows when the expert output is strided
   std::vector<Request> requests;
+  // Pull mode: every rank's PullSource, gathered by the call's opening collective (combine.cc).
+  std::vector<PullSource> sources;  // [R]
 };
 
 }  // namespace low_latency
