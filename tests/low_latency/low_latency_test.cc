@@ -432,10 +432,10 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
 
 // Once a call has returned (dispatch: its send phase; combine: the call or its hook), no peer
 // reads its input rows any more: each rank overwrites its tokens and expert outputs right after,
-// and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
-// two (in-node peers read each other's memory in the threads world; other nodes get messages).
-// The last case has rows enough (over 64 KiB a rank) that in-node peers read the caller's
-// own rows and acks are waited for; a dispatch of fewer copies them first.
+// and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0
+// (max_tokens 1), one node and two (in-node peers read each other's memory in the threads world;
+// other nodes get messages). The last case has rows enough (over 64 KiB a rank) that in-node peers
+// read the caller's own rows and acks are waited for; a dispatch of fewer copies them first.
 TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
   for (const Case& c : {Case{3, 0, 6, 128, 2, 1, 51}, Case{4, 2, 8, 256, 3, 1, 52},
                         Case{5, 0, 10, 100, 4, 3, 53}, Case{3, 0, 6, 4096, 3, 48, 54}}) {
@@ -575,6 +575,18 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
         },
         StatusCode::kInvalidArgument,
         "low_latency_combine: return_recv_hook = 0 on rank 0 but 1 on rank 2");
+    expect_error(
+        GetParam(),
+        [](World& w) -> Status {
+          MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, 4, 128, 8));
+          Tensor x = Tensor::zeros(DType::kBF16, 1, 128);
+          TopkRouting r{.num_tokens = 1, .num_topk = 1, .topk_idx = {7}, .topk_weights = {1.0f}};
+          return buffer
+              ->low_latency_dispatch({.x = x.view(), .topk = &r, .return_recv_hook = w.rank() != 1})
+              .status();
+        },
+        StatusCode::kInvalidArgument,
+        "low_latency_dispatch: return_recv_hook = 1 on rank 0 but 0 on rank 1");
   }
 }
 

@@ -112,6 +112,10 @@ struct DispatchHalf {
   std::vector<std::byte> staged_rows;    // pull mode, few bf16 rows: [T] copies of x's rows
   std::vector<int32_t> pull_tokens;      // pull mode: [E][M], PullSource::tokens
   std::vector<float> pull_probs;         // pull mode: [E][M], PullSource::probs
+  // Pull mode: every rank's PullSource and counts for this rank's experts ([R][L]), gathered
+  // by the call's opening collective (dispatch.cc, publish_dispatch).
+  std::vector<PullSource> sources;
+  std::vector<int32_t> published_count;
 };
 
 struct CombineHalf {
