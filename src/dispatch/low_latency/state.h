@@ -11,14 +11,16 @@
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
-//   pull[h]          two PullSource (dispatch, combine): what in-node peers read in pull mode
+//   pull[h]          two PullSource (dispatch, combine); unused since the call's collective
+//                    gathers them (DispatchHalf / CombineHalf::sources), kept for the layout
 //   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
 //                    which that peer has finished reading this rank's memory (pull mode)
 //
 // Pull mode (the threads world, where every rank's memory is readable by its node; calls
 // without a receive hook): in-node rows are not copied by the sender into the receiver's slots
-// (a copy the receiver would then pack again); the sender publishes where its rows are
-// (PullSource) before its counts, and the receiver copies them once, straight into their packed
+// (a copy the receiver would then pack again); the call's opening collective gathers where
+// every rank's rows are (PullSource) and, for dispatch, its counts, so no signal round follows,
+// and the receiver copies them once, straight into their packed
 // place (dispatch), or reduces them where they are (combine). Every receive in the threads world
 // then acks its in-node peers and waits for their acks, so the call returns only once nobody
 // reads its rows any more; a dispatch with few rows (phases.h, kStageBytes) copies them into
