@@ -223,6 +223,7 @@ std::vector<Case> sweep() {
       {3, 1, 9, 128, 2, 4, 15},       {4, 2, 8, 256, 3, 9, 16},   // 2 nodes x 2
       {4, 0, 8, 128, 2, 6, 17, true}, {8, 4, 16, 128, 4, 5, 18},  // skewed; 2 nodes x 4
       {8, 2, 8, 256, 2, 4, 19},       {8, 0, 24, 128, 5, 3, 20},
+      {4, 2, 8, 4096, 3, 48, 21},  // rows enough to be read in place, not copied first
   };
 }
 
@@ -431,11 +432,13 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
 
 // Once a call has returned (dispatch: its send phase; combine: the call or its hook), no peer
 // reads its input rows any more: each rank overwrites its tokens and expert outputs right after,
-// and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0 (max_tokens 1), one node and
-// two (in-node peers read each other's memory in the threads world; other nodes get messages).
+// and every rank's result is still the reference's. T = 1 on the last rank and 0 on rank 0
+// (max_tokens 1), one node and two (in-node peers read each other's memory in the threads world;
+// other nodes get messages). The last case has rows enough (over 64 KiB a rank) that in-node peers
+// read the caller's own rows and acks are waited for; a dispatch of fewer copies them first.
 TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
   for (const Case& c : {Case{3, 0, 6, 128, 2, 1, 51}, Case{4, 2, 8, 256, 3, 1, 52},
-                        Case{5, 0, 10, 100, 4, 3, 53}}) {
+                        Case{5, 0, 10, 100, 4, 3, 53}, Case{3, 0, 6, 4096, 3, 48, 54}}) {
     SCOPED_TRACE(::testing::Message() << "R=" << c.ranks << " G=" << c.per_node);
     auto p = make_problem(c);
     ASSERT_TRUE(p.ok()) << p.status().to_string();
@@ -551,6 +554,40 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
         return early;
       },
       StatusCode::kFailedPrecondition, "has not been received yet; call its hook first");
+
+  // Threads world (in-node ranks read each other's rows): return_recv_hook must agree, as a
+  // rank that reads in place and one that copies cannot meet.
+  if (GetParam() == Backend::kThreads) {
+    expect_error(
+        GetParam(),
+        [](World& w) -> Status {
+          MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, 4, 128, 8));
+          Tensor x = Tensor::zeros(DType::kBF16, 1, 128);
+          TopkRouting r{.num_tokens = 1, .num_topk = 1, .topk_idx = {7}, .topk_weights = {1.0f}};
+          MOED_ASSIGN_OR_RETURN(auto d, buffer->low_latency_dispatch({.x = x.view(), .topk = &r}));
+          Tensor y = Tensor::zeros(DType::kBF16, 2 * 4 * 4, 128);
+          return buffer
+              ->low_latency_combine({.x = y.view(),
+                                     .topk = &r,
+                                     .handle = d.handle,
+                                     .return_recv_hook = w.rank() == 2})
+              .status();
+        },
+        StatusCode::kInvalidArgument,
+        "low_latency_combine: return_recv_hook = 0 on rank 0 but 1 on rank 2");
+    expect_error(
+        GetParam(),
+        [](World& w) -> Status {
+          MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, 4, 128, 8));
+          Tensor x = Tensor::zeros(DType::kBF16, 1, 128);
+          TopkRouting r{.num_tokens = 1, .num_topk = 1, .topk_idx = {7}, .topk_weights = {1.0f}};
+          return buffer
+              ->low_latency_dispatch({.x = x.view(), .topk = &r, .return_recv_hook = w.rank() != 1})
+              .status();
+        },
+        StatusCode::kInvalidArgument,
+        "low_latency_dispatch: return_recv_hook = 1 on rank 0 but 0 on rank 1");
+  }
 }
 
 TEST(LowLatencySizeHint, CoversTheSlots) {

@@ -3,6 +3,7 @@
 // message per (expert, home) chunk, whose size both sides know from the dispatch), then
 // signals. The receive phase reduces each token over its experts in ascending expert id.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -92,9 +93,14 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   CombineHalf& ch = st.combine_half[half];
   const int R = lay.num_ranks, me = w.rank(), H = lay.hidden, K = handle.num_topk;
   ch.pending = false;
+  // Pull mode: where in-node experts' outputs are (the call's collective published them).
+  auto pulled_from = [&](int d) { return st.pulls(d) && ch.sources[size_t(d)].pulled; };
   Status status;
   for (int s = 0; s < R && status.ok(); ++s) {
-    if (s != me && w.same_node(s, me)) status = st.shared->wait_signal(st.local_of(s), seq);
+    // A rank that leaves its rows to be read sends no signal: the collective said where they are.
+    if (s != me && w.same_node(s, me) && !pulled_from(s)) {
+      status = st.shared->wait_signal(st.local_of(s), seq);
+    }
   }
   Status net = wait_all(ch.requests);
   ch.requests.clear();
@@ -102,15 +108,8 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   MOED_RETURN_IF_ERROR(net);
 
   const auto* y = reinterpret_cast<const bf16*>(st.local() + lay.combine_y[half]);
-  // Pull mode: in-node experts' outputs are read where they are (their PullSource).
   const int L = lay.num_local_experts;
-  std::vector<low_latency::PullSource> peer(static_cast<size_t>(R));
-  for (int d = 0; d < R; ++d) {
-    if (st.pulls(d)) {
-      peer[size_t(d)] = *st.pull_source(st.local_of(d), half, low_latency::PullKind::kCombine);
-    }
-  }
-  auto pulled_from = [&](int d) { return st.pulls(d) && peer[size_t(d)].pulled; };
+  const std::vector<low_latency::PullSource>& peer = ch.sources;
   auto row_of = [&](int32_t e, int32_t slot) -> const bf16* {
     const int d = e / L, j = e % L;
     if (!pulled_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
@@ -143,7 +142,56 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
     fold.flush();
   });
   if (!st.pull) return ok_status();
-  return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq);
+  return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq,
+                                    ch.sources.data());
+}
+
+// The combine's opening collective: agrees on every rank's inputs (as World::agree, whose
+// message the error path fetches) and on return_recv_hook, and in pull mode gathers every
+// rank's PullSource, so that no signal has to say where the rows are.
+StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffer::State& st,
+                                                                 const LowLatencyCombineInput& in,
+                                                                 const Status& local) {
+  World& w = *st.world;
+  if (!st.pull) {
+    MOED_RETURN_IF_ERROR(w.agree(local));
+    return std::vector<low_latency::PullSource>();
+  }
+  // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
+  const bool pulled = !in.return_recv_hook;
+  std::array<int64_t, 5> mine = {int64_t(local.code()), int64_t(in.return_recv_hook), 0, 0, 0};
+  if (local.ok()) {
+    mine[2] = int64_t(reinterpret_cast<intptr_t>(in.x.data));
+    mine[3] = int64_t(in.x.row_stride) * int64_t(sizeof(bf16));
+    mine[4] = int64_t(reinterpret_cast<intptr_t>(in.handle->layout_range.data()));
+  }
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table,
+                        all_gather<int64_t>(w, std::span<const int64_t>(mine)));
+  const int R = w.size();
+  for (int r = 0; r < R; ++r) {
+    if (table[size_t(r) * mine.size()] != 0) {
+      // Every rank saw the failure in the table, so every rank calls agree.
+      Status agreed = w.agree(local);
+      if (agreed.ok()) return internal_error("rank ", r, " reported an error that agree() lost");
+      return agreed;
+    }
+  }
+  std::vector<low_latency::PullSource> sources(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    const int64_t* row = table.data() + size_t(r) * mine.size();
+    if (row[1] != table[1]) {
+      return invalid_argument("low_latency_combine: return_recv_hook = ", table[1] != 0,
+                              " on rank 0 but ", row[1] != 0, " on rank ", r,
+                              "; it must be the same on every rank");
+    }
+    low_latency::PullSource& ps = sources[size_t(r)];
+    ps.pulled = pulled;
+    ps.acked = pulled;
+    ps.rows = reinterpret_cast<const std::byte*>(intptr_t(row[2]));
+    ps.stride = size_t(row[3]);
+    ps.ranges = reinterpret_cast<const LowLatencyRange*>(intptr_t(row[4]));
+  }
+  return sources;
 }
 
 }  // namespace
@@ -152,7 +200,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     const LowLatencyCombineInput& in) {
   State& st = *state_;
   World& w = *st.world;
-  MOED_RETURN_IF_ERROR(w.agree(check_combine(st, in)));
+  MOED_ASSIGN_OR_RETURN(std::vector<low_latency::PullSource> sources,
+                        agree_and_publish(st, in, check_combine(st, in)));
   // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
   // entered this combine, so it has reduced the combine two back out of this half.
 
@@ -163,6 +212,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   const int half = int(st.combines++ % 2);
   CombineHalf& ch = st.combine_half[half];
   ch.pending = true;
+  ch.sources = std::move(sources);
   const LowLatencyHandle& handle = *in.handle;
 
   // Home side: receives from other nodes go straight into this rank's combine slots; both
@@ -192,6 +242,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     }
     ch.net_send.resize(staged * row_bytes);
   }
+  // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
+  // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
   const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   auto copy_chunks = [&](int64_t c0, int64_t c1, int worker) {
@@ -225,16 +277,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   w.pool().parallel_for(int64_t(L) * R, copy_chunks,
                         copied * row_bytes < low_latency::kInlineBytes ? int64_t(L) * R : 1);
   low_latency::add_shared_rows(w, shared_rows, row_bytes);
-  if (st.pull) {
-    // Where in-node homes find this rank's expert outputs; the signals below publish it.
-    low_latency::PullSource* ps =
-        st.pull_source(w.local_rank(), half, low_latency::PullKind::kCombine);
-    ps->pulled = pull_rows;
-    ps->rows = static_cast<const std::byte*>(x.data);
-    ps->stride = size_t(x.row_stride) * sizeof(bf16);
-    ps->ranges = handle.layout_range.data();
-  }
-  for (int s = 0; s < R; ++s) {
+  // In-node homes that read this rank's rows in place learnt where from the collective.
+  for (int s = 0; s < R && !pull_rows; ++s) {
     if (s != me && w.same_node(s, me)) st.shared->signal(st.local_of(s), seq);
   }
   // Other nodes: one message per non-empty chunk, in ascending expert order for each home,

@@ -83,6 +83,64 @@ Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatc
   return ok_status();
 }
 
+// Pull mode's opening collective: agrees on every rank's inputs (as World::agree, whose
+// message the error path fetches) and on return_recv_hook, and gathers every rank's
+// PullSource and its count per expert (`mine` null: this rank has none, as with a hook).
+// Fills `sources` [R] and `count` [R][L], source s's count for this rank's expert j.
+Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
+                        const Status& local, const low_latency::PullSource* mine,
+                        std::vector<low_latency::PullSource>& sources, std::vector<int32_t>& count,
+                        std::span<const int32_t> send_count = {}) {
+  World& w = *st.world;
+  const int R = w.size(), E = st.layout.num_experts, L = st.layout.num_local_experts;
+  constexpr size_t kFields = 8;  // code, hook, pulled, acked, rows, stride, tokens, probs
+  const size_t width = kFields + size_t(E);
+  std::vector<int64_t> row(width, 0);
+  row[0] = int64_t(local.code());
+  row[1] = int64_t(in.return_recv_hook);
+  if (mine != nullptr) {
+    // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
+    row[2] = 1;
+    row[3] = int64_t(mine->acked);
+    row[4] = int64_t(reinterpret_cast<intptr_t>(mine->rows));
+    row[5] = int64_t(mine->stride);
+    row[6] = int64_t(reinterpret_cast<intptr_t>(mine->tokens));
+    row[7] = int64_t(reinterpret_cast<intptr_t>(mine->probs));
+    for (int e = 0; e < E; ++e) row[kFields + size_t(e)] = send_count[size_t(e)];
+  }
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table,
+                        all_gather<int64_t>(w, std::span<const int64_t>(row)));
+  for (int r = 0; r < R; ++r) {
+    if (table[size_t(r) * width] != 0) {
+      // Every rank saw the failure in the table, so every rank calls agree.
+      Status agreed = w.agree(local);
+      if (agreed.ok()) return internal_error("rank ", r, " reported an error that agree() lost");
+      return agreed;
+    }
+  }
+  sources.assign(size_t(R), low_latency::PullSource{});
+  count.assign(size_t(R) * size_t(L), 0);
+  for (int r = 0; r < R; ++r) {
+    const int64_t* t = table.data() + size_t(r) * width;
+    if (t[1] != table[1]) {
+      return invalid_argument("low_latency_dispatch: return_recv_hook = ", table[1] != 0,
+                              " on rank 0 but ", t[1] != 0, " on rank ", r,
+                              "; it must be the same on every rank");
+    }
+    low_latency::PullSource& ps = sources[size_t(r)];
+    ps.pulled = t[2] != 0;
+    ps.acked = t[3] != 0;
+    ps.rows = reinterpret_cast<const std::byte*>(intptr_t(t[4]));
+    ps.stride = size_t(t[5]);
+    ps.tokens = reinterpret_cast<const int32_t*>(intptr_t(t[6]));
+    ps.probs = reinterpret_cast<const float*>(intptr_t(t[7]));
+    for (int j = 0; j < L; ++j) {
+      count[size_t(r) * L + j] = int32_t(t[kFields + size_t(w.rank() * L + j)]);
+    }
+  }
+  return ok_status();
+}
+
 // Receive phase of dispatch `seq` into `half`.
 Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, int half,
                         uint64_t seq, bool fp8) {
@@ -103,6 +161,12 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   for (int s = 0; s < R && status.ok(); ++s) {
     if (!w.same_node(s, me)) {
       for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = dh.recv_header[size_t(s) * L + j];
+      continue;
+    }
+    if (!dh.sources.empty() && dh.sources[size_t(s)].pulled) {
+      for (int j = 0; j < L; ++j) {
+        count[size_t(j) * R + s] = dh.published_count[size_t(s) * L + j];
+      }
       continue;
     }
     if (s != me) {
@@ -174,38 +238,34 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   int64_t received = 0;
   for (int j = 0; j < L; ++j) received += dh.recv_count[size_t(j)];
   const bool stream = size_t(received) * payload >= internal::kStreamThresholdBytes;
+  auto pulled_from = [&](int s) -> const low_latency::PullSource* {
+    if (!st.pulls(s) || dh.sources.empty() || !dh.sources[size_t(s)].pulled) return nullptr;
+    return &dh.sources[size_t(s)];
+  };
+  std::vector<const low_latency::PullSource*> pulled(size_t(R), nullptr);
+  bool any_slots = false;  // rows in this rank's slots or messages, packed per expert below
+  for (int s = 0; s < R; ++s) {
+    pulled[size_t(s)] = pulled_from(s);
+    if (pulled[size_t(s)] == nullptr) {
+      for (int j = 0; j < L; ++j) any_slots |= count[size_t(j) * R + s] > 0;
+    }
+  }
+  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
+  const bool inline_copy = size_t(received) * payload < low_latency::kInlineBytes;
   auto pack = [&](int64_t j0, int64_t j1, int) {
+    std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
     for (int j = int(j0); j < int(j1); ++j) {
-      std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
       for (int s = 0; s < R; ++s) {
+        net_row[size_t(s)] = 0;
         if (w.same_node(s, me)) continue;
         for (int j2 = 0; j2 < j; ++j2) net_row[size_t(s)] += count[size_t(j2) * R + s];
       }
       for (int s = 0; s < R; ++s) {
         const LowLatencyRange range = dh.layout_range[size_t(j) * R + s];
-        if (range.count == 0) continue;
+        if (range.count == 0 || pulled[size_t(s)] != nullptr) continue;
         const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
         const size_t n = size_t(range.count);
-        const low_latency::PullSource* ps_at =
-            st.pulls(s) ? st.pull_source(st.local_of(s), half, low_latency::PullKind::kDispatch)
-                        : nullptr;
-        if (ps_at != nullptr && ps_at->pulled) {
-          // Straight from the source's rows into their packed place.
-          const low_latency::PullSource ps = *ps_at;
-          const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
-          for (size_t i = 0; i < n; ++i) {
-            const int32_t t = ps.tokens[chunk + i];
-            const std::byte* row = ps.rows + size_t(t) * ps.stride;
-            if (stream) {
-              internal::stream_copy(xs + size_t(to + int64_t(i)) * payload, row, payload);
-            } else {
-              std::memcpy(xs + size_t(to + int64_t(i)) * payload, row, payload);
-            }
-            std::memcpy(scales + size_t(to + int64_t(i)) * scale_bytes, row + payload, scale_bytes);
-            src[to + int64_t(i)] = t;
-            prob[to + int64_t(i)] = ps.probs[chunk + i];
-          }
-        } else if (w.same_node(s, me)) {
+        if (w.same_node(s, me)) {
           const int64_t from = lay.fixed_row(j, s, 0);
           if (from == to) continue;
           std::memmove(xs + size_t(to) * payload, xs + size_t(from) * payload, n * payload);
@@ -229,16 +289,69 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
         }
       }
     }
+  };
+  if (any_slots) w.pool().parallel_for(L, pack, inline_copy ? int64_t(L) : 1);
+
+  // Pulled sources, straight from their rows into the packed place, in (source, token) order:
+  // a token bound for several of this rank's experts is read from its source once, the later
+  // copies hitting the cache (expert order would read it again from memory). After the pass
+  // above, which reads the slots these rows may land on.
+  struct PullRow {
+    int32_t source, token;
+    int64_t to;   // packed row
+    size_t from;  // entry of the source's PullSource::tokens / probs
+  };
+  std::vector<PullRow> rows;
+  std::vector<int32_t> first(size_t(lay.max_tokens) + 1);
+  for (int s = 0; s < R; ++s) {
+    const low_latency::PullSource* ps = pulled[size_t(s)];
+    if (ps == nullptr) continue;
+    // Counting sort of the source's (expert, slot) rows by token.
+    std::fill(first.begin(), first.end(), 0);
+    for (int j = 0; j < L; ++j) {
+      const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
+      for (int32_t i = 0; i < dh.layout_range[size_t(j) * R + s].count; ++i) {
+        ++first[size_t(ps->tokens[chunk + size_t(i)]) + 1];
+      }
+    }
+    for (size_t t = 1; t < first.size(); ++t) first[t] += first[t - 1];
+    const size_t base = rows.size();
+    rows.resize(base + size_t(first.back()));
+    for (int j = 0; j < L; ++j) {
+      const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
+      const LowLatencyRange range = dh.layout_range[size_t(j) * R + s];
+      for (int32_t i = 0; i < range.count; ++i) {
+        const int32_t t = ps->tokens[chunk + size_t(i)];
+        rows[base + size_t(first[size_t(t)]++)] =
+            PullRow{s, t, int64_t(j) * lay.rows_per_expert() + range.begin + i, chunk + size_t(i)};
+      }
+    }
+  }
+  auto pull = [&](int64_t r0, int64_t r1, int) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const PullRow& pr = rows[size_t(r)];
+      const low_latency::PullSource& ps = *pulled[size_t(pr.source)];
+      const std::byte* row = ps.rows + size_t(pr.token) * ps.stride;
+      std::byte* to = xs + size_t(pr.to) * payload;
+      if (stream) {
+        internal::stream_copy(to, row, payload);
+      } else {
+        std::memcpy(to, row, payload);
+      }
+      std::memcpy(scales + size_t(pr.to) * scale_bytes, row + payload, scale_bytes);
+      src[pr.to] = pr.token;
+      prob[pr.to] = ps.probs[pr.from];
+    }
     if (stream) internal::stream_fence();  // the caller's threads read the rows next
   };
-  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
-  w.pool().parallel_for(L, pack,
-                        size_t(received) * payload < low_latency::kInlineBytes ? int64_t(L) : 1);
+  w.pool().parallel_for(int64_t(rows.size()), pull,
+                        inline_copy ? std::max<int64_t>(1, int64_t(rows.size())) : 1);
 
   handle.layout_range = dh.layout_range;
   handle.received = true;
   if (!st.pull) return ok_status();
-  return low_latency::exchange_acks(st, half, low_latency::PullKind::kDispatch, seq);
+  return low_latency::exchange_acks(st, half, low_latency::PullKind::kDispatch, seq,
+                                    dh.sources.data());
 }
 
 }  // namespace
@@ -247,10 +360,24 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
     const LowLatencyDispatchInput& in) {
   State& st = *state_;
   World& w = *st.world;
-  MOED_RETURN_IF_ERROR(w.agree(check_dispatch(st, in)));
-  // NOTE: the agreement above is also the double-buffer handshake: once it returns, every
-  // receiver has entered this dispatch, so it has received (hooked) the dispatch two back and
-  // its views of this half are released; senders may overwrite the half.
+  const Status local = check_dispatch(st, in);
+  // Pull mode without a hook: this rank writes only its own memory (the rows and tokens its
+  // in-node receivers read, the messages for other nodes), so it does so first and the
+  // collective then publishes them with the counts (publish_dispatch): no signal round.
+  // NOTE: its half's previous readers are done: they read it in the dispatch two back, inside
+  // their own call (no hook then either, or nothing was left to read), before the agreement of
+  // the dispatch one back let this rank through.
+  const bool early = st.pull && !in.return_recv_hook && local.ok();
+  std::vector<low_latency::PullSource> sources;
+  std::vector<int32_t> published_count;
+  if (!st.pull) {
+    MOED_RETURN_IF_ERROR(w.agree(local));
+  } else if (!early) {
+    MOED_RETURN_IF_ERROR(publish_dispatch(st, in, local, nullptr, sources, published_count));
+  }
+  // NOTE: the agreement is also the double-buffer handshake: once it returns, every receiver
+  // has entered this dispatch, so it has received (hooked) the dispatch two back and its views
+  // of this half are released; senders may overwrite the half (their slots in it).
 
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, E = lay.num_experts, L = lay.num_local_experts, me = w.rank();
@@ -316,6 +443,15 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
 
   const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
   const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
+  // Receivers read this half's own rows (no acks to wait for): the FP8 rows always, a few
+  // bf16 rows once copied here; else the caller's x.
+  const bool own_rows = pull_rows && (fp8 || size_t(T) * payload <= low_latency::kStageBytes);
+  if (own_rows && !fp8) {
+    dh.staged_rows.resize(size_t(T) * payload);
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(dh.staged_rows.data() + size_t(t) * payload, in.x.row_ptr(t), payload);
+    }
+  }
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -361,20 +497,36 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
       }
     }
   });
-  low_latency::add_shared_rows(w, shared_rows, payload + scale_bytes);
-
-  if (st.pull) {
-    // Whether (and where) in-node receivers find this rank's rows; the counts below publish it.
-    low_latency::PullSource* ps =
-        st.pull_source(w.local_rank(), half, low_latency::PullKind::kDispatch);
-    ps->pulled = pull_rows;
-    ps->rows = fp8 ? dh.fp8_rows.data() : static_cast<const std::byte*>(in.x.data);
-    ps->stride = fp8 ? payload + scale_bytes : size_t(in.x.row_stride) * sizeof(bf16);
-    ps->tokens = dh.pull_tokens.data();
-    ps->probs = dh.pull_probs.data();
+  if (early) {
+    // Where in-node receivers find this rank's rows, published with the counts.
+    low_latency::PullSource ps;
+    ps.pulled = true;
+    ps.acked = !own_rows;
+    ps.rows = fp8        ? dh.fp8_rows.data()
+              : own_rows ? dh.staged_rows.data()
+                         : static_cast<const std::byte*>(in.x.data);
+    ps.stride = fp8        ? payload + scale_bytes
+                : own_rows ? payload
+                           : size_t(in.x.row_stride) * sizeof(bf16);
+    ps.tokens = dh.pull_tokens.data();
+    ps.probs = dh.pull_probs.data();
+    Status published =
+        publish_dispatch(st, in, local, &ps, sources, published_count, handle->send_count);
+    if (!published.ok()) {
+      // Nothing left this rank: the call never happened.
+      dh.pending = false;
+      --st.seq;
+      --st.dispatches;
+      return published;
+    }
   }
-  // Publish: every (me, expert) count, zero included (there is no notify), after its rows.
-  for (int d = 0; d < R; ++d) {
+  low_latency::add_shared_rows(w, shared_rows, payload + scale_bytes);
+  dh.sources = std::move(sources);
+  dh.published_count = std::move(published_count);
+
+  // Publish: every (me, expert) count, zero included (there is no notify), after its rows;
+  // receivers that read this rank's rows in place have them from the collective.
+  for (int d = 0; d < R && !pull_rows; ++d) {
     if (!w.same_node(d, me)) continue;
     std::atomic<uint64_t>* c = st.counts(st.local_of(d), half);
     for (int j = 0; j < L; ++j) {

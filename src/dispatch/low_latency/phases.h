@@ -18,6 +18,10 @@ namespace low_latency {
 // Copies below this many bytes run on the calling thread (parallel_for's min_chunk): waking
 // the pool's workers costs more than they save.
 inline constexpr size_t kInlineBytes = size_t(256) << 10;
+// Pull-mode dispatch: a sender whose bf16 rows total at most this many bytes copies them into
+// its half first, so that its call need not wait for every receiver's ack (state.h): copying
+// 64 KiB takes a few microseconds, about what one round of acks costs on a 2-core host.
+inline constexpr size_t kStageBytes = size_t(64) << 10;
 
 // Keeps a posted isend / irecv in `requests` (waited on by the receive phase), or returns the
 // error of posting it.
@@ -35,19 +39,29 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// Pull mode, at the end of a receive: acks every in-node peer that left its rows to be read
-// (its PullSource says so), then, if this rank left its own rows, waits until every in-node
-// peer has acked (so that the call may return and its rows be reused). Ranks that used the
-// hook copied their rows and wait for nobody, so hooks may run in any order.
-inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
+// Pull mode, at the end of a receive: acks every in-node peer that left the caller's rows to
+// be read (its PullSource says so), then, if this rank left its caller's rows, waits until
+// every in-node peer has acked (so that the call may return and the caller reuse them). Ranks
+// that used the hook copied their rows, and ranks that read from their own copy (acked =
+// false) wait for nobody, so hooks may run in any order. `published`: every rank's
+// PullSource as the opening collective gathered it (combine), else they are read from the
+// in-node segments.
+inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
+                            const PullSource* published = nullptr) {
   World& w = *st.world;
   const int G = w.ranks_per_node(), me = w.local_rank();
+  auto source = [&](int p) -> const PullSource& {
+    return published != nullptr ? published[size_t(w.node()) * size_t(G) + size_t(p)]
+                                : *st.pull_source(p, half, kind);
+  };
   for (int p = 0; p < G; ++p) {
-    if (p != me && st.pull_source(p, half, kind)->pulled) {
+    const PullSource& ps = source(p);
+    if (p != me && ps.pulled && ps.acked) {
       st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
     }
   }
-  if (!st.pull_source(me, half, kind)->pulled) return ok_status();
+  const PullSource& own = source(me);
+  if (!own.pulled || !own.acked) return ok_status();
   std::atomic<uint64_t>* mine = st.acks(me, half, kind);
   for (int p = 0; p < G; ++p) {
     if (p == me) continue;

@@ -11,18 +11,21 @@
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
-//   pull[h]          two PullSource (dispatch, combine): what in-node peers read in pull mode
+//   pull[h]          two PullSource (dispatch, combine); unused since the call's collective
+//                    gathers them (DispatchHalf / CombineHalf::sources), kept for the layout
 //   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
 //                    which that peer has finished reading this rank's memory (pull mode)
 //
 // Pull mode (the threads world, where every rank's memory is readable by its node; calls
 // without a receive hook): in-node rows are not copied by the sender into the receiver's slots
-// (a copy the receiver would then pack again); the sender publishes where its rows are
-// (PullSource) before its counts, and the receiver copies them once, straight into their packed
+// (a copy the receiver would then pack again); the call's opening collective gathers where
+// every rank's rows are (PullSource) and, for dispatch, its counts, so no signal round follows,
+// and the receiver copies them once, straight into their packed
 // place (dispatch), or reduces them where they are (combine). Every receive in the threads world
 // then acks its in-node peers and waits for their acks, so the call returns only once nobody
-// reads its rows any more. With a hook the sender copies as before, so that its rows are free
-// once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
+// reads its rows any more; a dispatch with few rows (phases.h, kStageBytes) copies them into
+// its half first and waits for no acks. With a hook the sender copies as before, so that its rows
+// are free once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
 #pragma once
 
 #include <atomic>
@@ -79,9 +82,13 @@ struct SegmentLayout {
 // before the counts (dispatch) or the signal (combine) that make it visible.
 struct PullSource {
   // The sender left its in-node rows for the receivers to read (a call without a receive
-  // hook, which returns only after they have); else it copied them into their slots.
+  // hook); else it copied them into their slots.
   bool pulled = false;
-  const std::byte* rows = nullptr;  // dispatch: token rows (x, or its FP8 rows + scales);
+  // The rows read are the caller's memory, so the call returns only after every receiver has
+  // acked; else they are this half's own copy, which the agreement opening the call two later
+  // (every rank has received this one by then) releases.
+  bool acked = false;
+  const std::byte* rows = nullptr;  // dispatch: token rows (x, its copy, or FP8 rows + scales);
                                     // combine: the expert outputs
   size_t stride = 0;                // bytes from one row to the next
   const int32_t* tokens = nullptr;  // dispatch: [E][M] token of row i of chunk (me, e)
@@ -104,14 +111,21 @@ struct DispatchHalf {
   std::vector<Request> header_requests;  // header receives of this op
   std::vector<Request> send_requests;    // this op's sends
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
+  std::vector<std::byte> staged_rows;    // pull mode, few bf16 rows: [T] copies of x's rows
   std::vector<int32_t> pull_tokens;      // pull mode: [E][M], PullSource::tokens
   std::vector<float> pull_probs;         // pull mode: [E][M], PullSource::probs
+  // Pull mode: every rank's PullSource and counts for this rank's experts ([R][L]), gathered
+  // by the call's opening collective (dispatch.cc, publish_dispatch).
+  std::vector<PullSource> sources;
+  std::vector<int32_t> published_count;
 };
 
 struct CombineHalf {
   bool pending = false;
   std::vector<std::byte> net_send;  // staged rows when the expert output is strided
   std::vector<Request> requests;
+  // Pull mode: every rank's PullSource, gathered by the call's opening collective (combine.cc).
+  std::vector<PullSource> sources;  // [R]
 };
 
 }  // namespace low_latency
