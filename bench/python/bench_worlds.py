@@ -7,7 +7,10 @@ shapes, same run, rounds interleaved so that load from elsewhere hits every worl
     python3 bench/python/bench_worlds.py --shape mixtral --ranks 4 --iters 5 --json
 
 Figures: per world and dispatcher, the median over every round's iterations of rank 0's time
-for dispatch + combine (one node: every rank on this host). The ratio column is gloo / MPI.
+for dispatch + combine (one node: every rank on this host). gloo / MPI is the median over rounds
+of each round's ratio of medians (the two worlds ran back to back in that round), with its 95%
+interval (bootstrap over the rounds, stats.py) and the verdict against the target of issue 17,
+within 10% of MPI: met (the whole interval at or below 1.10), missed, or undecided.
 """
 import argparse
 import json
@@ -21,6 +24,7 @@ import tempfile
 import torch
 
 import moed
+from stats import median_ci, verdict
 
 SHAPES = {"tiny": (64, 256, 8, 2), "mixtral": (2048, 4096, 8, 2), "dsv3": (4096, 7168, 256, 8),
           "decode": (128, 7168, 256, 8)}
@@ -86,9 +90,9 @@ def main():
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--kinds", default="allgather,alltoall,flex")
     ap.add_argument("--worlds", default="threads,mpi,gloo")
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mpi-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -102,23 +106,33 @@ def main():
         return
     worlds = a.worlds.split(",")
     times = {w: {k: [] for k in kinds} for w in worlds}
+    round_med = {w: {k: [] for k in kinds} for w in worlds}
     for _ in range(a.rounds):
         for w in worlds:
             for k, t in run_world(w, a, kinds).items():
                 times[w][k] += t
+                round_med[w][k].append(statistics.median(t))
     med = {w: {k: statistics.median(v) * 1e6 for k, v in times[w].items()} for w in worlds}
+    both = "gloo" in worlds and "mpi" in worlds
+    ratio = {}
+    if both:
+        for k in kinds:
+            r, lo, hi = median_ci([g / m for g, m in zip(round_med["gloo"][k], round_med["mpi"][k])])
+            ratio[k] = dict(gloo_vs_mpi=r, ci=[lo, hi], verdict=verdict(lo, hi, 1.10))
     if a.json:
-        print(json.dumps(dict(shape=a.shape, ranks=a.ranks, median_us=med)))
+        print(json.dumps(dict(shape=a.shape, ranks=a.ranks, rounds=a.rounds, median_us=med,
+                              gloo_vs_mpi=ratio)))
         return
-    print(f"{a.shape}, {a.ranks} ranks on one node, dispatch + combine, median us of rank 0")
+    print(f"{a.shape}, {a.ranks} ranks on one node, dispatch + combine, median us of rank 0, "
+          f"{a.rounds} rounds")
     print(f"{'kind':10}" + "".join(f"{w:>12}" for w in worlds) +
-          (f"{'gloo/mpi':>10}" if "gloo" in worlds and "mpi" in worlds else ""))
+          (f"  {'gloo/mpi [95%]':>22}  verdict (<= 1.10)" if both else ""))
     for k in kinds:
         line = f"{k:10}" + "".join(f"{med[w][k]:12.1f}" for w in worlds)
-        if "gloo" in worlds and "mpi" in worlds:
-            line += f"{med['gloo'][k] / med['mpi'][k]:10.3f}"
+        if both:
+            r = ratio[k]
+            line += f"  {r['gloo_vs_mpi']:6.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]  {r['verdict']}"
         print(line)
-
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,33 @@
+"""Confidence intervals for the Python benchmarks' figures, so a verdict says whether a target
+is met, missed, or cannot be told from the noise of this run.
+
+A figure is a median (of paired differences, or of per-round ratios); its interval is the
+percentile bootstrap: the median of `resamples` resamplings with replacement, seeded, so the
+same samples give the same interval.
+"""
+import random
+import statistics
+
+
+def median_ci(samples, level=0.95, resamples=2000, seed=1):
+    """(median, low, high) of `samples`; low and high bound the `level` interval."""
+    xs = list(samples)
+    if not xs:
+        nan = float("nan")
+        return nan, nan, nan
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
+    tail = (1.0 - level) / 2.0
+    lo = meds[int(tail * (resamples - 1))]
+    hi = meds[int((1.0 - tail) * (resamples - 1))]
+    return statistics.median(xs), lo, hi
+
+
+def verdict(low, high, limit):
+    """Against an upper limit: 'met' when the whole interval is at or below it, 'missed' when
+    the whole interval is above it, 'undecided' when the interval straddles it."""
+    if high <= limit:
+        return "met"
+    if low > limit:
+        return "missed"
+    return "undecided"
