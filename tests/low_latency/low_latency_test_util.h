@@ -30,7 +30,7 @@ struct Case {
 
 // The global problem: every rank builds all of it from the seed and uses its own part.
 struct Problem {
-  Case c;  // what it is built from
+  Case c;                         // what it is built from
   std::vector<Tensor> x;          // per rank [T_s, H] bf16
   std::vector<TopkRouting> topk;  // per rank
   std::vector<Tensor> y;          // per rank: expert outputs in the canonical layout
