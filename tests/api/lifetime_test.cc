@@ -38,6 +38,19 @@ testing::DispatchCase make_case(int ranks, int g, uint64_t seed) {
   return testing::api_case(ranks, g, 5 + int(seed), /*hidden=*/72, seed);
 }
 
+using CaseBody = std::function<Status(World&, const testing::DispatchCase&, const DispatchInput&)>;
+
+// Runs body on every rank of make_case(ranks, g, seed) with the case and this rank's input
+// (its hidden rows and top-k routing).
+Status run_case(Backend backend, int ranks, int g, uint64_t seed, const CaseBody& body) {
+  const testing::DispatchCase c = make_case(ranks, g, seed);
+  const testing::CaseInput in = testing::make_case_input(c);
+  return testing::run_world(backend, ranks, g, [&](World& w) -> Status {
+    const int r = w.rank();
+    return body(w, c, {.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]});
+  });
+}
+
 class OutputLifetime : public testing::BackendAndKindTest {};
 
 // Hold output 1 (and its combine), dispatch and combine again with other routing and data:
@@ -85,65 +98,61 @@ TEST_P(OutputLifetime, HeldOutputsStayUnchanged) {
 // MPI and gloo worlds, after every local rank unmapped its view of Flex's region) is unchanged.
 TEST_P(OutputLifetime, OutputOutlivesItsDispatcher) {
   const auto [backend, kind] = GetParam();
-  const testing::DispatchCase c = make_case(4, 2, 3);
-  const testing::CaseInput in = testing::make_case_input(c);
-  Status s = testing::run_world(backend, 4, 2, [&](World& w) -> Status {
-    const int r = w.rank();
-    DispatchOutput held;
-    Held copy;
-    {
-      MOED_ASSIGN_OR_RETURN(
-          auto d, TokenDispatcher::create(w, {.kind = kind, .num_experts = c.num_experts}));
-      MOED_ASSIGN_OR_RETURN(
-          held, d->dispatch({.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]}));
-      copy = copy_of(held);
-    }
-    MOED_RETURN_IF_ERROR(w.barrier());  // every rank's dispatcher is gone
-    return same(held, copy, str_cat("rank ", r, " after the dispatcher"));
-  });
+  Status s = run_case(
+      backend, 4, 2, 3,
+      [&](World& w, const testing::DispatchCase& c, const DispatchInput& input) -> Status {
+        DispatchOutput held;
+        Held copy;
+        {
+          MOED_ASSIGN_OR_RETURN(
+              auto d, TokenDispatcher::create(w, {.kind = kind, .num_experts = c.num_experts}));
+          MOED_ASSIGN_OR_RETURN(held, d->dispatch(input));
+          copy = copy_of(held);
+        }
+        MOED_RETURN_IF_ERROR(w.barrier());  // every rank's dispatcher is gone
+        return same(held, copy, str_cat("rank ", w.rank(), " after the dispatcher"));
+      });
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 // Every token_* returns a non-null request, done after wait() (async or not).
 TEST_P(OutputLifetime, RequestsAreNeverNull) {
   const auto [backend, kind] = GetParam();
-  const testing::DispatchCase c = make_case(3, 0, 1);
-  const testing::CaseInput in = testing::make_case_input(c);
-  Status s = testing::run_world(backend, 3, 0, [&](World& w) -> Status {
-    const int r = w.rank();
-    MOED_ASSIGN_OR_RETURN(auto d,
-                          TokenDispatcher::create(w, {.kind = kind, .num_experts = c.num_experts}));
-    for (bool async : {false, true}) {
-      MOED_RETURN_IF_ERROR(d->dispatch_preprocess(
-          {.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]}));
-      MOED_ASSIGN_OR_RETURN(Request q, d->token_dispatch(async));
-      if (!q) return internal_error("token_dispatch(", async, ") returned null");
-      MOED_RETURN_IF_ERROR(q->wait());
-      if (!q->ready()) return internal_error("ready() false after wait()");
-      MOED_ASSIGN_OR_RETURN(DispatchOutput o, d->dispatch_postprocess());
-      MOED_RETURN_IF_ERROR(
-          d->combine_preprocess({.expert_output = o.expert_input, .handle = o.handle}));
-      MOED_ASSIGN_OR_RETURN(Request cq, d->token_combine(async));
-      if (!cq) return internal_error("token_combine(", async, ") returned null");
-      MOED_RETURN_IF_ERROR(cq->wait());
-      MOED_RETURN_IF_ERROR(d->combine_postprocess().status());
-      const Tensor g = Tensor::zeros(DType::kF32, o.num_rows(), c.hidden);
-      MOED_RETURN_IF_ERROR(
-          d->dispatch_postprocess_backward({.grad_expert_input = g.view(), .handle = o.handle}));
-      MOED_ASSIGN_OR_RETURN(Request bq, d->token_dispatch_backward(async));
-      if (!bq) return internal_error("token_dispatch_backward returned null");
-      MOED_RETURN_IF_ERROR(bq->wait());
-      MOED_RETURN_IF_ERROR(d->dispatch_preprocess_backward().status());
-      const Tensor gh = Tensor::zeros(DType::kF32, in.topk[size_t(r)].num_tokens, c.hidden);
-      MOED_RETURN_IF_ERROR(d->combine_postprocess_backward(
-          {.grad_hidden = gh.view(), .expert_output = o.expert_input, .handle = o.handle}));
-      MOED_ASSIGN_OR_RETURN(Request cbq, d->token_combine_backward(async));
-      if (!cbq) return internal_error("token_combine_backward returned null");
-      MOED_RETURN_IF_ERROR(cbq->wait());
-      MOED_RETURN_IF_ERROR(d->combine_preprocess_backward().status());
-    }
-    return ok_status();
-  });
+  Status s = run_case(
+      backend, 3, 0, 1,
+      [&](World& w, const testing::DispatchCase& c, const DispatchInput& input) -> Status {
+        MOED_ASSIGN_OR_RETURN(
+            auto d, TokenDispatcher::create(w, {.kind = kind, .num_experts = c.num_experts}));
+        for (bool async : {false, true}) {
+          MOED_RETURN_IF_ERROR(d->dispatch_preprocess(input));
+          MOED_ASSIGN_OR_RETURN(Request q, d->token_dispatch(async));
+          if (!q) return internal_error("token_dispatch(", async, ") returned null");
+          MOED_RETURN_IF_ERROR(q->wait());
+          if (!q->ready()) return internal_error("ready() false after wait()");
+          MOED_ASSIGN_OR_RETURN(DispatchOutput o, d->dispatch_postprocess());
+          MOED_RETURN_IF_ERROR(
+              d->combine_preprocess({.expert_output = o.expert_input, .handle = o.handle}));
+          MOED_ASSIGN_OR_RETURN(Request cq, d->token_combine(async));
+          if (!cq) return internal_error("token_combine(", async, ") returned null");
+          MOED_RETURN_IF_ERROR(cq->wait());
+          MOED_RETURN_IF_ERROR(d->combine_postprocess().status());
+          const Tensor g = Tensor::zeros(DType::kF32, o.num_rows(), c.hidden);
+          MOED_RETURN_IF_ERROR(d->dispatch_postprocess_backward(
+              {.grad_expert_input = g.view(), .handle = o.handle}));
+          MOED_ASSIGN_OR_RETURN(Request bq, d->token_dispatch_backward(async));
+          if (!bq) return internal_error("token_dispatch_backward returned null");
+          MOED_RETURN_IF_ERROR(bq->wait());
+          MOED_RETURN_IF_ERROR(d->dispatch_preprocess_backward().status());
+          const Tensor gh = Tensor::zeros(DType::kF32, input.topk->num_tokens, c.hidden);
+          MOED_RETURN_IF_ERROR(d->combine_postprocess_backward(
+              {.grad_hidden = gh.view(), .expert_output = o.expert_input, .handle = o.handle}));
+          MOED_ASSIGN_OR_RETURN(Request cbq, d->token_combine_backward(async));
+          if (!cbq) return internal_error("token_combine_backward returned null");
+          MOED_RETURN_IF_ERROR(cbq->wait());
+          MOED_RETURN_IF_ERROR(d->combine_preprocess_backward().status());
+        }
+        return ok_status();
+      });
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
@@ -157,52 +166,54 @@ class FlexCollectives : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(FlexCollectives, OnePerStep) {
   for (auto [R, G] : {std::pair{4, 0}, std::pair{4, 2}, std::pair{5, 0}}) {
-    const testing::DispatchCase c = make_case(R, G, 3);
-    const testing::CaseInput in = testing::make_case_input(c);
-    Status s = testing::run_world(GetParam(), R, G, [&](World& w) -> Status {
-      const int r = w.rank();
-      MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, {.kind = DispatcherKind::kFlex,
-                                                                .num_experts = c.num_experts}));
-      const DispatchInput input{.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]};
-      auto count = [&](const char* what, uint64_t limit, bool exact,
-                       const std::function<Status()>& step) -> Status {
-        const uint64_t before = w.counters().collectives;
-        MOED_RETURN_IF_ERROR(step());
-        const uint64_t n = w.counters().collectives - before;
-        if (n > limit || (exact && n != limit))
-          return internal_error("rank ", r, ": ", what, " made ", n, " collectives");
-        return ok_status();
-      };
-      std::shared_ptr<const DispatchHandle> handle;
-      for (int round = 0; round < 3; ++round) {
-        const bool steady = round > 0;  // round 0 allocates the regions
-        const uint64_t any = ~uint64_t(0);
-        DispatchOutput out;
-        MOED_RETURN_IF_ERROR(count("dispatch", steady ? 1 : any, steady, [&]() -> Status {
-          MOED_ASSIGN_OR_RETURN(out, d->dispatch(input));
+    Status s = run_case(
+        GetParam(), R, G, 3,
+        [&](World& w, const testing::DispatchCase& c, const DispatchInput& input) -> Status {
+          const int r = w.rank();
+          MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, {.kind = DispatcherKind::kFlex,
+                                                                    .num_experts = c.num_experts}));
+          auto count = [&](const char* what, uint64_t limit, bool exact,
+                           const std::function<Status()>& step) -> Status {
+            const uint64_t before = w.counters().collectives;
+            MOED_RETURN_IF_ERROR(step());
+            const uint64_t n = w.counters().collectives - before;
+            if (n > limit || (exact && n != limit))
+              return internal_error("rank ", r, ": ", what, " made ", n, " collectives");
+            return ok_status();
+          };
+          std::shared_ptr<const DispatchHandle> handle;
+          for (int round = 0; round < 3; ++round) {
+            const bool steady = round > 0;  // round 0 allocates the regions
+            const uint64_t any = ~uint64_t(0);
+            DispatchOutput out;
+            MOED_RETURN_IF_ERROR(count("dispatch", steady ? 1 : any, steady, [&]() -> Status {
+              MOED_ASSIGN_OR_RETURN(out, d->dispatch(input));
+              return ok_status();
+            }));
+            handle = out.handle;
+            const Tensor y = Tensor::copy_of(out.expert_input.x);
+            out = DispatchOutput{};
+            MOED_RETURN_IF_ERROR(count("cached dispatch", steady ? 1 : any, false, [&]() -> Status {
+              MOED_ASSIGN_OR_RETURN(DispatchOutput o,
+                                    d->dispatch({.hidden = input.hidden, .cached_handle = handle}));
+              return ok_status();
+            }));
+            MOED_RETURN_IF_ERROR(count("combine", steady ? 1 : any, false, [&]() -> Status {
+              return d->combine({.expert_output = {y.view(), {}}, .handle = handle}).status();
+            }));
+            MOED_RETURN_IF_ERROR(
+                count("dispatch backward", steady ? 1 : any, false, [&]() -> Status {
+                  return d->dispatch_backward({.grad_expert_input = y.view(), .handle = handle})
+                      .status();
+                }));
+            const Tensor gh = Tensor::zeros(DType::kF32, input.hidden.x.rows, c.hidden);
+            MOED_RETURN_IF_ERROR(
+                count("combine backward", steady ? 1 : any, false, [&]() -> Status {
+                  return d->combine_backward({.grad_hidden = gh.view(), .handle = handle}).status();
+                }));
+          }
           return ok_status();
-        }));
-        handle = out.handle;
-        const Tensor y = Tensor::copy_of(out.expert_input.x);
-        out = DispatchOutput{};
-        MOED_RETURN_IF_ERROR(count("cached dispatch", steady ? 1 : any, false, [&]() -> Status {
-          MOED_ASSIGN_OR_RETURN(DispatchOutput o,
-                                d->dispatch({.hidden = input.hidden, .cached_handle = handle}));
-          return ok_status();
-        }));
-        MOED_RETURN_IF_ERROR(count("combine", steady ? 1 : any, false, [&]() -> Status {
-          return d->combine({.expert_output = {y.view(), {}}, .handle = handle}).status();
-        }));
-        MOED_RETURN_IF_ERROR(count("dispatch backward", steady ? 1 : any, false, [&]() -> Status {
-          return d->dispatch_backward({.grad_expert_input = y.view(), .handle = handle}).status();
-        }));
-        const Tensor gh = Tensor::zeros(DType::kF32, input.hidden.x.rows, c.hidden);
-        MOED_RETURN_IF_ERROR(count("combine backward", steady ? 1 : any, false, [&]() -> Status {
-          return d->combine_backward({.grad_hidden = gh.view(), .handle = handle}).status();
-        }));
-      }
-      return ok_status();
-    });
+        });
     ASSERT_TRUE(s.ok()) << "R " << R << " G " << G << ": " << s.to_string();
   }
 }

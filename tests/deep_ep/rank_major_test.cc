@@ -22,12 +22,13 @@ using ::moed::testing::Backend;
 using ::moed::testing::run_world;
 
 struct Case {
-  int ranks = 1, per_node = 0, num_experts = 1, num_topk = 1, hidden = 100;
+  int ranks = 1, per_node = 0, num_experts = 1, num_topk = 1;
   DType dtype = DType::kBF16;
-  std::vector<int64_t> tokens;  // per rank
-  int64_t worst = 0;
+  int hidden = 100;
   int alignment = 1;
   bool with_topk = true;
+  std::vector<int64_t> tokens = {};  // per rank; "= {}" lets the grid rows leave it out
+  int64_t worst = 0;
   uint32_t seed = 1;
 };
 
@@ -357,14 +358,8 @@ std::vector<int64_t> tokens_for(int R, int seed) {
 }
 
 TEST_P(RankMajor, SweepRanksNodesTopkDtypes) {
-  struct Grid {
-    int R, G, E, K;
-    DType dt;
-    int H;
-    int align;
-    bool with_topk;
-  };
-  const std::vector<Grid> grid = {
+  // R, G, E, K, dtype, H, alignment, with_topk; tokens and seed follow from R and G.
+  const std::vector<Case> grid = {
       {1, 0, 4, 2, DType::kBF16, 100, 1, true},  {2, 0, 4, 1, DType::kF32, 36, 3, true},
       {3, 0, 6, 6, DType::kBF16, 100, 1, true},  {4, 0, 8, 3, DType::kFP8, 256, 4, true},
       {5, 0, 10, 2, DType::kBF16, 100, 1, true}, {7, 0, 7, 7, DType::kBF16, 20, 2, true},
@@ -372,33 +367,24 @@ TEST_P(RankMajor, SweepRanksNodesTopkDtypes) {
       {8, 4, 16, 16, DType::kBF16, 52, 1, true}, {8, 2, 8, 2, DType::kFP8, 128, 2, true},
       {6, 3, 12, 1, DType::kF32, 100, 1, true},  {4, 1, 4, 4, DType::kBF16, 100, 1, true},
   };
-  for (const Grid& g : grid) {
-    Case c;
-    c.ranks = g.R;
-    c.per_node = g.G;
-    c.num_experts = g.E;
-    c.num_topk = g.K;
-    c.dtype = g.dt;
-    c.hidden = g.H;
-    c.alignment = g.align;
-    c.with_topk = g.with_topk;
-    c.tokens = tokens_for(g.R, g.R + g.G);
-    c.seed = uint32_t(g.R * 100 + g.G);
+  for (Case c : grid) {
+    c.tokens = tokens_for(c.ranks, c.ranks + c.per_node);
+    c.seed = uint32_t(c.ranks * 100 + c.per_node);
     const Problem p = make_problem(c);
-    Status s = run_world(GetParam(), g.R, g.G, [&](World& w) { return run_case(w, p); });
-    ASSERT_TRUE(s.ok()) << "R" << g.R << " G" << g.G << " K" << g.K << ": " << s.to_string();
+    Status s = run_world(GetParam(), c.ranks, c.per_node, [&](World& w) { return run_case(w, p); });
+    ASSERT_TRUE(s.ok()) << "R" << c.ranks << " G" << c.per_node << " K" << c.num_topk << ": "
+                        << s.to_string();
   }
 }
 
 TEST_P(RankMajor, NumWorstTokensPadsWithZerosAndCachedAgrees) {
   for (int G : {0, 2}) {
-    Case c;
-    c.ranks = 4;
-    c.per_node = G;
-    c.num_experts = 8;
-    c.num_topk = 2;
-    c.tokens = {9, 0, 12, 5};
-    c.worst = 40;
+    const Case c{.ranks = 4,
+                 .per_node = G,
+                 .num_experts = 8,
+                 .num_topk = 2,
+                 .tokens = {9, 0, 12, 5},
+                 .worst = 40};
     const Problem p = make_problem(c);
     Status s = run_world(GetParam(), 4, G, [&](World& w) { return run_case(w, p); });
     ASSERT_TRUE(s.ok()) << "G" << G << ": " << s.to_string();
@@ -406,11 +392,7 @@ TEST_P(RankMajor, NumWorstTokensPadsWithZerosAndCachedAgrees) {
 }
 
 TEST_P(RankMajor, BadInputIsEveryRanksError) {
-  Case c;
-  c.ranks = 4;
-  c.num_experts = 8;
-  c.num_topk = 2;
-  c.tokens = {6, 6, 6, 6};
+  const Case c{.ranks = 4, .num_experts = 8, .num_topk = 2, .tokens = {6, 6, 6, 6}};
   const Problem p = make_problem(c);
   Status s = run_world(GetParam(), 4, 2, [&](World& w) -> Status {
     const int r = w.rank();

@@ -12,10 +12,13 @@
 //   ASSERT_TRUE(s.ok()) << s.to_string();   // "case R4 ETP2 ...: rank 1: combine out[3][17] ..."
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moed/dispatcher.h"
@@ -81,5 +84,35 @@ std::vector<DispatchCase> sweep_cases(int ranks);
 // layout), R = 5 and 7, every rank with T = 0 (R > 1, every layout), hidden sizes that are not
 // a multiple of 16 (17, 100, 4099 with few tokens; fp8 needs H % 128 == 0 and keeps 128).
 std::vector<DispatchCase> edge_cases();
+
+// Every dispatcher's sweep and edge suites derive from these fixtures (so each keeps its own
+// suite name) and run the cases with their kind and factory.
+using BackendAndRanks = std::tuple<Backend, int>;
+class SweepTest : public ::testing::TestWithParam<BackendAndRanks> {
+ protected:
+  // sweep_cases(ranks) on the parameter's backend.
+  void run_sweep(DispatcherKind kind, const DispatcherFactory& make) const {
+    const auto [backend, ranks] = GetParam();
+    Status s = run_cases(backend, sweep_cases(ranks), kind, make);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+};
+class EdgesTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  void run_edges(DispatcherKind kind, const DispatcherFactory& make) const {
+    Status s = run_cases(GetParam(), edge_cases(), kind, make);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+};
+
+// A SweepTest's parameters: every backend of the binary times R in {1, 2, 3, 4, 8}, named
+// "threads_R4".
+inline auto sweep_grid() {
+  return ::testing::Combine(::testing::ValuesIn(backends()), ::testing::Values(1, 2, 3, 4, 8));
+}
+inline std::string sweep_grid_name(const ::testing::TestParamInfo<BackendAndRanks>& info) {
+  return std::string(backend_name(std::get<0>(info.param))) + "_R" +
+         std::to_string(std::get<1>(info.param));
+}
 
 }  // namespace moed::testing

@@ -11,36 +11,22 @@ namespace {
 
 using testing::Backend;
 
-class DispatchSweep : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
+class DispatchSweep : public testing::SweepTest {};
 
 TEST_P(DispatchSweep, AllGather) {
-  const auto [backend, ranks] = GetParam();
-  Status s = testing::run_cases(backend, testing::sweep_cases(ranks), DispatcherKind::kAllGather,
-                                make_allgather_dispatcher);
-  ASSERT_TRUE(s.ok()) << s.to_string();
+  run_sweep(DispatcherKind::kAllGather, make_allgather_dispatcher);
 }
 
-TEST_P(DispatchSweep, AlltoAll) {
-  const auto [backend, ranks] = GetParam();
-  Status s = testing::run_cases(backend, testing::sweep_cases(ranks), DispatcherKind::kAlltoAll,
-                                make_alltoall_dispatcher);
-  ASSERT_TRUE(s.ok()) << s.to_string();
-}
+TEST_P(DispatchSweep, AlltoAll) { run_sweep(DispatcherKind::kAlltoAll, make_alltoall_dispatcher); }
 
 // Strided inputs, R = 5 and 7, all ranks empty, H not a multiple of 16 (harness.h).
-class DispatchEdges : public ::testing::TestWithParam<Backend> {};
+class DispatchEdges : public testing::EdgesTest {};
 
 TEST_P(DispatchEdges, AllGather) {
-  Status s = testing::run_cases(GetParam(), testing::edge_cases(), DispatcherKind::kAllGather,
-                                make_allgather_dispatcher);
-  ASSERT_TRUE(s.ok()) << s.to_string();
+  run_edges(DispatcherKind::kAllGather, make_allgather_dispatcher);
 }
 
-TEST_P(DispatchEdges, AlltoAll) {
-  Status s = testing::run_cases(GetParam(), testing::edge_cases(), DispatcherKind::kAlltoAll,
-                                make_alltoall_dispatcher);
-  ASSERT_TRUE(s.ok()) << s.to_string();
-}
+TEST_P(DispatchEdges, AlltoAll) { run_edges(DispatcherKind::kAlltoAll, make_alltoall_dispatcher); }
 
 TEST(DispatchEdgeCases, CoverEveryCorner) {
   bool strided = false, r5 = false, r7 = false, all_empty = false, h17 = false, h4099 = false;
@@ -77,17 +63,9 @@ TEST(DispatchSweepCases, CoverEveryAxis) {
               map_form && etp2);
 }
 
-std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, int>>& info) {
-  return std::string(testing::backend_name(std::get<0>(info.param))) + "_R" +
-         std::to_string(std::get<1>(info.param));
-}
-
 INSTANTIATE_TEST_SUITE_P(Worlds, DispatchEdges, ::testing::ValuesIn(testing::backends()),
                          testing::backend_param_name<::testing::TestParamInfo<Backend>>);
-INSTANTIATE_TEST_SUITE_P(Worlds, DispatchSweep,
-                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values(1, 2, 3, 4, 8)),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, DispatchSweep, testing::sweep_grid(), testing::sweep_grid_name);
 
 }  // namespace
 }  // namespace moed

@@ -11,23 +11,14 @@ namespace {
 
 using testing::Backend;
 
-class FlexSweep : public ::testing::TestWithParam<std::tuple<Backend, int>> {};
+class FlexSweep : public testing::SweepTest {};
 
-TEST_P(FlexSweep, OneNode) {
-  const auto [backend, ranks] = GetParam();
-  Status s = testing::run_cases(backend, testing::sweep_cases(ranks), DispatcherKind::kFlex,
-                                make_flex_dispatcher);
-  ASSERT_TRUE(s.ok()) << s.to_string();
-}
+TEST_P(FlexSweep, OneNode) { run_sweep(DispatcherKind::kFlex, make_flex_dispatcher); }
 
 // Strided inputs, R = 5 and 7, all ranks empty, H not a multiple of 16 (harness.h).
-class FlexEdges : public ::testing::TestWithParam<Backend> {};
+class FlexEdges : public testing::EdgesTest {};
 
-TEST_P(FlexEdges, Cases) {
-  Status s = testing::run_cases(GetParam(), testing::edge_cases(), DispatcherKind::kFlex,
-                                make_flex_dispatcher);
-  ASSERT_TRUE(s.ok()) << s.to_string();
-}
+TEST_P(FlexEdges, Cases) { run_edges(DispatcherKind::kFlex, make_flex_dispatcher); }
 
 // Every sweep case of R ranks again, with the ranks split into nodes of G (cross-node traffic
 // then takes the two hops). Cases whose ETP group would straddle nodes are skipped (Flex
@@ -90,10 +81,6 @@ TEST_P(FlexNodes, Split) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
-std::string sweep_name(const ::testing::TestParamInfo<std::tuple<Backend, int>>& info) {
-  return std::string(testing::backend_name(std::get<0>(info.param))) + "_R" +
-         std::to_string(std::get<1>(info.param));
-}
 std::string nodes_name(
     const ::testing::TestParamInfo<std::tuple<Backend, std::pair<int, int>>>& info) {
   const auto [r, g] = std::get<1>(info.param);
@@ -105,10 +92,7 @@ INSTANTIATE_TEST_SUITE_P(Worlds, FlexEdges, ::testing::ValuesIn(testing::backend
                          testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 INSTANTIATE_TEST_SUITE_P(Worlds, FlexWideRows, ::testing::ValuesIn(testing::backends()),
                          testing::backend_param_name<::testing::TestParamInfo<Backend>>);
-INSTANTIATE_TEST_SUITE_P(Worlds, FlexSweep,
-                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values(1, 2, 3, 4, 8)),
-                         sweep_name);
+INSTANTIATE_TEST_SUITE_P(Worlds, FlexSweep, testing::sweep_grid(), testing::sweep_grid_name);
 INSTANTIATE_TEST_SUITE_P(Worlds, FlexNodes,
                          ::testing::Combine(::testing::ValuesIn(testing::backends()),
                                             ::testing::Values(std::pair{8, 8}, std::pair{8, 4},

@@ -35,14 +35,9 @@ StatusOr<double> loss(World& w, MoELayer& layer, const Tensor& x, const Tensor& 
 TEST_P(MoEGradCheckTest, FiniteDifferences) {
   for (DispatcherKind kind : {DispatcherKind::kFlex, DispatcherKind::kAlltoAll}) {
     SCOPED_TRACE(dispatcher_kind_name(kind));
-    MoEConfig c;
-    c.hidden = 16;
-    c.ffn_hidden = 12;
-    c.num_experts = 4;
-    c.num_topk = 2;
-    c.shared_expert_ffn = 8;
-    c.dispatcher = kind;
-    c.seed = 3;
+    const MoEConfig c = moe_test::layer_config(
+        {.hidden = 16, .ffn_hidden = 12, .num_experts = 4, .num_topk = 2, .shared_expert_ffn = 8},
+        DType::kF32, kind, 3);
     Status s = testing::run_world(GetParam(), 2, 0, [&](World& w) -> Status {
       MOED_ASSIGN_OR_RETURN(std::unique_ptr<MoELayer> layer, MoELayer::create(w, c));
       Tensor x = random_rows(DType::kF32, 6 + 3 * w.rank(), c.hidden, 10u + uint32_t(w.rank()));

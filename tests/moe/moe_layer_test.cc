@@ -21,16 +21,9 @@ using moe_test::random_rows;
 using testing::Backend;
 
 MoEConfig tiny_config(DispatcherKind kind, DType dt) {
-  MoEConfig c;
-  c.hidden = 32;
-  c.ffn_hidden = 24;
-  c.num_experts = 8;
-  c.num_topk = 2;
-  c.shared_expert_ffn = 16;
-  c.dtype = dt;
-  c.dispatcher = kind;
-  c.seed = 7;
-  return c;
+  return moe_test::layer_config(
+      {.hidden = 32, .ffn_hidden = 24, .num_experts = 8, .num_topk = 2, .shared_expert_ffn = 16},
+      dt, kind, 7);
 }
 
 struct Inputs {

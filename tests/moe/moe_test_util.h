@@ -26,6 +26,25 @@ inline Tensor random_rows(DType dt, int64_t rows, int64_t cols, uint32_t seed) {
   return t;
 }
 
+// A test layer's config: its sizes, dtype, dispatcher and seed; every other field at its
+// default (layout and router written out, as -Wextra asks of members without an initializer).
+struct LayerSizes {
+  int hidden, ffn_hidden, num_experts, num_topk, shared_expert_ffn;
+};
+inline MoEConfig layer_config(const LayerSizes& s, DType dtype, DispatcherKind kind,
+                              uint64_t seed) {
+  return {.hidden = s.hidden,
+          .ffn_hidden = s.ffn_hidden,
+          .num_experts = s.num_experts,
+          .num_topk = s.num_topk,
+          .shared_expert_ffn = s.shared_expert_ffn,
+          .dtype = dtype,
+          .dispatcher = kind,
+          .layout = {},
+          .router = {},
+          .seed = seed};
+}
+
 // Tokens per rank: uneven, and one rank with none when there are several.
 inline std::vector<int64_t> tokens_per_rank(int ranks) {
   static const int64_t kTokens[] = {13, 0, 21, 6, 9, 17, 2, 11};

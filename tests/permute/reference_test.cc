@@ -27,29 +27,22 @@ struct Case {
 };
 
 std::vector<Case> cases() {
-  auto opts = [](std::optional<double> cf, DropPolicy policy, bool pad, int align, int multiple) {
-    LayoutOptions o;
-    o.capacity_factor = cf;
-    o.drop_policy = policy;
-    o.pad_to_capacity = pad;
-    o.expert_alignment = align;
-    o.router_padding_multiple = multiple;
-    return o;
-  };
   const DropPolicy kP = DropPolicy::kProbs, kPos = DropPolicy::kPosition;
+  // T, E, K, skew, layout {capacity_factor, drop_policy, pad_to_capacity, expert_alignment,
+  // router_padding_multiple}.
   return {
-      {0, 4, 2, Skew::kUniform, opts({}, kP, false, 1, 0)},
-      {0, 4, 2, Skew::kUniform, opts(1.0, kP, true, 4, 0)},
-      {37, 8, 2, Skew::kUniform, opts({}, kP, false, 1, 0)},
-      {37, 8, 1, Skew::kUniform, opts({}, kP, false, 8, 0)},
-      {37, 8, 8, Skew::kAllExperts, opts({}, kP, false, 3, 0)},
-      {37, 8, 2, Skew::kOneExpert, opts({}, kP, false, 16, 0)},
-      {37, 8, 2, Skew::kOneExpert, opts(1.0, kP, false, 1, 0)},
-      {60, 8, 2, Skew::kUniform, opts(1.0, kP, true, 1, 0)},
-      {60, 8, 3, Skew::kUniform, opts(0.5, kPos, true, 8, 0)},
-      {60, 8, 2, Skew::kUniform, opts(1.25, kPos, false, 3, 0)},
-      {60, 6, 2, Skew::kUniform, opts({}, kP, false, 1, 4)},
-      {60, 6, 2, Skew::kOneExpert, opts(0.75, kP, false, 2, 8)},
+      {0, 4, 2, Skew::kUniform, {{}, kP, false, 1, 0}},
+      {0, 4, 2, Skew::kUniform, {1.0, kP, true, 4, 0}},
+      {37, 8, 2, Skew::kUniform, {{}, kP, false, 1, 0}},
+      {37, 8, 1, Skew::kUniform, {{}, kP, false, 8, 0}},
+      {37, 8, 8, Skew::kAllExperts, {{}, kP, false, 3, 0}},
+      {37, 8, 2, Skew::kOneExpert, {{}, kP, false, 16, 0}},
+      {37, 8, 2, Skew::kOneExpert, {1.0, kP, false, 1, 0}},
+      {60, 8, 2, Skew::kUniform, {1.0, kP, true, 1, 0}},
+      {60, 8, 3, Skew::kUniform, {0.5, kPos, true, 8, 0}},
+      {60, 8, 2, Skew::kUniform, {1.25, kPos, false, 3, 0}},
+      {60, 6, 2, Skew::kUniform, {{}, kP, false, 1, 4}},
+      {60, 6, 2, Skew::kOneExpert, {0.75, kP, false, 2, 8}},
   };
 }
 

@@ -25,12 +25,8 @@ enum class Skew { kUniform, kOneExpert, kAllExperts };
 // K distinct experts per token (fewer when K > E); probs random in (0, 1] or dyadic.
 inline RoutingMap random_map(int64_t T, int E, int K, uint32_t seed, Skew skew = Skew::kUniform,
                              bool dyadic = false) {
-  RoutingMap m = RoutingMap{};
-  m.num_tokens = T;
-  m.num_experts = E;
+  RoutingMap m = RoutingMap::empty(T, E);
   m.num_topk = K;
-  m.routing_map.assign(size_t(T) * E, 0);
-  m.probs.assign(size_t(T) * E, 0.0f);
   std::mt19937 rng(seed);
   std::vector<int> experts(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {

@@ -37,12 +37,18 @@ struct DropCase : HeldProblem {
   }
 };
 
+// Expert e's column in rank 0's effective routing of p: which tokens are routed, and their probs.
+void expect_column(const ReferenceProblem& p, int e, const std::vector<int>& routed,
+                   const std::vector<float>& probs) {
+  auto eff = reference_effective_routing(p);
+  ASSERT_TRUE(eff.ok()) << eff.status().to_string();
+  EXPECT_EQ(routed_column((*eff)[0], e), routed);
+  EXPECT_EQ(prob_column((*eff)[0], e), probs);
+}
+
 TEST(ReferenceOptions, CapacityProbsKeepsHighestProbs) {
   DropCase c({0.1f, 0.2f, 0.9f, 0.8f}, DropPolicy::kProbs);
-  auto eff = reference_effective_routing(c.p);
-  ASSERT_TRUE(eff.ok()) << eff.status().to_string();
-  EXPECT_EQ(routed_column((*eff)[0], 0), (std::vector<int>{0, 0, 1, 1}));
-  EXPECT_EQ(prob_column((*eff)[0], 0), (std::vector<float>{0, 0, 0.9f, 0.8f}));
+  expect_column(c.p, 0, {0, 0, 1, 1}, {0, 0, 0.9f, 0.8f});
   auto d = reference_dispatch(c.p);
   ASSERT_TRUE(d.ok()) << d.status().to_string();
   // Kept rows stay in token order, not prob order.
@@ -60,10 +66,7 @@ TEST(ReferenceOptions, CapacityProbsTiesGoToLowerToken) {
 
 TEST(ReferenceOptions, CapacityPositionKeepsLowestTokens) {
   DropCase c({0.1f, 0.2f, 0.9f, 0.8f}, DropPolicy::kPosition);
-  auto eff = reference_effective_routing(c.p);
-  ASSERT_TRUE(eff.ok()) << eff.status().to_string();
-  EXPECT_EQ(routed_column((*eff)[0], 0), (std::vector<int>{1, 1, 0, 0}));
-  EXPECT_EQ(prob_column((*eff)[0], 0), (std::vector<float>{0.1f, 0.2f, 0, 0}));
+  expect_column(c.p, 0, {1, 1, 0, 0}, {0.1f, 0.2f, 0, 0});
 }
 
 TEST(ReferenceOptions, CapacityRoundsUpAndUsesTheMapsTopkWhenTheProblemHasNone) {
@@ -165,11 +168,10 @@ TEST(ReferenceOptions, RouterPaddingRoutesLowestUnroutedTokensWithProbZero) {
   FourTokens f;
   ReferenceProblem& p = f.p;
   p.layout.router_padding_multiple = 2;
+  // Expert 1 had 3 (t0, t1, t3): t2 joins with prob 0. Experts 0 and 2 had 2.
+  expect_column(p, 1, {1, 1, 1, 1}, {1, 1, 0, 1});
   auto eff = reference_effective_routing(p);
   ASSERT_TRUE(eff.ok()) << eff.status().to_string();
-  // Expert 1 had 3 (t0, t1, t3): t2 joins with prob 0. Experts 0 and 2 had 2.
-  EXPECT_EQ(routed_column((*eff)[0], 1), (std::vector<int>{1, 1, 1, 1}));
-  EXPECT_EQ(prob_column((*eff)[0], 1), (std::vector<float>{1, 1, 0, 1}));
   EXPECT_EQ(routed_column((*eff)[0], 0), (std::vector<int>{1, 0, 1, 0}));
   auto d = reference_dispatch(p);
   ASSERT_TRUE(d.ok()) << d.status().to_string();

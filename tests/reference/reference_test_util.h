@@ -50,12 +50,8 @@ inline Tensor random_f32(std::mt19937& rng, int64_t rows, int64_t cols) {
 
 // Each token routes to num_topk distinct experts, probs uniform in (0, 1].
 inline RoutingMap random_map(std::mt19937& rng, int64_t num_tokens, int num_experts, int num_topk) {
-  RoutingMap m = RoutingMap{};
-  m.num_tokens = num_tokens;
-  m.num_experts = num_experts;
+  RoutingMap m = RoutingMap::empty(num_tokens, num_experts);
   m.num_topk = num_topk;
-  m.routing_map.assign(size_t(num_tokens) * num_experts, 0);
-  m.probs.assign(size_t(num_tokens) * num_experts, 0.0f);
   std::uniform_real_distribution<float> prob(0.0f, 1.0f);
   std::vector<int> experts(static_cast<size_t>(num_experts));
   for (int64_t t = 0; t < num_tokens; ++t) {

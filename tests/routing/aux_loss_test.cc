@@ -11,9 +11,12 @@
 #include <random>
 
 #include "moed/router.h"
+#include "routing/routing_test_util.h"
 
 namespace moed {
 namespace {
+
+using routing_test::router_config;
 
 using Objective = std::function<double(const std::vector<double>&)>;
 
@@ -223,9 +226,7 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
       for (int K : {1, 2, 6}) {
         for (LoadBalancing lb :
              {LoadBalancing::kNone, LoadBalancing::kAuxLoss, LoadBalancing::kSeqAuxLoss}) {
-          RouterConfig c;
-          c.num_experts = 6;
-          c.num_topk = K;
+          RouterConfig c = router_config(6, K);
           c.score_function = f;
           c.pre_softmax = pre;
           c.load_balancing = lb;
@@ -291,10 +292,7 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
 }
 
 TEST(RouterBackward, SizeErrors) {
-  RouterConfig c;
-  c.num_experts = 4;
-  c.num_topk = 2;
-  Router router = *Router::create(c);
+  Router router = *Router::create(router_config(4, 2));
   const std::vector<float> logits(12, 0.5f);
   RouterOutput out = *router.forward(logits, 3);
   EXPECT_EQ(router.backward(logits, out, std::vector<float>(11)).status().message(),

@@ -9,14 +9,12 @@
 
 #include "moed/routing.h"
 #include "moed/thread_pool.h"
+#include "routing/routing_test_util.h"
 
 namespace moed {
 namespace {
 
-void expect_invalid(const Status& s, const std::string& message) {
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
-  EXPECT_EQ(s.message(), message);
-}
+using routing_test::expect_invalid;
 
 TEST(LayoutOptions, Validate) {
   LayoutOptions o;

@@ -10,13 +10,13 @@
 #include <limits>
 #include <random>
 
+#include "routing/routing_test_util.h"
+
 namespace moed {
 namespace {
 
-void expect_invalid(const Status& s, const std::string& message) {
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
-  EXPECT_EQ(s.message(), message);
-}
+using routing_test::expect_invalid;
+using routing_test::router_config;
 
 std::vector<float> bf_softmax(std::vector<float> v) {
   float m = -std::numeric_limits<float>::infinity();
@@ -116,9 +116,7 @@ TEST(Router, ForwardMatchesBruteForce) {
             if (groups > 0 && (E % groups != 0 || K < 2 || K / 2 > E / groups)) continue;
             for (bool use_bias : {false, true}) {
               for (bool ties : {false, true}) {
-                RouterConfig c;
-                c.num_experts = E;
-                c.num_topk = K;
+                RouterConfig c = router_config(E, K);
                 c.score_function = f;
                 c.pre_softmax = pre;
                 c.num_groups = groups;
@@ -170,9 +168,7 @@ TEST(Router, ForwardMatchesBruteForce) {
 }
 
 TEST(Router, TiesGoToTheLowerExpert) {
-  RouterConfig c;
-  c.num_experts = 8;
-  c.num_topk = 3;
+  RouterConfig c = router_config(8, 3);
   Router router = *Router::create(c);
   std::vector<float> logits = {1, 2, 2, 0, 2, 0, 0, 0,  // experts 1, 2, 4 tie
                                0, 0, 0, 0, 0, 0, 0, 0};
@@ -191,9 +187,7 @@ TEST(Router, LayoutOptionsEqualApplyLayoutOptions) {
   std::mt19937 rng(3);
   for (DropPolicy policy : {DropPolicy::kProbs, DropPolicy::kPosition}) {
     for (int m : {0, 4}) {
-      RouterConfig c;
-      c.num_experts = 8;
-      c.num_topk = 2;
+      RouterConfig c = router_config(8, 2);
       c.layout.capacity_factor = 0.75;
       c.layout.drop_policy = policy;
       c.layout.router_padding_multiple = m;
@@ -231,9 +225,7 @@ TEST(Router, LayoutOptionsEqualApplyLayoutOptions) {
 }
 
 TEST(Router, ConfigErrors) {
-  RouterConfig c;
-  c.num_experts = 8;
-  c.num_topk = 9;
+  RouterConfig c = router_config(8, 9);
   expect_invalid(c.validate(), "num_topk = 9 is outside [1, 8]");
   c.num_topk = 4;
   c.score_function = ScoreFunction::kSigmoid;
@@ -288,9 +280,7 @@ TEST(Router, ExpertBiasUpdateRule) {
   expect_invalid(updated_expert_bias(tpe, std::vector<float>(3), 1.0f).status(),
                  "tokens_per_expert has 4 entries but expert_bias has 3");
 
-  RouterConfig c;
-  c.num_experts = 4;
-  c.num_topk = 2;
+  RouterConfig c = router_config(4, 2);
   c.score_function = ScoreFunction::kSigmoid;
   c.enable_expert_bias = true;
   c.expert_bias_update_rate = 0.5f;

@@ -7,8 +7,12 @@
 #include <limits>
 #include <random>
 
+#include "routing/routing_test_util.h"
+
 namespace moed {
 namespace {
+
+using routing_test::expect_invalid;
 
 TopkRouting make_topk(int64_t num_tokens, int num_topk, std::vector<int32_t> idx,
                       std::vector<float> weights) {
@@ -18,11 +22,6 @@ TopkRouting make_topk(int64_t num_tokens, int num_topk, std::vector<int32_t> idx
   r.topk_idx = std::move(idx);
   r.topk_weights = std::move(weights);
   return r;
-}
-
-void expect_invalid(const Status& s, const std::string& message) {
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
-  EXPECT_EQ(s.message(), message);
 }
 
 TEST(ValidateTopk, AcceptsValidRoutingWithUnusedSlots) {

@@ -82,7 +82,8 @@ TEST(SparseRouting, ValidateNamesTheProblem) {
   s.prob = {0.5f, -1.0f};
   EXPECT_EQ(validate(s, 4).message(), "prob of token 0 at expert 2 = -1 is not a valid prob");
   s.prob = {0.5f};
-  EXPECT_EQ(validate(s, 4).message(), "sparse routing has 2 experts and 1 probs; begin says 2 entries");
+  EXPECT_EQ(validate(s, 4).message(),
+            "sparse routing has 2 experts and 1 probs; begin says 2 entries");
   EXPECT_EQ(validate(SparseRouting{}, 3).message(),
             "sparse routing has num_experts = 0, expected 3");
 }

@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -51,30 +50,6 @@ std::set<std::string> files_in(const std::string& dir) {
   return names;
 }
 
-// x [3 * T, H], top-K indices and probs for E experts, written under dir.
-void write_inputs(const TempDir& dir, DType dtype, int64_t T, int64_t H, int K, int E,
-                  uint32_t seed) {
-  const int64_t rows = kRanks * T;
-  std::vector<int32_t> idx;
-  std::vector<float> probs;
-  random_topk(rows, K, E, seed, idx, probs);
-  Tensor x = Tensor::empty(dtype, rows, H);
-  std::mt19937 rng(seed + 1);
-  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
-  for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t h = 0; h < H; ++h) {
-      if (dtype == DType::kF32) {
-        x.row<float>(i)[h] = u(rng);
-      } else {
-        x.row<bf16>(i)[h] = float_to_bf16(u(rng));
-      }
-    }
-  }
-  save(dir / "x.npy", dtype == DType::kF32 ? NpyDType::kF32 : NpyDType::kU16, {rows, H}, x.data());
-  save(dir / "idx.npy", NpyDType::kI32, {rows, K}, idx.data());
-  save(dir / "probs.npy", NpyDType::kF32, {rows, K}, probs.data());
-}
-
 struct Case {
   DType dtype;
   std::string flags;  // dispatcher and layout, the same for both worlds
@@ -100,7 +75,7 @@ TEST(CliDispatchMpi, FilesEqualTheThreadsWorld) {
   uint32_t seed = 5;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.flags + " / " + c.world);
-    write_inputs(dir, c.dtype, /*T=*/7, /*H=*/24, K, E, seed);
+    write_dispatch_inputs(dir, c.dtype, /*rows=*/kRanks * 7, /*H=*/24, K, E, seed);
     seed += 2;
     const std::string in = "dispatch --x " + dir / "x.npy" + " --topk-idx " + dir / "idx.npy" +
                            " --topk-probs " + dir / "probs.npy" + " --experts " +
@@ -133,7 +108,7 @@ TEST(CliDispatchMpi, FilesEqualTheThreadsWorld) {
 
 TEST(CliDispatchMpi, BadInputFailsEveryRank) {
   TempDir dir("dispatch_mpi_errors");
-  write_inputs(dir, DType::kF32, /*T=*/2, /*H=*/4, /*K=*/2, /*E=*/6, 3);
+  write_dispatch_inputs(dir, DType::kF32, /*rows=*/kRanks * 2, /*H=*/4, /*K=*/2, /*E=*/6, 3);
   const std::vector<int32_t> bad_idx = {0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 6};
   save(dir / "bad_idx.npy", NpyDType::kI32, {6, 2}, bad_idx.data());
   // Only rank 1 fails here, on writing its file: the others must still fail, and name it.

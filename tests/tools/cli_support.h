@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "moed/dtype.h"
 #include "moed/npy.h"
+#include "moed/tensor.h"
 
 namespace moed::cli_test {
 
@@ -94,6 +96,33 @@ inline void random_topk(int64_t T, int K, int E, uint32_t seed, std::vector<int3
       probs.push_back(none ? 0.0f : u(rng));
     }
   }
+}
+
+// What `moed dispatch` reads, as written to dir (x.npy, idx.npy, probs.npy): x [rows, H] f32 or
+// bf16 (stored as u16) uniform in [-3, 3) from seed + 1, and random_topk's K experts of E per
+// row from seed.
+struct DispatchInputs {
+  Tensor x;
+  std::vector<int32_t> idx;
+  std::vector<float> probs;
+};
+inline DispatchInputs write_dispatch_inputs(const TempDir& dir, DType dtype, int64_t rows,
+                                            int64_t H, int K, int E, uint32_t seed) {
+  DispatchInputs in;
+  random_topk(rows, K, E, seed, in.idx, in.probs);
+  in.x = Tensor::empty(dtype, rows, H);
+  std::mt19937 rng(seed + 1);
+  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
+  std::vector<float> row(static_cast<size_t>(H));
+  for (int64_t i = 0; i < rows; ++i) {
+    for (float& v : row) v = u(rng);
+    store_row(row.data(), in.x.view().row_ptr(i), dtype, row.size());  // bf16: float_to_bf16
+  }
+  save(dir / "x.npy", dtype == DType::kF32 ? NpyDType::kF32 : NpyDType::kU16, {rows, H},
+       in.x.data());
+  save(dir / "idx.npy", NpyDType::kI32, {rows, K}, in.idx.data());
+  save(dir / "probs.npy", NpyDType::kF32, {rows, K}, in.probs.data());
+  return in;
 }
 
 }  // namespace moed::cli_test

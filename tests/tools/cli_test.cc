@@ -197,25 +197,9 @@ TEST(CliDispatch, EqualsReferenceForEachDispatcher) {
                  << " etp=" << c.etp << " " << dtype_name(c.dtype) << " " << c.flags);
     const int R = c.ranks;
     const int64_t rows = R * T;
-    std::vector<int32_t> idx;
-    std::vector<float> probs;
-    random_topk(rows, K, E, seed++, idx, probs);
-    Tensor x = Tensor::empty(c.dtype, rows, H);
-    std::mt19937 rng(seed++);
-    std::uniform_real_distribution<float> u(-3.0f, 3.0f);
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t h = 0; h < H; ++h) {
-        if (c.dtype == DType::kF32) {
-          x.row<float>(i)[h] = u(rng);
-        } else {
-          x.row<bf16>(i)[h] = float_to_bf16(u(rng));
-        }
-      }
-    }
+    const DispatchInputs inputs = write_dispatch_inputs(dir, c.dtype, rows, H, K, E, seed);
+    seed += 2;
     const NpyDType payload = c.dtype == DType::kF32 ? NpyDType::kF32 : NpyDType::kU16;
-    save(dir / "x.npy", payload, {rows, H}, x.data());
-    save(dir / "idx.npy", NpyDType::kI32, {rows, K}, idx.data());
-    save(dir / "probs.npy", NpyDType::kF32, {rows, K}, probs.data());
     const std::string out = dir / "out";
     std::filesystem::remove_all(out);
     const CliResult r = run_cli(
@@ -235,10 +219,11 @@ TEST(CliDispatch, EqualsReferenceForEachDispatcher) {
       TopkRouting mine;
       mine.num_tokens = T;
       mine.num_topk = K;
-      mine.topk_idx.assign(idx.begin() + s * T * K, idx.begin() + (s + 1) * T * K);
-      mine.topk_weights.assign(probs.begin() + s * T * K, probs.begin() + (s + 1) * T * K);
+      mine.topk_idx.assign(inputs.idx.begin() + s * T * K, inputs.idx.begin() + (s + 1) * T * K);
+      mine.topk_weights.assign(inputs.probs.begin() + s * T * K,
+                               inputs.probs.begin() + (s + 1) * T * K);
       p.routing.push_back(to_map(mine, E));
-      p.hidden.push_back(TokenRows{x.view().slice_rows(s * T, T), {}});
+      p.hidden.push_back(TokenRows{inputs.x.view().slice_rows(s * T, T), {}});
     }
     StatusOr<std::vector<ReferenceRankDispatch>> want = reference_dispatch(p);
     ASSERT_TRUE(want.ok()) << want.status().to_string();
@@ -270,7 +255,7 @@ TEST(CliDispatch, EqualsReferenceForEachDispatcher) {
     ASSERT_TRUE(combined.ok()) << combined.status().to_string();
     const NpyArray got = read(out + "/combined.npy");
     EXPECT_EQ(got.shape, (std::vector<int64_t>{rows, H}));
-    ASSERT_EQ(got.data.size(), x.bytes());
+    ASSERT_EQ(got.data.size(), inputs.x.bytes());
     for (int s = 0; s < R; ++s) {
       const Tensor& w = (*combined)[size_t(s)];
       EXPECT_EQ(std::memcmp(got.data.data() + w.bytes() * size_t(s), w.data(), w.bytes()), 0)

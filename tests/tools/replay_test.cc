@@ -139,11 +139,11 @@ void expect_same_counts(const ReplayResult& got, const ReplayResult& want) {
 // The worked example: 4 tokens, top-2, 4 experts on 2 ranks, one rank per node, rows of 8 bytes.
 TEST(Replay, HandCountedExample) {
   const RoutingTrace tr = make_trace(1, 4, 2, {0, 2, 1, -1, 2, 3, 0, 3});
-  ReplayOptions o;
-  o.num_ranks = 2;
-  o.ranks_per_node = 1;
-  o.hidden = 4;
-  o.dtype_bytes = 2;
+  ReplayOptions o{.num_ranks = 2,
+                  .ranks_per_node = 1,
+                  .capacity_factor = std::nullopt,  // dropless; cf 0.5 below
+                  .hidden = 4,
+                  .dtype_bytes = 2};
   StatusOr<ReplayResult> r = replay_trace(tr, o);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   EXPECT_EQ(r->num_experts, 4);  // max index + 1
@@ -189,15 +189,14 @@ TEST(Replay, MatchesDirectCount) {
     SCOPED_TRACE(testing::Message()
                  << "T=" << c.T << " K=" << c.K << " E=" << c.E << " R=" << c.R << " G=" << c.G);
     const RoutingTrace tr = random_trace(c.steps, c.T, c.K, c.E, seed++, c.skewed);
-    ReplayOptions o;
-    o.num_experts = c.E;
-    o.num_ranks = c.R;
-    o.ranks_per_node = c.G;
-    o.capacity_factor = c.cf;
-    o.hidden = 96;
-    o.dtype_bytes = 2;
-    o.shared_gbps = 100;
-    o.network_gbps = 25;
+    const ReplayOptions o{.num_experts = c.E,
+                          .num_ranks = c.R,
+                          .ranks_per_node = c.G,
+                          .capacity_factor = c.cf,
+                          .hidden = 96,
+                          .dtype_bytes = 2,
+                          .shared_gbps = 100,
+                          .network_gbps = 25};
     StatusOr<ReplayResult> r = replay_trace(tr, o);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     expect_same_counts(*r, direct(tr, o));
@@ -314,11 +313,7 @@ bool tags_balanced(const std::string& doc) {
 
 TEST(Svg, PicturesShowAxesLegendAndNodes) {
   const RoutingTrace tr = random_trace(2, 256, 8, 256, 7, true);
-  ReplayOptions o;
-  o.num_ranks = 16;
-  o.ranks_per_node = 8;
-  o.num_experts = 256;
-  o.capacity_factor = 1.0;
+  ReplayOptions o{.num_experts = 256, .num_ranks = 16, .ranks_per_node = 8, .capacity_factor = 1.0};
   StatusOr<ReplayResult> r = replay_trace(tr, o);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
   ASSERT_GT(r->dropped, 0);
