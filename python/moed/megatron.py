@@ -199,11 +199,17 @@ class MoETokenDispatcher:
         return x, tpe, pprobs
 
     # ---- combine ----
-    def combine_preprocess(self, hidden_states):
-        """hidden_states: expert outputs [rows, H] (f32 or bf16) in the dispatch's layout."""
+    def combine_preprocess(self, hidden_states, *, out=None):
+        """hidden_states: expert outputs [rows, H] (f32 or bf16) in the dispatch's layout.
+
+        out (keyword-only, moed's extension): a [T, H] tensor of hidden_states' dtype (rows
+        may be strided; T = this rank's tokens of the dispatch) that combine_postprocess
+        returns, filled, as it is (not viewed in dispatch_preprocess's hidden_states shape);
+        a wrong `out` on one rank raises ValueError on every rank, naming it, and then no
+        rank's `out` is written."""
         s = self._need(self._last, "combine_preprocess", "dispatch_postprocess")
-        self._box.combine_preprocess(hidden_states, s.handle)
-        self._combine_in = (hidden_states, s)
+        self._box.combine_preprocess(hidden_states, s.handle, out=out)
+        self._combine_in = (hidden_states, s, out)
         return hidden_states
 
     def token_combine(self, hidden_states, async_op=False):
@@ -212,14 +218,15 @@ class MoETokenDispatcher:
         return hidden_states
 
     def combine_postprocess(self, hidden_states):
-        """The combined tokens in dispatch_preprocess's hidden_states shape."""
-        eo, s = self._need(self._combine_in, "combine_postprocess", "combine_preprocess")
+        """The combined tokens in dispatch_preprocess's hidden_states shape (combine_preprocess's
+        `out`, as given, when there was one)."""
+        eo, s, given = self._need(self._combine_in, "combine_postprocess", "combine_preprocess")
         self._combine_in = None
         out, _ = self._box.combine_postprocess()
         probs = s.probs if s.weighted else None
         if torch.is_grad_enabled() and (eo.requires_grad or (probs is not None and probs.requires_grad)):
             out = _CombineFn.apply(eo, probs, s, [out])
-        return out.view(s.hidden_shape)
+        return out if given is not None else out.view(s.hidden_shape)
 
     # ---- Megatron's older two-call API ----
     def token_permutation(self, hidden_states, probs, routing_map):

@@ -47,7 +47,8 @@ class DispatcherBox : public Closable {
   // read until the step's request completes); top-k routing is viewed in place (or in torch's
   // contiguous copy, kept here), a map is converted to moed's sparse form.
   py::object keep_x, keep_scales, keep_eo, keep_idx, keep_weights;
-  py::object keep_out;  // DispatchInput::out's tensor: returned as expert_input
+  py::object keep_out;   // DispatchInput::out's tensor: returned as expert_input
+  py::object keep_cout;  // CombineInput::out's tensor: returned as the combined rows
   SparseRouting routing;
   TopkView topk;
   Request d_req, c_req;
@@ -107,11 +108,24 @@ std::shared_ptr<const DispatchHandle> handle_of(py::handle h) {
   return box.h;
 }
 
-CombineInput combine_input(py::handle eo, py::handle handle) {
+// out (optional): the caller's [T, H] tensor for the result (shape and dtype are checked by
+// the combine, on every rank).
+CombineInput combine_input(py::handle eo, py::handle handle, py::handle out) {
   CombineInput in;
   in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
   in.handle = handle_of(handle);
+  if (!out.is_none()) in.out = rows_arg(out, "out", kFloatRows);
   return in;
+}
+
+// (combined rows, combined_probs or None): the caller's `out` tensor when one was given.
+py::tuple combine_result(CombineOutput&& out, py::object& keep_cout, bool combined_probs) {
+  const int64_t T = out.result().rows;
+  py::object probs = combined_probs ? vector_to_torch<float>(std::move(out.combined_probs), {T})
+                                    : py::object(py::none());
+  py::object rows = out.out ? std::move(keep_cout) : to_torch(std::move(out.hidden));
+  keep_cout = py::object();
+  return py::make_tuple(rows, probs);
 }
 
 // (gradient tensor, grad_probs [T, E]) of a backward pass.
@@ -252,13 +266,14 @@ void bind_dispatcher(py::module_& m) {
            })
       .def(
           "combine_preprocess",
-          [](DispatcherBox& b, py::handle eo, py::handle handle) {
-            const CombineInput in = combine_input(eo, handle);
+          [](DispatcherBox& b, py::handle eo, py::handle handle, py::handle out) {
+            const CombineInput in = combine_input(eo, handle, out);
             b.keep_eo = py::reinterpret_borrow<py::object>(eo);
+            b.keep_cout = py::reinterpret_borrow<py::object>(out);
             TokenDispatcher& d = b.get();
             check(nogil([&] { return d.combine_preprocess(in); }));
           },
-          py::arg("expert_output"), py::arg("handle"))
+          py::arg("expert_output"), py::arg("handle"), py::arg("out") = py::none())
       .def(
           "token_combine",
           [](DispatcherBox& b, bool async) {
@@ -273,11 +288,7 @@ void bind_dispatcher(py::module_& m) {
             TokenDispatcher& d = b.get();
             CombineOutput out = after(b.c_req, [&] { return d.combine_postprocess(); });
             b.keep_eo = py::object();
-            int64_t T = out.hidden.rows();
-            py::object probs = combined_probs
-                                   ? vector_to_torch<float>(std::move(out.combined_probs), {T})
-                                   : py::object(py::none());
-            return py::make_tuple(to_torch(std::move(out.hidden)), probs);
+            return combine_result(std::move(out), b.keep_cout, combined_probs);
           },
           py::arg("combined_probs") = false);
   // ---- one call each ----
@@ -288,15 +299,13 @@ void bind_dispatcher(py::module_& m) {
   });
   cls.def(
          "combine",
-         [](DispatcherBox& b, py::handle eo, py::handle handle) {
-           const CombineInput in = combine_input(eo, handle);
+         [](DispatcherBox& b, py::handle eo, py::handle handle, py::handle out) {
+           const CombineInput in = combine_input(eo, handle, out);
+           py::object keep = py::reinterpret_borrow<py::object>(out);
            TokenDispatcher& d = b.get();
-           CombineOutput out = check(nogil([&] { return d.combine(in); }));
-           int64_t T = out.hidden.rows();
-           return py::make_tuple(to_torch(std::move(out.hidden)),
-                                 vector_to_torch<float>(std::move(out.combined_probs), {T}));
+           return combine_result(check(nogil([&] { return d.combine(in); })), keep, true);
          },
-         py::arg("expert_output"), py::arg("handle"))
+         py::arg("expert_output"), py::arg("handle"), py::arg("out") = py::none())
       // The C++ API's own loop, for the benchmark beside the Python steps (same process, same
       // run): per iteration dispatch(map form) then combine(expert_output = expert_input);
       // returns each iteration's seconds.

@@ -303,6 +303,84 @@ def test_dispatch_into_callers_tensor_bf16_worst_and_autograd(kind, worst, grad)
         assert len(errors) == 1 and "rank 3: out is" in errors[0], errors
 
 
+def combine_out_body(g, kind, dtype, grad, weighted):
+    """combine_preprocess(..., out=): the combined rows land in the caller's (strided) [T, H]
+    tensor, bit for bit moed's own result, backward gives the same gradients; then a wrong
+    `out` on the last rank is a ValueError on every rank and no rank's `out` is written."""
+    R, r = g.size(), g.rank()
+    H = 37
+    x, rmap, probs, _, w = inputs(r, H, 2, dtype)
+    d = make_dispatcher(kind, num_moe_experts=E, moe_router_topk=2, moe_weighted_combine=weighted)
+
+    def forward(out):
+        xg = x.detach().clone().requires_grad_(grad)
+        pg = probs.detach().clone().requires_grad_(grad)
+        ei, _, _ = six_steps(d, xg, rmap, pg, False)
+        y = d.combine_preprocess(ei * 2, out=out)
+        y = d.combine_postprocess(d.token_combine(y))
+        if grad:
+            (y.float() * w.float()).sum().backward()
+            return y.detach().clone(), xg.grad, pg.grad
+        return y, None, None
+
+    want, want_gx, want_gp = forward(None)
+    want = want.clone()
+    T = x.size(0)
+    big = torch.full((T, H + 3), float("nan"), dtype=dtype)
+    out = big[:, :H]
+    got, gx, gp = forward(out)
+    ok = [torch.equal(got, want), bool(torch.isnan(big[:, H:].float()).all()),
+          torch.equal(out, want)]
+    if grad:
+        ok += [torch.equal(gx, want_gx), torch.equal(gp, want_gp)]
+    else:
+        ok.append(got is out)
+    errors = []
+    bad = torch.full((T + 1 if r == R - 1 else T, H), float("nan"), dtype=dtype)
+    ei, _, _ = six_steps(d, x, rmap, probs, False)
+    try:
+        y = d.combine_preprocess(ei, out=bad)
+        d.combine_postprocess(d.token_combine(y))
+    except ValueError as e:
+        errors.append(str(e))
+    ok.append(bool(torch.isnan(bad.float()).all()))
+    d.close()
+    return ok, errors, T
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("world", [(1, 0), (3, 0), (4, 2)], ids=["R1", "R3", "R4_G2"])
+def test_combine_into_callers_tensor(kind, world):
+    R = world[0]
+    results = run(combine_out_body, world, kind, torch.float32, False, False)
+    last_tokens = results[R - 1][2]
+    for ok, errors, _ in results:
+        assert all(ok), ok
+        assert len(errors) == 1, errors
+        assert f"rank {R - 1}: out is [{last_tokens + 1}, 37]; expected [{last_tokens}, 37]" in errors[0]
+
+
+@pytest.mark.parametrize("kind,weighted", [("alltoall", True), ("flex", False), ("allgather", True)])
+def test_combine_into_callers_tensor_bf16_autograd(kind, weighted):
+    for ok, errors, _ in run(combine_out_body, (4, 0), kind, torch.bfloat16, True, weighted):
+        assert all(ok), ok
+        assert len(errors) == 1 and "rank 3: out is" in errors[0], errors
+
+
+def test_combine_out_returned_as_given():
+    """hidden_states of any shape: combine_postprocess returns the caller's [T, H] `out`."""
+    def body(g):
+        d = make_dispatcher("alltoall", num_moe_experts=E, moe_router_topk=2)
+        x, rmap, probs, _, _ = inputs(g.rank(), 16, 2, torch.float32)
+        ei, _, _ = six_steps(d, x.view(1, -1, 16), rmap, probs, False)
+        want = combine_steps(d, ei, False)
+        out = torch.empty(x.size(0), 20)[:, :16]
+        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei, out=out)))
+        d.close()
+        return y is out and tuple(want.shape) == (1, x.size(0), 16) and torch.equal(y, want.view(-1, 16))
+    assert all(run(body, (2, 0)))
+
+
 # ---- bad inputs: an exception naming the value, on every rank, never a hang ----
 
 def expect_everywhere(world, fn, exc, words):
