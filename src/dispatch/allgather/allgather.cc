@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dispatch/dispatch_steps.h"
 #include "dispatch/row_exchange.h"
 
 namespace moed {
@@ -34,8 +35,7 @@ Status gather_rows(World& w, const TensorView& mine, std::span<const int64_t> ro
 // Every source's effective routing (after dropping and router padding), sparse, in one
 // all_gather_v: source s sends [entries of each token int32 x T_s][experts int32 x n_s]
 // [probs f32 x n_s], where n_s = the sum of its counts (known to every rank already).
-StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
-                                       const GlobalCounts& c) {
+StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine, const GlobalCounts& c) {
   const int R = w.size(), E = mine.num_experts;
   std::vector<size_t> words(static_cast<size_t>(R));
   size_t total = 0;
@@ -56,8 +56,8 @@ StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
   std::vector<int32_t> recv(total);
   std::vector<size_t> bytes(words.size());
   for (size_t s = 0; s < words.size(); ++s) bytes[s] = words[s] * sizeof(int32_t);
-  MOED_RETURN_IF_ERROR(w.all_gather_v_bytes(send.data(), send.size() * sizeof(int32_t),
-                                            recv.data(), bytes));
+  MOED_RETURN_IF_ERROR(
+      w.all_gather_v_bytes(send.data(), send.size() * sizeof(int32_t), recv.data(), bytes));
   SparseRouting g;
   g.num_experts = E;
   g.num_topk = mine.num_topk;
@@ -82,13 +82,9 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
   AllGatherDispatcher(World& world, const DispatchConfig& config)
       : RowExchangeDispatcher(world, config) {}
 
-  Status dispatch_preprocess(const DispatchInput& input) override;
-  StatusOr<Request> token_dispatch(bool async) override;
-  StatusOr<DispatchOutput> dispatch_postprocess() override;
+  MOED_DISPATCH_STEPS;
 
-  Status combine_postprocess_backward(const CombineGradInput& grad) override;
-  StatusOr<Request> token_combine_backward(bool async) override;
-  StatusOr<CombineGrad> combine_preprocess_backward() override;
+  MOED_COMBINE_BACKWARD_STEPS;
 
  private:
   struct DispatchState {
