@@ -118,8 +118,19 @@ class FlexDispatcher final : public TokenDispatcher {
   StatusOr<Request> run(bool async, StepState& step, const char* not_staged,
                         std::function<Status()> body);
   static Status finished(const std::shared_ptr<OpState>& state, const char* step);
-  StatusOr<std::shared_ptr<const FlexHandle>> own_handle(
-      const std::shared_ptr<const DispatchHandle>& handle, Status* local) const;
+  // The handle if it is this dispatcher's, and in *local why not.
+  std::shared_ptr<const FlexHandle> own_handle(const std::shared_ptr<const DispatchHandle>& handle,
+                                               Status* local) const;
+  // The first call of a step after the dispatch: resets and stages `step`, takes its handle and
+  // checks `rows` against it ([num_rows, hidden] on the expert side, else [num_tokens, hidden]),
+  // the verdict in step.local.
+  template <class Step>
+  void start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle, const char* name,
+                  const TensorView& rows, bool expert_side);
+  // The last call of a step: the communicating call's status (finished), then the step's state,
+  // the member reset for the next step.
+  template <class Step>
+  static StatusOr<Step> finish_step(Step& step, const char* name);
   Status check_cached(const DispatchInput& input);
 
   int64_t node_cap_rows(const FlexHandle& h) const;
