@@ -45,14 +45,10 @@
 namespace moed::bench {
 namespace {
 
-struct Args {
+struct Args : WorldArgs, ReportArgs {
+  Args() : WorldArgs(4), ReportArgs(5) {}
   std::string dispatchers = "allgather,alltoall";
-  std::string world = "threads";
   std::string shape = "mixtral";
-  int ranks = 4;
-  int ranks_per_node = 0;
-  int iters = 5;
-  bool json = false;
 };
 
 struct Figure {
@@ -71,8 +67,8 @@ struct Figure {
 
 // What holds this run's memory besides the dispatchers (all ranks, bytes).
 struct Memory {
-  uint64_t inputs = 0;     // every rank's tokens and routing
-  uint64_t reference = 0;  // the reference's dispatched rows and combined tokens
+  uint64_t inputs = 0;      // every rank's tokens and routing
+  uint64_t reference = 0;   // the reference's dispatched rows and combined tokens
   uint64_t copy_bound = 0;  // the copy bound's buffers
 };
 
@@ -235,8 +231,8 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     }
     if (me == 0) {
       const std::string name = dispatcher_kind_name(kind);
-      figures->push_back({name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds,
-                          dispatcher_rss});
+      figures->push_back(
+          {name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds, dispatcher_rss});
       figures->push_back({name, "combine", rows, ct, combine_traffic, verified, 0, dispatcher_rss});
     }
     out = DispatchOutput{};
@@ -381,9 +377,9 @@ void setup(CLI::App& bench) {
       "dispatch", "TokenDispatcher dispatch and combine (allgather, alltoall, flex) vs copy");
   c->add_option("--dispatcher", args->dispatchers, "comma-separated: allgather,alltoall,flex")
       ->capture_default_str();
-  add_world_options(*c, &args->world, &args->ranks, &args->ranks_per_node);
+  add_world_options(*c, *args);
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
-  add_report_options(*c, &args->iters, &args->json);
+  add_report_options(*c, *args);
   c->callback([args] { run(*args); });
 }
 

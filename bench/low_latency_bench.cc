@@ -33,21 +33,17 @@
 namespace moed::bench {
 namespace {
 
-struct Args {
+struct Args : WorldArgs, ReportArgs {
+  Args() : WorldArgs(8), ReportArgs(20) {}
   std::string shape = "decode";
   std::vector<int64_t> tokens;  // T per rank to run (empty: the shape's)
-  std::string world = "threads";
-  int ranks = 8;
-  int ranks_per_node = 0;
-  int iters = 20;
-  bool json = false;
 };
 
 // One figure as the ranks measured it: the per-iteration maximum over ranks, then the median.
 struct Figure {
   int64_t num_tokens = 0;  // T per rank
   std::string dispatcher, phase, dtype;
-  Paired times;  // the kernel's and the interleaved copy's, per iteration
+  Paired times;                // the kernel's and the interleaved copy's, per iteration
   int64_t rows = 0;            // rows received, summed over ranks
   size_t row_bytes = 0;        // payload bytes per row
   uint64_t network_bytes = 0;  // per iteration, summed over ranks
@@ -139,8 +135,8 @@ struct Floor {
 StatusOr<Floor> measure_floor(World& w, int iters) {
   Floor f;
   const int n = std::max(20, iters * 10), warmup = 5;
-  MOED_ASSIGN_OR_RETURN(f.collective,
-                        median_time_max(w, n, [&] { return w.barrier(); }, warmup));
+  MOED_ASSIGN_OR_RETURN(f.collective, median_time_max(
+                                          w, n, [&] { return w.barrier(); }, warmup));
   if (w.size() < 2) return f;
   const bool shared = w.same_node(0, 1);
   std::shared_ptr<SharedBuffer> signals;
@@ -328,8 +324,8 @@ Status run_rank(World& w, const Shape& base, const std::vector<int64_t>& tokens,
   }
   const int64_t T = *std::max_element(tokens.begin(), tokens.end());
   MOED_ASSIGN_OR_RETURN(
-      const int64_t ll, sum_ranks(w, int64_t(get_low_latency_size_hint(T, base.hidden, w.size(),
-                                                                        base.num_experts))));
+      const int64_t ll,
+      sum_ranks(w, int64_t(get_low_latency_size_hint(T, base.hidden, w.size(), base.num_experts))));
   if (w.rank() == 0) memory->low_latency_buffer_bytes = uint64_t(ll);
   return ok_status();
 }
@@ -409,8 +405,8 @@ void setup(CLI::App& bench) {
                 "T per rank, overriding the shape's; a list runs each, e.g. --tokens 1,8,32")
       ->delimiter(',')
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  add_world_options(*c, &args->world, &args->ranks, &args->ranks_per_node);
-  add_report_options(*c, &args->iters, &args->json);
+  add_world_options(*c, *args);
+  add_report_options(*c, *args);
   c->callback([args] { run(*args); });
 }
 
