@@ -58,16 +58,13 @@ Status check_exchange(const std::vector<Slot>& slots, const char* name, bool gat
 }  // namespace
 
 Status ThreadsWorld::barrier() {
-  Slot mine;
-  mine.op = Op::kBarrier;
   return collective(
-      mine, [](const std::vector<Slot>&) { return ok_status(); }, [](const std::vector<Slot>&) {});
+      Slot(Op::kBarrier), [](const std::vector<Slot>&) { return ok_status(); },
+      [](const std::vector<Slot>&) {});
 }
 
 Status ThreadsWorld::broadcast_bytes(void* data, size_t bytes, int root) {
-  Slot mine;
-  mine.op = Op::kBroadcast;
-  mine.recv = data;
+  Slot mine(Op::kBroadcast, nullptr, data);
   mine.send_bytes = bytes;
   mine.root = root;
   return collective(
@@ -88,11 +85,8 @@ Status ThreadsWorld::broadcast_bytes(void* data, size_t bytes, int root) {
 
 Status ThreadsWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
                                         std::span<const size_t> recv_bytes) {
-  Slot mine;
-  mine.op = Op::kAllGatherV;
-  mine.send = send;
+  Slot mine(Op::kAllGatherV, send, recv);
   mine.send_bytes = send_bytes;
-  mine.recv = recv;
   mine.recv_sizes = recv_bytes;
   return collective(
       mine,
@@ -112,12 +106,9 @@ Status ThreadsWorld::all_to_all_v_bytes(const void* send, std::span<const size_t
                                         std::span<const size_t> send_offsets, void* recv,
                                         std::span<const size_t> recv_bytes,
                                         std::span<const size_t> recv_offsets) {
-  Slot mine;
-  mine.op = Op::kAllToAllV;
-  mine.send = send;
+  Slot mine(Op::kAllToAllV, send, recv);
   mine.send_sizes = send_bytes;
   mine.send_offsets = send_offsets;
-  mine.recv = recv;
   mine.recv_sizes = recv_bytes;
   mine.recv_offsets = recv_offsets;
   return collective(
@@ -140,9 +131,7 @@ Status ThreadsWorld::all_to_all_v_bytes(const void* send, std::span<const size_t
 
 Status ThreadsWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
                                           float* recv) {
-  Slot mine;
-  mine.op = Op::kReduceScatterV;
-  mine.send = send;
+  Slot mine(Op::kReduceScatterV, send);
   mine.send_sizes = counts;
   // Sums go to a temporary first, so recv may alias send (in place).
   std::vector<float> sum;
@@ -174,9 +163,7 @@ Status ThreadsWorld::reduce_scatter_v_f32(const float* send, std::span<const siz
 }
 
 Status ThreadsWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
-  Slot mine;
-  mine.op = Op::kAllReduce;
-  mine.send = send;
+  Slot mine(Op::kAllReduce, send);
   mine.send_bytes = count;
   std::vector<float> sum;
   Status status = collective(

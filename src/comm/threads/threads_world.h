@@ -36,6 +36,11 @@ const char* op_name(Op op);
 // What a rank brings to a collective. Published before the first internal barrier and read
 // by the other ranks between the two barriers (the second keeps it alive while they read).
 struct Slot {
+  Slot() = default;
+  // The call and its buffers; the sizes are set by the call.
+  explicit Slot(Op call, const void* send_buffer = nullptr, void* recv_buffer = nullptr)
+      : op(call), send(send_buffer), recv(recv_buffer) {}
+
   Op op = Op::kBarrier;
   const void* send = nullptr;
   size_t send_bytes = 0;  // broadcast / all_gather_v bytes; f32 counts for all_reduce
