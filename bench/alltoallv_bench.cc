@@ -161,7 +161,7 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
 void run(const Args& args) {
   StatusOr<Shape> shape = find_shape(args.shape);
   if (!shape.ok()) fail("alltoallv", shape.status());
-  // MPI: the job's size.
+  // Under --world mpi: the job's size.
   int ranks = args.ranks;
   if (args.world == "mpi") {
     StatusOr<int> n = mpi_world_size();
