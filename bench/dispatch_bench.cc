@@ -67,8 +67,8 @@ struct Figure {
 
 // What holds this run's memory besides the dispatchers (all ranks, bytes).
 struct Memory {
-  uint64_t inputs = 0;      // every rank's tokens and routing
-  uint64_t reference = 0;   // the reference's dispatched rows and combined tokens
+  uint64_t inputs = 0;     // every rank's tokens and routing
+  uint64_t reference = 0;  // the reference's dispatched rows and combined tokens
   uint64_t copy_bound = 0;  // the copy bound's buffers
 };
 
@@ -231,8 +231,8 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     }
     if (me == 0) {
       const std::string name = dispatcher_kind_name(kind);
-      figures->push_back(
-          {name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds, dispatcher_rss});
+      figures->push_back({name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds,
+                          dispatcher_rss});
       figures->push_back({name, "combine", rows, ct, combine_traffic, verified, 0, dispatcher_rss});
     }
     out = DispatchOutput{};

@@ -135,8 +135,8 @@ struct Floor {
 StatusOr<Floor> measure_floor(World& w, int iters) {
   Floor f;
   const int n = std::max(20, iters * 10), warmup = 5;
-  MOED_ASSIGN_OR_RETURN(f.collective, median_time_max(
-                                          w, n, [&] { return w.barrier(); }, warmup));
+  MOED_ASSIGN_OR_RETURN(f.collective,
+                        median_time_max(w, n, [&] { return w.barrier(); }, warmup));
   if (w.size() < 2) return f;
   const bool shared = w.same_node(0, 1);
   std::shared_ptr<SharedBuffer> signals;
@@ -324,8 +324,8 @@ Status run_rank(World& w, const Shape& base, const std::vector<int64_t>& tokens,
   }
   const int64_t T = *std::max_element(tokens.begin(), tokens.end());
   MOED_ASSIGN_OR_RETURN(
-      const int64_t ll,
-      sum_ranks(w, int64_t(get_low_latency_size_hint(T, base.hidden, w.size(), base.num_experts))));
+      const int64_t ll, sum_ranks(w, int64_t(get_low_latency_size_hint(T, base.hidden, w.size(),
+                                                                        base.num_experts))));
   if (w.rank() == 0) memory->low_latency_buffer_bytes = uint64_t(ll);
   return ok_status();
 }

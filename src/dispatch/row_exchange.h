@@ -162,7 +162,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
     std::vector<float> received_values;  // when values were sent
     bool has_values = false;
     std::optional<TensorView> out;  // combine: the caller's buffer (CombineInput::out)
-    Stage stage = Stage::kIdle;     // kPrepared: packed; kExchanged: received
+    Stage stage = Stage::kIdle;  // kPrepared: packed; kExchanged: received
     ScratchBuffer packed_buffer;
     ScratchBuffer received_buffer;
 

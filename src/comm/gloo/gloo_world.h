@@ -59,9 +59,7 @@ struct HostControl {
     std::atomic<int32_t> state;  // kAlive, kClosed (ended its world on purpose)
   };
   Member members[1];  // one per rank on the host, in rank order (flexible)
-  static size_t bytes(int members) {
-    return sizeof(HostControl) + sizeof(Member) * size_t(members);
-  }
+  static size_t bytes(int members) { return sizeof(HostControl) + sizeof(Member) * size_t(members); }
 };
 // Same-host collectives (every rank on one host): each rank's slot in a shared segment. Round
 // k: wait until every rank has read round k-1 (done), write, publish seq = k, read every

@@ -35,7 +35,8 @@ Status gather_rows(World& w, const TensorView& mine, std::span<const int64_t> ro
 // Every source's effective routing (after dropping and router padding), sparse, in one
 // all_gather_v: source s sends [entries of each token int32 x T_s][experts int32 x n_s]
 // [probs f32 x n_s], where n_s = the sum of its counts (known to every rank already).
-StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine, const GlobalCounts& c) {
+StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
+                                       const GlobalCounts& c) {
   const int R = w.size(), E = mine.num_experts;
   std::vector<size_t> words(static_cast<size_t>(R));
   size_t total = 0;
@@ -56,8 +57,8 @@ StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine, cons
   std::vector<int32_t> recv(total);
   std::vector<size_t> bytes(words.size());
   for (size_t s = 0; s < words.size(); ++s) bytes[s] = words[s] * sizeof(int32_t);
-  MOED_RETURN_IF_ERROR(
-      w.all_gather_v_bytes(send.data(), send.size() * sizeof(int32_t), recv.data(), bytes));
+  MOED_RETURN_IF_ERROR(w.all_gather_v_bytes(send.data(), send.size() * sizeof(int32_t),
+                                            recv.data(), bytes));
   SparseRouting g;
   g.num_experts = E;
   g.num_topk = mine.num_topk;
