@@ -25,13 +25,8 @@
 namespace moed::bench {
 namespace {
 
-struct Args {
-  std::string world = "threads";
-  int ranks = 0;
-  int ranks_per_node = 0;
+struct Args : WorldArgs, ReportArgs {
   std::string shape = "mixtral";
-  int iters = 10;
-  bool json = false;
 };
 
 // What one rank sends: rows grouped by destination rank, each row tagged with its origin
@@ -166,12 +161,9 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
 void run(const Args& args) {
   StatusOr<Shape> shape = find_shape(args.shape);
   if (!shape.ok()) fail("alltoallv", shape.status());
-  if (args.iters < 1) {
-    fail("alltoallv", invalid_argument("--iters = ", args.iters, " must be >= 1"));
-  }
-  // Threads: 2 ranks unless asked; MPI: the job's size.
-  int ranks = args.ranks == 0 ? 2 : args.ranks;
-  if (args.world == "mpi" && args.ranks == 0) {
+  // Under --world mpi: the job's size.
+  int ranks = args.ranks;
+  if (args.world == "mpi") {
     StatusOr<int> n = mpi_world_size();
     if (!n.ok()) fail("alltoallv", n.status());
     ranks = *n;
@@ -191,12 +183,9 @@ void setup(CLI::App& bench) {
   auto args = std::make_shared<Args>();
   CLI::App* c = bench.add_subcommand(
       "alltoallv", "the world's all-to-all-v of bf16 token rows vs the copy bound (and MPI)");
-  c->add_option("--world", args->world, "threads or mpi (mpi: start the program with mpirun)");
-  c->add_option("--ranks", args->ranks, "ranks (threads; default 2; mpi: the job size)");
-  c->add_option("--ranks-per-node", args->ranks_per_node, "G, ranks per node (0 = default)");
-  c->add_option("--shape", args->shape, "tiny, mixtral, dsv3, decode");
-  c->add_option("--iters", args->iters, "timed iterations (median reported)");
-  c->add_flag("--json", args->json, "print the records as JSON");
+  add_world_options(*c, *args);
+  c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
+  add_report_options(*c, *args);
   c->callback([args] { run(*args); });
 }
 

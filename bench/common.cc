@@ -175,20 +175,20 @@ void fail(std::string_view command, const Status& s) {
                     s.to_string());
 }
 
-void add_world_options(CLI::App& c, std::string* world, int* ranks, int* ranks_per_node) {
-  c.add_option("--world", *world, "threads | mpi")->capture_default_str();
-  c.add_option("--ranks", *ranks, "ranks in the world")
+void add_world_options(CLI::App& c, WorldArgs& a) {
+  c.add_option("--world", a.world, "threads | mpi")->capture_default_str();
+  c.add_option("--ranks", a.ranks, "ranks in the world")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  c.add_option("--ranks-per-node", *ranks_per_node, "ranks per node G (0 = all on one)")
+  c.add_option("--ranks-per-node", a.ranks_per_node, "ranks per node G (0 = all on one)")
       ->capture_default_str();
 }
 
-void add_report_options(CLI::App& c, int* iters, bool* json) {
-  c.add_option("--iters", *iters, "timed iterations (median reported)")
+void add_report_options(CLI::App& c, ReportArgs& a) {
+  c.add_option("--iters", a.iters, "timed iterations (median reported)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  c.add_flag("--json", *json, "print the records as a JSON array");
+  c.add_flag("--json", a.json, "print the records as a JSON array");
 }
 
 Tensor random_tokens(int64_t rows, int hidden, float bound, std::mt19937& rng) {

@@ -116,8 +116,20 @@ int host_threads();
 
 // Options with the same meaning and help in every command that takes them: --world, --ranks
 // and --ranks-per-node (the multi-rank commands), --iters and --json (the figures' report).
-void add_world_options(CLI::App& c, std::string* world, int* ranks, int* ranks_per_node);
-void add_report_options(CLI::App& c, int* iters, bool* json);
+// A command's Args derives from the structs they fill, constructed with its own defaults.
+struct WorldArgs {
+  explicit WorldArgs(int default_ranks = 2) : ranks(default_ranks) {}
+  std::string world = "threads";
+  int ranks;
+  int ranks_per_node = 0;
+};
+struct ReportArgs {
+  explicit ReportArgs(int default_iters = 10) : iters(default_iters) {}
+  int iters;
+  bool json = false;
+};
+void add_world_options(CLI::App& c, WorldArgs& a);
+void add_report_options(CLI::App& c, ReportArgs& a);
 
 // ---- random inputs ----
 // Each draws from the caller's rng in a fixed order, so that a command's seeds keep giving it

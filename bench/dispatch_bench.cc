@@ -45,14 +45,10 @@
 namespace moed::bench {
 namespace {
 
-struct Args {
+struct Args : WorldArgs, ReportArgs {
+  Args() : WorldArgs(4), ReportArgs(5) {}
   std::string dispatchers = "allgather,alltoall";
-  std::string world = "threads";
   std::string shape = "mixtral";
-  int ranks = 4;
-  int ranks_per_node = 0;
-  int iters = 5;
-  bool json = false;
 };
 
 struct Figure {
@@ -381,9 +377,9 @@ void setup(CLI::App& bench) {
       "dispatch", "TokenDispatcher dispatch and combine (allgather, alltoall, flex) vs copy");
   c->add_option("--dispatcher", args->dispatchers, "comma-separated: allgather,alltoall,flex")
       ->capture_default_str();
-  add_world_options(*c, &args->world, &args->ranks, &args->ranks_per_node);
+  add_world_options(*c, *args);
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
-  add_report_options(*c, &args->iters, &args->json);
+  add_report_options(*c, *args);
   c->callback([args] { run(*args); });
 }
 

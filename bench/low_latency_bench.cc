@@ -33,21 +33,17 @@
 namespace moed::bench {
 namespace {
 
-struct Args {
+struct Args : WorldArgs, ReportArgs {
+  Args() : WorldArgs(8), ReportArgs(20) {}
   std::string shape = "decode";
   std::vector<int64_t> tokens;  // T per rank to run (empty: the shape's)
-  std::string world = "threads";
-  int ranks = 8;
-  int ranks_per_node = 0;
-  int iters = 20;
-  bool json = false;
 };
 
 // One figure as the ranks measured it: the per-iteration maximum over ranks, then the median.
 struct Figure {
   int64_t num_tokens = 0;  // T per rank
   std::string dispatcher, phase, dtype;
-  Paired times;  // the kernel's and the interleaved copy's, per iteration
+  Paired times;                // the kernel's and the interleaved copy's, per iteration
   int64_t rows = 0;            // rows received, summed over ranks
   size_t row_bytes = 0;        // payload bytes per row
   uint64_t network_bytes = 0;  // per iteration, summed over ranks
@@ -409,8 +405,8 @@ void setup(CLI::App& bench) {
                 "T per rank, overriding the shape's; a list runs each, e.g. --tokens 1,8,32")
       ->delimiter(',')
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
-  add_world_options(*c, &args->world, &args->ranks, &args->ranks_per_node);
-  add_report_options(*c, &args->iters, &args->json);
+  add_world_options(*c, *args);
+  add_report_options(*c, *args);
   c->callback([args] { run(*args); });
 }
 

@@ -17,11 +17,9 @@
 namespace moed::bench {
 namespace {
 
-struct Args {
+struct Args : ReportArgs {
   std::string shape = "mixtral";
   int threads = 0;
-  int iters = 10;
-  bool json = false;
 };
 
 ReferenceProblem reference_problem(const Shape& s, const RoutingMap& m, const Tensor& x) {
@@ -105,7 +103,7 @@ void add_command(CLI::App& bench, const char* name, const char* help, bool unper
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
   c->add_option("--threads", args->threads, "worker threads (0 = all cores)")
       ->capture_default_str();
-  add_report_options(*c, &args->iters, &args->json);
+  add_report_options(*c, *args);
   c->callback([args, unpermute_suite] { run(*args, unpermute_suite); });
 }
 

@@ -28,14 +28,13 @@
 namespace moed::bench {
 namespace {
 
-struct SweepArgs {
+struct SweepArgs : ReportArgs {
+  SweepArgs() : ReportArgs(5) {}
   std::vector<std::string> shapes = {"tiny", "mixtral"};
   std::vector<int> ranks = {2, 4};
   std::vector<std::string> dispatchers = {"allgather", "alltoall", "flex", "low-latency"};
   std::string world;  // "" = mpi under mpirun, else threads
   int ranks_per_node = 0;
-  int iters = 5;
-  bool json = false;
 };
 
 constexpr double kLowLatencyBudgetBytes = 2e9;
@@ -364,7 +363,7 @@ void setup(CLI::App& bench) {
   bench.add_option("--ranks-per-node", a->ranks_per_node, "ranks per node G (0 = all on one)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  add_report_options(bench, &a->iters, &a->json);
+  add_report_options(bench, *a);
   CLI::App* app = &bench;
   bench.callback([a, shapes, dispatchers, app] {
     if (!app->get_subcommands().empty()) return;  // a subcommand ran instead

@@ -23,9 +23,8 @@ struct Avx2 {
   using I = __m256i;
   using M = __m256i;
   static constexpr int kWidth = 8;
+  MOED_SIMD_LANE_OPS(_mm256, si256)
 
-  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
-  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
   static I load_u16(const uint16_t* p) {
     return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
@@ -48,47 +47,16 @@ struct Avx2 {
     const I packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
   }
-  static void streamf(float* p, F v) { _mm256_stream_ps(p, v); }
   static void store_u8(uint8_t* p, I v) {
     const I w = _mm256_packus_epi16(_mm256_packus_epi32(v, v), _mm256_setzero_si256());
     const I packed = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
 
-  static F set1f(float v) { return _mm256_set1_ps(v); }
-  static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
-  static F addf(F a, F b) { return _mm256_add_ps(a, b); }
-  static F mulf(F a, F b) { return _mm256_mul_ps(a, b); }
-  // vmaxps returns its second operand when either is NaN.
-  static F maxf(F a, F b) { return _mm256_max_ps(a, b); }
-  static F absf(F a) { return castf(and_(casti(a), set1i(0x7fffffff))); }
-  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
-  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
-  static I or_(I a, I b) { return _mm256_or_si256(a, b); }
-  template <int k>
-  static I srli(I a) {
-    return _mm256_srli_epi32(a, k);
-  }
-  template <int k>
-  static I slli(I a) {
-    return _mm256_slli_epi32(a, k);
-  }
-  static I min(I a, I b) { return _mm256_min_epi32(a, b); }
   // Signed compare; every caller compares values in [0, 2^31).
   static M gt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
   static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
   static I select(M m, I if_true, I if_false) { return _mm256_blendv_epi8(if_false, if_true, m); }
-  static F castf(I a) { return _mm256_castsi256_ps(a); }
-  static I casti(F a) { return _mm256_castps_si256(a); }
-  static F cvtf(I a) { return _mm256_cvtepi32_ps(a); }
-  static float hmaxf(F v) {
-    alignas(32) float lanes[kWidth];
-    _mm256_store_ps(lanes, v);
-    float m = lanes[0];
-    for (int i = 1; i < kWidth; ++i) m = lanes[i] > m ? lanes[i] : m;
-    return m;
-  }
 };
 
 constexpr RowKernels kAvx2 = Simd<Avx2>::table("avx2");

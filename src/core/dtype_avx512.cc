@@ -29,9 +29,8 @@ struct Avx512 {
   using I = __m512i;
   using M = __mmask16;
   static constexpr int kWidth = 16;
+  MOED_SIMD_LANE_OPS(_mm512, si512)
 
-  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
-  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
   static I load_u16(const uint16_t* p) {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -52,47 +51,16 @@ struct Avx512 {
                                         _mm512_cvtepi32_epi16(b), 1);
     _mm512_stream_si512(reinterpret_cast<__m512i*>(p), packed);
   }
-  static void streamf(float* p, F v) { _mm512_stream_ps(p, v); }
   static void store_u8(uint8_t* p, I v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
   }
 
-  static F set1f(float v) { return _mm512_set1_ps(v); }
-  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
-  static F addf(F a, F b) { return _mm512_add_ps(a, b); }
-  static F mulf(F a, F b) { return _mm512_mul_ps(a, b); }
-  // vmaxps returns its second operand when either is NaN.
-  static F maxf(F a, F b) { return _mm512_max_ps(a, b); }
-  static F absf(F a) { return castf(and_(casti(a), set1i(0x7fffffff))); }
-  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
-  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
-  static I or_(I a, I b) { return _mm512_or_si512(a, b); }
-  template <int k>
-  static I srli(I a) {
-    return _mm512_srli_epi32(a, k);
-  }
-  template <int k>
-  static I slli(I a) {
-    return _mm512_slli_epi32(a, k);
-  }
-  static I min(I a, I b) { return _mm512_min_epi32(a, b); }
   // Signed compare; every caller compares values in [0, 2^31).
   static M gt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
   static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
   // mask_blend(k, a, b) takes b where k is set.
   static I select(M m, I if_true, I if_false) {
     return _mm512_mask_blend_epi32(m, if_false, if_true);
-  }
-  static F castf(I a) { return _mm512_castsi512_ps(a); }
-  static I casti(F a) { return _mm512_castps_si512(a); }
-  static F cvtf(I a) { return _mm512_cvtepi32_ps(a); }
-  static float hmaxf(F v) {
-    alignas(64) float lanes[kWidth];
-    _mm512_store_ps(lanes, v);
-    float m = lanes[0];
-    for (int i = 1; i < kWidth; ++i) m = lanes[i] > m ? lanes[i] : m;
-    return m;
   }
 };
 

@@ -9,16 +9,45 @@
 // results are equal bit for bit; tails shorter than a vector go to the scalar table.
 //
 // V provides: F / I / M (float vector, int32 vector, lane mask), kWidth, and
-//   loadf storef load_u16 load_u8 store_u16 store_u8 set1f set1i
-//   addf mulf maxf absf add sub and_ or_ srli<k> slli<k> min gt select castf casti cvtf
+//   loadf storef streamf load_u16 load_u8 store_u16 store_u8 set1f set1i
+//   addf mulf maxf add sub and_ or_ srli<k> slli<k> min gt select castf casti cvtf
 //   isnan (lane mask), store_u16x2 (two vectors of values < 2^16, a's lanes then b's),
-//   hmaxf (horizontal max of non-NaN lanes).
+//   stream_u16x2 (the same, non-temporal).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "core/row_kernels.h"
+
+// The traits AVX2 and AVX-512 spell alike but for the intrinsics' prefix P (_mm256, _mm512)
+// and the integer vector's suffix SI (si256, si512); expanded inside each V, after F and I.
+// NOTE: vmaxps (maxf) returns its second operand when either is NaN.
+#define MOED_SIMD_LANE_OPS(P, SI)                             \
+  static F loadf(const float* p) { return P##_loadu_ps(p); }  \
+  static void storef(float* p, F v) { P##_storeu_ps(p, v); }  \
+  static void streamf(float* p, F v) { P##_stream_ps(p, v); } \
+  static F set1f(float v) { return P##_set1_ps(v); }          \
+  static I set1i(int32_t v) { return P##_set1_epi32(v); }     \
+  static F addf(F a, F b) { return P##_add_ps(a, b); }        \
+  static F mulf(F a, F b) { return P##_mul_ps(a, b); }        \
+  static F maxf(F a, F b) { return P##_max_ps(a, b); }        \
+  static I add(I a, I b) { return P##_add_epi32(a, b); }      \
+  static I sub(I a, I b) { return P##_sub_epi32(a, b); }      \
+  static I and_(I a, I b) { return P##_and_##SI(a, b); }      \
+  static I or_(I a, I b) { return P##_or_##SI(a, b); }        \
+  template <int k>                                            \
+  static I srli(I a) {                                        \
+    return P##_srli_epi32(a, k);                              \
+  }                                                           \
+  template <int k>                                            \
+  static I slli(I a) {                                        \
+    return P##_slli_epi32(a, k);                              \
+  }                                                           \
+  static I min(I a, I b) { return P##_min_epi32(a, b); }      \
+  static F castf(I a) { return P##_cast##SI##_ps(a); }        \
+  static I casti(F a) { return P##_castps_##SI(a); }          \
+  static F cvtf(I a) { return P##_cvtepi32_ps(a); }
 
 namespace moed::internal {
 namespace {
@@ -27,6 +56,16 @@ template <class V>
 struct Simd {
   using F = typename V::F;
   using I = typename V::I;
+
+  static F absf(F a) { return V::castf(V::and_(V::casti(a), V::set1i(0x7fffffff))); }
+  // Horizontal max of non-NaN lanes.
+  static float hmaxf(F v) {
+    alignas(64) float lanes[V::kWidth];
+    V::storef(lanes, v);
+    float m = lanes[0];
+    for (int i = 1; i < V::kWidth; ++i) m = lanes[i] > m ? lanes[i] : m;
+    return m;
+  }
 
   // bf16 -> f32: the bits shifted into the high half.
   static F decode_bf16(I u16) { return V::castf(V::template slli<16>(u16)); }
@@ -374,9 +413,9 @@ struct Simd {
       F vmax = V::set1f(0.0f);
       // maxf(v, acc) returns acc when v is NaN: NaN inputs do not take part, as in scalar.
       for (int i = 0; i < kFp8BlockSize; i += V::kWidth) {
-        vmax = V::maxf(V::absf(load<S>(x, base + i)), vmax);
+        vmax = V::maxf(absf(load<S>(x, base + i)), vmax);
       }
-      const F scale = V::set1f(fp8_block_scale(V::hmaxf(vmax), round_scale, &scales_inv[b]));
+      const F scale = V::set1f(fp8_block_scale(hmaxf(vmax), round_scale, &scales_inv[b]));
       for (int i = 0; i < kFp8BlockSize; i += V::kWidth) {
         V::store_u8(reinterpret_cast<uint8_t*>(out) + base + i,
                     encode_fp8(V::mulf(load<S>(x, base + i), scale)));

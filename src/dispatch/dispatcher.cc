@@ -56,35 +56,40 @@ Status DispatchConfig::validate(int world_size) const {
 }
 
 namespace {
-Status wait_request(StatusOr<Request> r) {
+// One call of a step group: its three steps in order, the communicating one synchronous.
+template <class Input, class Output>
+StatusOr<Output> run_steps(TokenDispatcher& d, Status (TokenDispatcher::*first)(const Input&),
+                           StatusOr<Request> (TokenDispatcher::*token)(bool),
+                           StatusOr<Output> (TokenDispatcher::*last)(), const Input& input) {
+  MOED_RETURN_IF_ERROR((d.*first)(input));
+  StatusOr<Request> r = (d.*token)(/*async=*/false);
   if (!r.ok()) return r.status();
   MOED_CHECK(*r != nullptr, "a dispatcher step returned a null request");
-  return (*r)->wait();
+  MOED_RETURN_IF_ERROR((*r)->wait());
+  return (d.*last)();
 }
 }  // namespace
 
 StatusOr<DispatchOutput> TokenDispatcher::dispatch(const DispatchInput& input) {
-  MOED_RETURN_IF_ERROR(dispatch_preprocess(input));
-  MOED_RETURN_IF_ERROR(wait_request(token_dispatch(/*async=*/false)));
-  return dispatch_postprocess();
+  return run_steps(*this, &TokenDispatcher::dispatch_preprocess, &TokenDispatcher::token_dispatch,
+                   &TokenDispatcher::dispatch_postprocess, input);
 }
 
 StatusOr<CombineOutput> TokenDispatcher::combine(const CombineInput& input) {
-  MOED_RETURN_IF_ERROR(combine_preprocess(input));
-  MOED_RETURN_IF_ERROR(wait_request(token_combine(/*async=*/false)));
-  return combine_postprocess();
+  return run_steps(*this, &TokenDispatcher::combine_preprocess, &TokenDispatcher::token_combine,
+                   &TokenDispatcher::combine_postprocess, input);
 }
 
 StatusOr<DispatchGrad> TokenDispatcher::dispatch_backward(const DispatchGradInput& grad) {
-  MOED_RETURN_IF_ERROR(dispatch_postprocess_backward(grad));
-  MOED_RETURN_IF_ERROR(wait_request(token_dispatch_backward(/*async=*/false)));
-  return dispatch_preprocess_backward();
+  return run_steps(*this, &TokenDispatcher::dispatch_postprocess_backward,
+                   &TokenDispatcher::token_dispatch_backward,
+                   &TokenDispatcher::dispatch_preprocess_backward, grad);
 }
 
 StatusOr<CombineGrad> TokenDispatcher::combine_backward(const CombineGradInput& grad) {
-  MOED_RETURN_IF_ERROR(combine_postprocess_backward(grad));
-  MOED_RETURN_IF_ERROR(wait_request(token_combine_backward(/*async=*/false)));
-  return combine_preprocess_backward();
+  return run_steps(*this, &TokenDispatcher::combine_postprocess_backward,
+                   &TokenDispatcher::token_combine_backward,
+                   &TokenDispatcher::combine_preprocess_backward, grad);
 }
 
 }  // namespace moed

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "moed/dtype.h"
 #include "moed/moe_layer.h"
 #include "moed/threads_world.h"
 #include "tools/moed/registry.h"
@@ -77,14 +78,10 @@ Tensor random_rows(DType dt, int64_t rows, int64_t cols, uint64_t seed) {
   Tensor t = Tensor::empty(dt, rows, cols);
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> row(static_cast<size_t>(cols));
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      if (dt == DType::kF32) {
-        t.row<float>(r)[c] = u(rng);
-      } else {
-        t.row<bf16>(r)[c] = float_to_bf16(u(rng));
-      }
-    }
+    for (float& v : row) v = u(rng);
+    store_row(row.data(), t.view().row_ptr(r), dt, row.size());
   }
   return t;
 }

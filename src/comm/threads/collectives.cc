@@ -32,40 +32,39 @@ Status ThreadsWorld::collective(const Slot& mine, Check&& check, Work&& work) {
 }
 
 namespace {
-// Span lengths, then each rank d's recv sizes against what each rank s sends it (sent(s, d)),
-// checked on every rank from the slots, so a wrong argument on one rank is an error on all of
-// them (the spans themselves are only read when the lengths are right).
-template <typename Sent>
-Status check_exchange(const std::vector<Slot>& slots, const char* name, bool recv_only,
-                      const Sent& sent) {
+// Span lengths, then each rank d's recv sizes against what each rank s sends it (all_gather_v:
+// its send_bytes; all_to_all_v: its send_sizes[d]), checked on every rank from the slots, so a
+// wrong argument on one rank is an error on all of them (the spans themselves are only read
+// when the lengths are right).
+Status check_exchange(const std::vector<Slot>& slots, const char* name, bool gather) {
   const size_t n = slots.size();
   for (size_t r = 0; r < n; ++r) {
     const Slot& s = slots[r];
     MOED_RETURN_IF_ERROR(
-        recv_only ? internal::check_length(name, int(r), "recv sizes", s.recv_sizes.size(), n)
-                  : internal::check_exchange_lengths(name, int(r), n, s.send_sizes, s.send_offsets,
-                                                     s.recv_sizes, s.recv_offsets));
+        gather ? internal::check_length(name, int(r), "recv sizes", s.recv_sizes.size(), n)
+               : internal::check_exchange_lengths(name, int(r), n, s.send_sizes, s.send_offsets,
+                                                  s.recv_sizes, s.recv_offsets));
   }
   for (size_t d = 0; d < n; ++d) {
     MOED_RETURN_IF_ERROR(internal::check_recv_sizes(
         name, int(d), int(n), [&](int s) { return slots[d].recv_sizes[size_t(s)]; },
-        [&](int s) { return sent(size_t(s), d); }));
+        [&](int s) {
+          const Slot& from = slots[size_t(s)];
+          return gather ? from.send_bytes : from.send_sizes[d];
+        }));
   }
   return ok_status();
 }
 }  // namespace
 
 Status ThreadsWorld::barrier() {
-  Slot mine;
-  mine.op = Op::kBarrier;
   return collective(
-      mine, [](const std::vector<Slot>&) { return ok_status(); }, [](const std::vector<Slot>&) {});
+      Slot(Op::kBarrier), [](const std::vector<Slot>&) { return ok_status(); },
+      [](const std::vector<Slot>&) {});
 }
 
 Status ThreadsWorld::broadcast_bytes(void* data, size_t bytes, int root) {
-  Slot mine;
-  mine.op = Op::kBroadcast;
-  mine.recv = data;
+  Slot mine(Op::kBroadcast, nullptr, data);
   mine.send_bytes = bytes;
   mine.root = root;
   return collective(
@@ -86,18 +85,12 @@ Status ThreadsWorld::broadcast_bytes(void* data, size_t bytes, int root) {
 
 Status ThreadsWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
                                         std::span<const size_t> recv_bytes) {
-  Slot mine;
-  mine.op = Op::kAllGatherV;
-  mine.send = send;
+  Slot mine(Op::kAllGatherV, send, recv);
   mine.send_bytes = send_bytes;
-  mine.recv = recv;
   mine.recv_sizes = recv_bytes;
   return collective(
       mine,
-      [&](const std::vector<Slot>& slots) {
-        return check_exchange(slots, "all_gather_v", true,
-                              [&](size_t s, size_t) { return slots[s].send_bytes; });
-      },
+      [](const std::vector<Slot>& slots) { return check_exchange(slots, "all_gather_v", true); },
       [&](const std::vector<Slot>& slots) {
         size_t off = 0;
         for (int s = 0; s < size_; ++s) {
@@ -113,20 +106,14 @@ Status ThreadsWorld::all_to_all_v_bytes(const void* send, std::span<const size_t
                                         std::span<const size_t> send_offsets, void* recv,
                                         std::span<const size_t> recv_bytes,
                                         std::span<const size_t> recv_offsets) {
-  Slot mine;
-  mine.op = Op::kAllToAllV;
-  mine.send = send;
+  Slot mine(Op::kAllToAllV, send, recv);
   mine.send_sizes = send_bytes;
   mine.send_offsets = send_offsets;
-  mine.recv = recv;
   mine.recv_sizes = recv_bytes;
   mine.recv_offsets = recv_offsets;
   return collective(
       mine,
-      [&](const std::vector<Slot>& slots) {
-        return check_exchange(slots, "all_to_all_v", false,
-                              [&](size_t s, size_t d) { return slots[s].send_sizes[d]; });
-      },
+      [](const std::vector<Slot>& slots) { return check_exchange(slots, "all_to_all_v", false); },
       [&](const std::vector<Slot>& slots) {
         for (int i = 0; i < size_; ++i) {
           // Start with the next rank so the ranks don't all read rank 0's buffer at once.
@@ -144,9 +131,7 @@ Status ThreadsWorld::all_to_all_v_bytes(const void* send, std::span<const size_t
 
 Status ThreadsWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
                                           float* recv) {
-  Slot mine;
-  mine.op = Op::kReduceScatterV;
-  mine.send = send;
+  Slot mine(Op::kReduceScatterV, send);
   mine.send_sizes = counts;
   // Sums go to a temporary first, so recv may alias send (in place).
   std::vector<float> sum;
@@ -178,9 +163,7 @@ Status ThreadsWorld::reduce_scatter_v_f32(const float* send, std::span<const siz
 }
 
 Status ThreadsWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
-  Slot mine;
-  mine.op = Op::kAllReduce;
-  mine.send = send;
+  Slot mine(Op::kAllReduce, send);
   mine.send_bytes = count;
   std::vector<float> sum;
   Status status = collective(

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "dispatch/dispatch_steps.h"
 #include "dispatch/row_exchange.h"
 
 namespace moed {
@@ -82,13 +83,9 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
   AllGatherDispatcher(World& world, const DispatchConfig& config)
       : RowExchangeDispatcher(world, config) {}
 
-  Status dispatch_preprocess(const DispatchInput& input) override;
-  StatusOr<Request> token_dispatch(bool async) override;
-  StatusOr<DispatchOutput> dispatch_postprocess() override;
+  MOED_DISPATCH_STEPS;
 
-  Status combine_postprocess_backward(const CombineGradInput& grad) override;
-  StatusOr<Request> token_combine_backward(bool async) override;
-  StatusOr<CombineGrad> combine_preprocess_backward() override;
+  MOED_COMBINE_BACKWARD_STEPS;
 
  private:
   struct DispatchState {

@@ -3,6 +3,7 @@
 // (agree_in_one, see flex_dispatcher.cc), then pushes or pulls rows.
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "dispatch/flex/steps.h"
 #include "dispatch/out_buffer.h"
@@ -11,16 +12,30 @@ namespace moed::flex {
 
 using moed::internal::check_float_rows;
 
+template <class Step>
+void FlexDispatcher::start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle,
+                                const char* name, const TensorView& rows, bool expert_side) {
+  step = Step{};
+  step.handle = own_handle(handle, &step.local);
+  if (step.local.ok()) {
+    const FlexHandle& h = *step.handle;
+    step.local =
+        check_float_rows(name, rows, expert_side ? h.num_rows : h.routing.num_tokens(), h.hidden);
+  }
+  step.staged = true;
+}
+
+template <class Step>
+StatusOr<Step> FlexDispatcher::finish_step(Step& step, const char* name) {
+  MOED_RETURN_IF_ERROR(finished(step.op, name));
+  return std::exchange(step, Step{});
+}
+
 // ---- combine ----
 
 Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
-  combine_ = CombineStep{};
   CombineStep& c = combine_;
-  MOED_ASSIGN_OR_RETURN(c.handle, own_handle(input.handle, &c.local));
-  if (c.local.ok()) {
-    c.local = check_float_rows("expert_output", input.expert_output.x, c.handle->num_rows,
-                               c.handle->hidden);
-  }
+  start_step(c, input.handle, "expert_output", input.expert_output.x, true);
   if (c.local.ok() && input.out) {
     c.local = moed::internal::check_out_buffer("out", *input.out, c.handle->routing.num_tokens(),
                                                c.handle->hidden, input.expert_output.x.dtype,
@@ -28,7 +43,6 @@ Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
   }
   c.rows = input.expert_output.x;
   c.user_out = input.out;
-  c.staged = true;
   return ok_status();  // agreed in token_combine, so every rank reports the same error
 }
 
@@ -54,26 +68,15 @@ Status FlexDispatcher::combine_body() {
 }
 
 StatusOr<CombineOutput> FlexDispatcher::combine_postprocess() {
-  CombineStep& c = combine_;
-  MOED_RETURN_IF_ERROR(finished(c.op, "token_combine"));
-  CombineOutput out;
-  out.hidden = std::move(c.out);
-  out.out = c.user_out;
-  out.combined_probs = c.handle->routing.prob_sums();
-  combine_ = CombineStep{};
-  return out;
+  MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, "token_combine"));
+  return CombineOutput{std::move(c.out), c.handle->routing.prob_sums(), c.user_out};
 }
 
 // ---- backward of dispatch: an unweighted combine of the row gradients ----
 
 Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) {
-  dispatch_grad_ = DispatchBackwardStep{};
   DispatchBackwardStep& g = dispatch_grad_;
-  MOED_ASSIGN_OR_RETURN(g.handle, own_handle(grad.handle, &g.local));
-  if (g.local.ok()) {
-    g.local = check_float_rows("grad_expert_input", grad.grad_expert_input, g.handle->num_rows,
-                               g.handle->hidden);
-  }
+  start_step(g, grad.handle, "grad_expert_input", grad.grad_expert_input, true);
   if (g.local.ok() && !grad.grad_permuted_probs.empty() &&
       int64_t(grad.grad_permuted_probs.size()) != g.handle->num_rows) {
     g.local = invalid_argument("grad_permuted_probs has ", grad.grad_permuted_probs.size(),
@@ -81,7 +84,6 @@ Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& gr
   }
   g.rows = grad.grad_expert_input;
   g.grad_permuted_probs = grad.grad_permuted_probs;
-  g.staged = true;
   return ok_status();
 }
 
@@ -119,32 +121,22 @@ Status FlexDispatcher::dispatch_backward_body() {
 }
 
 StatusOr<DispatchGrad> FlexDispatcher::dispatch_preprocess_backward() {
-  DispatchBackwardStep& g = dispatch_grad_;
-  MOED_RETURN_IF_ERROR(finished(g.op, "token_dispatch_backward"));
-  DispatchGrad out;
-  out.grad_hidden = std::move(g.out);
-  out.grad_probs = std::move(g.probs);
-  dispatch_grad_ = DispatchBackwardStep{};
-  return out;
+  MOED_ASSIGN_OR_RETURN(DispatchBackwardStep g,
+                        finish_step(dispatch_grad_, "token_dispatch_backward"));
+  return DispatchGrad{std::move(g.out), std::move(g.probs)};
 }
 
 // ---- backward of combine: a dispatch of grad_out (times the prob when weighted) ----
 
 Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
-  combine_grad_ = CombineBackwardStep{};
   CombineBackwardStep& g = combine_grad_;
-  MOED_ASSIGN_OR_RETURN(g.handle, own_handle(grad.handle, &g.local));
-  if (g.local.ok()) {
-    g.local = check_float_rows("grad_hidden", grad.grad_hidden, g.handle->routing.num_tokens(),
-                               g.handle->hidden);
-  }
+  start_step(g, grad.handle, "grad_hidden", grad.grad_hidden, false);
   if (g.local.ok() && config_.weighted_combine) {
     g.local = check_float_rows("expert_output", grad.expert_output.x, g.handle->num_rows,
                                g.handle->hidden);
   }
   g.grad = grad.grad_hidden;
   g.rows = grad.expert_output.x;
-  g.staged = true;
   return ok_status();
 }
 
@@ -182,13 +174,9 @@ Status FlexDispatcher::combine_backward_body() {
 }
 
 StatusOr<CombineGrad> FlexDispatcher::combine_preprocess_backward() {
-  CombineBackwardStep& g = combine_grad_;
-  MOED_RETURN_IF_ERROR(finished(g.op, "token_combine_backward"));
-  CombineGrad out;
-  out.grad_expert_output = std::move(g.out);
-  out.grad_probs = std::move(g.probs);
-  combine_grad_ = CombineBackwardStep{};
-  return out;
+  MOED_ASSIGN_OR_RETURN(CombineBackwardStep g,
+                        finish_step(combine_grad_, "token_combine_backward"));
+  return CombineGrad{std::move(g.out), std::move(g.probs)};
 }
 
 // Pull: publish this rank's rows (and scalars) to its node, fold, then hold the rows until

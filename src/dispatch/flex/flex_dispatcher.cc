@@ -232,7 +232,7 @@ Status FlexDispatcher::finished(const std::shared_ptr<OpState>& state, const cha
   return state->status;
 }
 
-StatusOr<std::shared_ptr<const FlexHandle>> FlexDispatcher::own_handle(
+std::shared_ptr<const FlexHandle> FlexDispatcher::own_handle(
     const std::shared_ptr<const DispatchHandle>& handle, Status* local) const {
   auto h = std::dynamic_pointer_cast<const FlexHandle>(handle);
   *local = ok_status();

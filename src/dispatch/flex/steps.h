@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "dispatch/dispatch_steps.h"
 #include "dispatch/flex/flex_internal.h"
 
 namespace moed::flex {
@@ -62,18 +63,10 @@ class FlexDispatcher final : public TokenDispatcher {
   FlexDispatcher(World& world, const DispatchConfig& config);
   Status init() { return signals_.init(*world_); }
 
-  Status dispatch_preprocess(const DispatchInput& input) override;
-  StatusOr<Request> token_dispatch(bool async) override;
-  StatusOr<DispatchOutput> dispatch_postprocess() override;
-  Status combine_preprocess(const CombineInput& input) override;
-  StatusOr<Request> token_combine(bool async) override;
-  StatusOr<CombineOutput> combine_postprocess() override;
-  Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
-  StatusOr<Request> token_dispatch_backward(bool async) override;
-  StatusOr<DispatchGrad> dispatch_preprocess_backward() override;
-  Status combine_postprocess_backward(const CombineGradInput& grad) override;
-  StatusOr<Request> token_combine_backward(bool async) override;
-  StatusOr<CombineGrad> combine_preprocess_backward() override;
+  MOED_DISPATCH_STEPS;
+  MOED_COMBINE_STEPS;
+  MOED_DISPATCH_BACKWARD_STEPS;
+  MOED_COMBINE_BACKWARD_STEPS;
 
   // flex_expert_output_buffer (moed/flex.h).
   StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype);
@@ -125,8 +118,19 @@ class FlexDispatcher final : public TokenDispatcher {
   StatusOr<Request> run(bool async, StepState& step, const char* not_staged,
                         std::function<Status()> body);
   static Status finished(const std::shared_ptr<OpState>& state, const char* step);
-  StatusOr<std::shared_ptr<const FlexHandle>> own_handle(
-      const std::shared_ptr<const DispatchHandle>& handle, Status* local) const;
+  // The handle if it is this dispatcher's, and in *local why not.
+  std::shared_ptr<const FlexHandle> own_handle(const std::shared_ptr<const DispatchHandle>& handle,
+                                               Status* local) const;
+  // The first call of a step after the dispatch: resets and stages `step`, takes its handle and
+  // checks `rows` against it ([num_rows, hidden] on the expert side, else [num_tokens, hidden]),
+  // the verdict in step.local.
+  template <class Step>
+  void start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle, const char* name,
+                  const TensorView& rows, bool expert_side);
+  // The last call of a step: the communicating call's status (finished), then the step's state,
+  // the member reset for the next step.
+  template <class Step>
+  static StatusOr<Step> finish_step(Step& step, const char* name);
   Status check_cached(const DispatchInput& input);
 
   int64_t node_cap_rows(const FlexHandle& h) const;
