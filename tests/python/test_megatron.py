@@ -270,29 +270,24 @@ def dispatch_out_body(g, kind, dtype, worst, grad):
     if grad:
         y.float().sum().backward()
         ok.append(xg.grad is not None and pg.grad is not None)
+    def dispatch_into(bad):
+        h, p = d.dispatch_preprocess(x, rmap, probs, out=bad)
+        d.dispatch_postprocess(*d.token_dispatch(h, p))
+    errors, untouched = rejected_out(dispatch_into, (rows + 1 if r == R - 1 else rows, H), dtype)
+    d.close()
+    return ok + [untouched], errors, rows
+
+
+def rejected_out(call, shape, dtype):
+    """call(bad) with a NaN-filled `bad` of `shape`: (the ValueError messages, whether `bad`
+    is still all NaN)."""
+    bad = torch.full(shape, float("nan"), dtype=dtype)
     errors = []
-    bad = torch.full((rows + 1 if r == R - 1 else rows, H), float("nan"), dtype=dtype)
     try:
-        six_steps_out = d.dispatch_preprocess(x, rmap, probs, out=bad)
-        d.token_dispatch(*six_steps_out)
-        d.dispatch_postprocess(*six_steps_out)
+        call(bad)
     except ValueError as e:
         errors.append(str(e))
-    ok.append(bool(torch.isnan(bad.float()).all()))
-    d.close()
-    return ok, errors, rows
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("world", [(1, 0), (3, 0), (4, 2), (8, 0)], ids=["R1", "R3", "R4_G2", "R8"])
-def test_dispatch_into_callers_tensor(kind, world):
-    R = world[0]
-    results = run(dispatch_out_body, world, kind, torch.float32, 0, False)
-    last_rows = results[R - 1][2]
-    for ok, errors, _ in results:
-        assert all(ok), ok
-        assert len(errors) == 1, errors
-        assert f"rank {R - 1}: out is [{last_rows + 1}, 37]; expected [{last_rows}, 37]" in errors[0]
+    return errors, bool(torch.isnan(bad.float()).all())
 
 
 @pytest.mark.parametrize("kind,worst,grad", [("flex", 40, False), ("alltoall", 0, True),
@@ -335,29 +330,30 @@ def combine_out_body(g, kind, dtype, grad, weighted):
         ok += [torch.equal(gx, want_gx), torch.equal(gp, want_gp)]
     else:
         ok.append(got is out)
-    errors = []
-    bad = torch.full((T + 1 if r == R - 1 else T, H), float("nan"), dtype=dtype)
     ei, _, _ = six_steps(d, x, rmap, probs, False)
-    try:
-        y = d.combine_preprocess(ei, out=bad)
-        d.combine_postprocess(d.token_combine(y))
-    except ValueError as e:
-        errors.append(str(e))
-    ok.append(bool(torch.isnan(bad.float()).all()))
+    errors, untouched = rejected_out(
+        lambda bad: d.combine_postprocess(d.token_combine(d.combine_preprocess(ei, out=bad))),
+        (T + 1 if r == R - 1 else T, H), dtype)
     d.close()
-    return ok, errors, T
+    return ok + [untouched], errors, T
 
 
+@pytest.mark.parametrize("step", ["dispatch", "combine"])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("world", [(1, 0), (3, 0), (4, 2)], ids=["R1", "R3", "R4_G2"])
-def test_combine_into_callers_tensor(kind, world):
+@pytest.mark.parametrize("world", [(1, 0), (3, 0), (4, 2), (8, 0)], ids=["R1", "R3", "R4_G2", "R8"])
+def test_into_callers_tensor(step, kind, world):
+    """dispatch_preprocess(..., out=) and combine_preprocess(..., out=), f32; the last rank's
+    wrong `out` names its shape on every rank."""
     R = world[0]
-    results = run(combine_out_body, world, kind, torch.float32, False, False)
-    last_tokens = results[R - 1][2]
+    if step == "dispatch":
+        results = run(dispatch_out_body, world, kind, torch.float32, 0, False)
+    else:
+        results = run(combine_out_body, world, kind, torch.float32, False, False)
+    last_rows = results[R - 1][2]
     for ok, errors, _ in results:
         assert all(ok), ok
         assert len(errors) == 1, errors
-        assert f"rank {R - 1}: out is [{last_tokens + 1}, 37]; expected [{last_tokens}, 37]" in errors[0]
+        assert f"rank {R - 1}: out is [{last_rows + 1}, 37]; expected [{last_rows}, 37]" in errors[0]
 
 
 @pytest.mark.parametrize("kind,weighted", [("alltoall", True), ("flex", False), ("allgather", True)])
