@@ -232,6 +232,14 @@ def print_table(recs):
               f"  {r['verdict']}")
 
 
+def over_runs(verdicts):
+    """One verdict from the runs' set of verdicts: theirs when they all agree, else undecided
+    ('-' where the shape has no target)."""
+    if verdicts == {"-"}:
+        return "-"
+    return verdicts.pop() if len(verdicts) == 1 else "undecided"
+
+
 def repeated(a):
     """--repeat: each run in a fresh process, since where a run's buffers land in memory moves
     its figures by more than one run's own interval says (the interval is within the run).
@@ -249,9 +257,7 @@ def repeated(a):
         summary.append(dict(kind=kind, shape=a.shape, ranks=a.ranks, target=mine[0]["target"],
                             per_call_us=[r["paired_extra_per_call_us"] for r in mine],
                             relative=[r["paired_relative_extra"] for r in mine],
-                            verdicts=[r["verdict"] for r in mine],
-                            verdict=verdicts.pop() if len(verdicts) == 1 and mine[0]["verdict"] in
-                            ("met", "missed") else ("undecided" if mine[0]["verdict"] != "-" else "-")))
+                            verdicts=[r["verdict"] for r in mine], verdict=over_runs(verdicts)))
     if a.json:
         print(json.dumps(dict(runs=runs, summary=summary)))
         return
