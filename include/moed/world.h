@@ -202,6 +202,11 @@ class World {
   virtual void abort(const Status& reason) = 0;
   // The first failure seen (ok() while nobody has failed). Checked by every wait.
   virtual Status failure() const = 0;
+  // A wait of this rank's on node-shared memory (a signal, an ack) ran out of time with
+  // `timed_out`. A backend that can ask who is missing adds the silent ranks to the message, as
+  // its own waits' timeouts do (MPI: the census), so the error names a stalled rank whichever
+  // wait saw it first. The world stays as it was. The default returns `timed_out` as is.
+  virtual Status after_timeout(Status timed_out) { return timed_out; }
 
   // A collective decision on input validation: every rank passes its local verdict; all ranks
   // return the same result: OK, or the lowest failing rank's error prefixed "rank r: ".

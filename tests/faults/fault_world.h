@@ -47,6 +47,9 @@ class FaultWorld final : public World {
   MOED_WORLD_TRANSPORT_OVERRIDES;
   void abort(const Status& reason) override { inner_.abort(reason); }
   Status failure() const override { return inner_.failure(); }
+  Status after_timeout(Status timed_out) override {
+    return inner_.after_timeout(std::move(timed_out));
+  }
 
  private:
   // Counts a call; the armed fault fires here.

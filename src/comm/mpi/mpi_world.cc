@@ -403,6 +403,11 @@ Status MpiWorld::after_failed_wait(Status s) {
   return s;
 }
 
+Status MpiWorld::after_timeout(Status timed_out) {
+  if (!thread_multiple_ && std::this_thread::get_id() != owner_) return timed_out;
+  return census(timed_out);
+}
+
 Status MpiWorld::agree_verdict(const Status& local, const char* op) {
   CallBuffers buf;
   int* code = buf.make<int>(1);

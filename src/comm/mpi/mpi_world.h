@@ -68,6 +68,9 @@ class MpiWorld final : public World {
   MOED_WORLD_TRANSPORT_OVERRIDES;
   void abort(const Status& reason) override;
   Status failure() const override;
+  // The census on the owner thread (any thread under MPI_THREAD_MULTIPLE); elsewhere
+  // `timed_out` as is (the owner's own wait then names the silent rank).
+  Status after_timeout(Status timed_out) override;
 
   // Sends `reason` to every other rank (mpi_world_fail).
   void fail(const Status& reason);
