@@ -115,10 +115,15 @@ def test_matches_threads_world(world):
     assert segments() == before
 
 
-def test_large_payloads_through_shared_memory():
+@pytest.mark.parametrize("single_copy", [None, "1"], ids=["default", "in_place"])
+def test_large_payloads_through_shared_memory(single_copy, monkeypatch):
     """3 processes on one host: the data phases go through the staging segments (grown twice),
-    bitwise equal to rank-order fp32 sums and to the threads world; nothing left in /dev/shm."""
+    bitwise equal to rank-order fp32 sums and to the threads world; nothing left in /dev/shm.
+    in_place: every writer is read in place (MOED_GLOO_SINGLE_COPY=1), and the all-gathers
+    whose blocks are all non-empty go round the ring."""
     from test_megatron import LAYOUTS, body
+    if single_copy is not None:
+        monkeypatch.setenv("MOED_GLOO_SINGLE_COPY", single_copy)
     R = 3
     before = segments()
     codes, recs = spawn("large", R)

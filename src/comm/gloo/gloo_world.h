@@ -67,6 +67,7 @@ struct HostControl {
 // stage_seq publishes this rank's data for stage round k (host_staging.cc): in its staging
 // segment, or, with single-copy reads, as the addresses of its own buffers (sources);
 // stage_done = k once this rank has read everything it wanted in round k.
+// ring_step = k * size + j once this rank holds j blocks of ring round k (host_ring_gather).
 struct CollSlot {
   std::atomic<uint64_t> seq;
   char pad0[56];
@@ -76,6 +77,8 @@ struct CollSlot {
   char pad2[56];
   std::atomic<uint64_t> stage_done;
   char pad3[56];
+  std::atomic<uint64_t> ring_step;
+  char pad4[56];
   static constexpr size_t kBytes = 16384;
   char data[kBytes];
   static constexpr size_t kMaxSources = 256;
@@ -162,6 +165,14 @@ class GlooWorld final : public World {
   // with the same bytes, right after a gather() of the same call; `mine` stays unchanged
   // until it returns.
   bool host_staging() const { return coll_ != nullptr; }
+  // Whether an all-gather of these per-rank bytes goes round the ring (host_ring_gather):
+  // the same answer on every rank.
+  bool host_ring(std::span<const uint64_t> bytes) const;
+  // Same-host all-gather of large blocks (host_staging.cc): rank r's block (bytes[r] at
+  // `send`) lands at out + offsets[r] of every other rank; this rank's own block is left to
+  // the caller. In place of host_stage, with the same calling rules.
+  Status host_ring_gather(std::span<const uint64_t> bytes, const void* send, char* out,
+                          std::span<const size_t> offsets, const char* op);
   Status host_stage(std::span<const uint64_t> bytes, std::span<const StageSource> mine,
                     const std::function<std::vector<StageWant>(int)>& wants, const char* op);
   uint64_t next_node_slot() { return make_slot(Space::kNode, node_calls_++); }
