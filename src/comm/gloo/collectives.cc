@@ -83,8 +83,13 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
   std::vector<size_t> offsets(size_t(size_) + 1, 0);
   for (int s = 0; s < size_; ++s) offsets[size_t(s) + 1] = offsets[size_t(s)] + sizes[size_t(s)];
   if (host_staging() && host_ring(sizes)) {
-    MOED_RETURN_IF_ERROR(host_ring_gather(sizes, send, out, offsets, "all_gather_v"));
-  } else if (host_staging()) {
+    // The ring reads every block out of the receive buffers, this rank's own included.
+    if (send_bytes > 0) std::memmove(out + offsets[size_t(rank_)], send, send_bytes);
+    MOED_RETURN_IF_ERROR(host_ring_gather(sizes, out, offsets, "all_gather_v"));
+    internal::count_send_to_all(*this, send_bytes);
+    return ok_status();
+  }
+  if (host_staging()) {
     const StageSource mine[1] = {{send, send_bytes}};
     MOED_RETURN_IF_ERROR(host_stage(
         sizes, mine,

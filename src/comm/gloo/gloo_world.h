@@ -168,10 +168,10 @@ class GlooWorld final : public World {
   // Whether an all-gather of these per-rank bytes goes round the ring (host_ring_gather):
   // the same answer on every rank.
   bool host_ring(std::span<const uint64_t> bytes) const;
-  // Same-host all-gather of large blocks (host_staging.cc): rank r's block (bytes[r] at
-  // `send`) lands at out + offsets[r] of every other rank; this rank's own block is left to
-  // the caller. In place of host_stage, with the same calling rules.
-  Status host_ring_gather(std::span<const uint64_t> bytes, const void* send, char* out,
+  // Same-host all-gather of large blocks (host_staging.cc): rank r's block, bytes[r] at
+  // out + offsets[r] on rank r, lands at out + offsets[r] of every other rank. In place of
+  // host_stage, with the same calling rules.
+  Status host_ring_gather(std::span<const uint64_t> bytes, char* out,
                           std::span<const size_t> offsets, const char* op);
   Status host_stage(std::span<const uint64_t> bytes, std::span<const StageSource> mine,
                     const std::function<std::vector<StageWant>(int)>& wants, const char* op);

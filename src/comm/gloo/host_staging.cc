@@ -22,13 +22,13 @@
 // a gather() before its data phase, and no rank leaves that gather until every rank has entered it,
 // i.e. has finished reading round k-1.
 //
-// Ring (an all-gather whose every block is read in place): rank r reads block r-1 from rank
-// r-1's send buffer, then, step by step, blocks r-2, r-3, ... from rank r-1's receive buffer
-// once rank r-1 holds them (its ring_step), as OpenMPI's ring all-gather does. The bytes copied
-// are those of reading every block from its writer; but each caller buffer is read by one rank
-// only, and the rest comes out of receive buffers, which are usually moed's own, on huge pages:
-// reading another process's memory pins it page by page, and a 4 KiB-paged torch tensor read by
-// 3 ranks cost 11% of a mixtral AllGather dispatch's CPU in that pinning (perf, README).
+// Ring (an all-gather whose every block is read in place): every rank first copies its own
+// block into its receive buffer; then rank r reads, step by step, blocks r-1, r-2, ... out of
+// rank r-1's receive buffer once rank r-1 holds them (its ring_step), as OpenMPI's ring
+// all-gather does. The bytes copied are those of reading every block from its writer, but
+// nothing is read out of the caller's send buffer: reading another process's memory pins it
+// page by page, which for a 4 KiB-paged torch tensor read by 3 ranks cost 11% of a mixtral
+// AllGather dispatch's CPU (perf, README), where moed's own receive buffers are on huge pages.
 //
 // Segments are cached and grown (doubling, from 1 MiB): every rank knows every rank's bytes
 // (the size exchange that precedes the data phase), so every rank decides the same growth and
@@ -170,36 +170,34 @@ bool GlooWorld::host_ring(std::span<const uint64_t> bytes) const {
   return true;
 }
 
-Status GlooWorld::host_ring_gather(std::span<const uint64_t> bytes, const void* send, char* out,
+Status GlooWorld::host_ring_gather(std::span<const uint64_t> bytes, char* out,
                                    std::span<const size_t> offsets, const char* op) {
   const uint64_t k = ++stage_calls_;
   const uint64_t n = uint64_t(size_);
   const uint64_t base = k * n;
   const int left = (rank_ + size_ - 1) % size_, right = (rank_ + 1) % size_;
   CollSlot& me = coll_[rank_];
-  // The stream a reader sees: this rank's send block, then its whole receive buffer.
-  me.source_count = 2;
-  me.sources[0][0] = uint64_t(reinterpret_cast<uintptr_t>(send));
-  me.sources[0][1] = bytes[size_t(rank_)];
-  me.sources[1][0] = uint64_t(reinterpret_cast<uintptr_t>(out));
-  me.sources[1][1] = offsets[size_t(size_)];
+  // The stream a reader sees: this rank's whole receive buffer.
+  me.source_count = 1;
+  me.sources[0][0] = uint64_t(reinterpret_cast<uintptr_t>(out));
+  me.sources[0][1] = offsets[size_t(size_)];
   me.stage_seq.store(k, std::memory_order_release);
   MOED_RETURN_IF_ERROR(await_host(coll_[left].stage_seq, k, left, op, "reading the data of"));
-  const uint64_t left_send = bytes[size_t(left)];
   for (uint64_t j = 0; j + 1 < n; ++j) {
+    // Block `left` (its own) at once; later ones once left holds them.
     const size_t b = size_t((uint64_t(rank_) + 2 * n - 1 - j) % n);
-    // Block `left` from left's send buffer; later ones once left has them in its own.
     if (j > 0) {
       MOED_RETURN_IF_ERROR(await_host(coll_[left].ring_step, base + j, left, op, "waiting for"));
     }
-    const StageWant want{j == 0 ? 0 : left_send + offsets[b], out + offsets[b], bytes[b]};
+    const StageWant want{offsets[b], out + offsets[b], bytes[b]};
     MOED_RETURN_IF_ERROR(read_single_copy(left, want, op));
     // As in host_stage: a part read after a writer's failure may come from freed memory.
     MOED_RETURN_IF_ERROR(failure());
     me.ring_step.store(base + j + 1, std::memory_order_release);
   }
   me.stage_done.store(k, std::memory_order_release);
-  // The right neighbour reads this rank's buffers (the caller's) until it holds every block.
+  // The right neighbour reads this rank's receive buffer (the caller's) until it holds every
+  // block.
   return await_host(coll_[right].ring_step, base + n - 1, right, op, "waiting for the reads of");
 }
 
