@@ -69,11 +69,12 @@ class BlockCache {
       auto it = free_.find(rounded);
       if (it != free_.end() && !it->second.empty()) {
         auto entry = it->second.back();
+        void* p = entry->first;  // before erase frees the list node
         it->second.pop_back();
         order_.erase(entry);
         cached_bytes_ -= rounded;
         ++hits_;
-        return entry->first;
+        return p;
       }
       ++misses_;
     }

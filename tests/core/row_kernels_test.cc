@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -20,6 +21,12 @@
 #include "moed/dtype.h"
 
 namespace moed {
+namespace internal {
+// gtest prints a parameter into ctest's test list: the table's ISA, not its address (which
+// changes from build to build).
+void PrintTo(const RowKernels* k, std::ostream* os) { *os << k->isa; }
+}  // namespace internal
+
 namespace {
 
 using internal::RowKernels;

@@ -148,9 +148,8 @@ TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
         y.row<float>(i)[h] = 2.0f * bf16_to_float(first.row<bf16>(i)[h]);
       }
     }
-    MOED_ASSIGN_OR_RETURN(Request creq,
-                          (d->combine_preprocess({.expert_output = {y, {}}, .handle = out.handle}),
-                           d->token_combine(/*async=*/true)));
+    MOED_RETURN_IF_ERROR(d->combine_preprocess({.expert_output = {y, {}}, .handle = out.handle}));
+    MOED_ASSIGN_OR_RETURN(Request creq, d->token_combine(/*async=*/true));
     MOED_RETURN_IF_ERROR(creq->wait());
     MOED_ASSIGN_OR_RETURN(CombineOutput got, d->combine_postprocess());
     std::vector<Tensor> ys;

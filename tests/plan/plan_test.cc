@@ -301,7 +301,9 @@ TEST(Plan, RoutingsAreValid) {
         for (int k2 = 0; k2 < k; ++k2) ASSERT_NE(e, (*idx)[size_t(t * o.topk + k2)]);
         if (std::find(groups.begin(), groups.end(), e / 8) == groups.end()) groups.push_back(e / 8);
       }
-      if (kind == PlanRouting::kGroup) EXPECT_LE(groups.size(), 2u);
+      if (kind == PlanRouting::kGroup) {
+        EXPECT_LE(groups.size(), 2u);
+      }
     }
   }
 }

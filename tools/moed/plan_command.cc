@@ -1,7 +1,7 @@
 // `moed plan`: predicted dispatch and combine time on a GPU cluster from the explicit cost
 // model (moed/plan.h), and `moed plan --validate`: the model beside published tables.
 //
-//   moed plan --cluster h800 --ep 64 --ranks-per-node 8 --tokens 4096 --hidden 7168 --topk 8 \
+//   moed plan --cluster h800 --ep 64 --ranks-per-node 8 --tokens 4096 --hidden 7168 --topk 8
 //             --experts 256 --routing group
 //   moed plan --validate [--markdown]
 #include <cstdio>
