@@ -141,7 +141,9 @@ Status run_low_latency(FaultWorld& fw, const Fault& f, Tensor* output) {
   return ok_status();
 }
 
-class DispatchFaults : public ::testing::TestWithParam<std::tuple<Backend, const char*, int>> {};
+// The name as a std::string: gtest prints it into the ctest name (a const char* would print as
+// an address, which changes from build to build).
+class DispatchFaults : public ::testing::TestWithParam<std::tuple<Backend, std::string, int>> {};
 
 // Runs dispatcher `name` on kRanks ranks (nodes of G) with fault f; returns what each rank saw.
 std::vector<Outcome> run_with_fault(Backend b, const std::string& name, int g, const Fault& f) {
