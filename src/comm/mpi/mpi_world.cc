@@ -28,15 +28,16 @@ std::atomic<bool> g_peer_lost{false};
 constexpr int32_t kPeerLostBit = 1 << 30;
 
 // While the world is being made there is no world to poll yet: a bootstrap wait polls one
-// request until `deadline`. On a timeout the buffers MPI may still write are leaked on
+// request for at most the timeout, as every later wait does (one deadline for all the steps
+// made the last step's bound depend on how slowly the earlier ones ran). On a timeout the buffers MPI may still write are leaked on
 // purpose, and the process counts a peer as lost, so no collective teardown (nor
 // MPI_Finalize, where the caller asks mpi_peer_may_be_gone()) waits for it either.
 struct Bootstrap {
   int rank = 0;
   std::chrono::milliseconds timeout{0};
-  std::chrono::steady_clock::time_point deadline;
 
   Status wait(MPI_Request* request, const char* step) const {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (int i = 0;; ++i) {
       int flag = 0;
       int rc = MPI_Test(request, &flag, MPI_STATUS_IGNORE);
@@ -65,7 +66,7 @@ struct Bootstrap {
   }
 };
 
-// Every rank returns the lowest failing rank's error (bounded by the bootstrap deadline).
+// Every rank returns the lowest failing rank's error (each wait bounded by the timeout).
 // The buffers are leaked if a wait fails, since MPI may still write them.
 Status agree_bootstrap(const Status& local, MPI_Comm comm, const Bootstrap& boot) {
   int size = 0, me = 0;
@@ -450,7 +451,6 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
   mpi::Bootstrap boot;
   boot.rank = rank;
   boot.timeout = options.timeout.count() > 0 ? options.timeout : WorldOptions{}.timeout;
-  boot.deadline = std::chrono::steady_clock::now() + boot.timeout;
 
   MPI_Comm world_comm = MPI_COMM_NULL;
   MPI_Request req;
