@@ -5,6 +5,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "moed/status.h"
 #include "moed/world.h"
@@ -47,6 +48,17 @@ Status poll_until(const World& world, Done&& done, What&& what) {
       std::this_thread::sleep_for(std::chrono::microseconds(i < 8192 ? 20 : 200));
     }
   }
+}
+
+// poll_until for a wait on a peer's signal outside the world's own collectives and messages
+// (moed's shared-memory signals, the low-latency acks): on a timeout the world adds what it
+// knows of the silent ranks (World::after_timeout; MPI's census), so a stalled rank is named
+// whichever wait saw it first.
+template <typename Done, typename What>
+Status poll_peer(World& world, Done&& done, What&& what) {
+  Status s = poll_until(world, std::forward<Done>(done), std::forward<What>(what));
+  if (s.code() == StatusCode::kDeadlineExceeded) s = world.after_timeout(std::move(s));
+  return s;
 }
 
 }  // namespace moed::internal

@@ -93,7 +93,7 @@ Status SharedBuffer::wait_signal(int from_local_rank, uint64_t value) {
                             local_size(), ")");
   }
   const std::atomic<uint64_t>* counter = inbox_[size_t(from_local_rank)];
-  Status s = internal::poll_until(
+  return internal::poll_peer(
       *world_, [&] { return counter->load(std::memory_order_acquire) >= value; },
       [&] {
         return str_cat("rank ", world_->rank(), " waiting for signal >= ", value,
@@ -101,8 +101,6 @@ Status SharedBuffer::wait_signal(int from_local_rank, uint64_t value) {
                        world_->node() * world_->ranks_per_node() + from_local_rank, "), at ",
                        counter->load(std::memory_order_relaxed));
       });
-  if (s.code() == StatusCode::kDeadlineExceeded) s = world_->after_timeout(std::move(s));
-  return s;
 }
 
 namespace {

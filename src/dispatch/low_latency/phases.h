@@ -65,16 +65,14 @@ inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind
   std::atomic<uint64_t>* mine = st.acks(me, half, kind);
   for (int p = 0; p < G; ++p) {
     if (p == me) continue;
-    Status s = internal::poll_until(
+    MOED_RETURN_IF_ERROR(internal::poll_peer(
         w, [&] { return mine[p].load(std::memory_order_acquire) >= seq; },
         [&] {
           return std::string("low-latency ") +
                  (kind == PullKind::kDispatch ? "dispatch" : "combine") +
                  ": waiting for local rank " + std::to_string(p) +
                  " to read this rank's rows (every rank must pass the same return_recv_hook)";
-        });
-    if (s.code() == StatusCode::kDeadlineExceeded) s = w.after_timeout(std::move(s));
-    MOED_RETURN_IF_ERROR(s);
+        }));
   }
   return ok_status();
 }
