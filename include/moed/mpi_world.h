@@ -39,12 +39,6 @@ namespace moed {
 // ranks of one node not on one host, a bad timeout) are the same on every rank.
 StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOptions& options);
 
-// Marks this rank of an MPI world failed without ending the job: the reason is sent to every
-// other rank, whose pending and later calls return kAborted "rank r failed: <message>".
-// (World::abort, by contrast, prints the message and calls MPI_Abort.) No-op for a world
-// that is not an MPI world.
-void mpi_world_fail(World& world, const Status& reason);
-
 // True once a rank of an MPI world of this process gave no sign of life after a timeout (the
 // census found it silent here, or on a rank whose failure message said so). Then a peer may be stopped, dead or unreachable, and
 // MPI_Finalize (which waits for every process) could wait forever: exit without it (mpirun

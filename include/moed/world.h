@@ -196,9 +196,12 @@ class World {
   Status recv(int src, int tag, void* data, size_t bytes);
 
   // ---- faults ----
-  // Marks this rank failed with `reason`: every other rank's pending and later calls return
-  // kAborted naming this rank. Threads: returns; the run function reports it. MPI: ends the
-  // job (MPI_Abort) with the message, since a peer process cannot be told otherwise.
+  // Marks this rank failed with `reason` and tells every other rank: their pending and later
+  // calls return kAborted "rank r failed: <message>". Returns (the caller ends its own work);
+  // every backend alike, the MPI world included (through its failure channel; the job goes
+  // on). A failure already seen (this rank's or another's) stays the cause. A body that fails
+  // while holding shared buffers calls it before they drop, since freeing them is collective
+  // under MPI and would keep the others waiting on this rank until the timeout.
   virtual void abort(const Status& reason) = 0;
   // The first failure seen (ok() while nobody has failed). Checked by every wait.
   virtual Status failure() const = 0;

@@ -84,12 +84,6 @@ void bind_world(py::module_& m) {
              World& w = h.get();
              Status reason(StatusCode::kInternal, message);
              py::gil_scoped_release nogil;
-#if MOED_WITH_MPI
-             if (std::string(w.backend_name()) == "mpi") {
-               mpi_world_fail(w, reason);
-               return;
-             }
-#endif
              w.abort(reason);
            })
       .def("agree",

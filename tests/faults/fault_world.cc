@@ -1,11 +1,5 @@
 #include "faults/fault_world.h"
 
-#include <cstring>
-
-#ifdef MOED_WITH_MPI
-#include "moed/mpi_world.h"
-#endif
-
 namespace moed::testing {
 
 FaultWorld::FaultWorld(World& inner)
@@ -21,12 +15,6 @@ void FaultWorld::arm(int nth, const Status& reason) {
 }
 
 void FaultWorld::fail_now(const Status& reason) {
-#ifdef MOED_WITH_MPI
-  if (std::strcmp(inner_.backend_name(), "mpi") == 0) {
-    mpi_world_fail(inner_, reason);  // World::abort would end the MPI job
-    return;
-  }
-#endif
   inner_.abort(reason);
 }
 

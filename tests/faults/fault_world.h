@@ -1,6 +1,6 @@
 // FaultWorld: a World that forwards every call to a real one (threads or MPI) and can make
 // this rank fail at its n-th world call, the way a rank that crashes there would: the failure
-// is announced to the others (World::abort in the threads world, mpi_world_fail under MPI) and
+// is announced to the others (World::abort of the real world) and
 // the call returns the reason. So a test can fail a rank at every communication point of a
 // dispatch or a combine (after the count exchange, between the pushes, before the combine
 // reads) without hooks in the library.
@@ -34,8 +34,8 @@ class FaultWorld final : public World {
   int calls() const { return calls_.load() - armed_at_.load(); }
   // Whether the armed fault has fired.
   bool fired() const { return fired_.load(); }
-  // Marks this rank failed now, as a crash would: abort() of the real world in the threads
-  // world, mpi_world_fail of it under MPI, so the other ranks are told in both.
+  // Marks this rank failed now, as a crash would: abort() of the real world, so the other
+  // ranks are told.
   // NOTE: under MPI a rank that merely returns its error is announced by run_world only after
   // the body's locals are gone, and dropping a shared buffer is a collective MPI_Win_free: the
   // others would wait out the timeout (kDeadlineExceeded) instead of hearing kAborted.

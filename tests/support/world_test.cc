@@ -123,7 +123,7 @@ Status run_world(Backend b, int ranks, int ranks_per_node,
         }
         // Tell the other ranks, so their pending calls return kAborted instead of waiting
         // for the timeout.
-        if (!local.ok()) mpi_world_fail(**world, local);
+        if (!local.ok()) (*world)->abort(local);
       }
     }
     MPI_Comm_free(&sub);

@@ -35,14 +35,10 @@
 //   - Keep ranks <= 8 (the MPI binary is started with 8 processes); ranks_per_node must
 //     divide ranks (0 = all ranks on one node).
 //   - Inside `namespace moed`, write gtest's namespace as ::testing (moed::testing is this).
-//   - Don't make a rank fail on purpose in MPI runs expecting the others to continue inside
-//     a collective forever: failures are sent to the others (kAborted), but a body that
-//     calls World::abort() ends the MPI job. Fault tests that need abort() belong to threads
-//     only (skip with `if (GetParam() == Backend::kMpi) GTEST_SKIP();`).
 //   - MPI: run_world announces a body's error after the body returns, i.e. after its locals
 //     (dispatchers, buffers) are dropped, and dropping a shared buffer is a collective free
 //     that waits for the other local ranks. A body that fails on purpose while holding them
-//     calls mpi_world_fail first (tests/faults/fault_world.h does), or the others see
+//     calls World::abort first (tests/faults/fault_world.h does), or the others see
 //     kDeadlineExceeded after the timeout instead of kAborted naming it.
 #pragma once
 

@@ -120,7 +120,7 @@ Status run_rank(World& w, const DispatchConfig& config, const Tensor& x, const T
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, config));
   Status s = run_steps(w, d.get(), x, all, tokens_per_rank, out);
   // NOTE: announced while d still holds its shared buffers (their free is collective under MPI).
-  if (!s.ok()) fail_world(w, s);
+  if (!s.ok()) w.abort(s);
   return s;
 }
 

@@ -314,7 +314,7 @@ void run(const RunArgs& a) {
     Status st = steps(w, layer);
     // NOTE: announced while the layer still holds its shared buffers: dropping them is a
     // collective free under MPI, which would keep the other ranks waiting for the timeout.
-    if (!st.ok()) fail_world(w, st);
+    if (!st.ok()) w.abort(st);
     return st;
   };
   int my_rank = 0;

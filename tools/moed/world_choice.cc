@@ -77,19 +77,13 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& wor
     }
     Status st = body(*w);
     // A failing rank tells the others (whose calls then return kAborted) instead of ending the job.
-    if (!st.ok()) mpi_world_fail(*w, st);
+    if (!st.ok()) w->abort(st);
     return st;
 #else
     return unimplemented("--world mpi: this moed was built without MPI (-DMOED_WITH_MPI=OFF)");
 #endif
   }
   return invalid_argument("world '", world, "' is not one of threads, mpi");
-}
-
-void fail_world(World& w, const Status& reason) {
-#ifdef MOED_WITH_MPI
-  mpi_world_fail(w, reason);  // a no-op for a world that is not an MPI world
-#endif
 }
 
 }  // namespace moed::cli

@@ -26,11 +26,5 @@ StatusOr<int> mpi_world_size();
 // the threads world (the process speaks for all ranks) and the process's rank under MPI.
 Status run_in_world(const std::string& world, int ranks, const WorldOptions& options,
                     const std::function<Status(World&)>& body, int* my_rank);
-// Tells the other ranks now that this rank failed with `reason` (mpi_world_fail under MPI;
-// nothing in the threads world, where the returned error does it). run_in_world does it after
-// body returns; a body that holds shared buffers (dispatchers, layers) calls it before they
-// drop, since freeing them under MPI is collective and would wait for ranks still waiting on
-// this one.
-void fail_world(World& w, const Status& reason);
 
 }  // namespace moed::cli

@@ -349,11 +349,7 @@ void MpiWorld::fail(const Status& reason) {
   }
 }
 
-void MpiWorld::abort(const Status& reason) {
-  std::fprintf(stderr, "moed: rank %d failed: %s\n", rank_, reason.message().c_str());
-  std::fflush(stderr);
-  MPI_Abort(comm_, 1);
-}
+void MpiWorld::abort(const Status& reason) { fail(reason); }
 
 Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& what,
                       CallBuffers* buffers, Completion completion) {
@@ -515,8 +511,5 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
 
 bool mpi_peer_may_be_gone() { return mpi::g_peer_lost.load(); }
 
-void mpi_world_fail(World& world, const Status& reason) {
-  if (auto* w = dynamic_cast<mpi::MpiWorld*>(&world)) w->fail(reason);
-}
 
 }  // namespace moed

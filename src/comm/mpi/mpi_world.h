@@ -72,7 +72,7 @@ class MpiWorld final : public World {
   // `timed_out` as is (the owner's own wait then names the silent rank).
   Status after_timeout(Status timed_out) override;
 
-  // Sends `reason` to every other rank (mpi_world_fail).
+  // Records `reason` as this rank's failure and sends it to every other rank (abort() does so).
   void fail(const Status& reason);
   // After a wait of this rank's (a collective's or a message's) ended in error `s`: a timeout
   // asks every rank who is there (census), so the error names the silent ranks; then this
