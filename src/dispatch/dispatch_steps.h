@@ -9,7 +9,7 @@
 // Every group has one shape: a local step taking the input, the communicating step, a local
 // step returning the output.
 #define MOED_STEP_GROUP(first, Input, token, last, Output) \
-  Status first(const Input& input) override;               \
+  Status first(const Input&) override;                     \
   StatusOr<Request> token(bool async) override;            \
   StatusOr<Output> last() override
 #define MOED_DISPATCH_STEPS                                                                 \
