@@ -29,9 +29,10 @@ constexpr int32_t kPeerLostBit = 1 << 30;
 
 // While the world is being made there is no world to poll yet: a bootstrap wait polls one
 // request for at most the timeout, as every later wait does (one deadline for all the steps
-// made the last step's bound depend on how slowly the earlier ones ran). On a timeout the buffers MPI may still write are leaked on
-// purpose, and the process counts a peer as lost, so no collective teardown (nor
-// MPI_Finalize, where the caller asks mpi_peer_may_be_gone()) waits for it either.
+// made the last step's bound depend on how slowly the earlier ones ran). On a timeout the
+// buffers MPI may still write are leaked on purpose, and the process counts a peer as lost,
+// so no collective teardown (nor MPI_Finalize, where the caller asks mpi_peer_may_be_gone())
+// waits for it either.
 struct Bootstrap {
   int rank = 0;
   std::chrono::milliseconds timeout{0};
@@ -510,6 +511,5 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
 }
 
 bool mpi_peer_may_be_gone() { return mpi::g_peer_lost.load(); }
-
 
 }  // namespace moed
