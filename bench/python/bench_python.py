@@ -52,10 +52,6 @@ def megatron_pair(group, kind, E, K, x, rmap, probs):
     """(Python iteration, C++ loop) of one Megatron-style dispatcher, and its closer."""
     cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K)
     d = make_dispatcher(kind, cfg, group=group)
-    # The C++ loop runs on the Python dispatcher's own C++ dispatcher, so both use the same
-    # buffers: with a second dispatcher each side found the other's rows in the caches, not
-    # its own, whenever it ran after the other.
-    c = d._box
 
     def python_iter():
         t0 = time.perf_counter()
@@ -67,7 +63,10 @@ def megatron_pair(group, kind, E, K, x, rmap, probs):
         del h, p, ei, tpe, pp, y
         return t1 - t0
 
-    return python_iter, lambda iters, warmup: c._bench_cpp(x, rmap, probs, K, iters, warmup), d.close
+    # The C++ loop runs on the Python dispatcher's own C++ dispatcher, so both use the same
+    # buffers: with a second dispatcher each side found the other's rows in the caches, not
+    # its own, whenever it ran after the other.
+    return python_iter, lambda iters, warmup: d._box._bench_cpp(x, rmap, probs, K, iters, warmup), d.close
 
 
 def deep_ep_pair(group, E, x, topi, topw):

@@ -81,7 +81,7 @@ struct Outcome {
 Status boundary_failure(FaultWorld& fw, const Fault& f, int step) {
   if (fw.rank() != kVictim || f.boundary != step) return ok_status();
   Status reason = internal_error(kReason, " after step ", step);
-  fw.fail_now(reason);
+  fw.abort(reason);
   return reason;
 }
 

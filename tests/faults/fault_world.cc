@@ -14,10 +14,6 @@ void FaultWorld::arm(int nth, const Status& reason) {
   countdown_.store(nth > 0 ? nth : 0);
 }
 
-void FaultWorld::fail_now(const Status& reason) {
-  inner_.abort(reason);
-}
-
 Status FaultWorld::hit(const char* call) {
   calls_.fetch_add(1);
   int c = countdown_.load();
@@ -30,7 +26,7 @@ Status FaultWorld::hit(const char* call) {
     reason = Status(reason_.code(), reason_.message() + " at " + call);
   }
   fired_.store(true);
-  fail_now(reason);
+  abort(reason);
   return reason;
 }
 

@@ -34,17 +34,16 @@ class FaultWorld final : public World {
   int calls() const { return calls_.load() - armed_at_.load(); }
   // Whether the armed fault has fired.
   bool fired() const { return fired_.load(); }
-  // Marks this rank failed now, as a crash would: abort() of the real world, so the other
-  // ranks are told.
-  // NOTE: under MPI a rank that merely returns its error is announced by run_world only after
-  // the body's locals are gone, and dropping a shared buffer is a collective MPI_Win_free: the
-  // others would wait out the timeout (kDeadlineExceeded) instead of hearing kAborted.
-  void fail_now(const Status& reason);
 
   const char* backend_name() const override { return inner_.backend_name(); }
   bool shares_address_space() const override { return inner_.shares_address_space(); }
   bool calls_from_any_thread() const override { return inner_.calls_from_any_thread(); }
   MOED_WORLD_TRANSPORT_OVERRIDES;
+  // Marks this rank failed now, as a crash would: abort() of the real world, so the other
+  // ranks are told (the armed fault calls it too).
+  // NOTE: under MPI a rank that merely returns its error is announced by run_world only after
+  // the body's locals are gone, and dropping a shared buffer is a collective MPI_Win_free: the
+  // others would wait out the timeout (kDeadlineExceeded) instead of hearing kAborted.
   void abort(const Status& reason) override { inner_.abort(reason); }
   Status failure() const override { return inner_.failure(); }
   Status after_timeout(Status timed_out) override {

@@ -213,7 +213,7 @@ void MpiWorld::leave_without_teardown() {
   static auto* parked_text = new std::vector<std::string>();         // never freed
   parked_bytes->push_back(std::move(fault_buffer_));  // moving keeps the buffer in place
   parked_ints->push_back(std::move(census_in_));
-  parked_text->push_back(std::move(fault_message_));  // on the heap: see fail()
+  parked_text->push_back(std::move(fault_message_));  // on the heap: see abort()
 }
 
 void MpiWorld::record_failure(int rank, const Status& reason) const {
@@ -332,7 +332,7 @@ Status MpiWorld::failure() const {
   return failure_;
 }
 
-void MpiWorld::fail(const Status& reason) {
+void MpiWorld::abort(const Status& reason) {
   if (failed_.load(std::memory_order_acquire)) return;  // a failure seen first is the cause
   record_failure(rank_, reason);
   int32_t code = int32_t(reason.ok() ? StatusCode::kAborted : reason.code());
@@ -349,8 +349,6 @@ void MpiWorld::fail(const Status& reason) {
     }
   }
 }
-
-void MpiWorld::abort(const Status& reason) { fail(reason); }
 
 Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& what,
                       CallBuffers* buffers, Completion completion) {
@@ -397,7 +395,7 @@ Status MpiWorld::after_failed_wait(Status s) {
   if (s.code() == StatusCode::kDeadlineExceeded) s = census(s);
   // The collective or message can't complete as a whole any more: fail this rank's world
   // so later calls return at once (and the other ranks hear of it).
-  if (s.code() != StatusCode::kAborted) fail(s);
+  if (s.code() != StatusCode::kAborted) abort(s);
   return s;
 }
 

@@ -66,14 +66,13 @@ class MpiWorld final : public World {
   // owning thread and async steps run eagerly.
   bool calls_from_any_thread() const override { return thread_multiple_; }
   MOED_WORLD_TRANSPORT_OVERRIDES;
+  // Records `reason` and sends it to every other rank over the failure channel.
   void abort(const Status& reason) override;
   Status failure() const override;
   // The census on the owner thread (any thread under MPI_THREAD_MULTIPLE); elsewhere
   // `timed_out` as is (the owner's own wait then names the silent rank).
   Status after_timeout(Status timed_out) override;
 
-  // Records `reason` as this rank's failure and sends it to every other rank (abort() does so).
-  void fail(const Status& reason);
   // After a wait of this rank's (a collective's or a message's) ended in error `s`: a timeout
   // asks every rank who is there (census), so the error names the silent ranks; then this
   // rank's world is failed unless `s` is another rank's failure. Owner thread. Returns the error.
