@@ -60,8 +60,6 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
     off += align64(rows * sizeof(float));
     l.combine_y[h] = off;
     off += align64(rows * size_t(hidden) * sizeof(bf16));
-    l.pull[h] = off;
-    off += align64(2 * sizeof(PullSource));
     l.acks[h] = off;
     off += align64(2 * size_t(num_ranks) * sizeof(uint64_t));  // G <= R
   }

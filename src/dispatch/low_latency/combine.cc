@@ -143,7 +143,7 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   });
   if (!st.pull) return ok_status();
   return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq,
-                                    ch.sources.data());
+                                    ch.sources);
 }
 
 // The combine's opening collective: agrees on every rank's inputs (as World::agree, whose

@@ -351,7 +351,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   handle.received = true;
   if (!st.pull) return ok_status();
   return low_latency::exchange_acks(st, half, low_latency::PullKind::kDispatch, seq,
-                                    dh.sources.data());
+                                    dh.sources);
 }
 
 }  // namespace

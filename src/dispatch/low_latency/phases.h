@@ -44,15 +44,15 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
 // every in-node peer has acked (so that the call may return and the caller reuse them). Ranks
 // that used the hook copied their rows, and ranks that read from their own copy (acked =
 // false) wait for nobody, so hooks may run in any order. `published`: every rank's
-// PullSource as the opening collective gathered it (combine), else they are read from the
-// in-node segments.
+// PullSource ([R]) as the call's opening collective gathered it.
 inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
-                            const PullSource* published = nullptr) {
+                            std::span<const PullSource> published) {
   World& w = *st.world;
   const int G = w.ranks_per_node(), me = w.local_rank();
+  MOED_CHECK(published.size() == size_t(w.size()), "exchange_acks: ", published.size(),
+             " published sources for ", w.size(), " ranks");
   auto source = [&](int p) -> const PullSource& {
-    return published != nullptr ? published[size_t(w.node()) * size_t(G) + size_t(p)]
-                                : *st.pull_source(p, half, kind);
+    return published[size_t(w.node()) * size_t(G) + size_t(p)];
   };
   for (int p = 0; p < G; ++p) {
     const PullSource& ps = source(p);

@@ -11,8 +11,6 @@
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
-//   pull[h]          two PullSource (dispatch, combine); unused since the call's collective
-//                    gathers them (DispatchHalf / CombineHalf::sources), kept for the layout
 //   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
 //                    which that peer has finished reading this rank's memory (pull mode)
 //
@@ -66,7 +64,6 @@ struct SegmentLayout {
   size_t dispatch_src[2] = {0, 0};
   size_t dispatch_prob[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
-  size_t pull[2] = {0, 0};
   size_t acks[2] = {0, 0};
   size_t total = 0;
 
@@ -153,10 +150,6 @@ struct LowLatencyBuffer::State {
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
   // In-node peer `rank` can read this rank's memory directly (the threads world).
   bool pulls(int rank) const { return pull && world->same_node(rank, world->rank()); }
-  low_latency::PullSource* pull_source(int local_rank, int half, low_latency::PullKind k) const {
-    return reinterpret_cast<low_latency::PullSource*>(segment(local_rank) + layout.pull[half]) +
-           int(k);
-  }
   std::atomic<uint64_t>* acks(int local_rank, int half, low_latency::PullKind k) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]) +
            size_t(k) * size_t(world->ranks_per_node());
