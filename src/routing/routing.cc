@@ -2,6 +2,7 @@
 #include "moed/routing.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -34,6 +35,7 @@ Status check_sizes(int num_experts, int64_t num_tokens, int num_topk) {
 // Calls f(e, row[e]) for each nonzero byte of row[0, E), e ascending, while f returns true.
 // NOTE: a map row is mostly zeros (K of E cells), so it is read a word at a time and only
 // words with a routed cell are looked into: O(T * E / 8 + entries) instead of O(T * E).
+static_assert(std::endian::native == std::endian::little, "for_each_routed reads bytes as words");
 template <typename F>
 void for_each_routed(const uint8_t* row, int E, F&& f) {
   int e = 0;
@@ -41,8 +43,15 @@ void for_each_routed(const uint8_t* row, int E, F&& f) {
     uint64_t w;
     std::memcpy(&w, row + e, sizeof w);
     if (w == 0) continue;
-    for (int j = 0; j < 8; ++j) {
-      if (row[e + j] != 0 && !f(e + j, row[e + j])) return;
+    // Bit 8j set where byte j is nonzero; visited by count-trailing-zeros, so the branches
+    // follow the routed cells, not every byte.
+    w |= w >> 4;
+    w |= w >> 2;
+    w |= w >> 1;
+    w &= 0x0101010101010101ull;
+    for (; w != 0; w &= w - 1) {
+      const int j = e + (std::countr_zero(w) >> 3);
+      if (!f(j, row[j])) return;
     }
   }
   for (; e < E; ++e) {
@@ -153,20 +162,59 @@ Status check_map_header(const MapView& routing, int expected_experts) {
   return check_sizes(num_experts, routing.num_tokens, routing.num_topk);
 }
 
+// The map's routed cells in the sparse form (experts ascending per token), with the first cell
+// whose byte is not 0 or 1 in *bad_cell (-1: none). The probs are read after the scan, in a loop
+// with no branch: the probs of a large map are mostly out of cache by the time it is read (a
+// dispatch's rows went through the cache since), and loads that no branch waits on overlap,
+// while the scan's branches (which cells are routed) mispredict and would serialise them.
+SparseRouting sparse_cells(const MapView& routing, int64_t* bad_cell) {
+  const int64_t T = routing.num_tokens;
+  const int E = routing.num_experts;
+  SparseRouting s;
+  s.num_experts = E;
+  s.num_topk = routing.num_topk;
+  s.begin.resize(size_t(T) + 1);
+  if (routing.num_topk > 0) s.expert.reserve(size_t(T) * size_t(routing.num_topk));
+  *bad_cell = -1;
+  for (int64_t t = 0; t < T; ++t) {
+    const size_t row = size_t(t) * size_t(E);
+    for_each_routed(routing.map + row, E, [&](int e, uint8_t m) {
+      if (m > 1 && *bad_cell < 0) *bad_cell = int64_t(row) + e;
+      s.expert.push_back(e);
+      return true;
+    });
+    s.begin[size_t(t) + 1] = int64_t(s.expert.size());
+  }
+  s.prob.resize(s.expert.size());
+  for (int64_t t = 0; t < T; ++t) {
+    const float* probs = routing.probs + size_t(t) * size_t(E);
+    for (int64_t i = s.begin[size_t(t)]; i < s.begin[size_t(t) + 1]; ++i) {
+      s.prob[size_t(i)] = probs[s.expert[size_t(i)]];
+    }
+  }
+  return s;
+}
+
+// Spec §2 on the cells: each byte 0 or 1, each routed prob valid; the first bad cell (row-major)
+// is named.
 Status check_map_cells(const MapView& routing) {
   const int E = routing.num_experts;
-  for (int64_t t = 0; t < routing.num_tokens; ++t) {
-    const size_t row = size_t(t) * size_t(E);
-    Status st = ok_status();
-    for_each_routed(routing.map + row, E, [&](int e, uint8_t m) {
-      if (m > 1) {
-        st = invalid_argument("routing_map[", t, "][", e, "] = ", int(m), " is not 0 or 1");
-      } else if (const float p = routing.probs[row + size_t(e)]; !valid_prob(p)) {
-        st = invalid_argument("probs[", t, "][", e, "] = ", p, " is not a valid prob");
+  int64_t bad = -1;
+  const SparseRouting s = sparse_cells(routing, &bad);
+  for (int64_t t = 0; t < s.num_tokens(); ++t) {
+    for (int64_t i = s.begin[size_t(t)]; i < s.begin[size_t(t) + 1]; ++i) {
+      const int64_t cell = t * E + s.expert[size_t(i)];
+      if (bad >= 0 && cell >= bad) break;
+      if (!valid_prob(s.prob[size_t(i)])) {
+        return invalid_argument("probs[", t, "][", s.expert[size_t(i)], "] = ", s.prob[size_t(i)],
+                                " is not a valid prob");
       }
-      return st.ok();
-    });
-    if (!st.ok()) return st;
+    }
+    if (bad >= 0 && (t + 1) * E > bad) break;
+  }
+  if (bad >= 0) {
+    return invalid_argument("routing_map[", bad / E, "][", bad % E, "] = ", int(routing.map[bad]),
+                            " is not 0 or 1");
   }
   return ok_status();
 }
@@ -230,26 +278,8 @@ SparseRouting to_sparse(const TopkView& routing, int num_experts) {
 SparseRouting to_sparse(const RoutingMap& routing) { return to_sparse(MapView::of(routing)); }
 
 SparseRouting to_sparse(const MapView& routing) {
-  const int64_t T = routing.num_tokens;
-  const int E = routing.num_experts;
-  SparseRouting s;
-  s.num_experts = E;
-  s.num_topk = routing.num_topk;
-  s.begin.resize(size_t(T) + 1);
-  if (routing.num_topk > 0) {
-    s.expert.reserve(size_t(T) * size_t(routing.num_topk));
-    s.prob.reserve(size_t(T) * size_t(routing.num_topk));
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const size_t row = size_t(t) * size_t(E);
-    for_each_routed(routing.map + row, E, [&](int e, uint8_t) {
-      s.expert.push_back(e);
-      s.prob.push_back(routing.probs[row + size_t(e)]);
-      return true;
-    });
-    s.begin[size_t(t) + 1] = int64_t(s.expert.size());
-  }
-  return s;
+  int64_t bad = -1;  // checked by validate, which the caller ran
+  return sparse_cells(routing, &bad);
 }
 
 RoutingMap to_map(const SparseRouting& routing) {

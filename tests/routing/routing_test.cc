@@ -138,6 +138,12 @@ TEST(ValidateMap, ViewScansEveryCellInOrder) {
     bad.routing_map[size_t(6 * E + e)] = 0;
     expect_invalid(validate(bad, E), "routing_map[7][2] = 9 is not 0 or 1");
   }
+  // A bad byte before a bad prob in the same row: the byte is named (cells in row-major order).
+  RoutingMap bad = m;
+  bad.routing_map[size_t(6 * E + 3)] = 2;
+  bad.routing_map[size_t(6 * E + 17)] = 1;
+  bad.probs[size_t(6 * E + 17)] = -2.0f;
+  expect_invalid(validate(MapView::of(bad), E), "routing_map[6][3] = 2 is not 0 or 1");
 }
 
 TEST(Convert, SeedExampleRoundTrips) {
