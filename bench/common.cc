@@ -9,6 +9,7 @@
 #include <fstream>
 #include <memory>
 #include <new>
+#include <random>
 #include <thread>
 
 #include "moed/dtype.h"
@@ -58,6 +59,39 @@ double median_seconds(const std::function<void()>& fn, int iters, int warmup) {
     t.push_back(std::chrono::duration<double>(b - a).count());
   }
   return median(t);
+}
+
+void add_comparison(nlohmann::json& record, const std::string& name, std::span<const double> a,
+                    std::span<const double> b, double limit) {
+  std::vector<double> r;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    if (b[i] > 0) r.push_back(a[i] / b[i]);
+  }
+  if (r.empty()) return;
+  constexpr int kResamples = 2000;
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<size_t> pick(0, r.size() - 1);
+  std::vector<double> medians(kResamples), sample(r.size());
+  for (double& m : medians) {
+    for (double& x : sample) x = r[pick(rng)];
+    m = median(sample);
+  }
+  std::sort(medians.begin(), medians.end());
+  const double lo = medians[size_t(kResamples * 0.025)];
+  const double hi = medians[size_t(kResamples * 0.975) - 1];
+  // Fewer pairs than this make too rough an interval to decide on.
+  constexpr size_t kMinPairs = 10;
+  const char* verdict = r.size() < kMinPairs ? "too few pairs"
+                        : hi <= limit        ? "met"
+                        : lo > limit         ? "missed"
+                                             : "undecided";
+  record["comparisons"].push_back({{"name", name},
+                                   {"median", median(r)},
+                                   {"lo", lo},
+                                   {"hi", hi},
+                                   {"limit", limit},
+                                   {"pairs", r.size()},
+                                   {"verdict", verdict}});
 }
 
 CopyBuffers::CopyBuffers() = default;
@@ -345,6 +379,12 @@ void Report::add(nlohmann::json r) {
         r.value("copy_gbps", 0.0), r["ratio_to_copy"].get<double>(), r.value("ratio_min", 0.0),
         r.value("ratio_max", 0.0), r.value("noisy", false) ? " NOISY" : "",
         r.value("verified", false) ? "verified" : "NOT VERIFIED");
+    for (const nlohmann::json& c : r.value("comparisons", nlohmann::json::array())) {
+      std::printf("    %s: %.3f [%.3f, %.3f] over %d paired iterations, target <= %.2f: %s\n",
+                  c["name"].get<std::string>().c_str(), c["median"].get<double>(),
+                  c["lo"].get<double>(), c["hi"].get<double>(), c["pairs"].get<int>(),
+                  c["limit"].get<double>(), c["verdict"].get<std::string>().c_str());
+    }
     std::fflush(stdout);
   }
   records_.push_back(std::move(r));

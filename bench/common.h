@@ -98,6 +98,17 @@ StatusOr<double> time_copy(World& w, CopyBuffers& buffers, size_t total_bytes);
 StatusOr<Paired> paired_time_max(World& w, int iters, size_t total_bytes, CopyBuffers& buffers,
                                  const std::function<Status()>& fn, int warmup = 1);
 
+// ---- "A no slower than B, in the same run": a paired comparison ----
+// A and B timed in every iteration of one loop, so each ratio a_i / b_i is taken under one
+// load, which separate medians of a shared, noisy machine are not. Appends {name, median, lo,
+// hi, limit, pairs, verdict} to record["comparisons"]: the median ratio, its 95% interval
+// (bootstrap, 2000 resamples, fixed seed: the same samples give the same interval) and the
+// verdict against "at most limit": met (the whole interval within it), missed (all of it
+// beyond), undecided (more --iters, or a quieter machine, would tell); "too few pairs" under
+// 10. The table prints it under the record's row.
+void add_comparison(nlohmann::json& record, const std::string& name, std::span<const double> a,
+                    std::span<const double> b, double limit);
+
 // Median wall time (seconds) of fn over `iters` runs after `warmup` runs.
 double median_seconds(const std::function<void()>& fn, int iters, int warmup = 1);
 double median(std::vector<double> v);

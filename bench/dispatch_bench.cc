@@ -334,7 +334,8 @@ void run(const Args& a) {
   const int threads = threads_per_rank * ranks;
   const uint64_t peak = peak_rss_bytes();
   Report report(a.json);
-  for (const Figure& f : figures) {
+  for (size_t i = 0; i < figures.size(); ++i) {
+    const Figure& f = figures[i];
     nlohmann::json fields =
         bf16_phase_fields(f.dispatcher, f.phase, f.rows, s.hidden, f.traffic, f.verified);
     fields["peak_rss_bytes"] = peak;
@@ -345,6 +346,11 @@ void run(const Args& a) {
     nlohmann::json rec =
         world_record("dispatch", s, a.world, ranks, g, threads, a.iters, std::move(fields));
     add_paired(rec, f.times);
+    if (f.phase == "combine") {
+      // Issue 14's target: combine (K rows read, one written per token) no slower than the
+      // dispatch of the same rows, each iteration's pair (figures come as dispatch, combine).
+      add_comparison(rec, "combine / dispatch", f.times.kernel, figures[i - 1].times.kernel, 1.0);
+    }
     if (flat_bytes > 0 && f.phase == "dispatch") {
       rec["flat_network_bytes"] = flat_bytes;
       rec["network_vs_flat"] = double(f.traffic.network_bytes) / double(flat_bytes);

@@ -101,18 +101,32 @@ bool fp8_rows_ok(const LowLatencyDispatchOutput& d, int ranks, int64_t T, int H)
 
 // Per iteration: a copy of the call's bytes, one whole call, another copy, then the send half
 // (return_recv_hook) and the receive half (the hook's wait), each timed over the ranks; both
-// halves are paired with the copy before the send.
+// halves are paired with the copy before the send. With `beside` (Flex's call of the same
+// phase): a copy of its bytes and one call of it too, after the whole call in even iterations
+// and before it in odd ones, so that the two are compared iteration by iteration under the
+// same load, neither always finding the other's rows in the caches.
 struct HalfTimes {
-  Paired one, send, recv;
+  Paired one, send, recv, beside;
 };
 StatusOr<HalfTimes> time_halves(World& w, int iters, size_t bytes, CopyBuffers& copy,
                                 const std::function<Status(bool hook)>& call,
-                                const std::function<Status()>& wait) {
+                                const std::function<Status()>& wait,
+                                const std::function<Status()>& beside = nullptr,
+                                size_t beside_bytes = 0) {
   HalfTimes t;
   MOED_RETURN_IF_ERROR(time_copy(w, copy, bytes).status());  // warm-up: pages touched
+  auto time_beside = [&]() -> Status {
+    if (!beside) return ok_status();
+    MOED_ASSIGN_OR_RETURN(const double c, time_copy(w, copy, beside_bytes));
+    MOED_ASSIGN_OR_RETURN(const double b, time_max(w, beside));
+    t.beside.add(b, c);
+    return ok_status();
+  };
   for (int i = 0; i < iters; ++i) {
+    if (i % 2 == 1) MOED_RETURN_IF_ERROR(time_beside());
     MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, bytes));
     MOED_ASSIGN_OR_RETURN(const double one, time_max(w, [&] { return call(false); }));
+    if (i % 2 == 0) MOED_RETURN_IF_ERROR(time_beside());
     MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, bytes));
     MOED_ASSIGN_OR_RETURN(const double send, time_max(w, [&] { return call(true); }));
     MOED_ASSIGN_OR_RETURN(const double recv, time_max(w, wait));
@@ -217,55 +231,8 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
     }
   };
 
-  for (const bool fp8 : {false, true}) {
-    const size_t row_bytes = fp8 ? size_t(H) + size_t(H / kFp8BlockSize) * 4 : size_t(H) * 2;
-    const char* dtype = fp8 ? "fp8" : "bf16";
-    LowLatencyDispatchOutput d;
-    auto dispatch = [&](bool hook) -> Status {
-      MOED_ASSIGN_OR_RETURN(
-          d, buffer->low_latency_dispatch(
-                 {.x = x.view(), .topk = &topk, .use_fp8 = fp8, .return_recv_hook = hook}));
-      return ok_status();
-    };
-    MOED_ASSIGN_OR_RETURN(const Traffic dt, traffic_of(w, [&] { return dispatch(false); }));
-    int64_t mine = 0;
-    for (int32_t c : d.recv_count) mine += c;
-    MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
-    MOED_ASSIGN_OR_RETURN(const HalfTimes dtimes,
-                          time_halves(w, iters, size_t(rows) * row_bytes, copy, dispatch,
-                                      [&] { return d.hook->wait(); }));
-    // bf16: verified is set below from the round trip.
-    MOED_ASSIGN_OR_RETURN(const bool rows_ok, all_ranks_ok(w, !fp8 || fp8_rows_ok(d, R, T, H)));
-    add_halves("dispatch", dtype, row_bytes, dtimes, rows, dt.network_bytes, rows_ok);
-    if (fp8) continue;
-
-    // Combine of the bf16 dispatch: the received rows are the expert outputs.
-    // NOTE: read in place (no copy of the [L * R * M, H] slots, 470 MB a rank at decode): the
-    // dispatch's half stays untouched until the next dispatch.
-    const TensorView y = d.recv.x;
-    std::shared_ptr<const LowLatencyHandle> handle = d.handle;
-    LowLatencyCombineOutput c;
-    auto combine = [&](bool hook) -> Status {
-      MOED_ASSIGN_OR_RETURN(
-          c, buffer->low_latency_combine(
-                 {.x = y, .topk = &topk, .handle = handle, .return_recv_hook = hook}));
-      return ok_status();
-    };
-    MOED_ASSIGN_OR_RETURN(const Traffic ct, traffic_of(w, [&] { return combine(false); }));
-    MOED_ASSIGN_OR_RETURN(const bool ok,
-                          all_ranks_ok(w, round_trip_ok(x, topk, c.combined_x.view())));
-    MOED_ASSIGN_OR_RETURN(const HalfTimes ctimes,
-                          time_halves(w, iters, size_t(rows) * size_t(H) * 2, copy, combine,
-                                      [&] { return c.hook->wait(); }));
-    add_halves("combine", "bf16", size_t(H) * 2, ctimes, rows, ct.network_bytes, ok);
-    if (root) {
-      for (Figure& f : *figures) {
-        if (f.dispatcher == "low_latency" && f.dtype == "bf16") f.verified = ok;
-      }
-    }
-  }
-
-  // Flex normal mode at the same shape, one call each (dispatch includes its notify).
+  // Flex's normal mode at the same shape, one call each (dispatch includes its notify), timed
+  // in the bf16 loops beside the low-latency calls.
   DispatchConfig config;
   config.kind = DispatcherKind::kFlex;
   config.num_experts = E;
@@ -289,21 +256,64 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
   MOED_ASSIGN_OR_RETURN(const Traffic fct, traffic_of(w, flex_combine));
   MOED_ASSIGN_OR_RETURN(const bool fok, all_ranks_ok(w, round_trip_ok(x, topk, fc.hidden.view())));
   const size_t fbytes = size_t(frows) * size_t(H) * 2;
-  Paired fdtimes, fctimes;
-  for (int i = 0; i < iters; ++i) {
-    MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, fbytes));
-    MOED_ASSIGN_OR_RETURN(const double a, time_max(w, flex_dispatch));
-    MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, fbytes));
-    MOED_ASSIGN_OR_RETURN(const double b, time_max(w, flex_combine));
-    fdtimes.add(a, c1);
-    fctimes.add(b, c2);
+  auto add_flex = [&](const char* phase, const Paired& times, uint64_t net) {
+    Figure f{0, "flex", phase, "bf16", {}, 0, size_t(H) * 2};
+    f.verified = fok;
+    add(f, times, frows, net);
+  };
+
+  for (const bool fp8 : {false, true}) {
+    const size_t row_bytes = fp8 ? size_t(H) + size_t(H / kFp8BlockSize) * 4 : size_t(H) * 2;
+    const char* dtype = fp8 ? "fp8" : "bf16";
+    LowLatencyDispatchOutput d;
+    auto dispatch = [&](bool hook) -> Status {
+      MOED_ASSIGN_OR_RETURN(
+          d, buffer->low_latency_dispatch(
+                 {.x = x.view(), .topk = &topk, .use_fp8 = fp8, .return_recv_hook = hook}));
+      return ok_status();
+    };
+    MOED_ASSIGN_OR_RETURN(const Traffic dt, traffic_of(w, [&] { return dispatch(false); }));
+    int64_t mine = 0;
+    for (int32_t c : d.recv_count) mine += c;
+    MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
+    const std::function<Status()> flex_beside = fp8 ? nullptr : std::function(flex_dispatch);
+    MOED_ASSIGN_OR_RETURN(const HalfTimes dtimes,
+                          time_halves(w, iters, size_t(rows) * row_bytes, copy, dispatch,
+                                      [&] { return d.hook->wait(); }, flex_beside, fbytes));
+    // bf16: verified is set below from the round trip.
+    MOED_ASSIGN_OR_RETURN(const bool rows_ok, all_ranks_ok(w, !fp8 || fp8_rows_ok(d, R, T, H)));
+    add_halves("dispatch", dtype, row_bytes, dtimes, rows, dt.network_bytes, rows_ok);
+    if (fp8) continue;
+    add_flex("dispatch", dtimes.beside, fdt.network_bytes);
+
+    // Combine of the bf16 dispatch: the received rows are the expert outputs.
+    // NOTE: read in place (no copy of the [L * R * M, H] slots, 470 MB a rank at decode): the
+    // dispatch's half stays untouched until the next dispatch.
+    const TensorView y = d.recv.x;
+    std::shared_ptr<const LowLatencyHandle> handle = d.handle;
+    LowLatencyCombineOutput c;
+    auto combine = [&](bool hook) -> Status {
+      MOED_ASSIGN_OR_RETURN(
+          c, buffer->low_latency_combine(
+                 {.x = y, .topk = &topk, .handle = handle, .return_recv_hook = hook}));
+      return ok_status();
+    };
+    MOED_ASSIGN_OR_RETURN(const Traffic ct, traffic_of(w, [&] { return combine(false); }));
+    MOED_ASSIGN_OR_RETURN(const bool ok,
+                          all_ranks_ok(w, round_trip_ok(x, topk, c.combined_x.view())));
+    MOED_ASSIGN_OR_RETURN(const HalfTimes ctimes,
+                          time_halves(
+                              w, iters, size_t(rows) * size_t(H) * 2, copy, combine,
+                              [&] { return c.hook->wait(); }, flex_combine, fbytes));
+    add_halves("combine", "bf16", size_t(H) * 2, ctimes, rows, ct.network_bytes, ok);
+    add_flex("combine", ctimes.beside, fct.network_bytes);
+    if (root) {
+      for (Figure& f : *figures) {
+        if (f.dispatcher == "low_latency" && f.dtype == "bf16") f.verified = ok;
+      }
+    }
   }
-  Figure fdf{0, "flex", "dispatch", "bf16", {}, 0, size_t(H) * 2};
-  fdf.verified = fok;
-  add(fdf, fdtimes, frows, fdt.network_bytes);
-  Figure fcf{0, "flex", "combine", "bf16", {}, 0, size_t(H) * 2};
-  fcf.verified = fok;
-  add(fcf, fctimes, frows, fct.network_bytes);
+
   return ok_status();
 }
 
@@ -324,8 +334,8 @@ Status run_rank(World& w, const Shape& base, const std::vector<int64_t>& tokens,
   }
   const int64_t T = *std::max_element(tokens.begin(), tokens.end());
   MOED_ASSIGN_OR_RETURN(
-      const int64_t ll, sum_ranks(w, int64_t(get_low_latency_size_hint(T, base.hidden, w.size(),
-                                                                        base.num_experts))));
+      const int64_t ll,
+      sum_ranks(w, int64_t(get_low_latency_size_hint(T, base.hidden, w.size(), base.num_experts))));
   if (w.rank() == 0) memory->low_latency_buffer_bytes = uint64_t(ll);
   return ok_status();
 }
@@ -379,6 +389,16 @@ void run(const Args& a) {
     rec["seconds_min"] = f.times.kernel.empty()
                              ? 0.0
                              : *std::min_element(f.times.kernel.begin(), f.times.kernel.end());
+    if (f.dispatcher == "low_latency" && f.dtype == "bf16" &&
+        (f.phase == "dispatch" || f.phase == "combine")) {
+      // Issue 14's target: the low-latency call no slower than Flex's, timed in the same
+      // iterations (time_halves' `beside`).
+      for (const Figure& g : figures) {
+        if (g.dispatcher == "flex" && g.phase == f.phase && g.num_tokens == f.num_tokens) {
+          add_comparison(rec, "low_latency / flex", f.times.kernel, g.times.kernel, 1.0);
+        }
+      }
+    }
     const double seconds = rec["seconds"].get<double>();
     rec["microseconds"] = seconds * 1e6;
     rec["floor_ratio"] = floor.seconds() > 0 ? seconds / floor.seconds() : 0.0;
