@@ -162,7 +162,7 @@ class MoETokenDispatcher:
         gives, e.g. an earlier dispatch's handle.num_rows for the same routing); a wrong `out`
         on one rank raises ValueError on every rank, naming it."""
         shape = tuple(hidden_states.shape)
-        x = hidden_states.reshape(-1, shape[-1]) if hidden_states.dim() != 2 else hidden_states
+        x = hidden_states.reshape(-1, shape[-1]) if len(shape) != 2 else hidden_states
         state = _DispatchState(self._box, shape, probs, topk_idx, bool(self.config.moe_weighted_combine))
         if routing_map is not None:
             self._box.dispatch_preprocess(x, scales, routing_map=routing_map, probs=probs,
@@ -189,8 +189,8 @@ class MoETokenDispatcher:
         s.handle = handle
         self._state = None
         self._last = s
-        if x.is_floating_point() and torch.is_grad_enabled() and (
-                hidden_states.requires_grad or (probs is not None and probs.requires_grad)):
+        if (hidden_states.requires_grad or (probs is not None and probs.requires_grad)) and (
+                torch.is_grad_enabled() and x.is_floating_point()):
             # Handed to the Function through the state, which drops them at once: a state that
             # kept the outputs would keep their slot of moed's output ring after the caller
             # let them go, so the next dispatch would write colder memory.
@@ -224,9 +224,12 @@ class MoETokenDispatcher:
         self._combine_in = None
         out, _ = self._box.combine_postprocess()
         probs = s.probs if s.weighted else None
-        if torch.is_grad_enabled() and (eo.requires_grad or (probs is not None and probs.requires_grad)):
+        if (eo.requires_grad or (probs is not None and probs.requires_grad)) and torch.is_grad_enabled():
             out = _CombineFn.apply(eo, probs, s, [out])
-        return out if given is not None else out.view(s.hidden_shape)
+        # NOTE: a [T, H] input needs no view back. At decode each torch call costs several us
+        # (the kernels' rows between two calls have evicted torch's code and data from the
+        # caches), so the calls that change nothing are left out.
+        return out if given is not None or len(s.hidden_shape) == 2 else out.view(s.hidden_shape)
 
     # ---- Megatron's older two-call API ----
     def token_permutation(self, hidden_states, probs, routing_map):

@@ -334,6 +334,39 @@ void bind_dispatcher(py::module_& m) {
           },
           py::arg("hidden_states"), py::arg("routing_map"), py::arg("probs"), py::arg("num_topk"),
           py::arg("iters"), py::arg("warmup"))
+      .def(
+          "_bench_cpp_steps",
+          [](DispatcherBox& b, py::handle x, py::handle routing_map, py::handle probs, int num_topk,
+             int iters, int gil_mode) {
+            DispatchInput in;
+            in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload);
+            RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
+            in.map = &map;
+            TokenDispatcher& d = b.get();
+            std::vector<double> times;
+            auto between = [&] {
+              if (gil_mode == 1) { py::gil_scoped_acquire g; }
+              if (gil_mode == 2) { py::gil_scoped_acquire g; py::object o = py::module_::import("time").attr("perf_counter")(); }
+            };
+            Status st = nogil([&]() -> Status {
+              for (int i = 0; i < iters; ++i) {
+                auto t0 = std::chrono::steady_clock::now();
+                MOED_RETURN_IF_ERROR(d.dispatch_preprocess(in)); between();
+                MOED_ASSIGN_OR_RETURN(Request r, d.token_dispatch(false)); between();
+                MOED_RETURN_IF_ERROR(r->wait());
+                MOED_ASSIGN_OR_RETURN(DispatchOutput out, d.dispatch_postprocess()); between();
+                MOED_RETURN_IF_ERROR(d.combine_preprocess({out.expert_input, out.handle})); between();
+                MOED_ASSIGN_OR_RETURN(Request r2, d.token_combine(false)); between();
+                MOED_RETURN_IF_ERROR(r2->wait());
+                MOED_ASSIGN_OR_RETURN(CombineOutput y, d.combine_postprocess());
+                auto t1 = std::chrono::steady_clock::now();
+                times.push_back(std::chrono::duration<double>(t1 - t0).count());
+              }
+              return Status();
+            });
+            check(st);
+            return times;
+          })
       // ---- backward ----
       .def(
           "dispatch_backward",
