@@ -20,6 +20,7 @@ against the target: met (the whole interval within it), missed (all beyond), or 
 (more --pairs, or a quieter machine, would tell).
 """
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -135,6 +136,8 @@ def body(group, shape, kinds, iters, warmup, rounds, pairs, hidden=0):
 
 
 def call_overhead(n=20000):
+    """Seconds of one tensor argument into moed and of one moed tensor out, warm (back to back)
+    and cold (each call after a 96 MiB memset, as after a decode step's rows)."""
     x = torch.empty(128, 7168, dtype=torch.bfloat16)
     for _ in range(1000):
         _C._noop(x)
@@ -146,7 +149,19 @@ def call_overhead(n=20000):
     for _ in range(n // 10):
         _C._copy_rows(x[:1])
     ret = (time.perf_counter() - t0) / (n // 10)
-    return parse, ret
+    libc = ctypes.CDLL(None)
+    flush = ctypes.create_string_buffer(96 << 20)
+    row = x[:1]
+
+    def cold(f):
+        ts = []
+        for _ in range(200):
+            libc.memset(flush, 1, len(flush))
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    return parse, ret, cold(lambda: _C._noop(x)), cold(lambda: _C._copy_rows(row))
 
 
 def main():
@@ -175,7 +190,7 @@ def main():
     if a.repeat > 1 and a.world == "threads":
         return repeated(a)
     kinds = a.kinds.split(",")
-    parse, ret = call_overhead()
+    parse, ret, parse_cold, ret_cold = call_overhead()
     args = (a.shape, kinds, a.iters, a.warmup, a.rounds, a.pairs, a.hidden)
     if a.world == "mpi":
         g = moed.init(ranks_per_node=a.ranks_per_node)
@@ -216,10 +231,13 @@ def main():
                          paired_relative_extra=rel, relative_ci=[rlo, rhi], target=target,
                          verdict=verdict_of, pairs=a.pairs))
     if a.json:
-        print(json.dumps(dict(tensor_arg_us=parse * 1e6, dlpack_return_us=ret * 1e6, records=recs)))
+        print(json.dumps(dict(tensor_arg_us=parse * 1e6, dlpack_return_us=ret * 1e6,
+                              tensor_arg_cold_us=parse_cold * 1e6,
+                              dlpack_return_cold_us=ret_cold * 1e6, records=recs)))
         return
-    print(f"one tensor argument in (parse + GIL release): {parse * 1e6:.2f} us; "
-          f"a moed tensor out (DLPack, 1 row copy): {ret * 1e6:.2f} us")
+    print(f"one tensor argument in (parse + GIL release): {parse * 1e6:.2f} us, cold "
+          f"{parse_cold * 1e6:.2f} us; a moed tensor out (DLPack, 1 row copy): {ret * 1e6:.2f} us, "
+          f"cold {ret_cold * 1e6:.2f} us (cold: after a 96 MiB memset, as after a decode step)")
     print_table(recs)
 
 
