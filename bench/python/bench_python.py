@@ -135,6 +135,65 @@ def body(group, shape, kinds, iters, warmup, rounds, pairs, hidden=0):
     return res
 
 
+SPLIT_STEPS = ("C++ steps", "+ GIL between", "+ Python call between", "_C calls", "Megatron-style")
+
+
+def split_body(group, shape, kinds, rounds, hidden=0):
+    """--split: where the Python path's extra comes from, per iteration against the C++ loop's
+    dispatch + combine: the six steps called from C++; the same with the GIL taken between
+    them; with one trivial Python call there too; the six `_C` calls from Python; the
+    Megatron-style path. Median over `rounds` of each one's difference to the C++ loop's
+    iteration in the same round (order alternating by round)."""
+    T, H, E, K = SHAPES[shape]
+    H = hidden or H
+    E = max(E, group.size()) // group.size() * group.size()
+    rmap, probs, _, _ = routing(7 + group.rank(), T, E, K)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(group.rank())).bfloat16()
+    res = {}
+    for kind in kinds:
+        cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K)
+        d = make_dispatcher(kind, cfg, group=group)
+        box = d._box
+
+        def raw():
+            t0 = time.perf_counter()
+            box.dispatch_preprocess(x, None, routing_map=rmap, probs=probs, num_topk=K)
+            box.token_dispatch(False)
+            ei, sc, pp, tpe, handle = box.dispatch_postprocess()
+            box.combine_preprocess(ei, handle)
+            box.token_combine(False)
+            y, _ = box.combine_postprocess()
+            t1 = time.perf_counter()
+            del ei, sc, pp, tpe, handle, y
+            return t1 - t0
+
+        def megatron():
+            t0 = time.perf_counter()
+            h, p = d.dispatch_preprocess(x, rmap, probs)
+            h, p = d.token_dispatch(h, p)
+            ei, tpe, pp = d.dispatch_postprocess(h, p)
+            y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
+            t1 = time.perf_counter()
+            del h, p, ei, tpe, pp, y
+            return t1 - t0
+
+        def cpp(between):
+            return lambda: box._bench_cpp(x, rmap, probs, K, 1, 0, between)[0]
+        fns = [cpp(0), cpp(1), cpp(2), cpp(3), raw, megatron]
+        for _ in range(5):
+            for f in fns:
+                f()
+        times = [[] for _ in fns]
+        for r in range(rounds):
+            for i in (range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))):
+                times[i].append(fns[i]())
+        res[kind] = dict(cpp_us=statistics.median(times[0]) * 1e6, extra_us={
+            name: statistics.median(a - b for a, b in zip(t, times[0])) * 1e6
+            for name, t in zip(SPLIT_STEPS, times[1:])})
+        d.close()
+    return res
+
+
 def call_overhead(n=20000):
     """Seconds of one tensor argument into moed and of one moed tensor out, warm (back to back)
     and cold (each call after a 96 MiB memset, as after a decode step's rows)."""
@@ -179,6 +238,9 @@ def main():
                     help="the shape's routing with this hidden size (0: the shape's own): at a "
                          "narrow one (16) the rows cost next to nothing, so what remains of the "
                          "per-call extra is the fixed cost of a call from Python")
+    ap.add_argument("--split", action="store_true",
+                    help="instead of the paired figures: where the extra comes from (split_body), "
+                         "--pairs rounds, the Megatron-style kinds only")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeat", type=int, default=1,
                     help="threads world: run the whole measurement this many times, each in a "
@@ -190,6 +252,8 @@ def main():
     if a.repeat > 1 and a.world == "threads":
         return repeated(a)
     kinds = a.kinds.split(",")
+    if a.split:
+        return split(a, [k for k in kinds if k != "deep_ep"])
     parse, ret, parse_cold, ret_cold = call_overhead()
     args = (a.shape, kinds, a.iters, a.warmup, a.rounds, a.pairs, a.hidden)
     if a.world == "mpi":
@@ -239,6 +303,27 @@ def main():
           f"{parse_cold * 1e6:.2f} us; a moed tensor out (DLPack, 1 row copy): {ret * 1e6:.2f} us, "
           f"cold {ret_cold * 1e6:.2f} us (cold: after a 96 MiB memset, as after a decode step)")
     print_table(recs)
+
+
+def split(a, kinds):
+    args = (a.shape, kinds, a.pairs, a.hidden)
+    if a.world == "mpi":
+        g = moed.init(ranks_per_node=a.ranks_per_node)
+        out = split_body(g, *args)
+        if g.rank() != 0:
+            return
+    else:
+        out = moed.launch(split_body, a.ranks, *args, ranks_per_node=a.ranks_per_node)[0]
+    if a.json:
+        print(json.dumps(dict(shape=a.shape, hidden=a.hidden or SHAPES[a.shape][1], rounds=a.pairs,
+                              split=out)))
+        return
+    print(f"extra us per iteration (dispatch + combine) over the C++ loop, median of {a.pairs} "
+          f"rounds:")
+    print(f"{'kind':10} {'C++ loop us':>11} " + " ".join(f"{n:>22}" for n in SPLIT_STEPS))
+    for kind, o in out.items():
+        print(f"{kind:10} {o['cpp_us']:11.1f} " +
+              " ".join(f"{o['extra_us'][n]:22.1f}" for n in SPLIT_STEPS))
 
 
 def print_table(recs):

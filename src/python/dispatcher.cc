@@ -308,23 +308,62 @@ void bind_dispatcher(py::module_& m) {
          py::arg("expert_output"), py::arg("handle"), py::arg("out") = py::none())
       // The C++ API's own loop, for the benchmark beside the Python steps (same process, same
       // run): per iteration dispatch(map form) then combine(expert_output = expert_input);
-      // returns each iteration's seconds.
+      // returns each iteration's seconds. `between` splits the Python path's extra (bench_python
+      // --split): 0, the two calls; 1, the six steps; 2, the six steps with the GIL taken
+      // between them; 3, the same with one trivial Python call (time.perf_counter) there.
       .def(
           "_bench_cpp",
           [](DispatcherBox& b, py::handle x, py::handle routing_map, py::handle probs, int num_topk,
-             int iters, int warmup) {
+             int iters, int warmup, int between) {
+            if (between < 0 || between > 3) {
+              throw py::value_error("between = " + std::to_string(between) +
+                                    " is not 0, 1, 2 or 3");
+            }
             DispatchInput in;
             in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload);
             RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
             in.map = &map;
             TokenDispatcher& d = b.get();
+            py::object tick = py::module_::import("time").attr("perf_counter");
+            auto gap = [&] {
+              if (between < 2) return;
+              py::gil_scoped_acquire gil;
+              if (between == 3) tick();
+            };
+            auto wait = [](StatusOr<Request> r) -> Status {
+              if (!r.ok()) return r.status();
+              return (*r)->wait();
+            };
+            // Both outputs live until the iteration's time is taken, as in the Python loop.
+            DispatchOutput out;
+            CombineOutput y;
+            auto iteration = [&]() -> Status {
+              if (between == 0) {
+                MOED_ASSIGN_OR_RETURN(out, d.dispatch(in));
+                MOED_ASSIGN_OR_RETURN(y, d.combine({out.expert_input, out.handle}));
+                return ok_status();
+              }
+              MOED_RETURN_IF_ERROR(d.dispatch_preprocess(in));
+              gap();
+              MOED_RETURN_IF_ERROR(wait(d.token_dispatch(false)));
+              gap();
+              MOED_ASSIGN_OR_RETURN(out, d.dispatch_postprocess());
+              gap();
+              MOED_RETURN_IF_ERROR(d.combine_preprocess({out.expert_input, out.handle}));
+              gap();
+              MOED_RETURN_IF_ERROR(wait(d.token_combine(false)));
+              gap();
+              MOED_ASSIGN_OR_RETURN(y, d.combine_postprocess());
+              return ok_status();
+            };
             std::vector<double> times;
             Status st = nogil([&]() -> Status {
               for (int i = 0; i < warmup + iters; ++i) {
                 auto t0 = std::chrono::steady_clock::now();
-                MOED_ASSIGN_OR_RETURN(DispatchOutput out, d.dispatch(in));
-                MOED_ASSIGN_OR_RETURN(CombineOutput y, d.combine({out.expert_input, out.handle}));
+                MOED_RETURN_IF_ERROR(iteration());
                 auto t1 = std::chrono::steady_clock::now();
+                out = DispatchOutput{};
+                y = CombineOutput{};
                 if (i >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
               }
               return Status();
@@ -333,40 +372,7 @@ void bind_dispatcher(py::module_& m) {
             return times;
           },
           py::arg("hidden_states"), py::arg("routing_map"), py::arg("probs"), py::arg("num_topk"),
-          py::arg("iters"), py::arg("warmup"))
-      .def(
-          "_bench_cpp_steps",
-          [](DispatcherBox& b, py::handle x, py::handle routing_map, py::handle probs, int num_topk,
-             int iters, int gil_mode) {
-            DispatchInput in;
-            in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload);
-            RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
-            in.map = &map;
-            TokenDispatcher& d = b.get();
-            std::vector<double> times;
-            auto between = [&] {
-              if (gil_mode == 1) { py::gil_scoped_acquire g; }
-              if (gil_mode == 2) { py::gil_scoped_acquire g; py::object o = py::module_::import("time").attr("perf_counter")(); }
-            };
-            Status st = nogil([&]() -> Status {
-              for (int i = 0; i < iters; ++i) {
-                auto t0 = std::chrono::steady_clock::now();
-                MOED_RETURN_IF_ERROR(d.dispatch_preprocess(in)); between();
-                MOED_ASSIGN_OR_RETURN(Request r, d.token_dispatch(false)); between();
-                MOED_RETURN_IF_ERROR(r->wait());
-                MOED_ASSIGN_OR_RETURN(DispatchOutput out, d.dispatch_postprocess()); between();
-                MOED_RETURN_IF_ERROR(d.combine_preprocess({out.expert_input, out.handle})); between();
-                MOED_ASSIGN_OR_RETURN(Request r2, d.token_combine(false)); between();
-                MOED_RETURN_IF_ERROR(r2->wait());
-                MOED_ASSIGN_OR_RETURN(CombineOutput y, d.combine_postprocess());
-                auto t1 = std::chrono::steady_clock::now();
-                times.push_back(std::chrono::duration<double>(t1 - t0).count());
-              }
-              return Status();
-            });
-            check(st);
-            return times;
-          })
+          py::arg("iters"), py::arg("warmup"), py::arg("between") = 0)
       // ---- backward ----
       .def(
           "dispatch_backward",
