@@ -375,38 +375,54 @@ StatusOr<Tensor> reduce_home(const PermuteLayout& home, const TensorView& terms,
 // ---- combine ----
 
 Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
+  combine_step_ = CombineStep{};
   auto h = check_handle(input.handle, "combine");
   Status local =
       h.ok() ? check_expert_rows("expert_output", input.expert_output.x, **h) : h.status();
   if (local.ok() && input.out) {
     local = moed::internal::check_out_buffer("out", *input.out, (*h)->plan.home.num_tokens,
-                                       (*h)->hidden, input.expert_output.x.dtype, "expert_output");
+                                             (*h)->hidden, input.expert_output.x.dtype,
+                                             "expert_output");
   }
   MOED_RETURN_IF_ERROR(agree_step(*world_, local));
-  MOED_RETURN_IF_ERROR(pack_return(combine_, *h, input.expert_output.x, {}));
-  combine_.out = input.out;  // after pack_return, which starts the step afresh
+  combine_step_.handle = *h;
+  combine_step_.expert_output = input.expert_output.x;
+  combine_step_.out = input.out;
+  combine_step_.stage = Stage::kPrepared;
   return ok_status();
 }
 
+// The rows are packed, sent home and summed all here, not in the local steps around it
+// (row_exchange.h says why).
 StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
+  CombineStep& c = combine_step_;
+  if (c.stage != Stage::kPrepared)
+    return failed_precondition("token_combine before combine_preprocess");
+  MOED_RETURN_IF_ERROR(pack_return(combine_, c.handle, c.expert_output, {}));
+  combine_.out = c.out;  // after pack_return, which starts the step afresh
+  c.expert_output = TensorView();
   MOED_RETURN_IF_ERROR(send_return(combine_));
-  return completed_request();
-}
-
-StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
-  if (combine_.stage != Stage::kExchanged)
-    return failed_precondition("combine_postprocess before token_combine");
   const ExchangeHandle& h = *combine_.handle;
   const Tensor summed = sum_partials(combine_);
   std::span<const float> probs;
   if (config_.weighted_combine) probs = h.plan.home.permuted_probs;
   CombineOutput out;
-  MOED_ASSIGN_OR_RETURN(out.hidden, reduce_home(h.plan.home, terms(combine_, summed), probs,
-                                                combine_.received.dtype, world_->pool(),
-                                                combine_.out));
+  MOED_ASSIGN_OR_RETURN(
+      out.hidden, reduce_home(h.plan.home, terms(combine_, summed), probs, combine_.received.dtype,
+                              world_->pool(), combine_.out));
   out.out = combine_.out;
   out.combined_probs = h.routing.prob_sums();
   combine_.reset();
+  c.result = std::move(out);
+  c.stage = Stage::kExchanged;
+  return completed_request();
+}
+
+StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
+  if (combine_step_.stage != Stage::kExchanged)
+    return failed_precondition("combine_postprocess before token_combine");
+  CombineOutput out = std::move(*combine_step_.result);
+  combine_step_ = CombineStep{};
   return out;
 }
 

@@ -11,6 +11,12 @@
 // (and the backward of their dispatch) moves them back, expert side -> home side, through
 // RowExchangeDispatcher, which implements those six steps once for both.
 //
+// NOTE: the forward's row work (permute, sort_chunks, unpermute) runs in the communicating
+// steps (token_dispatch, token_combine), as Flex's does; the local steps check, count and hand
+// out the results. A step that moves rows returns with the caches full of them, and at decode
+// a Python caller pays some 15 us of misses on each such return (bench_python.py --split), so
+// two such returns per layer instead of six. The results are the same bits.
+//
 // NOTE: the combine sends each rank's per-(token, expert) rows to the token's home rank (one
 // all_to_all_v; with ETP every p sends its partial) and sums there: the P partials first
 // (fp32 from 0, p ascending), then the experts ascending (unpermute). A reduce-scatter of
@@ -36,7 +42,7 @@
 namespace moed {
 
 // Where a step's state is between the six steps (each dispatcher's per-step structs use it):
-// kPrepared after the preprocess step (rows permuted / packed, inputs checked), kHomeReady
+// kPrepared after the preprocess step (inputs checked; rows packed in the backward), kHomeReady
 // when the home-side rows of a combine backward are ready to send (AlltoAll), kExchanged once
 // the communicating step has moved the rows (received / gathered).
 enum class Stage : uint8_t { kIdle, kPrepared, kHomeReady, kExchanged };
@@ -162,7 +168,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
     std::vector<float> received_values;  // when values were sent
     bool has_values = false;
     std::optional<TensorView> out;  // combine: the caller's buffer (CombineInput::out)
-    Stage stage = Stage::kIdle;  // kPrepared: packed; kExchanged: received
+    Stage stage = Stage::kIdle;     // kPrepared: packed; kExchanged: received
     ScratchBuffer packed_buffer;
     ScratchBuffer received_buffer;
 
@@ -223,6 +229,16 @@ class RowExchangeDispatcher : public TokenDispatcher {
   Status finish_combine_backward(std::span<const float> grad_row_probs, CombineGrad& out);
 
   ReturnState combine_;
+  // The combine in progress: its input, checked by combine_preprocess; token_combine moves and
+  // sums it (see row_exchange.cc) and keeps the result for combine_postprocess.
+  struct CombineStep {
+    std::shared_ptr<const ExchangeHandle> handle;
+    TensorView expert_output;  // caller-owned until token_combine has returned
+    std::optional<TensorView> out;
+    std::optional<CombineOutput> result;
+    Stage stage = Stage::kIdle;  // kPrepared: checked; kExchanged: result made
+  };
+  CombineStep combine_step_;
   ReturnState dispatch_grad_;
   std::vector<float> grad_pprobs_;
   CombineGradState combine_grad_;

@@ -35,8 +35,7 @@ Status gather_rows(World& w, const TensorView& mine, std::span<const int64_t> ro
 // Every source's effective routing (after dropping and router padding), sparse, in one
 // all_gather_v: source s sends [entries of each token int32 x T_s][experts int32 x n_s]
 // [probs f32 x n_s], where n_s = the sum of its counts (known to every rank already).
-StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
-                                       const GlobalCounts& c) {
+StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine, const GlobalCounts& c) {
   const int R = w.size(), E = mine.num_experts;
   std::vector<size_t> words(static_cast<size_t>(R));
   size_t total = 0;
@@ -57,8 +56,8 @@ StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine,
   std::vector<int32_t> recv(total);
   std::vector<size_t> bytes(words.size());
   for (size_t s = 0; s < words.size(); ++s) bytes[s] = words[s] * sizeof(int32_t);
-  MOED_RETURN_IF_ERROR(w.all_gather_v_bytes(send.data(), send.size() * sizeof(int32_t),
-                                            recv.data(), bytes));
+  MOED_RETURN_IF_ERROR(
+      w.all_gather_v_bytes(send.data(), send.size() * sizeof(int32_t), recv.data(), bytes));
   SparseRouting g;
   g.num_experts = E;
   g.num_topk = mine.num_topk;
@@ -94,8 +93,11 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
     TokenRows hidden;    // the caller's tokens, valid until token_dispatch returns
     TokenRows gathered;  // in gathered_x_ / gathered_scales_
     SparseRouting gathered_routing;
-    Stage stage = Stage::kIdle;  // kPrepared; kExchanged: gathered
+    std::optional<DispatchOutput> output;  // made by token_dispatch
+    Stage stage = Stage::kIdle;            // kPrepared; kExchanged: gathered and permuted
   };
+  // The gathered rows permuted into this rank's canonical layout (token_dispatch's second half).
+  StatusOr<DispatchOutput> permute_gathered();
   struct CombineGradRows {
     std::shared_ptr<const AllGatherHandle> handle;
     UnpermuteGrad home;          // weighted: grad_row_probs in home order
@@ -140,6 +142,9 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
   }
   MOED_ASSIGN_OR_RETURN(d_.gathered_routing, gather_routing(*world_, h.routing, d_.counts));
   d_.hidden = TokenRows{};
+  // The permute runs here, not in dispatch_postprocess (row_exchange.h says why).
+  MOED_ASSIGN_OR_RETURN(DispatchOutput out, permute_gathered());
+  d_.output = std::move(out);
   d_.stage = Stage::kExchanged;
   return completed_request();
 }
@@ -147,6 +152,12 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
 StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
   if (d_.stage != Stage::kExchanged)
     return failed_precondition("dispatch_postprocess before token_dispatch");
+  DispatchOutput out = std::move(*d_.output);
+  d_ = DispatchState{};
+  return out;
+}
+
+StatusOr<DispatchOutput> AllGatherDispatcher::permute_gathered() {
   AllGatherHandle& h = *d_.handle;
   const int R = world_->size();
   const int first = first_local_expert(config_, R, world_->rank());
@@ -174,9 +185,7 @@ StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
     h.row_src_rank[size_t(i)] = s;
     h.row_src_token[size_t(i)] = int32_t(g - h.source_offsets[size_t(s)]);
   }
-  DispatchOutput out = dispatch_output(std::move(d_.handle), expert_input, std::move(storage));
-  d_ = DispatchState{};
-  return out;
+  return dispatch_output(std::move(d_.handle), expert_input, std::move(storage));
 }
 
 // ---- combine backward: all-gather grad_out; each rank picks (and weights) its own rows ----

@@ -22,12 +22,16 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
  private:
   struct DispatchState {
     std::shared_ptr<ExchangeHandle> handle;
+    TokenRows hidden;    // the caller's tokens, valid until token_dispatch returns
     TokenRows permuted;  // home order: this rank's rows, expert-major (in permuted_*_)
     TokenRows received;  // source-major chunks (s, j) (in received_*_)
     std::vector<float> received_probs;
     std::vector<int32_t> received_tokens;
-    Stage stage = Stage::kIdle;  // kPrepared: permuted; kExchanged: received
+    std::optional<DispatchOutput> output;  // made by token_dispatch
+    Stage stage = Stage::kIdle;            // kPrepared: checked; kExchanged: received, placed
   };
+  // The received chunks placed expert-major (token_dispatch's last part).
+  StatusOr<DispatchOutput> place_received();
   struct CombineGradRows {
     UnpermuteGrad home;          // rows in home order (+ grad_row_probs when weighted)
     TensorView received;         // source-major chunks on the expert side (in received_x_)
@@ -53,23 +57,27 @@ Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   MOED_RETURN_IF_ERROR(check_dispatch_out(counts, in.hidden, input.out));
   auto h = std::make_shared<ExchangeHandle>();
   MOED_RETURN_IF_ERROR(init_handle(*h, counts, in));
-  // Permute by global expert: destination d's rows are the contiguous block of ep(d)'s experts.
-  const int64_t n = h->plan.home.num_rows;
-  d_.permuted.x = permuted_x_.view(in.dtype, n, in.hidden);
-  if (in.dtype == DType::kFP8) {
-    d_.permuted.scales = permuted_scales_.view(DType::kF32, n, in.hidden / kFp8BlockSize);
-  }
-  MOED_RETURN_IF_ERROR(permute_rows_into(input.hidden, h->plan.home, d_.permuted, world_->pool()));
+  d_.hidden = input.hidden;
   d_.handle = std::move(h);
   d_.stage = Stage::kPrepared;
   return ok_status();
 }
 
+// The permute and the placing of the received chunks run here, not in the local steps around
+// it (row_exchange.h says why).
 StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
   if (d_.stage != Stage::kPrepared)
     return failed_precondition("token_dispatch before dispatch_preprocess");
   const ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
+  // Permute by global expert: destination d's rows are the contiguous block of ep(d)'s experts.
+  const int64_t home_rows = plan.home.num_rows;
+  d_.permuted.x = permuted_x_.view(h.dtype, home_rows, h.hidden);
+  if (h.dtype == DType::kFP8) {
+    d_.permuted.scales = permuted_scales_.view(DType::kF32, home_rows, h.hidden / kFp8BlockSize);
+  }
+  MOED_RETURN_IF_ERROR(permute_rows_into(d_.hidden, plan.home, d_.permuted, world_->pool()));
+  d_.hidden = TokenRows{};
   const int64_t n = plan.expert_rows;
   auto move = [&](const void* send, void* recv, size_t row_bytes) {
     return exchange_to_experts(*world_, plan, send, recv, row_bytes);
@@ -88,6 +96,8 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
   MOED_RETURN_IF_ERROR(
       move(plan.home.sorted_indices.data(), d_.received_tokens.data(), sizeof(int32_t)));
   d_.permuted = TokenRows{};
+  MOED_ASSIGN_OR_RETURN(DispatchOutput out, place_received());
+  d_.output = std::move(out);
   d_.stage = Stage::kExchanged;
   return completed_request();
 }
@@ -95,6 +105,12 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
 StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
   if (d_.stage != Stage::kExchanged)
     return failed_precondition("dispatch_postprocess before token_dispatch");
+  DispatchOutput out = std::move(*d_.output);
+  d_ = DispatchState{};
+  return out;
+}
+
+StatusOr<DispatchOutput> AlltoAllDispatcher::place_received() {
   ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
   TokenRows expert_input;
@@ -118,9 +134,7 @@ StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
       }
     }
   }
-  DispatchOutput out = dispatch_output(std::move(d_.handle), expert_input, std::move(storage));
-  d_ = DispatchState{};
-  return out;
+  return dispatch_output(std::move(d_.handle), expert_input, std::move(storage));
 }
 
 // ---- combine backward: a dispatch of grad_out (times the prob when weighted) ----
