@@ -232,10 +232,14 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
   };
 
   // Flex's normal mode at the same shape, one call each (dispatch includes its notify), timed
-  // in the bf16 loops beside the low-latency calls.
+  // in the bf16 loops beside the low-latency calls. Its combine is weighted, as the
+  // low-latency combine always is (DeepEP's low_latency_combine takes topk_weights), so both
+  // compute the same sum of w * y: unweighted, Flex would skip K multiplies per element, which
+  // is 10-15% of the combine where the fold is arithmetic-bound (AVX2, 4 ranks on 2 cores).
   DispatchConfig config;
   config.kind = DispatcherKind::kFlex;
   config.num_experts = E;
+  config.weighted_combine = true;
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> flex, TokenDispatcher::create(w, config));
   DispatchOutput fd;
   DispatchInput flex_input;
@@ -385,6 +389,7 @@ void run(const Args& a) {
                       {"peak_rss_bytes", peak},
                       {"verified", f.verified}});
     add_paired(rec, f.times);
+    if (f.dispatcher == "flex" && f.phase == "combine") rec["weighted_combine"] = true;
     // The fastest iteration: what the call's rounds cost when no other process got in the way.
     rec["seconds_min"] = f.times.kernel.empty()
                              ? 0.0

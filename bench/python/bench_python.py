@@ -196,7 +196,9 @@ def split_body(group, shape, kinds, rounds, hidden=0):
 
 def call_overhead(n=20000):
     """Seconds of one tensor argument into moed and of one moed tensor out, warm (back to back)
-    and cold (each call after a 96 MiB memset, as after a decode step's rows)."""
+    and cold (each call after a 96 MiB memset, as after a decode step's rows), and of a torch
+    call of torch's own (x.view(-1), which makes a tensor as a moed output does) for scale: what
+    any Python layer pays after a step that swept the caches."""
     x = torch.empty(128, 7168, dtype=torch.bfloat16)
     for _ in range(1000):
         _C._noop(x)
@@ -208,6 +210,10 @@ def call_overhead(n=20000):
     for _ in range(n // 10):
         _C._copy_rows(x[:1])
     ret = (time.perf_counter() - t0) / (n // 10)
+    t0 = time.perf_counter()
+    for _ in range(n // 10):
+        x.view(-1)
+    view = (time.perf_counter() - t0) / (n // 10)
     libc = ctypes.CDLL(None)
     flush = ctypes.create_string_buffer(96 << 20)
     row = x[:1]
@@ -220,7 +226,8 @@ def call_overhead(n=20000):
             f()
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
-    return parse, ret, cold(lambda: _C._noop(x)), cold(lambda: _C._copy_rows(row))
+    return (parse, ret, cold(lambda: _C._noop(x)), cold(lambda: _C._copy_rows(row)), view,
+            cold(lambda: x.view(-1)))
 
 
 def main():
@@ -254,7 +261,7 @@ def main():
     kinds = a.kinds.split(",")
     if a.split:
         return split(a, [k for k in kinds if k != "deep_ep"])
-    parse, ret, parse_cold, ret_cold = call_overhead()
+    parse, ret, parse_cold, ret_cold, view, view_cold = call_overhead()
     args = (a.shape, kinds, a.iters, a.warmup, a.rounds, a.pairs, a.hidden)
     if a.world == "mpi":
         g = moed.init(ranks_per_node=a.ranks_per_node)
@@ -297,11 +304,13 @@ def main():
     if a.json:
         print(json.dumps(dict(tensor_arg_us=parse * 1e6, dlpack_return_us=ret * 1e6,
                               tensor_arg_cold_us=parse_cold * 1e6,
-                              dlpack_return_cold_us=ret_cold * 1e6, records=recs)))
+                              dlpack_return_cold_us=ret_cold * 1e6, torch_view_us=view * 1e6,
+                              torch_view_cold_us=view_cold * 1e6, records=recs)))
         return
     print(f"one tensor argument in (parse + GIL release): {parse * 1e6:.2f} us, cold "
           f"{parse_cold * 1e6:.2f} us; a moed tensor out (DLPack, 1 row copy): {ret * 1e6:.2f} us, "
-          f"cold {ret_cold * 1e6:.2f} us (cold: after a 96 MiB memset, as after a decode step)")
+          f"cold {ret_cold * 1e6:.2f} us; torch's own x.view(-1): {view * 1e6:.2f} us, cold "
+          f"{view_cold * 1e6:.2f} us (cold: after a 96 MiB memset, as after a decode step)")
     print_table(recs)
 
 
