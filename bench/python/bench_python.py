@@ -200,23 +200,15 @@ def call_overhead(n=20000):
     call of torch's own (x.view(-1), which makes a tensor as a moed output does) for scale: what
     any Python layer pays after a step that swept the caches."""
     x = torch.empty(128, 7168, dtype=torch.bfloat16)
-    for _ in range(1000):
-        _C._noop(x)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        _C._noop(x)
-    parse = (time.perf_counter() - t0) / n
-    t0 = time.perf_counter()
-    for _ in range(n // 10):
-        _C._copy_rows(x[:1])
-    ret = (time.perf_counter() - t0) / (n // 10)
-    t0 = time.perf_counter()
-    for _ in range(n // 10):
-        x.view(-1)
-    view = (time.perf_counter() - t0) / (n // 10)
     libc = ctypes.CDLL(None)
     flush = ctypes.create_string_buffer(96 << 20)
     row = x[:1]
+
+    def warm(f, reps):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f()
+        return (time.perf_counter() - t0) / reps
 
     def cold(f):
         ts = []
@@ -226,6 +218,10 @@ def call_overhead(n=20000):
             f()
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
+    warm(lambda: _C._noop(x), 1000)
+    parse = warm(lambda: _C._noop(x), n)
+    ret = warm(lambda: _C._copy_rows(row), n // 10)
+    view = warm(lambda: x.view(-1), n // 10)
     return (parse, ret, cold(lambda: _C._noop(x)), cold(lambda: _C._copy_rows(row)), view,
             cold(lambda: x.view(-1)))
 
