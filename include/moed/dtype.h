@@ -104,10 +104,11 @@ inline fp8_e4m3 float_to_fp8_e4m3(float f) {
 void convert_f32_to_bf16(std::span<const float> src, std::span<bf16> dst);
 void convert_bf16_to_f32(std::span<const bf16> src, std::span<float> dst);
 
-// FP8 block quantisation of one row of `hidden` channels (hidden % 128 == 0), spec §6:
-// per block amax = max(max|x|, 1e-4f), scale_inv = amax / 448 (rounded up to a power of two
-// when round_scale), value = float_to_fp8_e4m3(x * scale) with scale = 448 / amax, or
-// 1 / scale_inv (exact, a power of two) when round_scale. All in float32.
+// FP8 block quantisation of one row of `hidden` channels (hidden % 128 == 0), spec §6, DeepEP's
+// low-latency cast to the bit: per block amax = max(max|x|, 1e-4f), scale_inv = amax * (1 / 448)
+// (a multiply by the float constant, as DeepEP's kernel does, not a division; rounded up to a
+// power of two when round_scale), value = float_to_fp8_e4m3(x * scale) with scale = 448 / amax,
+// or 1 / scale_inv (exact, a power of two) when round_scale. All in float32.
 // scales_inv has hidden / 128 entries.
 void quantize_fp8_row(std::span<const float> x, bool round_scale, std::span<fp8_e4m3> out,
                       std::span<float> scales_inv);

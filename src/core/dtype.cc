@@ -36,7 +36,10 @@ StatusOr<DType> parse_dtype(std::string_view name) {
 
 float fp8_scale_inv(float amax, bool round_scale) {
   amax = std::max(amax, 1e-4f);
-  float scale_inv = amax / kFp8Max;
+  // NOTE: DeepEP's kernel multiplies by the float constant 1 / 448 (kFinfoAmaxInvE4M3) rather
+  // than dividing by 448; the two differ in the last bit for some amax, so moed multiplies too.
+  constexpr float kInvFp8Max = 1.0f / kFp8Max;
+  float scale_inv = amax * kInvFp8Max;
   if (round_scale) {
     // Round up to a power of two (UE8M0): keep the exponent, bump it if any mantissa bit set.
     uint32_t u = float_to_bits(scale_inv);

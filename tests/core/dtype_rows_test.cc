@@ -17,13 +17,16 @@
 namespace moed {
 namespace {
 
+// The float constant DeepEP's kernel multiplies by (kFinfoAmaxInvE4M3).
+constexpr float kInv448 = 1.0f / 448.0f;
+
 template <typename T>
 bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() &&
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
-// Spec §6 by hand: amax = max(|x|, 1e-4), scale_inv = amax / 448, value x * (448 / amax)
+// Spec §6 by hand: amax = max(|x|, 1e-4), scale_inv = amax * (1 / 448), value x * (448 / amax)
 // rounded to nearest even; round_scale: scale_inv rounded up to a power of two.
 TEST(Fp8Quantize, HandWorkedBlocks) {
   std::vector<float> x(4 * 128);
@@ -37,10 +40,10 @@ TEST(Fp8Quantize, HandWorkedBlocks) {
   std::vector<fp8_e4m3> q(x.size());
   std::vector<float> s(4);
   quantize_fp8_row(x, /*round_scale=*/false, q, s);
-  EXPECT_EQ(s[0], 32.0f / 448.0f);
-  EXPECT_EQ(s[1], 1e-4f / 448.0f);
-  EXPECT_EQ(s[2], 1e-4f / 448.0f);
-  EXPECT_EQ(s[3], 1.0f / 448.0f);
+  EXPECT_EQ(s[0], 32.0f * kInv448);
+  EXPECT_EQ(s[1], 1e-4f * kInv448);
+  EXPECT_EQ(s[2], 1e-4f * kInv448);
+  EXPECT_EQ(s[3], 1.0f * kInv448);
   // scale 448 / 32 = 14: -32 -> -448 (0xfe); 0.5 -> 7 = 1.75 * 2^2 (0x4e); 1.5 -> 21 -> 20
   // (between 20 and 22: tie, even mantissa 1.25 * 2^4 = 0x5a); 31.5 -> 441 -> 448 (0x7e).
   EXPECT_EQ(q[0].bits, 0xfe);
@@ -76,13 +79,17 @@ TEST(Fp8Quantize, HandWorkedBlocks) {
   std::vector<fp8_e4m3> qb(128);
   std::vector<float> sb(1);
   quantize_fp8_row(xb, false, qb, sb);
-  EXPECT_EQ(sb[0], 32.0f / 448.0f);
+  EXPECT_EQ(sb[0], 32.0f * kInv448);
   EXPECT_EQ(qb[0].bits, 0xfe);
   EXPECT_EQ(qb[65].bits, 0x4e);
 }
 
 TEST(Fp8Quantize, ScaleRule) {
-  EXPECT_EQ(fp8_scale_inv(0.0f, false), 1e-4f / 448.0f);
+  EXPECT_EQ(fp8_scale_inv(0.0f, false), 1e-4f * kInv448);
+  // DeepEP's kernel multiplies amax by the float 1 / 448; dividing by 448 differs in the last
+  // bit here (0x1.dfe056p-23 against 0x1.dfe058p-23), and moed gives DeepEP's bits.
+  EXPECT_EQ(float_to_bits(fp8_scale_inv(0.000100110003f, false)), 0x346ff02cu);
+  EXPECT_NE(fp8_scale_inv(0.000100110003f, false), 0.000100110003f / 448.0f);
   EXPECT_EQ(fp8_scale_inv(448.0f, false), 1.0f);
   EXPECT_EQ(fp8_scale_inv(448.0f, true), 1.0f);  // already a power of two
   EXPECT_EQ(fp8_scale_inv(449.0f, true), 2.0f);
