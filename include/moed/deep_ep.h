@@ -28,7 +28,7 @@
 #include <span>
 #include <vector>
 
-#include "moed/flex.h"
+#include "moed/dispatch_layout.h"
 #include "moed/status.h"
 #include "moed/tensor.h"
 #include "moed/world.h"
@@ -36,7 +36,8 @@
 namespace moed::deep_ep {
 
 // topk_idx [T, K] int64 (DeepEP's topk_idx_t) or int32, values in [-1, E); topk_weights
-// [T, K] f32. Both row-major and contiguous. num_topk = 0: no top-k (dispatch moves x only).
+// [T, K] f32 or null (then the received weights are 0). Both row-major and contiguous.
+// num_topk = 0: no top-k (dispatch moves x only).
 // The one borrowed top-k form of moed/routing.h.
 using TopkView = moed::TopkView;
 
@@ -55,7 +56,9 @@ struct LayoutView {
 // DeepEP's intranode handle (the same six arrays, the same meanings) plus what moed's
 // two-hop path needs to rerun without a count exchange.
 struct NormalHandle {
-  uint64_t buffer_id = 0;
+  // The world of the dispatch that made it: any NormalBuffer over the same world (and with the
+  // same channel split) may run the cached dispatch or the combine of this handle.
+  const World* world = nullptr;
   int num_ranks = 0;            // R
   int num_channels = 0;         // C: token ranges of the senders (DeepEP's SM pairs)
   int num_experts = 0;          // E of the dispatch
@@ -88,9 +91,11 @@ struct NormalHandle {
 
 struct NormalDispatchInput {
   TokenRows x;  // [T, H] f32 or bf16, or fp8 (E4M3FN) with scales f32 [T, H / 128]
-  TopkView topk;
-  LayoutView layout;                           // uncached mode: required
-  std::shared_ptr<const NormalHandle> handle;  // cached mode: no count exchange
+  TopkView topk;  // optional; in cached mode too (then it must be the handle's routing)
+  LayoutView layout;  // uncached mode: required
+  // Cached mode: no count exchange. The handle fixes the layout only: x may have another
+  // dtype or hidden size than the dispatch that made it (the same on every rank).
+  std::shared_ptr<const NormalHandle> handle;
   int expert_alignment = 1;
   int64_t num_worst_tokens = 0;  // > 0: recv_x has this many rows (the rest zero)
   // An error the caller found in its own arguments (a binding's parsing): reported on every
@@ -107,8 +112,7 @@ struct NormalDispatchInput {
 
 struct NormalDispatchOutput {
   TokenRows recv_x;  // [num_rows, H], the input dtype (+ scales)
-  // [num_rows, K] local expert ids or -1, and the weights (0 where -1); empty without top-k
-  // and in cached mode.
+  // [num_rows, K] local expert ids or -1, and the weights (0 where -1); empty without top-k.
   std::span<const int64_t> recv_topk_idx;
   std::span<const float> recv_topk_weights;
   // [L] received (token, local expert) pairs, each rounded up to expert_alignment; empty

@@ -117,6 +117,45 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     return _done(async_op)
 
 
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                      async_op=False):
+    """torch.distributed.all_to_all_single on CPU tensors of any dtype (bfloat16 included, which
+    Debian's torch 1.13 gloo rejects): input_split_sizes[r] rows (dim 0) of input, in rank order,
+    go to rank r; output_split_sizes[r] rows from rank r land in output, in rank order. None
+    splits dim 0 evenly. Sizes that do not match what a peer sends are every rank's error."""
+    g = _g(group)
+    R = g.size()
+    err = _check_tensor("output", output) or _check_tensor("input", input)
+    if not err and output.dtype != input.dtype:
+        err = f"output has dtype {output.dtype}, input {input.dtype}"
+
+    def split_bytes(t, sizes, name):
+        rows = t.shape[0] if t.dim() > 0 else t.numel()
+        row = t.numel() // rows * t.element_size() if rows else 0
+        if sizes is None:
+            if rows % R:
+                raise ValueError(f"{name} has {rows} rows, which do not split evenly over {R} ranks")
+            sizes = [rows // R] * R
+        sizes = [int(n) for n in sizes]
+        if len(sizes) != R or sum(sizes) != rows or min(sizes) < 0:
+            raise ValueError(f"{name}_split_sizes = {sizes} do not split {name}'s {rows} rows over {R} ranks")
+        return [n * row for n in sizes]
+
+    out_bytes = in_bytes = None
+    if not err:
+        try:
+            out_bytes = split_bytes(output, output_split_sizes, "output")
+            in_bytes = split_bytes(input, input_split_sizes, "input")
+        except ValueError as e:
+            err = str(e)
+    g.agree(err)
+    out = output if output.is_contiguous() else torch.empty_like(output).contiguous()
+    g.handle.all_to_all_into(out, input.contiguous(), out_bytes, in_bytes)
+    if out is not output:
+        output.copy_(out)
+    return _done(async_op)
+
+
 def broadcast(tensor, src, group=None, async_op=False):
     g = _g(group)
     err = _check_tensor("tensor", tensor)

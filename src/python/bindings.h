@@ -8,10 +8,11 @@ namespace moed::python {
 
 namespace py = pybind11;
 
-void bind_core(py::module_& m);        // core.cc: errors, settings, tensor cache, dtypes
-void bind_world(py::module_& m);       // world.cc: WorldHandle, run_threads, MPI, collectives
-void bind_dispatcher(py::module_& m);  // dispatcher.cc: TokenDispatcher (the six steps, backward)
-void bind_reference(py::module_& m);   // reference.cc: the single-process reference (tests)
-void bind_deep_ep(py::module_& m);     // deep_ep.cc: moed.deep_ep (DeepEP's legacy Buffer)
+void bind_core(py::module_& m);        // core_bindings.cc: errors, settings, tensor cache
+void bind_world(py::module_& m);       // world_bindings.cc: WorldHandle, run_threads, MPI
+void bind_dispatcher(py::module_& m);  // dispatcher_bindings.cc: TokenDispatcher (six steps)
+void bind_reference(py::module_& m);   // reference_bindings.cc: the reference (tests)
+// deep_ep_bindings.cc + low_latency_bindings.cc: moed.deep_ep.Buffer (DeepEP's legacy Buffer)
+void bind_deep_ep(py::module_& m);
 
 }  // namespace moed::python

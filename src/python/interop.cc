@@ -250,7 +250,7 @@ TensorView rows_arg(py::handle t, const char* name, std::initializer_list<DType>
 }
 
 TokenRows token_rows_arg(py::handle x, py::handle scales, const char* name,
-                         std::initializer_list<DType> allowed) {
+                         std::initializer_list<DType> allowed, py::object& keep_scales) {
   TokenRows out;
   out.x = rows_arg(x, name, allowed);
   if (out.x.dtype == DType::kFP8) {
@@ -259,8 +259,15 @@ TokenRows token_rows_arg(py::handle x, py::handle scales, const char* name,
                                         out.x.rows, out.x.cols / kFp8BlockSize));
     }
     std::string sname = std::string(name) + " scales";
-    out.scales =
-        rows_arg(scales, sname.c_str(), {DType::kF32}, out.x.rows, out.x.cols / kFp8BlockSize);
+    keep_scales = py::reinterpret_borrow<py::object>(scales);
+    TensorInfo info = tensor_info(scales, sname.c_str());
+    // DeepEP takes the scales in either major order (scale_token_stride, scale_hidden_stride;
+    // its tests pass them column-major): other strides are made row-major once, a
+    // [T, H / 128] copy beside the rows, which still move once.
+    if (info.ndim == 2 && info.shape[0] > 1 && info.shape[1] > 1 && info.stride[1] != 1)
+      keep_scales = py::reinterpret_borrow<py::object>(scales).attr("contiguous")();
+    out.scales = rows_arg(keep_scales, sname.c_str(), {DType::kF32}, out.x.rows,
+                          out.x.cols / kFp8BlockSize);
   } else if (!scales.is_none()) {
     throw py::value_error(fmt::format("{} is not fp8, so it takes no scales", name));
   }
@@ -402,6 +409,9 @@ TopkView topk_view_arg(py::handle topk_idx, py::handle topk_weights, py::object&
   } else {
     ii = contiguous_as(topk_idx, "topk_idx", ElemType::kI64, integer, keep_idx);
   }
+  if (topk_weights.is_none()) {
+    return TopkView{ii.data, ii.type == ElemType::kI64, nullptr, ii.shape[0], int(ii.shape[1])};
+  }
   TensorInfo wi = tensor_info(topk_weights, "topk_weights");
   wi = contiguous_as(topk_weights, "topk_weights", ElemType::kF32,
                      topk_weights.attr("dtype").attr("is_floating_point").cast<bool>(),
@@ -511,6 +521,17 @@ template py::object vector_to_torch<int64_t>(std::vector<int64_t>&&,
                                              std::initializer_list<int64_t>);
 template py::object vector_to_torch<uint8_t>(std::vector<uint8_t>&&,
                                              std::initializer_list<int64_t>);
+
+template <typename T>
+py::object array_to_torch(const T* data, int64_t rows, int64_t cols, std::shared_ptr<void> owner) {
+  return dlpack_to_torch(const_cast<T*>(data), dl_type_of<T>(), rows, cols, cols < 0 ? 1 : cols,
+                         std::move(owner), torch_dtype_of<T>());
+}
+template py::object array_to_torch<float>(const float*, int64_t, int64_t, std::shared_ptr<void>);
+template py::object array_to_torch<int32_t>(const int32_t*, int64_t, int64_t,
+                                            std::shared_ptr<void>);
+template py::object array_to_torch<int64_t>(const int64_t*, int64_t, int64_t,
+                                            std::shared_ptr<void>);
 
 template <typename T>
 py::object span_to_torch(std::span<const T> s) {

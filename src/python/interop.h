@@ -75,9 +75,11 @@ TensorInfo tensor_info(py::handle t, const char* name);
 // A 1-D tensor is not accepted (ValueError naming the shape).
 TensorView rows_arg(py::handle t, const char* name, std::initializer_list<DType> allowed,
                     int64_t rows = -1, int64_t cols = -1);
-// Token rows: x (f32, bf16, or fp8 when `scales` is a float32 [rows, cols / 128] tensor).
+// Token rows: x (f32, bf16, or fp8 when `scales` is a float32 [rows, cols / 128] tensor, in
+// either major order: column-major scales are copied row-major into keep_scales, which must
+// live as long as the view).
 TokenRows token_rows_arg(py::handle x, py::handle scales, const char* name,
-                         std::initializer_list<DType> allowed);
+                         std::initializer_list<DType> allowed, py::object& keep_scales);
 
 // A contiguous tensor of exactly `type` and `shape` (-1 = any extent), as a flat span.
 template <typename T>
@@ -94,10 +96,11 @@ std::span<const T> span_arg(py::handle t, const char* name, ElemType type,
 MapView map_view_arg(py::handle routing_map, py::handle probs, int num_topk);
 SparseRouting sparse_routing_arg(py::handle routing_map, py::handle probs, int num_topk);
 RoutingMap routing_map_arg(py::handle routing_map, py::handle probs, int num_topk);
-// Top-k form, borrowed: topk_idx [T, K] (-1 = none) and topk_weights [T, K] read in place
-// when they are contiguous int32 / int64 and float32; a strided tensor or another integer
-// (float) dtype is first copied by torch into a contiguous int64 (float32) one. keep_* hold
-// what the view points into: keep them until the dispatch that reads it has completed.
+// Top-k form, borrowed (the one top-k parser of the bindings): topk_idx [T, K] (-1 = none) and
+// topk_weights [T, K] (or None: no weights) read in place when they are contiguous int32 /
+// int64 and float32; a strided tensor or another integer (float) dtype is first copied by
+// torch into a contiguous int64 (float32) one. keep_* hold what the view points into: keep
+// them until the call that reads it has completed.
 TopkView topk_view_arg(py::handle topk_idx, py::handle topk_weights, py::object& keep_idx,
                        py::object& keep_weights);
 // Layout options as the Python layer passes them; capacity_factor None = dropless.
@@ -127,6 +130,10 @@ py::object to_torch(TokenTensor&& t);  // x only; see token_to_torch for (x, sca
 // A 1-D or 2-D torch tensor over a moved-in vector (float, int32, int64, uint8).
 template <typename T>
 py::object vector_to_torch(std::vector<T>&& v, std::initializer_list<int64_t> shape);
+// A torch tensor viewing rows x cols (cols < 0: a 1-D [rows]) of float, int32 or int64 at
+// data, packed, without a copy; `owner` stays alive while torch holds it.
+template <typename T>
+py::object array_to_torch(const T* data, int64_t rows, int64_t cols, std::shared_ptr<void> owner);
 // A copy of a span as a 1-D torch tensor (for views into handles that callers may keep).
 template <typename T>
 py::object span_to_torch(std::span<const T> s);

@@ -33,7 +33,10 @@ def _dispatchers(g, pg):
 def _deep_ep(g, pg):
     import moed.deep_ep as deep_ep
     import test_deep_ep as cases
-    assert deep_ep.Buffer(pg, int(1e9)).group is g  # Buffer(group) with the torch group
+    # Buffer(group) with the torch group: `group` stays the object passed (Megatron-Core keeps
+    # its buffer only while buffer.group == group), moed's world is the same.
+    buffer = deep_ep.Buffer(pg, int(1e9))
+    assert buffer.group is pg and buffer.group_size == g.size() and buffer.rank == g.rank()
     assert cases.case_normal(g, 8, 2, 100, 11)
     assert cases.case_normal(g, 8, 8, 36, 12)
     assert cases.case_normal(g, 8, 3, 100, 3, 64, 4)

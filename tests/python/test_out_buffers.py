@@ -184,7 +184,11 @@ def case_low_latency_errors(group, M, H, E, K, seed):
     recv_x, _, handle, _, _ = buffer.low_latency_dispatch(xs[r], idxs[r], M, E, use_fp8=False)
     y = recv_x.clone()
     attempt(lambda: buffer.low_latency_combine(y[..., :-1] if last else y, idxs[r], ws[r], handle))
-    attempt(lambda: buffer.low_latency_combine(y, idxs[r], ws[r].double() if last else ws[r], handle))
+    # Weights of another float dtype are converted, as by every top-k parser of moed's (DeepEP
+    # itself takes float32 only): not an error, the same bits as float32 weights.
+    same, _, _ = buffer.low_latency_combine(y, idxs[r], ws[r].double() if last else ws[r], handle)
+    errors.append("same" if torch.equal(same, buffer.low_latency_combine(y, idxs[r], ws[r], handle)[0])
+                  else "differs")
     out = torch.empty(tokens[r] + (1 if last else 0), H, dtype=torch.bfloat16)
     attempt(lambda: buffer.low_latency_combine(y, idxs[r], ws[r], handle, out=out))
     attempt(lambda: buffer.low_latency_combine(y, idxs[r], ws[r], handle, zero_copy=last))
@@ -203,14 +207,17 @@ def test_low_latency_errors_on_every_rank(world):
         "x has dtype torch.float64",
         "topk_idx has dtype torch.float32",
         "use_ue8m0 = True needs use_fp8 = True and round_scale = True",
-        "cumulative_local_expert_recv_stats must be a torch.int tensor of [num_local_experts = 2]",
+        "cumulative_local_expert_recv_stats has shape [3]; expected [2]",
         f"x has shape [2, {4 * R}, {H - 1}]; expected [2, {4 * R}, {H}]",
-        "topk_weights has dtype torch.float64",
+        "same",
         f"low_latency_combine: out is [{T_last + 1}, {H}]; expected [{T_last}, {H}]",
         "zero_copy = True but get_next_low_latency_combine_buffer(handle) was not called",
     ]
     for r, errors in enumerate(results):
         assert len(errors) == len(want), errors
         for got, w in zip(errors, want):
+            if w == "same":
+                assert got == w, (r, got)
+                continue
             assert got.startswith(f"ValueError: rank {R - 1}: "), (r, got)
             assert w in got, (r, got, w)

@@ -1,15 +1,12 @@
 // NormalBuffer (moed/deep_ep.h): creation, DeepEP's layout from a top-k view, the receive
 // block and message layouts, and the home side's channel plan of the rank-major receive.
 #include <algorithm>
-#include <atomic>
 
-#include "dispatch/flex/rank_major.h"
+#include "dispatch/deep_ep/rank_major.h"
 
 namespace moed::deep_ep {
 
 namespace {
-
-std::atomic<uint64_t> g_next_buffer_id{1};
 
 size_t up64(size_t b) { return (b + 63) / 64 * 64; }
 
@@ -95,6 +92,16 @@ int64_t NormalBuffer::State::node_cap_rows(const NormalHandle& h, int64_t worst)
   return cap;
 }
 
+Status NormalBuffer::State::check_handle(const NormalHandle* h) const {
+  if (h == nullptr) return invalid_argument("handle is null");
+  if (h->world != world)
+    return invalid_argument("handle was made by a dispatch over another group than this buffer's");
+  if (h->num_channels != num_channels || h->num_ranks != topo.num_ranks)
+    return invalid_argument("handle was made with ", h->num_channels,
+                            " channels; this buffer uses ", num_channels);
+  return ok_status();
+}
+
 Status NormalBuffer::State::sync_round() {
   signals.signal_all(++epoch);
   return signals.wait_all(epoch);
@@ -114,7 +121,6 @@ StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int n
   auto s = std::make_unique<State>();
   s->world = &world;
   s->num_channels = int(std::max<int64_t>(1, all[0]));  // rank 0's count, the same everywhere
-  s->id = g_next_buffer_id.fetch_add(1);
   DispatchConfig cfg;
   cfg.kind = DispatcherKind::kFlex;
   cfg.num_experts = world.size();  // the rank arithmetic used here does not depend on E

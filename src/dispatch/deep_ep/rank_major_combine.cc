@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "dispatch/flex/rank_major.h"
+#include "dispatch/deep_ep/rank_major.h"
 #include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
@@ -28,22 +28,23 @@ struct Source {
 
 Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in) {
   if (!in.caller_error.ok()) return in.caller_error;
+  MOED_RETURN_IF_ERROR(s.check_handle(in.handle.get()));
   const NormalHandle* h = in.handle.get();
-  if (h == nullptr || h->buffer_id != s.id)
-    return invalid_argument("handle was not made by a dispatch of this buffer");
   const int64_t rows = in.x.rows == h->num_recv_tokens ? h->num_recv_tokens : h->num_rows;
-  MOED_RETURN_IF_ERROR(check_float_rows("x", in.x, rows, h->hidden));
+  // Any hidden size (a cached dispatch may have moved rows of another width); the same on
+  // every rank, which the combine's first collective checks.
+  MOED_RETURN_IF_ERROR(check_float_rows("x", in.x, rows, in.x.cols));
+  const int64_t H = in.x.cols;
   if (in.num_topk < 0 || (in.num_topk > 0 && rows > 0 && in.topk_weights == nullptr))
     return invalid_argument("topk_weights: num_topk = ", in.num_topk, " with ",
                             in.topk_weights ? "data" : "no data");
   for (const TensorView* b : {&in.bias_0, &in.bias_1}) {
     if (b->data == nullptr && b->rows == 0 && b->cols == 0) continue;
     MOED_RETURN_IF_ERROR(
-        check_float_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, h->num_tokens, h->hidden));
+        check_float_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, h->num_tokens, H));
   }
   if (in.out) {
-    return moed::internal::check_out_buffer("out", *in.out, h->num_tokens, h->hidden, in.x.dtype,
-                                            "x");
+    return moed::internal::check_out_buffer("out", *in.out, h->num_tokens, H, in.x.dtype, "x");
   }
   return ok_status();
 }
@@ -58,27 +59,30 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
   const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
   const Status local = check_combine(s, in);
   // One collective: the verdicts and the values every rank must share.
-  const int64_t mine[3] = {local.ok() ? 0 : 1, int64_t(in.x.dtype), in.num_topk};
+  const int64_t mine[4] = {local.ok() ? 0 : 1, int64_t(in.x.dtype), in.num_topk, in.x.cols};
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(w, std::span<const int64_t>(mine, 3)));
+                        all_gather<int64_t>(w, std::span<const int64_t>(mine, 4)));
   for (int r = 0; r < R; ++r) {
-    if (all[size_t(r) * 3] != 0) {
+    if (all[size_t(r) * 4] != 0) {
       MOED_RETURN_IF_ERROR(w.agree(local));
       return internal_error("rank-major combine: a rank reported bad input but agree passed");
     }
   }
   for (int r = 1; r < R; ++r) {
-    if (all[size_t(r) * 3 + 1] != all[1])
+    if (all[size_t(r) * 4 + 1] != all[1])
       return invalid_argument("x dtype = ", dtype_name(DType(all[1])), " on rank 0 but ",
-                              dtype_name(DType(all[size_t(r) * 3 + 1])), " on rank ", r);
-    if (all[size_t(r) * 3 + 2] != all[2])
+                              dtype_name(DType(all[size_t(r) * 4 + 1])), " on rank ", r);
+    if (all[size_t(r) * 4 + 2] != all[2])
       return invalid_argument("topk_weights num_topk = ", all[2], " on rank 0 but ",
-                              all[size_t(r) * 3 + 2], " on rank ", r);
+                              all[size_t(r) * 4 + 2], " on rank ", r);
+    if (all[size_t(r) * 4 + 3] != all[3])
+      return invalid_argument("x hidden = ", all[3], " on rank 0 but ", all[size_t(r) * 4 + 3],
+                              " on rank ", r);
   }
   const NormalHandle& h = *in.handle;
   const DType dt = in.x.dtype;
   const int K = in.num_topk, C = h.num_channels;
-  const int64_t H = h.hidden, T = h.num_tokens;
+  const int64_t H = in.x.cols, T = h.num_tokens;
   const size_t row_bytes = flex::dtype_row_bytes(dt, H), wbytes = size_t(K) * 4;
   const RmSendPlan plan = make_rm_send_plan(topo, h, w.pool());
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "dispatch/flex/rank_major.h"
+#include "dispatch/deep_ep/rank_major.h"
 
 namespace moed::deep_ep {
 
@@ -32,7 +32,7 @@ struct RowWriter {
   const RecvLayout* lay;
   int64_t hidden;
   int L;
-  bool meta;  // source index (and top-k when num_topk > 0)
+  bool plan;  // the source index travels too (uncached mode); the top-k when num_topk > 0
   void write(const RecvTarget& to, int64_t row, int r, const void* payload, const void* scales,
              const int32_t src_token, const TopkView* topk, int64_t t, const int64_t* msg_idx,
              const float* msg_w) const {
@@ -42,8 +42,7 @@ struct RowWriter {
       std::memcpy(block + lay->scales_off + size_t(row) * lay->scale_bytes, scales,
                   lay->scale_bytes);
     }
-    if (!meta) return;
-    reinterpret_cast<int32_t*>(block + lay->src_idx_off)[row] = src_token;
+    if (plan) reinterpret_cast<int32_t*>(block + lay->src_idx_off)[row] = src_token;
     const int K = lay->num_topk;
     auto* idx = reinterpret_cast<int64_t*>(block + lay->topk_idx_off) + size_t(row) * K;
     auto* w = reinterpret_cast<float*>(block + lay->weights_off) + size_t(row) * K;
@@ -54,7 +53,7 @@ struct RowWriter {
       float wt = 0.0f;
       if (topk) {
         e = topk->at(t, k);
-        wt = topk->weights[size_t(t) * K + k];
+        wt = topk->weight(t, k);
       } else {
         std::memcpy(&e, msg_idx + k, sizeof(e));
         std::memcpy(&wt, msg_w + k, sizeof(wt));
@@ -69,18 +68,20 @@ struct RowWriter {
 }  // namespace
 
 StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
-                                       const TopkView& topk, bool meta,
+                                       const TopkView& topk, bool with_plan,
                                        const std::optional<TensorView>& out_rows) {
   World& w = *s.world;
   const flex::Topology& topo = s.topo;
   const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes, C = h.num_channels;
   const int me = topo.rank, L = s.num_experts / R;
-  const int64_t H = h.hidden;
+  const int64_t H = x.x.cols;
+  const DType dt = x.x.dtype;
   const int64_t worst = h.num_worst_tokens;
-  const RmSendPlan plan = make_rm_send_plan(topo, h, w.pool());
+  const bool plan = with_plan;  // the source indices and the forwarder plans travel too
+  const RmSendPlan send = make_rm_send_plan(topo, h, w.pool());
   const RecvLayout lay =
-      RecvLayout::of(s.node_cap_rows(h, worst), flex::dtype_row_bytes(h.dtype, H),
-                     flex::scale_row_bytes(h.dtype, H), meta ? topk.num_topk : 0, R, meta ? C : 0);
+      RecvLayout::of(s.node_cap_rows(h, worst), flex::dtype_row_bytes(dt, H),
+                     flex::scale_row_bytes(dt, H), topk.num_topk, R, plan ? C : 0);
   const int K = lay.num_topk;
 
   // The receive blocks of this node's ranks. A caller's recv_x buffer takes the rows: in the
@@ -94,7 +95,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
                     lay.row_bytes};
     if (out_rows) {
       mine.rows = static_cast<char*>(out_rows->data);
-      mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(h.dtype);
+      mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(dt);
     }
     static_assert(sizeof(RecvTarget) <= 64, "the signal board holds one RecvTarget per rank");
     std::memcpy(s.signals.board(topo.local_rank), &mine, sizeof(mine));
@@ -113,7 +114,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
   }
   char* own = target[size_t(topo.local_rank)].block;
   const RecvTarget& own_rows = target[size_t(topo.local_rank)];
-  const RowWriter writer{&lay, H, L, meta};
+  const RowWriter writer{&lay, H, L, plan};
 
   // Network: the forwarder role's receives, then one message per remote node.
   std::vector<std::vector<char>> recv_buf(static_cast<size_t>(N)), send_buf(static_cast<size_t>(N));
@@ -131,7 +132,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
       recvs.push_back(std::move(r));
     }
     for (int m = 0; m < N; ++m) {
-      const int64_t n = plan.node_tokens[size_t(C) * N + m];
+      const int64_t n = send.node_tokens[size_t(C) * N + m];
       if (m == topo.node || n == 0) continue;
       out_msg[size_t(m)] = RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C);
       send_buf[size_t(m)].resize(out_msg[size_t(m)].bytes);
@@ -144,8 +145,8 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
     w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
       std::vector<int64_t> pos(static_cast<size_t>(N));
       for (int64_t c = cb; c < ce; ++c) {
-        for (int m = 0; m < N; ++m) pos[size_t(m)] = plan.node_tokens[size_t(c) * N + m];
-        for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1];
+        for (int m = 0; m < N; ++m) pos[size_t(m)] = send.node_tokens[size_t(c) * N + m];
+        for (int64_t t = send.channel_begin[size_t(c)]; t < send.channel_begin[size_t(c) + 1];
              ++t) {
           const uint8_t* in = &h.is_token_in_rank[size_t(t) * R];
           for (int m = 0; m < N; ++m) {
@@ -166,8 +167,8 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
             for (int k = 0; k < K; ++k) {
               const int64_t e = topk.at(t, k);
               std::memcpy(msg + ml.idx_off + (i * K + k) * 8, &e, 8);
-              std::memcpy(msg + ml.weights_off + (i * K + k) * 4, &topk.weights[size_t(t) * K + k],
-                          4);
+              const float wt = topk.weight(t, k);
+              std::memcpy(msg + ml.weights_off + (i * K + k) * 4, &wt, 4);
             }
           }
         }
@@ -178,7 +179,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
       MOED_ASSIGN_OR_RETURN(Request r,
                             w.isend(topo.forwarder_on(m), kTagDispatch, send_buf[size_t(m)].data(),
                                     send_buf[size_t(m)].size()));
-      w.add_network_bytes(0, uint64_t(plan.node_tokens[size_t(C) * N + m]));
+      w.add_network_bytes(0, uint64_t(send.node_tokens[size_t(C) * N + m]));
       sends.push_back(std::move(r));
     }
   }
@@ -193,7 +194,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
         row[size_t(lr)] = h.rank_begin(me, r) + channel_start(h, r, int(c));
       }
       uint64_t n = 0;
-      for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1]; ++t) {
+      for (int64_t t = send.channel_begin[size_t(c)]; t < send.channel_begin[size_t(c) + 1]; ++t) {
         const uint8_t* in = &h.is_token_in_rank[size_t(t) * R + size_t(topo.node) * G];
         const void* sc = lay.scale_bytes ? x.scales.row_ptr(t) : nullptr;
         for (int lr = 0; lr < G; ++lr) {
@@ -208,8 +209,8 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
   });
   uint64_t rows = 0;
   for (uint64_t n : written) rows += n;
-  const size_t row_total = lay.row_bytes + lay.scale_bytes + (meta ? 4 + size_t(K) * 12 : 0);
-  if (meta) {
+  const size_t row_total = lay.row_bytes + lay.scale_bytes + (plan ? 4 : 0) + size_t(K) * 12;
+  if (plan) {
     // Receive channel prefix rows: written by the sender (or its forwarder) when it sends the
     // receiver anything, else by the receiver itself, so each row has one writer.
     for (int lr = 0; lr < G; ++lr) {
@@ -258,7 +259,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
           }
           MOED_CHECK(row == h.rank_prefix_matrix[size_t(src) * R + r], "forwarded rows of rank ",
                      src, " for rank ", r, " do not fill its block");
-          if (meta && count_to(h, src, r) > 0) {
+          if (plan && count_to(h, src, r) > 0) {
             auto* rcpm = reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) +
                          size_t(src) * C;
             std::memcpy(rcpm, msg + ml.cpm_off + size_t(lr) * C * 4, size_t(C) * 4);
@@ -268,7 +269,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
       uint64_t q = 0;
       for (uint64_t mk : mask) q += uint64_t(popcount64(mk));
       rows += q;
-      if (meta) {
+      if (plan) {
         h.forward_src_token[size_t(m)] = std::move(src_token);
         h.forward_mask[size_t(m)] = std::move(mask);
       }
@@ -284,11 +285,9 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
       std::memset(own_rows.rows + i * own_rows.rows_stride, 0, lay.row_bytes);
     if (lay.scale_bytes)
       std::memset(own + lay.scales_off + lo * lay.scale_bytes, 0, n * lay.scale_bytes);
-    if (meta) {
-      std::memset(own + lay.src_idx_off + lo * 4, 0xff, n * 4);
-      std::memset(own + lay.topk_idx_off + lo * size_t(K) * 8, 0xff, n * size_t(K) * 8);
-      std::memset(own + lay.weights_off + lo * size_t(K) * 4, 0, n * size_t(K) * 4);
-    }
+    if (plan) std::memset(own + lay.src_idx_off + lo * 4, 0xff, n * 4);
+    std::memset(own + lay.topk_idx_off + lo * size_t(K) * 8, 0xff, n * size_t(K) * 8);
+    std::memset(own + lay.weights_off + lo * size_t(K) * 4, 0, n * size_t(K) * 4);
   }
   MOED_RETURN_IF_ERROR(s.sync_round());
 
@@ -301,22 +300,21 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
     }
     out.recv_x.x = *out_rows;
   } else {
-    out.recv_x.x = TensorView(own, h.dtype, nr, H);
+    out.recv_x.x = TensorView(own, dt, nr, H);
   }
-  if (h.dtype == DType::kFP8) {
+  if (dt == DType::kFP8) {
     out.recv_x.scales = TensorView(own + lay.scales_off, DType::kF32, nr, H / kFp8BlockSize);
   }
-  if (meta) {
+  if (plan) {
     const auto* src_idx = reinterpret_cast<const int32_t*>(own + lay.src_idx_off);
     h.recv_src_idx.assign(src_idx, src_idx + nr);
     const auto* rcpm = reinterpret_cast<const int32_t*>(own + lay.rcpm_off);
     h.recv_channel_prefix_matrix.assign(rcpm, rcpm + size_t(R) * C);
-    if (K > 0) {
-      out.recv_topk_idx = {reinterpret_cast<const int64_t*>(own + lay.topk_idx_off),
-                           size_t(nr) * K};
-      out.recv_topk_weights = {reinterpret_cast<const float*>(own + lay.weights_off),
-                               size_t(nr) * K};
-    }
+  }
+  if (K > 0) {
+    out.recv_topk_idx = {reinterpret_cast<const int64_t*>(own + lay.topk_idx_off), size_t(nr) * K};
+    out.recv_topk_weights = {reinterpret_cast<const float*>(own + lay.weights_off),
+                             size_t(nr) * K};
   }
   out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
   return out;

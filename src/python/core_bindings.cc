@@ -70,6 +70,17 @@ void bind_core(py::module_& m) {
     }
     return to_torch(std::move(out));
   });
+  // float32 -> E4M3FN (nearest even, saturating at 448) as uint8 bits, rows of any width.
+  m.def("_to_fp8", [](py::handle t) {
+    TensorView v = rows_arg(t, "t", {DType::kF32});
+    Tensor out = Tensor::empty(DType::kFP8, v.rows, v.cols);
+    {
+      py::gil_scoped_release nogil;
+      for (int64_t r = 0; r < v.rows; ++r)
+        convert_row(v.row_ptr(r), DType::kF32, out.view().row_ptr(r), DType::kFP8, size_t(v.cols));
+    }
+    return to_torch(std::move(out)).attr("view")(py::module_::import("torch").attr("uint8"));
+  });
 }
 
 }  // namespace moed::python

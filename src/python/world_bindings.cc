@@ -46,7 +46,7 @@ bool g_mpi_we_initialized = false;
 }  // namespace
 
 #if MOED_WITH_GLOO
-void bind_gloo(py::module_& m);  // gloo.cc: the gloo world over a torch.distributed store
+void bind_gloo(py::module_& m);  // gloo_bindings.cc: the gloo world over a torch.distributed store
 #endif
 
 void bind_world(py::module_& m) {
@@ -127,6 +127,61 @@ void bind_world(py::module_& m) {
                py::gil_scoped_release nogil;
                s = w.agree(local);
                if (s.ok()) s = w.all_gather_v_bytes(src.data(), src.size(), dst.data(), sizes);
+             }
+             check(s);
+           })
+      .def("all_to_all_into",
+           [](const WorldHandle& h, py::handle out, py::handle in,
+              const std::vector<size_t>& out_bytes, const std::vector<size_t>& in_bytes) {
+             // torch.distributed.all_to_all_single on bytes: in_bytes[r] of `in` (in rank
+             // order) go to rank r, out_bytes[r] from rank r land in `out`. The sizes are
+             // exchanged first, so a rank whose out_bytes does not match what its peers send
+             // is every rank's error, naming both.
+             World& w = h.get();
+             const size_t R = size_t(w.size());
+             std::span<std::byte> src = bytes_arg(in, "input");
+             std::span<std::byte> dst = bytes_arg(out, "output");
+             auto sum = [](const std::vector<size_t>& v) {
+               size_t n = 0;
+               for (size_t b : v) n += b;
+               return n;
+             };
+             Status local;
+             if (in_bytes.size() != R || out_bytes.size() != R)
+               local = invalid_argument("split sizes have ", in_bytes.size(), " / ",
+                                        out_bytes.size(), " entries; world size is ", R);
+             else if (sum(in_bytes) != src.size() || sum(out_bytes) != dst.size())
+               local = invalid_argument("split sizes cover ", sum(in_bytes), " / ", sum(out_bytes),
+                                        " bytes of input / output, which have ", src.size(),
+                                        " / ", dst.size());
+             Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = w.agree(local);
+               std::vector<size_t> sent;
+               if (s.ok()) {
+                 auto got = all_to_all<uint64_t>(
+                     w, std::span<const uint64_t>(
+                            reinterpret_cast<const uint64_t*>(in_bytes.data()), R));
+                 s = got.status();
+                 if (s.ok()) sent.assign(got->begin(), got->end());
+               }
+               if (s.ok()) {
+                 for (size_t r = 0; r < R && local.ok(); ++r)
+                   if (sent[r] != out_bytes[r])
+                     local = invalid_argument("rank ", r, " sends ", sent[r], " bytes to rank ",
+                                              w.rank(), " but output_split_sizes expects ",
+                                              out_bytes[r]);
+                 s = w.agree(local);
+               }
+               if (s.ok()) {
+                 std::vector<size_t> so(R, 0), ro(R, 0);
+                 for (size_t r = 1; r < R; ++r) {
+                   so[r] = so[r - 1] + in_bytes[r - 1];
+                   ro[r] = ro[r - 1] + out_bytes[r - 1];
+                 }
+                 s = w.all_to_all_v_bytes(src.data(), in_bytes, so, dst.data(), out_bytes, ro);
+               }
              }
              check(s);
            })

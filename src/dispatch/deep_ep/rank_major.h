@@ -53,7 +53,6 @@ struct NormalBuffer::State {
   World* world = nullptr;
   int num_experts = 0;  // E of the call in progress
   int num_channels = 0;
-  uint64_t id = 0;
   flex::Topology topo;
   bool in_place = false;  // threads world: every rank's memory is node-shared
   flex::Signals signals;
@@ -64,6 +63,9 @@ struct NormalBuffer::State {
   flex::Region pull_region;
   uint64_t epoch = 0;
 
+  // The handle's dispatch ran over this world with this channel split, so its arrays fit
+  // this buffer (errors say which part does not).
+  Status check_handle(const NormalHandle* h) const;
   // Rows of the largest receive block of this node's ranks (all local ranks agree on it).
   int64_t node_cap_rows(const NormalHandle& h, int64_t worst) const;
   Status sync_round();  // one signal to and from every local rank
@@ -72,11 +74,12 @@ struct NormalBuffer::State {
 // Phases (rank_major_dispatch.cc / rank_major_combine.cc).
 StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in);
 StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in);
-// The data movement of both dispatch modes (rank_major_push.cc). `meta`: top-k, source indices
-// and the receive channel prefix matrix travel too (uncached mode); then the forwarder plans
-// are stored in h.
+// The data movement of both dispatch modes (rank_major_push.cc): x's rows (its dtype and
+// hidden size, the same on every rank), the top-k when topk.num_topk > 0, and with `plan`
+// (uncached mode) the source indices and the receive channel prefix matrix, whose forwarder
+// plans are then stored in h.
 StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
-                                       const TopkView& topk, bool meta,
+                                       const TopkView& topk, bool with_plan,
                                        const std::optional<TensorView>& out_rows);
 
 inline int popcount64(uint64_t m) { return __builtin_popcountll(m); }

@@ -64,7 +64,7 @@ auto nogil(F&& f) {
 void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
                       py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk,
                       py::handle out, DispatchInput& in) {
-  in.hidden = token_rows_arg(x, scales, "hidden_states", kPayload);
+  in.hidden = token_rows_arg(x, scales, "hidden_states", kPayload, b.keep_scales);
   // Shape and dtype are checked by the dispatch, on every rank (errors name both values).
   if (!out.is_none()) in.out = rows_arg(out, "out", kPayload);
   const bool has_map = !routing_map.is_none(), has_topk = !topk_idx.is_none();
@@ -320,7 +320,8 @@ void bind_dispatcher(py::module_& m) {
                                     " is not 0, 1, 2 or 3");
             }
             DispatchInput in;
-            in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload);
+            py::object no_scales;
+            in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload, no_scales);
             RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
             in.map = &map;
             TokenDispatcher& d = b.get();

@@ -8,7 +8,7 @@
 // one forwarder, so a running count per receiver is the row). This file: the checks, the count
 // exchange and the handle; the data movement is rank_major_push.cc.
 
-#include "dispatch/flex/rank_major.h"
+#include "dispatch/deep_ep/rank_major.h"
 #include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
@@ -79,8 +79,7 @@ Status check_uncached(const NormalBuffer::State& s, const NormalDispatchInput& i
   if (k.num_topk == 0) return ok_status();
   if (k.num_tokens != T)
     return invalid_argument("topk_idx has ", k.num_tokens, " rows but x has ", T);
-  if (T > 0 && (k.idx == nullptr || k.weights == nullptr))
-    return invalid_argument("topk_idx and topk_weights must be given together");
+  if (T > 0 && k.idx == nullptr) return invalid_argument("topk_idx has no data");
   std::vector<int64_t> per_expert(size_t(E), 0);
   for (int64_t t = 0; t < T; ++t) {
     for (int j = 0; j < k.num_topk; ++j) {
@@ -106,17 +105,30 @@ Status check_uncached(const NormalBuffer::State& s, const NormalDispatchInput& i
 }
 
 Status check_cached(const NormalBuffer::State& s, const NormalDispatchInput& in) {
-  const NormalHandle* h = in.handle.get();
-  if (h == nullptr || h->buffer_id != s.id)
-    return invalid_argument("handle was not made by a dispatch of this buffer");
+  MOED_RETURN_IF_ERROR(s.check_handle(in.handle.get()));
   MOED_RETURN_IF_ERROR(check_x(in.x));
-  if (in.x.x.rows != h->num_tokens || in.x.x.cols != h->hidden || in.x.x.dtype != h->dtype) {
-    return invalid_argument("cached dispatch: x is ", dtype_name(in.x.x.dtype), " [", in.x.x.rows,
-                            ", ", in.x.x.cols, "] but the handle's dispatch had ",
-                            dtype_name(h->dtype), " [", h->num_tokens, ", ", h->hidden, "]");
+  const NormalHandle& h = *in.handle;
+  // The handle is the layout only (as DeepEP's): x's dtype and hidden may differ from the
+  // dispatch that made it (they are agreed across ranks in the call), its tokens may not.
+  if (in.x.x.rows != h.num_tokens) {
+    return invalid_argument("cached dispatch: x has ", in.x.x.rows,
+                            " rows but the handle's dispatch had ", h.num_tokens, " tokens");
   }
-  if (in.topk.num_topk != 0)
-    return invalid_argument("cached dispatch takes no topk_idx / topk_weights (as DeepEP)");
+  const TopkView& k = in.topk;
+  if (k.num_topk > 0 && k.num_tokens != h.num_tokens)
+    return invalid_argument("topk_idx has ", k.num_tokens, " rows but x has ", h.num_tokens);
+  for (int64_t t = 0; t < k.num_tokens && k.num_topk > 0; ++t) {
+    for (int j = 0; j < k.num_topk; ++j) {
+      const int64_t e = k.at(t, j);
+      if (e < -1 || e >= h.num_experts)
+        return invalid_argument("topk_idx[", t, "][", j, "] = ", e, " is outside [-1, ",
+                                h.num_experts, ")");
+      if (e >= 0 && !h.is_token_in_rank[size_t(t) * h.num_ranks + size_t(e / (h.num_experts /
+                                                                             h.num_ranks))])
+        return invalid_argument("cached dispatch: topk_idx[", t, "][", j, "] = ", e,
+                                " is not in the handle's layout");
+    }
+  }
   return ok_status();
 }
 
@@ -129,7 +141,7 @@ StatusOr<std::shared_ptr<NormalHandle>> make_handle(NormalBuffer::State& s,
   const int R = topo.num_ranks, E = s.num_experts, L = E / R, N = topo.num_nodes;
   const int C = s.num_channels, me = topo.rank;
   auto h = std::make_shared<NormalHandle>();
-  h->buffer_id = s.id;
+  h->world = s.world;
   h->num_ranks = R;
   h->num_channels = C;
   h->num_experts = E;
@@ -238,11 +250,13 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
   std::vector<int64_t> mine(kHeld + 1, 0);
   mine[0] = local.ok() ? 0 : 1;
   mine[1] = cached ? 1 : 0;
-  if (local.ok() && !cached) {
+  if (local.ok()) {
     mine[2] = in.x.x.rows;
     mine[3] = in.x.x.cols;
     mine[4] = int64_t(in.x.x.dtype);
     mine[5] = in.topk.num_topk;
+  }
+  if (local.ok() && !cached) {
     mine[6] = in.expert_alignment;
     mine[7] = in.num_worst_tokens;
     mine[8] = E;
@@ -268,22 +282,22 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
     const auto held_of = [&](int r) { return uint64_t(head[size_t(r) * fixed + kHeld]); };
     MOED_ASSIGN_OR_RETURN(s.recv_slot, s.recv_ring.pick(s.topo, held_of, "rank-major dispatch"));
   }
-  if (cached) {
-    // NOTE: the handle is shared with earlier outputs; the cached push writes no metadata
-    // into it (meta = false), it only reads it.
-    auto& h = const_cast<NormalHandle&>(*in.handle);
-    return rm_push(s, h, in.x, TopkView{}, /*meta=*/false, in.out);
-  }
   static const char* kNames[] = {
       "",           "", "", "hidden", "x dtype", "num_topk", "expert_alignment", "num_worst_tokens",
       "num_experts"};
   for (int r = 1; r < R; ++r) {
-    for (size_t i = 3; i < kHeld; ++i) {
+    for (size_t i = 3; i < (cached ? size_t(6) : kHeld); ++i) {
       if (head[size_t(r) * fixed + i] != head[i]) {
         return invalid_argument(kNames[i], " = ", head[i], " on rank 0 but ",
                                 head[size_t(r) * fixed + i], " on rank ", r);
       }
     }
+  }
+  if (cached) {
+    // NOTE: the handle is shared with earlier outputs; the cached push writes no plan into
+    // it (plan = false), it only reads it.
+    auto& h = const_cast<NormalHandle&>(*in.handle);
+    return rm_push(s, h, in.x, in.topk, /*plan=*/false, in.out);
   }
   // Second exchange, the counts: [per rank, per expert, per node] (DeepEP's notify).
   const size_t width = size_t(R) + size_t(E) + size_t(N);
@@ -305,7 +319,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
   MOED_ASSIGN_OR_RETURN(std::shared_ptr<NormalHandle> h,
                         make_handle(s, in, all, width, &expert_list));
   MOED_ASSIGN_OR_RETURN(NormalDispatchOutput out,
-                        rm_push(s, *h, in.x, in.topk, /*meta=*/true, in.out));
+                        rm_push(s, *h, in.x, in.topk, /*plan=*/true, in.out));
   out.num_recv_tokens_per_expert = std::move(expert_list);
   out.handle = std::move(h);
   return out;

@@ -66,11 +66,12 @@ void bind_reference(py::module_& m) {
                    "routing_maps, probs, hidden (and scales) need one entry per rank");
              for (size_t r = 0; r < R; ++r) {
                p.routing.push_back(routing_map_arg(routing_maps[r], probs[r], num_topk));
+               py::object kept_scales;
                p.hidden.push_back(
                    token_rows_arg(hidden[r], scales.empty() ? py::none() : py::object(scales[r]),
-                                  "hidden", {DType::kF32, DType::kBF16, DType::kFP8}));
+                                  "hidden", {DType::kF32, DType::kBF16, DType::kFP8}, kept_scales));
                pp.keep.push_back(hidden[r]);
-               if (!scales.empty()) pp.keep.push_back(scales[r]);
+               if (!scales.empty()) pp.keep.push_back(kept_scales);
              }
              return pp;
            }),

@@ -1,4 +1,7 @@
-"""DeepEP's legacy Python API (``deep_ep.Buffer``) on CPU tensors, over moed's C++ runtime.
+"""DeepEP's legacy Python API (``deep_ep.buffers.legacy.Buffer``) on CPU tensors, over moed's C++
+runtime (moed._C.DeepEpBuffer): each method passes one argument object to C++ and unpacks one
+result object into DeepEP's return tuple; every check of the values happens in C++, on every
+rank.
 
     import moed
     import moed.deep_ep as deep_ep
@@ -40,19 +43,21 @@ and ``device='cpu'`` tensors. Differences, all documented on the methods:
 * Argument errors are every rank's: a bad argument on one rank raises on every rank, naming
   that rank (normal mode: that rank its own TypeError / ValueError, the others ValueError;
   low-latency mode: ValueError on every rank, carried by the call's own agreement).
+* ``group`` is the object the caller passed (a torch ProcessGroup stays one, so client code
+  that compares ``buffer.group == group`` keeps its buffer), and a handle is valid for any
+  Buffer over the same group.
 """
-import inspect
 from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 
-from . import _C
-from ._world import Group, as_group, current_group
+from .. import _C
+from .._world import as_group, current_group
+from . import _profile
+from .event import EventHandle, EventOverlap, completed
 
 topk_idx_t = torch.int64
 fp8_dtype = getattr(torch, "float8_e4m3fn", torch.uint8)
-
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t"]
 
 
 class Config:
@@ -83,34 +88,6 @@ class Config:
                 f"{self.num_max_rdma_chunked_recv_tokens}))")
 
 
-class EventHandle:
-    """DeepEP's CUDA event handle. On CPU every moed call has finished when it returns, so an
-    event is always complete."""
-
-    def current_stream_wait(self) -> None:
-        pass
-
-
-class EventOverlap:
-    """DeepEP's EventOverlap: ``event.current_stream_wait()`` and ``with event:`` work and
-    return at once (the work is already done)."""
-
-    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple] = None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc_val, exc_tb) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
-
-
 class _NormalHandle(tuple):
     """DeepEP's intranode handle: (rank_prefix_matrix, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head); a tuple that also
@@ -126,24 +103,16 @@ class _LowLatencyHandle(tuple):
     """DeepEP's low-latency handle: (src_info, layout_range, num_max_dispatch_tokens_per_rank,
     hidden, num_experts), carrying moed's handle."""
 
-    def __new__(cls, items, impl, num_local_experts, rows_per_expert):
+    def __new__(cls, items, impl):
         h = super().__new__(cls, items)
         h._moed = impl
-        h._shape = (num_local_experts, rows_per_expert)
         return h
 
 
-def _impl(handle, what):
-    """moed's handle inside a DeepEP handle tuple. Normal mode passes anything else through,
-    so the C++ side reports a wrong handle on every rank (not only this one)."""
-    impl = getattr(handle, "_moed", None)
-    if impl is None and "low_latency" not in what:
-        return handle
-    if impl is None:
-        raise TypeError(f"{what}: handle must be the one returned by this Buffer's "
-                        f"{'low_latency_dispatch' if 'low_latency' in what else 'dispatch'} "
-                        f"(got {type(handle).__name__})")
-    return impl
+def _impl(handle):
+    """moed's handle inside a DeepEP handle tuple; anything else goes to C++ as it is, which
+    reports it (every rank's error where the call can agree on one)."""
+    return getattr(handle, "_moed", handle)
 
 
 class Buffer:
@@ -156,14 +125,16 @@ class Buffer:
         num_sms: DeepEP's SM count (accepted, ignored).
         rank: the rank in the group.
         group_size: the number of ranks.
-        group: the moed.Group.
+        group: the group as the caller passed it (a moed.Group, a torch ProcessGroup or an
+            mpi4py communicator).
         num_nvl_bytes, num_rdma_bytes: recorded only (moed allocates lazily).
+        low_latency_mode, explicitly_destroy, enable_shrink: as given.
         runtime: the C++ runtime (moed._C.DeepEpBuffer).
     """
 
     num_sms: int = 20
 
-    def __init__(self, group: Optional[Group], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+    def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
@@ -186,24 +157,23 @@ class Buffer:
         if group is None:
             if comm is None:
                 raise ValueError("Either 'group' or 'comm' must be provided.")
-            group = current_group()
-            if comm.Get_size() != group.size():
-                raise ValueError(f"comm has {comm.Get_size()} ranks but moed's group has {group.size()}")
-        # A torch.distributed ProcessGroup (gloo) stands for moed's world over it.
-        group = as_group(group)
+            moed_group = current_group()
+            if comm.Get_size() != moed_group.size():
+                raise ValueError(f"comm has {comm.Get_size()} ranks but moed's group has {moed_group.size()}")
+        else:
+            moed_group = as_group(group)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if value < 0:
                 raise ValueError(f"{name} = {value} must be >= 0")
-        self.rank = group.rank()
-        self.group = group
-        self.group_size = group.size()
+        self.rank = moed_group.rank()
+        self.group = group if group is not None else comm
+        self.group_size = moed_group.size()
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.runtime = _C.DeepEpBuffer(group.handle)
-        self._next_combine = {}  # (M, H, E) -> [two bf16 buffers, index of the next]
+        self.runtime = _C.DeepEpBuffer(moed_group.handle)
 
     def destroy(self):
         """Destroy the C++ runtime and release resources."""
@@ -230,7 +200,7 @@ class Buffer:
     @staticmethod
     def capture() -> EventOverlap:
         """An event on the "current stream": always complete on CPU."""
-        return EventOverlap(EventHandle())
+        return completed()
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -290,8 +260,9 @@ class Buffer:
             is_token_in_rank: `[num_tokens, num_ranks]` torch.bool.
             event: a complete EventOverlap.
         """
-        a, b, c, d = self._rt().get_dispatch_layout(topk_idx, int(num_experts))
-        return a, b, c, d, EventOverlap(EventHandle())
+        with _profile.phase("get_dispatch_layout"):
+            a, b, c, d = self._rt().get_dispatch_layout(topk_idx, int(num_experts))
+        return a, b, c, d, completed()
 
     def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
                  handle: Optional[Tuple] = None,
@@ -339,28 +310,19 @@ class Buffer:
         In cached mode the last four are None, as in DeepEP.
         """
         x, x_scales = x if isinstance(x, tuple) else (x, None)
+        args = _C.NormalDispatchArgs(
+            x=x, x_scales=x_scales, topk_idx=topk_idx, topk_weights=topk_weights,
+            num_tokens_per_rank=num_tokens_per_rank, is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            handle=None if handle is None else _impl(handle), expert_alignment=int(expert_alignment),
+            num_worst_tokens=int(num_worst_tokens), out=out)
+        with _profile.phase("dispatch"):
+            r = self._rt().dispatch(args)
+        recv_x = (r.recv_x, r.recv_x_scales) if x_scales is not None else r.recv_x
         if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
-            recv_x, recv_x_scales = self._rt().dispatch(x, x_scales, None, None, None, None, None,
-                                                        _impl(handle, "dispatch"), int(expert_alignment),
-                                                        int(num_worst_tokens), out)
-            recv_x = _fp8_out(recv_x, x)
-            return (recv_x, recv_x_scales) if x_scales is not None else recv_x, None, None, None, None, \
-                EventOverlap(EventHandle())
-        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-            raise ValueError("dispatch without handle needs num_tokens_per_rank, is_token_in_rank and "
-                             "num_tokens_per_expert (from get_dispatch_layout)")
-        (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, expert_list, impl, rank_prefix_matrix,
-         channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank_out,
-         send_head) = self._rt().dispatch(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
-                                          is_token_in_rank, num_tokens_per_expert, None,
-                                          int(expert_alignment), int(num_worst_tokens), out)
-        recv_x = _fp8_out(recv_x, x)
-        handle = _NormalHandle((rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix,
-                                recv_src_idx, is_token_in_rank_out, send_head), impl)
-        return (recv_x, recv_x_scales) if x_scales is not None else recv_x, recv_topk_idx, recv_topk_weights, \
-            expert_list, handle, EventOverlap(EventHandle())
+            return recv_x, None, None, None, None, completed()
+        return recv_x, r.recv_topk_idx, r.recv_topk_weights, r.num_recv_tokens_per_expert_list, \
+            _NormalHandle(r.handle_arrays, r.handle), completed()
 
     def combine(self, x: torch.Tensor, handle: Tuple,
                 topk_weights: Optional[torch.Tensor] = None,
@@ -388,9 +350,11 @@ class Buffer:
             event: a complete EventOverlap.
         """
         bias_0, bias_1 = Buffer._unpack_bias(bias)
-        combined_x, combined_topk_weights = self._rt().combine(x, _impl(handle, "combine"), topk_weights,
-                                                               bias_0, bias_1, out)
-        return combined_x, combined_topk_weights, EventOverlap(EventHandle())
+        args = _C.NormalCombineArgs(x=x, handle=_impl(handle), topk_weights=topk_weights, bias_0=bias_0,
+                                    bias_1=bias_1, out=out)
+        with _profile.phase("combine"):
+            r = self._rt().combine(args)
+        return r.combined_x, r.combined_topk_weights, completed()
 
     # DeepEP's internode entry points: the same calls here (the two-hop path is inside).
     def internode_dispatch(self, *args, **kwargs):
@@ -404,7 +368,6 @@ class Buffer:
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: drops the low-latency buffer of this shape; the next low-latency call
         makes a fresh one. Results of earlier low-latency calls of this shape become invalid."""
-        self._next_combine.pop((num_max_dispatch_tokens_per_rank, hidden, num_experts), None)
         self._rt().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
@@ -442,47 +405,17 @@ class Buffer:
             event: a complete EventOverlap.
             hook: the receive hook (None without return_recv_hook, as in DeepEP).
         """
-        # Argument errors found here travel with the call's agreement, so every rank raises
-        # the same ValueError naming this rank (nobody is left waiting).
-        error = None
-        if use_ue8m0 and not (use_fp8 and round_scale):
-            error = "use_ue8m0 = True needs use_fp8 = True and round_scale = True"
-        elif cumulative_local_expert_recv_stats is not None:
-            if not isinstance(cumulative_local_expert_recv_stats, torch.Tensor) or \
-                    cumulative_local_expert_recv_stats.dtype != torch.int32 or \
-                    cumulative_local_expert_recv_stats.numel() != num_experts // self.group_size:
-                error = ("cumulative_local_expert_recv_stats must be a torch.int tensor of "
-                         f"[num_local_experts = {num_experts // self.group_size}]")
-        rt = self._rt()
-        (recv_x, scales, count_raw, src_raw, ranges_raw, hook, impl, L, RM) = rt.low_latency_dispatch(
-            x, topk_idx, int(num_max_dispatch_tokens_per_rank), int(num_experts), bool(use_fp8),
-            bool(round_scale), bool(return_recv_hook), error)
-        H = x.size(1)
-        recv_x = _fp8_out(recv_x, None if not use_fp8 else "fp8").view(L, RM, H)
-        recv_count = count_raw.view(torch.int32).view(L)
-        src_info = src_raw.view(torch.int32).view(L, RM)
-        layout_range = torch.empty((L, self.group_size), dtype=torch.int64)
-        packed_scales = None
-        if use_fp8 and use_ue8m0:
-            packed_scales = torch.zeros((L * RM, H // 512), dtype=torch.int32)
-
-        def finish():
-            pairs = ranges_raw.view(torch.int32).view(L, self.group_size, 2).to(torch.int64)
-            layout_range.copy_((pairs[..., 0] << 32) | pairs[..., 1])
-            if packed_scales is not None:
-                _C.deep_ep_pack_ue8m0(scales, packed_scales, recv_count, RM)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(recv_count.view_as(cumulative_local_expert_recv_stats))
-
-        out_hook = _after_receive(hook, finish)
-        if use_fp8:
-            recv_scales = packed_scales.view(L, RM, H // 512) if use_ue8m0 else scales.view(L, RM, H // 128)
-            out = (recv_x, recv_scales)
-        else:
-            out = recv_x
-        handle = _LowLatencyHandle((src_info, layout_range, num_max_dispatch_tokens_per_rank, H, num_experts),
-                                   impl, L, RM)
-        return out, recv_count, handle, EventOverlap(EventHandle()), out_hook
+        args = _C.LowLatencyDispatchArgs(
+            x=x, topk_idx=topk_idx, num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+            num_experts=int(num_experts), cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            use_fp8=bool(use_fp8), round_scale=bool(round_scale), use_ue8m0=bool(use_ue8m0),
+            return_recv_hook=bool(return_recv_hook))
+        with _profile.phase("dispatch"):
+            r = self._rt().low_latency_dispatch(args)
+        handle = _LowLatencyHandle((r.src_info, r.layout_range, num_max_dispatch_tokens_per_rank, x.size(1),
+                                    num_experts), r.handle)
+        recv_x = (r.recv_x, r.recv_x_scales) if use_fp8 else r.recv_x
+        return recv_x, r.recv_count, handle, completed(), _profile.hook("dispatch", r.hook)
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
@@ -508,45 +441,19 @@ class Buffer:
         Returns:
             combined_x: `[num_tokens, hidden]` bf16; event; hook (None without return_recv_hook).
         """
-        impl = _impl(handle, "low_latency_combine")
-        key = (handle[2], handle[3], handle[4])
-        L, RM = handle._shape
-        # Argument errors found here travel with the call's agreement (see low_latency_dispatch).
-        error = None
-        if zero_copy:
-            state = self._next_combine.get(key)
-            if state is None or state[2] is None:
-                error = ("zero_copy = True but get_next_low_latency_combine_buffer(handle) was not "
-                         "called before this combine")
-            else:
-                x = state[2]
-                state[1] ^= 1
-                state[2] = None
-        if error is None and (not isinstance(x, torch.Tensor) or x.dim() != 3 or
-                              tuple(x.shape) != (L, RM, handle[3])):
-            shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            error = f"x has shape {shape}; expected [{L}, {RM}, {handle[3]}]"
-        if error is None:
-            x = x.view(L * RM, handle[3])
-        # out: written in place by the receive (with a hook, when the hook runs).
-        combined_x, hook = self._rt().low_latency_combine(x, topk_idx, topk_weights, impl,
-                                                          bool(return_recv_hook), out, error)
-        return combined_x, EventOverlap(EventHandle()), hook
+        args = _C.LowLatencyCombineArgs(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=_impl(handle),
+                                        zero_copy=bool(zero_copy), return_recv_hook=bool(return_recv_hook),
+                                        out=out)
+        with _profile.phase("combine"):
+            r = self._rt().low_latency_combine(args)
+        return r.combined_x, completed(), _profile.hook("combine", r.hook)
 
     def get_next_low_latency_combine_buffer(self, handle: object):
         """A bf16 `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`
         tensor for the experts to write into; the next low_latency_combine(zero_copy=True)
         reads it. moed's combine writes every row once from wherever it is, so this buffer is
         moed-owned memory that saves the caller an intermediate tensor, as in DeepEP."""
-        _impl(handle, "get_next_low_latency_combine_buffer")
-        key = (handle[2], handle[3], handle[4])
-        L, RM = handle._shape
-        state = self._next_combine.get(key)
-        if state is None:
-            state = [[torch.empty((L, RM, handle[3]), dtype=torch.bfloat16) for _ in range(2)], 0, None]
-            self._next_combine[key] = state
-        state[2] = state[0][state[1]]
-        return state[2]
+        return self._rt().get_next_low_latency_combine_buffer(_impl(handle))
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
         raise NotImplementedError("moed.deep_ep: rank masking (enable_shrink) is not available yet")
@@ -574,24 +481,3 @@ def _recommended_config(num_ranks, which):
     # DeepEP asserts on other rank counts; moed runs any, so fall back to its default.
     values = _RECOMMENDED_CONFIGS.get(num_ranks)
     return Config(Buffer.num_sms, *values[which]) if values else Config(Buffer.num_sms)
-
-
-def _after_receive(hook, finish):
-    """What the low-latency calls do once the data is in: `finish` now (no hook), or a hook that
-    receives and then finishes (return_recv_hook)."""
-    if hook is None:
-        finish()
-        return None
-
-    def out_hook():
-        hook()
-        finish()
-    return out_hook
-
-
-def _fp8_out(t, like):
-    """moed returns fp8 as uint8 bits; give it torch's float8_e4m3fn dtype where torch has one."""
-    if t.dtype == torch.uint8 and fp8_dtype is not torch.uint8 and like is not None:
-        if like == "fp8" or (isinstance(like, torch.Tensor) and like.dtype == fp8_dtype):
-            return t.view(fp8_dtype)
-    return t

@@ -1,0 +1,44 @@
+"""DeepEP's Python API on CPU ranks, over moed's C++ runtime.
+
+    import moed.deep_ep as deep_ep       # moed's name for it: nothing named deep_ep appears
+
+    buffer = deep_ep.Buffer(group, int(1e9))          # DeepEP's legacy Buffer (legacy.py)
+    ...
+
+Client code written for DeepEP (``import deep_ep``, ``from deep_ep.utils import EventOverlap``)
+runs unchanged once the caller opts in to moed as its DeepEP, which a GPU machine must never do
+by accident (a real DeepEP is never shadowed):
+
+    moed.deep_ep.install()               # in-process: `import deep_ep` now finds moed's
+    # or, for a script you cannot edit (child processes inherit it):
+    #   PYTHONPATH=$(python3 -m moed.deep_ep) python3 script.py
+
+Both put one directory (``path()``) on the module path; it holds a package named ``deep_ep``
+that re-exports this one, with the submodules DeepEP's own tests import
+(``deep_ep.utils.{math,envs,refs,gate,testing,event,semantic}``), written for CPU ranks.
+"""
+import os
+import sys
+
+from .event import EventHandle, EventOverlap
+from .legacy import Buffer, Config, fp8_dtype, topk_idx_t
+
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "fp8_dtype", "install",
+           "path"]
+
+
+def path() -> str:
+    """The directory that holds moed's ``deep_ep`` package (not on sys.path unless opted in)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compat")
+
+
+def install() -> None:
+    """Opt in: ``import deep_ep`` (in this process) gets moed's DeepEP API. Raises if another
+    ``deep_ep`` was imported already, since both cannot be one module."""
+    loaded = sys.modules.get("deep_ep")
+    if loaded is not None and not getattr(loaded, "__moed__", False):
+        raise RuntimeError(f"moed.deep_ep.install(): another deep_ep is already imported "
+                           f"({getattr(loaded, '__file__', loaded)})")
+    p = path()
+    if p not in sys.path:
+        sys.path.insert(0, p)
