@@ -28,6 +28,7 @@
 #include <span>
 #include <vector>
 
+#include "moed/combine_recipe.h"
 #include "moed/dispatch_layout.h"
 #include "moed/status.h"
 #include "moed/tensor.h"
@@ -133,6 +134,12 @@ struct NormalCombineInput {
   TensorView bias_0, bias_1;  // optional [T, H] f32 or bf16 (home side)
   std::shared_ptr<const NormalHandle> handle;
   Status caller_error = Status();  // as in NormalDispatchInput
+  // DeepEP V2's order instead of the ranks ascending (ElasticBuffer): each rank's row stands
+  // at its last top-k slot of `order_topk` (the dispatch's routing, [T, K]) and the rows are
+  // summed by `recipe` (moed/combine_recipe.h); combined_topk_weights then give each slot the
+  // weight of its expert's rank's row (V2's), not the sum over the ranks.
+  const TopkView* order_topk = nullptr;
+  CombineRecipe recipe;
   // Optional caller-owned [T, H] of x's dtype (row_stride >= H, not overlapping x or the
   // biases): the final fp32 -> dtype store of each token writes there (moed's extension).
   std::optional<TensorView> out = std::nullopt;

@@ -17,6 +17,17 @@
 
 namespace moed {
 
+// Flex's wire format across nodes (spec §5.5), for every figure that counts its bytes: per
+// token sent to a remote node, its token index, its number of entries, the bitmask of the
+// node's ranks that need it and the node's place in the token's combine chain; per (token,
+// expert on that node), the expert id, its prob and its top-k slot. src/dispatch/flex's
+// MessageHeader / MessageEntry are asserted to these sizes.
+inline constexpr int64_t kFlexTokenHeaderBytes = 24;
+inline constexpr int64_t kFlexEntryBytes = 12;
+// Inside a node, each row Flex's dispatch writes carries its prob, source rank, source token and
+// top-k slot beside the payload.
+inline constexpr int64_t kFlexRowMetaBytes = 16;
+
 // DeepEP's get_dispatch_layout, computed from one rank's routing. With expert tensor
 // parallelism (etp_size P > 1) a token routed to expert e is needed by all P ranks
 // (ep(e), p), and counts once on each.

@@ -96,6 +96,9 @@ class DispatchHandle {
   std::vector<int64_t> tokens_per_expert_unpadded;  // [L]
   std::vector<int32_t> row_src_rank;                // [num_rows], -1 on padding rows
   std::vector<int32_t> row_src_token;               // [num_rows], -1 on padding rows
+  // [num_rows] the row's column in its source's top-k (routing.slot), -1 on padding rows and
+  // where the routing has no slots; Flex only (empty elsewhere).
+  std::vector<int32_t> row_src_slot;
   std::vector<float> permuted_probs;                // [num_rows], 0 on padding rows
 };
 

@@ -1,6 +1,6 @@
 // Flex dispatcher extras (DeepEP's design, spec §5): the shared combine buffer that lets experts
-// write their outputs where peers can read them without a copy. get_dispatch_layout lives in
-// moed/dispatch_layout.h (routing); this header includes it for older callers.
+// write their outputs where peers can read them without a copy. (DeepEP's get_dispatch_layout
+// is moed/dispatch_layout.h's.)
 //
 // The Flex dispatcher itself is made by TokenDispatcher::create with kind = kFlex.
 #pragma once
@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "moed/dispatch_layout.h"
 #include "moed/dispatcher.h"
 #include "moed/routing.h"
 #include "moed/status.h"

@@ -43,18 +43,11 @@
 #include <string>
 #include <vector>
 
+#include "moed/dispatch_layout.h"  // Flex's wire sizes
 #include "moed/routing.h"
 #include "moed/status.h"
 
 namespace moed {
-
-// Flex's wire header (the layout of src/dispatch/flex's MessageHeader / MessageEntry, spec
-// §5.5): per token sent to a remote node, its token index, its number of entries, the
-// bitmask of the node's ranks that need it and the node's place in the token's combine chain
-// (24 bytes); per (token, expert on that node), the expert id and prob (8 bytes). Defined here
-// once for every replay figure.
-inline constexpr int64_t kFlexTokenHeaderBytes = 24;
-inline constexpr int64_t kFlexEntryBytes = 8;
 
 // Top-k indices [num_steps, num_tokens, num_topk], row-major; -1 = no expert.
 struct RoutingTrace {

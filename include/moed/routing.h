@@ -99,6 +99,10 @@ struct SparseRouting {
   std::vector<int64_t> begin{0};  // [T + 1]
   std::vector<int32_t> expert;    // [entries]
   std::vector<float> prob;        // [entries]
+  // [entries] or empty: each entry's column in the top-k form it was converted from (DeepEP's
+  // top-k slot). Empty when the routing came from a map, or when dropping or router padding
+  // rewrote it.
+  std::vector<int32_t> slot;
 
   int64_t num_tokens() const { return int64_t(begin.size()) - 1; }
   int64_t num_entries() const { return begin.back(); }

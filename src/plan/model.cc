@@ -134,7 +134,7 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
   r.dispatch_row_bytes = row_d;
   r.combine_row_bytes = row_c;
   const int64_t ll_row_d = row_d + 16;        // DeepEP low-latency: + source info per message
-  const int64_t flex_row_total = row_d + 12;  // moed Flex: + prob and source index
+  const int64_t flex_row_total = row_d + kFlexRowMetaBytes;  // moed Flex: + prob, source, slot
 
   Dir flat_d(R), flat_c(R), a2a_d(R), a2a_c(R), flex_d(R), flex_c(R), ll_d(R), ll_c(R);
   MoedCounters& m = r.moed;
@@ -253,7 +253,7 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
     for (int n = 0; n < N; ++n) {
       if (n == ns) continue;
       const int f = n * G + ls;
-      // moed wire format: kFlexTokenHeaderBytes per token, 8 bytes per expert entry.
+      // moed wire format: kFlexTokenHeaderBytes per token, kFlexEntryBytes per expert entry.
       const int64_t msg = tok_node[size_t(n)] * (row_d + kFlexTokenHeaderBytes) +
                           ent_node[size_t(n)] * kFlexEntryBytes;
       add(flex_d, false, s, f, msg);

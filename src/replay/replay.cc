@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "moed/flex.h"
+#include "moed/dispatch_layout.h"
 #include "moed/npy.h"
 
 namespace moed {

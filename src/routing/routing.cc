@@ -254,6 +254,7 @@ SparseRouting to_sparse(const TopkView& routing, int num_experts) {
   s.begin.resize(size_t(T) + 1);
   s.expert.reserve(size_t(T) * size_t(K));
   s.prob.reserve(size_t(T) * size_t(K));
+  s.slot.reserve(size_t(T) * size_t(K));
   for (int64_t t = 0; t < T; ++t) {
     const size_t first = s.expert.size();
     for (int k = 0; k < K; ++k) {
@@ -265,9 +266,11 @@ SparseRouting to_sparse(const TopkView& routing, int num_experts) {
       size_t i = s.expert.size();
       s.expert.push_back(int32_t(e));
       s.prob.push_back(routing.weight(t, k));
+      s.slot.push_back(k);
       for (; i > first && s.expert[i - 1] > e; --i) {
         std::swap(s.expert[i - 1], s.expert[i]);
         std::swap(s.prob[i - 1], s.prob[i]);
+        std::swap(s.slot[i - 1], s.slot[i]);
       }
     }
     s.begin[size_t(t) + 1] = int64_t(s.expert.size());

@@ -170,6 +170,55 @@ TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
+// Each row knows the top-k column its token chose its expert in (DeepEP's slot, which
+// ElasticBuffer's metadata needs), and a cached dispatch may move rows of another dtype and
+// width through the same layout (DeepEP's handles are the layout only).
+TEST_P(FlexFeatures, RowSlotsAndCachedRowsOfAnotherShape) {
+  const Problem p = make_problem(DType::kBF16, 4, 2, 8, 3);
+  Status s = testing::run_world(GetParam(), 4, 2, [&](World& w) -> Status {
+    const int r = w.rank(), L = 2;
+    DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 8};
+    MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
+    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input));
+    const DispatchHandle& h = *out.handle;
+    int64_t row = 0;
+    for (int j = 0; j < L; ++j) {
+      for (int64_t n = 0; n < h.tokens_per_expert[size_t(j)]; ++n, ++row) {
+        const int src = h.row_src_rank[size_t(row)], slot = h.row_src_slot[size_t(row)];
+        const int64_t t = h.row_src_token[size_t(row)];
+        const TopkRouting& k = p.in.topk[size_t(src)];
+        MOED_RETURN_IF_ERROR(
+            expect(slot >= 0 && slot < k.num_topk && k.idx(t, slot) == r * L + j,
+                   str_cat("rank ", r, " row ", row, ": slot ", slot, " of token ", t, " of rank ",
+                           src, " is not expert ", r * L + j)));
+      }
+    }
+    // Three f32 columns per token (its source rank, token and 0.5), through the same handle.
+    const int64_t T = p.c.tokens[size_t(r)];
+    Tensor tags = Tensor::empty(DType::kF32, T, 3);
+    for (int64_t t = 0; t < T; ++t) {
+      tags.row<float>(t)[0] = float(r);
+      tags.row<float>(t)[1] = float(t);
+      tags.row<float>(t)[2] = 0.5f;
+    }
+    MOED_ASSIGN_OR_RETURN(DispatchOutput again,
+                          d->dispatch({.hidden = {tags.view(), {}}, .cached_handle = out.handle}));
+    MOED_RETURN_IF_ERROR(expect(again.expert_input.x.dtype == DType::kF32 &&
+                                    again.expert_input.x.cols == 3 &&
+                                    again.expert_input.x.rows == h.num_rows,
+                                "cached rows of another shape: wrong view"));
+    for (int64_t i = 0; i < h.num_rows; ++i) {
+      const float* v = again.expert_input.x.row<float>(i);
+      MOED_RETURN_IF_ERROR(expect(v[0] == float(h.row_src_rank[size_t(i)]) &&
+                                      v[1] == float(h.row_src_token[size_t(i)]) && v[2] == 0.5f,
+                                  str_cat("rank ", r, " row ", i, ": cached f32 row misplaced")));
+    }
+    return ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 TEST_P(FlexFeatures, NumWorstTokensTooSmallIsEveryonesError) {
   const Problem p = make_problem(DType::kF32, 4, 2, 8, 3);
   Status s = testing::run_world(GetParam(), 4, 2, [&](World& w) -> Status {
@@ -187,7 +236,7 @@ TEST_P(FlexFeatures, NumWorstTokensTooSmallIsEveryonesError) {
 }
 
 // Network bytes of a dispatch = sum over tokens of (remote nodes it routes to) x
-// (payload + scales + 24-byte header + 8 bytes per expert entry on that node).
+// (payload + scales + the token header + an entry per expert on that node).
 TEST_P(FlexFeatures, NetworkBytesMatchAnalyticCount) {
   const Problem p = make_problem(DType::kFP8, 8, 2, 16, 4);
   Status s = testing::run_world(GetParam(), 8, 2, [&](World& w) -> Status {
@@ -214,7 +263,7 @@ TEST_P(FlexFeatures, NetworkBytesMatchAnalyticCount) {
       }
       for (int m = 0; m < 4; ++m) {
         if (m == w.node() || entries[size_t(m)] == 0) continue;
-        want += 256 + 2 * 4 + 24 + 8 * uint64_t(entries[size_t(m)]);
+        want += 256 + 2 * 4 + kFlexTokenHeaderBytes + kFlexEntryBytes * uint64_t(entries[size_t(m)]);
         ++rows;
       }
     }

@@ -23,6 +23,8 @@ TEST(SparseRouting, FromTopkSortsEachTokensExpertsAndSkipsUnused) {
   EXPECT_EQ(s.begin, (std::vector<int64_t>{0, 2, 2, 5}));
   EXPECT_EQ(s.expert, (std::vector<int32_t>{2, 5, 0, 3, 7}));
   EXPECT_EQ(s.prob, (std::vector<float>{0.25f, 0.5f, 0.4f, 0.7f, 0.6f}));
+  // Each entry's column in the top-k form (DeepEP's slot), sorted along with its expert.
+  EXPECT_EQ(s.slot, (std::vector<int32_t>{1, 0, 0, 2, 1}));
   EXPECT_EQ(s.tokens_per_expert(), (std::vector<int64_t>{1, 0, 1, 1, 0, 1, 0, 1}));
   EXPECT_EQ(s.prob_sums(), (std::vector<float>{0.25f + 0.5f, 0.0f, 0.4f + 0.7f + 0.6f}));
 }

@@ -11,6 +11,7 @@
 #include <random>
 #include <string>
 
+#include "moed/dispatch_layout.h"
 #include "moed/npy.h"
 #include "moed/reference.h"
 #include "moed/router.h"
@@ -288,12 +289,14 @@ TEST(CliReplay, CountsMatchTheHandCount) {
   // t3 still goes to expert 0 (rank 0); rank 1 keeps only t2.
   EXPECT_EQ(j["traffic"], nlohmann::json::parse("[[2, 1], [1, 1]]"));
   EXPECT_EQ(j["flat"]["network_bytes"].get<std::vector<int64_t>>(), (std::vector<int64_t>{8, 8}));
-  // Flex: one row (8) + the header (24) + one entry (8) per rank.
-  EXPECT_EQ(j["flex"]["network_bytes"].get<std::vector<int64_t>>(), (std::vector<int64_t>{40, 40}));
+  // Flex: one row (8) + the header + one entry per rank.
+  const int64_t flex_bytes = 8 + kFlexTokenHeaderBytes + kFlexEntryBytes;
+  EXPECT_EQ(j["flex"]["network_bytes"].get<std::vector<int64_t>>(),
+            (std::vector<int64_t>{flex_bytes, flex_bytes}));
   EXPECT_EQ(j["flat"]["shared_bytes"].get<std::vector<int64_t>>(), (std::vector<int64_t>{16, 8}));
   EXPECT_EQ(j["flex"]["shared_bytes"].get<std::vector<int64_t>>(), (std::vector<int64_t>{24, 16}));
   EXPECT_DOUBLE_EQ(j["flat"]["seconds"].get<double>(), 16 / 100e9 + 8 / 10e9);
-  EXPECT_DOUBLE_EQ(j["flex"]["seconds"].get<double>(), 24 / 100e9 + 40 / 10e9);
+  EXPECT_DOUBLE_EQ(j["flex"]["seconds"].get<double>(), 24 / 100e9 + double(flex_bytes) / 10e9);
   EXPECT_EQ(j["flex_token_header_bytes"], 24);
   EXPECT_TRUE(std::filesystem::exists(dir / "pics/traffic.svg"));
   EXPECT_TRUE(std::filesystem::exists(dir / "pics/expert_load.svg"));

@@ -154,8 +154,9 @@ TEST(Replay, HandCountedExample) {
   EXPECT_EQ(r->dropped, 0);
   // Flat: t0 (rank 0 -> rank 1) and t3 (rank 1 -> rank 0) cross, 8 bytes each.
   EXPECT_EQ(r->flat.network_bytes, (std::vector<int64_t>{8, 8}));
-  // Flex: the same two tokens, each 8 + 24 (header) + 8 (one expert entry).
-  EXPECT_EQ(r->flex.network_bytes, (std::vector<int64_t>{40, 40}));
+  // Flex: the same two tokens, each 8 + the header + one expert entry.
+  const int64_t flex_bytes = 8 + kFlexTokenHeaderBytes + kFlexEntryBytes;
+  EXPECT_EQ(r->flex.network_bytes, (std::vector<int64_t>{flex_bytes, flex_bytes}));
   EXPECT_EQ(r->flat.shared_bytes, (std::vector<int64_t>{16, 16}));
   // Flex: rank 0 writes t0, t1 to itself and forwards t3 (for rank 0): 3 rows.
   EXPECT_EQ(r->flex.shared_bytes, (std::vector<int64_t>{24, 24}));

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "dispatch/deep_ep/rank_major.h"
+#include "dispatch/ordered_fold.h"
 #include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
@@ -25,6 +26,28 @@ struct Source {
   size_t row_stride_bytes = 0;
   const float* weights = nullptr;  // [rows, K] or null
 };
+
+// V2's order needs the dispatch's routing: every rank a token went to holds one of its slots.
+Status check_order(const NormalHandle& h, const TopkView& topk) {
+  const int R = h.num_ranks, L = h.num_experts / h.num_ranks;
+  if (topk.num_tokens != h.num_tokens)
+    return invalid_argument("order_topk has ", topk.num_tokens, " rows; the handle's dispatch had ",
+                            h.num_tokens, " tokens");
+  std::vector<uint8_t> hit(static_cast<size_t>(R));
+  for (int64_t t = 0; t < topk.num_tokens; ++t) {
+    std::fill(hit.begin(), hit.end(), 0);
+    for (int k = 0; k < topk.num_topk; ++k) {
+      const int64_t e = topk.at(t, k);
+      if (e >= h.num_experts) return invalid_argument("order_topk[", t, "][", k, "] = ", e);
+      if (e >= 0) hit[size_t(e / L)] = 1;
+    }
+    for (int r = 0; r < R; ++r) {
+      if (hit[size_t(r)] != (h.is_token_in_rank[size_t(t) * R + r] != 0))
+        return invalid_argument("order_topk[", t, "] does not route to the ranks its dispatch did");
+    }
+  }
+  return ok_status();
+}
 
 Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in) {
   if (!in.caller_error.ok()) return in.caller_error;
@@ -43,6 +66,7 @@ Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in)
     MOED_RETURN_IF_ERROR(
         check_float_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, h->num_tokens, H));
   }
+  if (in.order_topk) MOED_RETURN_IF_ERROR(check_order(*h, *in.order_topk));
   if (in.out) {
     return moed::internal::check_out_buffer("out", *in.out, h->num_tokens, H, in.x.dtype, "x");
   }
@@ -179,9 +203,16 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
   out.combined_topk_weights.assign(size_t(T) * K, 0.0f);
   std::vector<uint64_t> reads(size_t(C), 0);
   if (net.ok()) {
+    const int L = h.num_experts / R;
     w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
       std::vector<float> acc(static_cast<size_t>(H));
       std::vector<int64_t> cursor(static_cast<size_t>(N));
+      // V2's order: each rank's row and weights, then the fold by the recipe.
+      std::vector<const char*> rank_row(static_cast<size_t>(R));
+      std::vector<const float*> rank_w(static_cast<size_t>(R));
+      std::vector<int> last_slot(static_cast<size_t>(R));
+      std::vector<OrderedTerm> terms;
+      OrderedFold fold(dt, H);
       for (int64_t c = cb; c < ce; ++c) {
         for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_pairs[size_t(c) * N + m];
         uint64_t n = 0;
@@ -196,6 +227,7 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
           if (has(in.bias_1))
             accumulate_row_f32(acc.data(), in.bias_1.row_ptr(t), in.bias_1.dtype, size_t(H));
           float* wout = out.combined_topk_weights.data() + size_t(t) * K;
+          if (in.order_topk) std::fill(rank_row.begin(), rank_row.end(), nullptr);
           for (int r = 0; r < R; ++r) {
             const int32_t head = h.send_head[size_t(t) * R + r];
             if (head < 0) continue;
@@ -213,9 +245,31 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
               row = recv_buf[size_t(m)].data() + size_t(cursor[size_t(m)]++) * piece;
               if (K > 0) wr = reinterpret_cast<const float*>(row + row_bytes);
             }
+            ++n;
+            if (in.order_topk) {
+              rank_row[size_t(r)] = row;
+              rank_w[size_t(r)] = wr;
+              continue;
+            }
             accumulate_row_f32(acc.data(), row, dt, size_t(H));
             for (int k = 0; k < K; ++k) wout[k] = wout[k] + wr[k];
-            ++n;
+          }
+          if (in.order_topk) {
+            const TopkView& o = *in.order_topk;
+            terms.clear();
+            std::fill(last_slot.begin(), last_slot.end(), -1);
+            for (int k = 0; k < o.num_topk; ++k) {
+              const int64_t e = o.at(t, k);
+              if (e < 0) continue;
+              const int r = int(e / L);
+              last_slot[size_t(r)] = k;
+              if (k < K) wout[k] = rank_w[size_t(r)][k];
+            }
+            for (int r = 0; r < R; ++r) {
+              if (rank_row[size_t(r)] != nullptr)
+                terms.push_back({rank_row[size_t(r)], last_slot[size_t(r)], r, r / G});
+            }
+            fold.fold(acc.data(), terms, in.recipe);
           }
           store_row(acc.data(), dst.row_ptr(t), dt, size_t(H));
         }

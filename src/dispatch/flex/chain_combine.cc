@@ -29,8 +29,9 @@
 namespace moed::flex {
 
 bool chain_enabled(const Topology& topo, const PullSpec& spec) {
-  return topo.num_nodes > 1 && (spec.mode == PullMode::kCombine ||
-                                (spec.mode == PullMode::kDispatchBackward && !spec.with_scalars));
+  return topo.num_nodes > 1 && spec.recipe == nullptr &&
+         (spec.mode == PullMode::kCombine ||
+          (spec.mode == PullMode::kDispatchBackward && !spec.with_scalars));
 }
 
 namespace {

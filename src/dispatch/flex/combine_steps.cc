@@ -72,6 +72,59 @@ StatusOr<CombineOutput> FlexDispatcher::combine_postprocess() {
   return CombineOutput{std::move(c.out), c.handle->routing.prob_sums(), c.user_out};
 }
 
+// ---- DeepEP V2's combine order (flex_ordered_combine) ----
+
+StatusOr<OrderedCombineOutput> FlexDispatcher::ordered_combine(
+    std::shared_ptr<const DispatchHandle> handle, const OrderedCombineInput& in) {
+  Status local = in.caller_error;
+  std::shared_ptr<const FlexHandle> h;
+  if (local.ok()) h = own_handle(handle, &local);
+  if (local.ok()) local = check_float_rows("x", in.rows, h->num_rows, h->hidden);
+  const int64_t T = h ? h->routing.num_tokens() : 0, H = in.rows.cols;
+  if (local.ok() && topo_.etp_size != 1)
+    local = unimplemented("DeepEP V2's combine order with etp_size = ", topo_.etp_size);
+  if (local.ok() && !in.row_weights.empty() && int64_t(in.row_weights.size()) != h->num_rows)
+    local = invalid_argument("topk_weights has ", in.row_weights.size(), " entries; expected ",
+                             h->num_rows);
+  for (const TensorView* b : {&in.bias_0, &in.bias_1}) {
+    if (local.ok() && b->data)
+      local = check_float_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, T, H);
+    if (local.ok() && b->data && b->dtype != in.rows.dtype)
+      local = invalid_argument(b == &in.bias_0 ? "bias_0" : "bias_1", " is ",
+                               dtype_name(b->dtype), " but x is ", dtype_name(in.rows.dtype));
+  }
+  if (local.ok() && in.out)
+    local = moed::internal::check_out_buffer("out", *in.out, T, H, in.rows.dtype, "x");
+  const AgreedField fields[] = {
+      {"x dtype", int64_t(in.rows.dtype), AgreedField::kAgreeDType},
+      {"hidden", H, AgreedField::kAgree},
+      {"topk_weights given", in.row_weights.empty() ? 0 : 1, AgreedField::kFree}};
+  MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, local, fields));
+  bool with_scalars = false;
+  for (int r = 0; r < world_->size(); ++r) with_scalars = with_scalars || t.row(r)[3] != 0;
+  std::vector<float> zeros;
+  std::span<const float> scalars = in.row_weights;
+  if (with_scalars && scalars.empty()) {
+    zeros.assign(size_t(h->num_rows), 0.0f);
+    scalars = zeros;
+  }
+  OrderedCombineOutput out;
+  if (!in.out) out.combined = Tensor::empty(in.rows.dtype, T, H);
+  if (with_scalars) out.slot_weights.assign(size_t(T) * size_t(in.num_topk), 0.0f);
+  PullSpec spec;
+  spec.mode = PullMode::kCombine;
+  spec.dtype = in.rows.dtype;
+  spec.with_scalars = with_scalars;
+  spec.out = in.out ? *in.out : out.combined.view();
+  spec.recipe = &in.recipe;
+  spec.bias_0 = in.bias_0;
+  spec.bias_1 = in.bias_1;
+  spec.out_slot_weights = with_scalars ? out.slot_weights.data() : nullptr;
+  spec.num_topk = in.num_topk;
+  MOED_RETURN_IF_ERROR(pull_step(*h, in.rows, scalars, spec, kTagCombine));
+  return out;
+}
+
 // ---- backward of dispatch: an unweighted combine of the row gradients ----
 
 Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) {

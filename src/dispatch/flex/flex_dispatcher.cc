@@ -96,6 +96,8 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
   dispatch_ = DispatchStep{};
   DispatchStep& d = dispatch_;
   d.rows = input.hidden;
+  d.dtype = input.hidden.x.dtype;
+  d.hidden = input.hidden.x.cols;
   d.out = input.out;
   d.cached_mode = input.cached_handle != nullptr;
   if (d.cached_mode) {
@@ -124,11 +126,11 @@ StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
   std::shared_ptr<const FlexHandle> h = d.cached ? d.cached : d.fresh;
   DispatchOutput out;
   char* seg = outputs_.region(d.slot).local();
-  out.expert_input.x = TensorView(seg, h->dtype, h->num_rows, h->hidden);
-  const bool fp8 = h->dtype == DType::kFP8;
+  out.expert_input.x = TensorView(seg, d.dtype, h->num_rows, d.hidden);
+  const bool fp8 = d.dtype == DType::kFP8;
   if (fp8) {
     out.expert_input.scales =
-        TensorView(seg + d.layout.scales_off, DType::kF32, h->num_rows, h->hidden / kFp8BlockSize);
+        TensorView(seg + d.layout.scales_off, DType::kF32, h->num_rows, d.hidden / kFp8BlockSize);
   }
   out.permuted_probs = std::span<const float>(h->permuted_probs);
   out.tokens_per_expert = std::span<const int64_t>(h->tokens_per_expert);
@@ -179,12 +181,12 @@ Status FlexDispatcher::dispatch_body() {
     const int64_t want =
         config_.num_worst_tokens > 0 ? config_.num_worst_tokens : h.global->exact_rows[size_t(r)];
     if (got >= 0 && got != want) {
-      return invalid_argument("rank ", r, ": out is [", got, ", ", h.hidden, "]; expected [", want,
-                              ", ", h.hidden, "]");
+      return invalid_argument("rank ", r, ": out is [", got, ", ", x.cols, "]; expected [", want,
+                              ", ", x.cols, "]");
     }
   }
-  d.layout = PushLayout::of(node_cap_rows(h), dtype_row_bytes(h.dtype, h.hidden),
-                            scale_row_bytes(h.dtype, h.hidden), /*meta=*/true);
+  d.layout = PushLayout::of(node_cap_rows(h), dtype_row_bytes(x.dtype, x.cols),
+                            scale_row_bytes(x.dtype, x.cols), /*meta=*/true);
   Region& target = outputs_.region(d.slot);
   MOED_RETURN_IF_ERROR(target.ensure(*world_, d.layout.bytes));
   // No local rank holds an output of this slot (that is why it was picked), so nothing can
@@ -202,9 +204,11 @@ Status FlexDispatcher::dispatch_body() {
     const auto* probs = reinterpret_cast<const float*>(seg + d.layout.prob_off);
     const auto* src_rank = reinterpret_cast<const int32_t*>(seg + d.layout.src_rank_off);
     const auto* src_token = reinterpret_cast<const int32_t*>(seg + d.layout.src_token_off);
+    const auto* src_slot = reinterpret_cast<const int32_t*>(seg + d.layout.src_slot_off);
     d.fresh->permuted_probs.assign(probs, probs + n);
     d.fresh->row_src_rank.assign(src_rank, src_rank + n);
     d.fresh->row_src_token.assign(src_token, src_token + n);
+    d.fresh->row_src_slot.assign(src_slot, src_slot + n);
   }
   return ok_status();
 }
@@ -249,10 +253,13 @@ Status FlexDispatcher::check_cached(const DispatchInput& input) {
     return invalid_argument("cached_handle was not made by this Flex dispatcher");
   }
   const TokenRows& x = input.hidden;
-  if (x.x.rows != h->routing.num_tokens() || x.x.cols != h->hidden || x.x.dtype != h->dtype) {
-    return invalid_argument("cached mode: hidden is ", dtype_name(x.x.dtype), " [", x.x.rows, ", ",
-                            x.x.cols, "] but the handle's dispatch had ", dtype_name(h->dtype),
-                            " [", h->routing.num_tokens(), ", ", h->hidden, "]");
+  // The handle fixes the layout, not the payload (DeepEP's: fp8 rows forward, bf16
+  // gradients back through the same handle); dtype and width are agreed across ranks in the
+  // call. The tokens must be the handle's.
+  if (x.x.rows != h->routing.num_tokens()) {
+    return invalid_argument("cached mode: hidden has ", x.x.rows,
+                            " rows but the handle's dispatch had ", h->routing.num_tokens(),
+                            " tokens");
   }
   if (x.x.rows > 0 && x.x.data == nullptr) return invalid_argument("hidden.x.data is null");
   if (x.x.row_stride < x.x.cols)
@@ -340,6 +347,14 @@ StatusOr<std::unique_ptr<TokenDispatcher>> make_flex_dispatcher(World& world,
   auto d = std::make_unique<flex::FlexDispatcher>(world, config);
   MOED_RETURN_IF_ERROR(d->init());
   return std::unique_ptr<TokenDispatcher>(std::move(d));
+}
+
+StatusOr<OrderedCombineOutput> flex_ordered_combine(TokenDispatcher& dispatcher,
+                                                    std::shared_ptr<const DispatchHandle> handle,
+                                                    const OrderedCombineInput& input) {
+  auto* d = dynamic_cast<flex::FlexDispatcher*>(&dispatcher);
+  if (d == nullptr) return invalid_argument("flex_ordered_combine needs a Flex dispatcher");
+  return d->ordered_combine(std::move(handle), input);
 }
 
 StatusOr<TensorView> flex_expert_output_buffer(TokenDispatcher& dispatcher,

@@ -17,6 +17,8 @@
 #include "core/row_kernels.h"
 #include "dispatch/prepare.h"
 #include "dispatch/row_exchange.h"
+#include "moed/combine_recipe.h"
+#include "moed/dispatch_layout.h"
 #include "moed/dispatcher.h"
 #include "moed/flex.h"
 #include "moed/world.h"
@@ -144,6 +146,7 @@ struct ForwardPlan {
   std::vector<int64_t> entry_begin;   // [n + 1]
   std::vector<int32_t> entry_expert;  // [q]
   std::vector<float> entry_prob;      // [q]
+  std::vector<int32_t> entry_slot;    // [q] the entry's top-k column at its source (or -1)
   std::vector<int64_t> entry_row;     // [q] canonical row on every rank of the expert
   std::vector<ChainLink> chain;       // [n] this node's place in each token's combine chain
 };
@@ -159,8 +162,10 @@ struct MessageHeader {
 struct MessageEntry {
   int32_t expert;
   float prob;
+  int32_t slot;  // the entry's top-k column at its source (-1: none)
 };
-static_assert(sizeof(MessageHeader) == 24 && sizeof(MessageEntry) == 8);
+static_assert(sizeof(MessageHeader) == kFlexTokenHeaderBytes &&
+              sizeof(MessageEntry) == kFlexEntryBytes);
 struct MessageLayout {
   size_t entries_off = 0, payload_off = 0, scales_off = 0, bytes = 0;
   static MessageLayout of(int64_t tokens, int64_t entries, size_t row_bytes, size_t scale_bytes);
@@ -186,11 +191,14 @@ class FlexHandle final : public DispatchHandle {
 struct PushLayout {
   int64_t cap_rows = 0;
   size_t row_bytes = 0, scale_bytes = 0;
-  bool meta = false;  // probs and source indices travel too (forward dispatch)
+  bool meta = false;  // probs, source indices and top-k slots travel too (forward dispatch)
   // Rows written with non-temporal stores (segments of kStreamThresholdBytes and up): no
   // read of the destination; writers stream_fence() before they signal.
   bool stream = false;
-  size_t scales_off = 0, prob_off = 0, src_rank_off = 0, src_token_off = 0, bytes = 0;
+  size_t scales_off = 0, prob_off = 0, src_rank_off = 0, src_token_off = 0, src_slot_off = 0;
+  size_t bytes = 0;
+  // Bytes of one row's metadata (prob, source rank, token, slot) when meta.
+  static constexpr size_t kMetaBytes = kFlexRowMetaBytes;
   static PushLayout of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, bool meta);
 };
 
@@ -348,7 +356,7 @@ void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec);
 // One output row written by a forwarder (same format as the local path).
 void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
                          const void* scales, bool scale_by_prob, DType dt, int64_t hidden,
-                         float prob, int32_t src_rank, int32_t src_token);
+                         float prob, int32_t src_rank, int32_t src_token, int32_t src_slot);
 // Remote nodes, in two halves so the local copies overlap the network: start posts the
 // receives of the forwarder role and packs and sends this rank's tokens (one message per
 // remote node); finish waits for the messages, places the forwarded rows into the local
@@ -379,6 +387,14 @@ struct PullSpec {
   TensorView out;                   // kCombine / kDispatchBackward: [T, H] in dtype
   TensorView grad_out;              // kProbGrad: home gradient [T, H]
   float* out_probs = nullptr;       // [T, E] (kDispatchBackward, kProbGrad)
+  // kCombine in DeepEP V2's order instead of spec §4's (ElasticBuffer; P = 1, no chain): each
+  // token's sum starts from bias_0 + bias_1 (when given) and folds its terms by *recipe at
+  // their top-k slots (routing.slot); with_scalars: each term's row scalar lands in
+  // out_slot_weights[t * num_topk + slot] ([T, K], zeros elsewhere).
+  const CombineRecipe* recipe = nullptr;
+  TensorView bias_0, bias_1;
+  float* out_slot_weights = nullptr;
+  int num_topk = 0;
 };
 // Forwarder role: terms of the remote homes' tokens from this node, one message per home.
 // Home role: receive those, fold each token's terms in ascending expert order.

@@ -36,6 +36,7 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
   f.entry_begin.resize(size_t(n) + 1);
   f.entry_expert.resize(size_t(q));
   f.entry_prob.resize(size_t(q));
+  f.entry_slot.resize(size_t(q));
   f.entry_row.resize(size_t(q));
   f.chain.resize(size_t(n));
   const MessageLayout ml = MessageLayout::of(n, q, 0, 0);
@@ -60,6 +61,7 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
       std::memcpy(&en, &entries[k], sizeof(en));
       f.entry_expert[size_t(k)] = en.expert;
       f.entry_prob[size_t(k)] = en.prob;
+      f.entry_slot[size_t(k)] = en.slot;
       f.entry_row[size_t(k)] =
           h.layout_of_expert(en.expert).offset(en.expert % topo.num_local_experts, src) +
           run[size_t(en.expert)]++;
@@ -123,7 +125,8 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
           const int e = h.routing.expert[size_t(k)];
           const int m = topo.node_of_expert(e);
           if (m == topo.node) continue;
-          const MessageEntry en{e, h.routing.prob[size_t(k)]};
+          const MessageEntry en{e, h.routing.prob[size_t(k)],
+                                h.routing.slot.empty() ? -1 : h.routing.slot[size_t(k)]};
           std::memcpy(ops.send_buffers[size_t(m)].data() + layouts[size_t(m)].entries_off +
                           size_t(ent[size_t(m)] + count[size_t(m)]) * sizeof(MessageEntry),
                       &en, sizeof(en));
@@ -203,7 +206,8 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
                 const int lr = (topo.first_rank_of_expert(ex) + p) % topo.ranks_per_node;
                 write_forwarded_row(spec.target->peer(lr), l, f->entry_row[size_t(k)], payload,
                                     scales, spec.scale_by_prob, spec.rows.x.dtype, spec.rows.x.cols,
-                                    f->entry_prob[size_t(k)], src, f->src_token[size_t(i)]);
+                                    f->entry_prob[size_t(k)], src, f->src_token[size_t(i)],
+                                    f->entry_slot[size_t(k)]);
               }
             }
           }
@@ -212,7 +216,8 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
         16);
     rows += uint64_t(q) * uint64_t(P);
   }
-  ctx.world->add_shared_bytes(rows * (l.row_bytes + l.scale_bytes + (l.meta ? 12 : 0)), rows);
+  ctx.world->add_shared_bytes(
+      rows * (l.row_bytes + l.scale_bytes + (l.meta ? PushLayout::kMetaBytes : 0)), rows);
   return wait_all(ops.sends);
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "dispatch/flex/flex_internal.h"
+#include "dispatch/ordered_fold.h"
 
 namespace moed::flex {
 
@@ -55,7 +56,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   // K rows stream past, and a large output is written with non-temporal stores (no read of
   // the destination). Each element still sees acc = 0, + term, ... in expert order: the same
   // bits.
-  const bool fused = P == 1 && spec.mode != PullMode::kProbGrad;
+  const bool fused = P == 1 && spec.mode != PullMode::kProbGrad && spec.recipe == nullptr;
   const bool stream =
       fused && size_t(spec.out.rows) * spec.out.row_bytes() >= internal::kStreamThresholdBytes;
   std::vector<uint64_t> rows_read(size_t(C), 0);
@@ -63,6 +64,10 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
     std::vector<int64_t> run(static_cast<size_t>(E)), cursor(static_cast<size_t>(N));
     std::vector<float> acc(static_cast<size_t>(H)), term(static_cast<size_t>(H));
     internal::FoldAhead fold(spec.dtype, spec.out.dtype, size_t(H), spec.weighted, stream);
+    // DeepEP V2's order (spec.recipe): the token's terms, folded once all are known.
+    std::vector<OrderedTerm> ordered;
+    OrderedFold ordered_fold(spec.dtype, H);
+    const bool slots = !h.routing.slot.empty();
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());
@@ -77,6 +82,15 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
           continue;
         }
         if (!fused) std::fill(acc.begin(), acc.end(), 0.0f);
+        if (spec.recipe) {
+          ordered.clear();
+          if (spec.bias_0.data) {
+            accumulate_row_f32(acc.data(), spec.bias_0.row_ptr(t), spec.bias_0.dtype, size_t(H));
+          }
+          if (spec.bias_1.data) {
+            accumulate_row_f32(acc.data(), spec.bias_1.row_ptr(t), spec.bias_1.dtype, size_t(H));
+          }
+        }
         for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k) {
           const int e = h.routing.expert[size_t(k)];
           const float prob = h.routing.prob[size_t(k)];
@@ -118,6 +132,13 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
             }
           }
           if (spec.mode == PullMode::kDispatchBackward) spec.out_probs[size_t(t) * E + e] = scalar;
+          if (spec.recipe) {
+            const int slot = slots ? h.routing.slot[size_t(k)] : -1;
+            ordered.push_back({raw, slot, topo.first_rank_of_expert(e), m});
+            if (spec.out_slot_weights && slot >= 0 && slot < spec.num_topk)
+              spec.out_slot_weights[size_t(t) * size_t(spec.num_topk) + size_t(slot)] = scalar;
+            continue;
+          }
           if (fused) {
             fold.add(raw, prob);
             continue;
@@ -142,6 +163,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
               break;
           }
         }
+        if (spec.recipe) ordered_fold.fold(acc.data(), ordered, *spec.recipe);
         if (fused) {
           fold.push(spec.out.row_ptr(t));
         } else if (spec.mode != PullMode::kProbGrad) {

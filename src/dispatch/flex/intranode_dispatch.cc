@@ -15,7 +15,7 @@ namespace {
 // scales, and in the forward dispatch the prob and source.
 inline void write_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
                       const void* scales, bool scale_by_prob, DType dt, int64_t hidden, float prob,
-                      int32_t src_rank, int32_t src_token) {
+                      int32_t src_rank, int32_t src_token, int32_t src_slot) {
   char* dst = segment + size_t(row) * l.row_bytes;
   if (scale_by_prob) {
     scale_row(dst, payload, dt, prob, hidden);
@@ -31,6 +31,7 @@ inline void write_row(char* segment, const PushLayout& l, int64_t row, const voi
     reinterpret_cast<float*>(segment + l.prob_off)[row] = prob;
     reinterpret_cast<int32_t*>(segment + l.src_rank_off)[row] = src_rank;
     reinterpret_cast<int32_t*>(segment + l.src_token_off)[row] = src_token;
+    reinterpret_cast<int32_t*>(segment + l.src_slot_off)[row] = src_slot;
   }
 }
 
@@ -38,8 +39,9 @@ inline void write_row(char* segment, const PushLayout& l, int64_t row, const voi
 
 void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
                          const void* scales, bool scale_by_prob, DType dt, int64_t hidden,
-                         float prob, int32_t src_rank, int32_t src_token) {
-  write_row(segment, l, row, payload, scales, scale_by_prob, dt, hidden, prob, src_rank, src_token);
+                         float prob, int32_t src_rank, int32_t src_token, int32_t src_slot) {
+  write_row(segment, l, row, payload, scales, scale_by_prob, dt, hidden, prob, src_rank, src_token,
+            src_slot);
 }
 
 void push_local(const DispatchContext& ctx, const PushSpec& spec) {
@@ -49,7 +51,8 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
   const int E = topo.num_experts, L = topo.num_local_experts, P = topo.etp_size;
   const int C = plan.num_channels;
   const PushLayout& l = spec.layout;
-  const size_t row_total = l.row_bytes + l.scale_bytes + (l.meta ? 12 : 0);
+  const size_t row_total = l.row_bytes + l.scale_bytes + (l.meta ? PushLayout::kMetaBytes : 0);
+  const bool slots = !h.routing.slot.empty();
   std::vector<uint64_t> rows_written(size_t(C), 0);
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> run(static_cast<size_t>(E));
@@ -65,10 +68,11 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
           const int64_t row = h.layout_of_expert(e).offset(e % L, topo.rank) + run[size_t(e)]++;
           if (topo.node_of_expert(e) != topo.node) continue;  // the forwarder places it
           const float prob = h.routing.prob[size_t(k)];
+          const int32_t slot = slots ? h.routing.slot[size_t(k)] : -1;
           for (int p = 0; p < P; ++p) {
             const int lr = (topo.first_rank_of_expert(e) + p) % topo.ranks_per_node;
             write_row(spec.target->peer(lr), l, row, payload, scales, spec.scale_by_prob,
-                      spec.rows.x.dtype, spec.rows.x.cols, prob, topo.rank, int32_t(t));
+                      spec.rows.x.dtype, spec.rows.x.cols, prob, topo.rank, int32_t(t), slot);
             ++written;
           }
         }
@@ -113,6 +117,7 @@ void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec) {
         std::memset(seg + l.prob_off + size_t(lo) * 4, 0, n * 4);
         std::memset(seg + l.src_rank_off + size_t(lo) * 4, 0xff, n * 4);  // -1
         std::memset(seg + l.src_token_off + size_t(lo) * 4, 0xff, n * 4);
+        std::memset(seg + l.src_slot_off + size_t(lo) * 4, 0xff, n * 4);
       }
     }
   });

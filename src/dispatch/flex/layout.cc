@@ -91,7 +91,8 @@ PushLayout PushLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes
   const size_t meta_bytes = meta ? rows * 4 : 0;
   l.src_rank_off = up(l.prob_off + meta_bytes);
   l.src_token_off = up(l.src_rank_off + meta_bytes);
-  l.bytes = std::max<size_t>(64, up(l.src_token_off + meta_bytes));
+  l.src_slot_off = up(l.src_token_off + meta_bytes);
+  l.bytes = std::max<size_t>(64, up(l.src_slot_off + meta_bytes));
   return l;
 }
 

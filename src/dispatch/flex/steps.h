@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dispatch/dispatch_steps.h"
+#include "dispatch/flex/flex.h"
 #include "dispatch/flex/flex_internal.h"
 
 namespace moed::flex {
@@ -70,6 +71,9 @@ class FlexDispatcher final : public TokenDispatcher {
 
   // flex_expert_output_buffer (moed/flex.h).
   StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype);
+  // flex_ordered_combine (flex.h): DeepEP V2's combine order, one synchronous call.
+  StatusOr<OrderedCombineOutput> ordered_combine(std::shared_ptr<const DispatchHandle> handle,
+                                                 const OrderedCombineInput& input);
 
  private:
   // ---- per-step state (reset by the step's first call) ----
@@ -82,6 +86,8 @@ class FlexDispatcher final : public TokenDispatcher {
   };
   struct DispatchStep : StepState {
     TokenRows rows;                         // the caller's tokens, until token_dispatch returns
+    DType dtype = DType::kF32;              // theirs: a cached dispatch may move another dtype
+    int64_t hidden = 0;                     // and rows of another width
     bool cached_mode = false;               // cached_handle given (agreed in the exchange)
     std::optional<PreparedInput> prepared;  // uncached
     std::shared_ptr<const FlexHandle> cached;
