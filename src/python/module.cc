@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   moed::python::bind_dispatcher(m);
   moed::python::bind_reference(m);
   moed::python::bind_deep_ep(m);
+  moed::python::bind_elastic(m);
 }

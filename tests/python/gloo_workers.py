@@ -46,6 +46,15 @@ def _deep_ep(g, pg):
         use_fp8 = mode.startswith("fp8") or mode == "ue8m0"
         assert cases.case_low_latency(g, 6, 512, 8, 3, 9, use_fp8, use_fp8, mode == "ue8m0",
                                       mode.endswith("hook"))
+    # DeepEP V2's ElasticBuffer, both layouts, and the Megatron-shaped client with the torch
+    # group itself (Megatron compares buffer.group with it).
+    import test_clients
+    import test_elastic
+    test_elastic.case_elastic(g, 8, 3, 256, 5, False, 1, None, True, True, True, 2)
+    test_elastic.case_elastic(g, 8, 3, 256, 6, True, 4, "col", True, False, True, 1)
+    for v2 in (False, True):
+        worst, buffers, kept = test_clients.case_megatron(pg, v2)
+        assert worst < 1e-5 and buffers == 1 and kept, (v2, worst, buffers, kept)
     return True
 
 

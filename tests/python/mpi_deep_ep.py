@@ -62,3 +62,11 @@ def test_out_buffers(group):
     errors = out_cases.case_low_latency_errors(group, 4, 256, 8, 2, 7)
     assert len(errors) == 8 and errors[5] == "same", errors  # float64 weights are converted
     assert all(e.startswith("ValueError: rank 3: ") for i, e in enumerate(errors) if i != 5), errors
+
+
+# DeepEP V2's ElasticBuffer (test_elastic.py's cases), one process per rank.
+@pytest.mark.parametrize("expand", [False, True], ids=["rank_major", "expanded"])
+def test_elastic(group, expand):
+    import test_elastic
+    test_elastic.case_elastic(group, 8, 3, 256, 5, expand, 4 if expand else 1, None, True, True, True, 2)
+    test_elastic.case_elastic(group, 8, 2, 512, 9, expand, 1, "ue8m0", False, False, True, 1)

@@ -3,6 +3,8 @@
     import moed.deep_ep as deep_ep       # moed's name for it: nothing named deep_ep appears
 
     buffer = deep_ep.Buffer(group, int(1e9))          # DeepEP's legacy Buffer (legacy.py)
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=4096, hidden=7168,
+                                   num_topk=8)         # DeepEP V2's (elastic.py)
     ...
 
 Client code written for DeepEP (``import deep_ep``, ``from deep_ep.utils import EventOverlap``)
@@ -20,11 +22,12 @@ that re-exports this one, with the submodules DeepEP's own tests import
 import os
 import sys
 
+from .elastic import ElasticBuffer, EPHandle
 from .event import EventHandle, EventOverlap
 from .legacy import Buffer, Config, fp8_dtype, topk_idx_t
 
-__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "topk_idx_t", "fp8_dtype", "install",
-           "path"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap",
+           "topk_idx_t", "fp8_dtype", "install", "path"]
 
 
 def path() -> str:
