@@ -56,21 +56,24 @@ TEST(CliPlan, LowLatencyAndOverrides) {
 TEST(CliPlan, ValidatePrintsEveryPublishedRow) {
   const CliResult r = run_cli("plan --validate", false);
   ASSERT_EQ(r.rc, 0) << r.output;
-  EXPECT_NE(r.output.find("of 34 rows within +-25%"), std::string::npos) << r.output;
-  for (const char* s : {"DeepEP normal", "DeepEP low-latency", "UCCL-EP p5en normal"}) {
-    EXPECT_NE(r.output.find(s), std::string::npos) << s;
+  StatusOr<std::vector<ValidationRow>> rows = validate_plan();
+  ASSERT_TRUE(rows.ok()) << rows.status().to_string();
+  EXPECT_NE(r.output.find(validation_summary(*rows)), std::string::npos) << r.output;
+  for (const PublishedSource& s : published_sources()) {
+    EXPECT_NE(r.output.find("\n" + s.name + " "), std::string::npos) << s.name;
   }
-  // Every DeepEP row is within the target.
-  size_t pos = 0;
-  int deepep = 0;
-  while ((pos = r.output.find("\nDeepEP", pos)) != std::string::npos) {
-    const size_t end = r.output.find('\n', pos + 1);
-    EXPECT_EQ(r.output.substr(pos, end - pos).find("MISS"), std::string::npos)
-        << r.output.substr(pos, end - pos);
-    ++deepep;
-    pos = end;
+  // One line per row (and the header and two summary lines); every MISS names its reason.
+  size_t lines = 0, pos = 0;
+  while ((pos = r.output.find('\n', pos)) != std::string::npos) ++lines, ++pos;
+  EXPECT_EQ(lines, rows->size() + 3);
+  pos = 0;
+  while ((pos = r.output.find("MISS:", pos)) != std::string::npos) {
+    EXPECT_NE(r.output[pos + 6], '\n');
+    pos += 5;
   }
-  EXPECT_EQ(deepep, 20);
+  const CliResult md = run_cli("plan --validate --markdown", false);
+  ASSERT_EQ(md.rc, 0);
+  EXPECT_NE(md.output.find("| source | table | design | cluster |"), std::string::npos);
 }
 
 TEST(CliPlan, TraceAndReplayUseTheSameModel) {
