@@ -136,7 +136,10 @@ struct PlanResult {
   int64_t dispatch_row_bytes = 0, combine_row_bytes = 0;
   std::vector<AlgorithmCost> algorithms;  // kPlanAlgorithms, in order
   MoedCounters moed;
-  PublishedBytes published;  // mean over ranks
+  PublishedBytes published;  // mean over ranks, for the reported algorithm
+  // The same for any algorithm (its count: received tokens, (token, node) pairs or selections).
+  PublishedBytes published_for(const std::string& algorithm) const;
+  PublishedBytes published_tokens, published_selections;  // the two counts behind it
   std::string reported;  // the reported algorithm
   double dispatch_seconds = 0.0, combine_seconds = 0.0;
   double dispatch_gbps = 0.0, combine_gbps = 0.0;  // published bytes / seconds
@@ -164,12 +167,18 @@ struct ValidationRow {
   std::string dtype;  // the dispatch payload: fp8 or bf16
   double published_gbps = 0.0, published_us = 0.0;  // 0 where the source gives none
   double predicted_gbps = 0.0, predicted_us = 0.0;
+  // The published figure as a time: published_us, or the row's bytes as its source counts them
+  // (the model's count at the row's settings) / published GB/s.
+  double implied_us = 0.0;
   // model GB/s / published GB/s where the source gives GB/s, else published us / model us.
   double ratio = 0.0;
   bool within() const { return ratio >= 0.75 && ratio <= 1.25; }
   std::string note;  // why it misses (or what the row assumes)
 };
 StatusOr<std::vector<ValidationRow>> validate_plan();
+// Only the rows on `cluster` (and, when >= 0, at `tokens` per rank and at EP `ep`).
+StatusOr<std::vector<ValidationRow>> validate_plan(const std::string& cluster, int64_t tokens,
+                                                   int ep);
 // markdown: a table for docs; otherwise fixed-width text. Both end with the summary lines.
 std::string validation_table(const std::vector<ValidationRow>& rows, bool markdown);
 // "N of M rows within +-25%" and the same per source.
@@ -180,5 +189,27 @@ struct PublishedSource {
   std::string name, citation;
 };
 std::vector<PublishedSource> published_sources();
+
+// A sweep: the model for every algorithm over a range of EP sizes or of tokens per rank, the
+// rest of the options fixed (`moed plan --sweep ep=8,16,32,...`), with the published rows of
+// the same cluster and tokens beside it.
+struct SweepPoint {
+  int64_t value = 0;  // the EP size or the tokens per rank
+  int experts = 0;    // E used there (raised to a multiple of EP where needed)
+  std::vector<double> dispatch_us, combine_us, dispatch_gbps, combine_gbps;  // per algorithm
+};
+struct SweepResult {
+  PlanOptions base;
+  std::string axis;                     // "ep" or "tokens"
+  std::vector<std::string> algorithms;  // kPlanAlgorithms
+  std::vector<SweepPoint> points;
+  std::vector<ValidationRow> published;  // rows on base's cluster (and tokens, for "ep")
+};
+// spec: "ep=8,16,32" or "tokens=128,4096" (values ascending, each >= 1; EP up to 2048).
+StatusOr<SweepResult> plan_sweep(const PlanOptions& base, const std::string& spec);
+std::string sweep_table(const SweepResult& r, bool gbps);
+// Two panels (dispatch, combine): one line per algorithm against the axis (log scale), the
+// published points as markers; gbps false: time in us (log scale).
+std::string sweep_svg(const SweepResult& r, bool gbps);
 
 }  // namespace moed

@@ -10,6 +10,11 @@ namespace moed {
 int64_t LinkCost::max_nvl() const { return *std::max_element(nvl_bytes.begin(), nvl_bytes.end()); }
 int64_t LinkCost::max_net() const { return *std::max_element(net_bytes.begin(), net_bytes.end()); }
 
+PublishedBytes PlanResult::published_for(const std::string& algorithm) const {
+  return algorithm == "low-latency" || algorithm == "pplx" ? published_selections
+                                                           : published_tokens;
+}
+
 const AlgorithmCost& PlanResult::algorithm(const std::string& name) const {
   for (const AlgorithmCost& a : algorithms) {
     if (a.name == name) return a;
@@ -165,12 +170,13 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
   const int64_t flex_row_total = row_d + 12;  // moed Flex: + prob and source index
   // The published numerator: what is counted, and the bytes of one (moed/plan.h Convention).
   const bool per_selection = o.algorithm == "low-latency" || o.algorithm == "pplx";
-  int64_t unit_d = per_selection && o.fp8_dispatch ? ll_row_d : row_d, unit_c = row_c;
+  // DeepEP's low-latency test counts fp8 rows with their 16-byte message header.
+  int64_t sel_unit_d = o.fp8_dispatch ? ll_row_d : row_d, tok_unit_d = row_d, unit_c = row_c;
   if (o.convention == Convention::kDeepEPv2) {
-    unit_d = row_d + 12 * K;  // + int64 index and fp32 weight per top-k slot
-    unit_c = row_c + 4 * K;   // + fp32 weight per slot
+    sel_unit_d = tok_unit_d = row_d + 12 * K;  // + int64 index and fp32 weight per top-k slot
+    unit_c = row_c + 4 * K;                    // + fp32 weight per slot
   } else if (o.convention == Convention::kPayload) {
-    unit_d = o.fp8_dispatch ? H : 2 * H;
+    sel_unit_d = tok_unit_d = o.fp8_dispatch ? H : 2 * H;
   }
 
   Dir flat_d(R), flat_c(R), a2a_d(R), a2a_c(R), flex_d(R), flex_c(R), ll_d(R), ll_c(R), pp_d(R),
@@ -182,7 +188,7 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
     cb->network.assign(size_t(R), 0);
   }
   std::vector<int64_t> recv_pairs(size_t(R), 0);
-  int64_t pub_d = 0, pub_c = 0;
+  int64_t sel_d = 0, sel_c = 0, tok_d = 0, tok_c = 0;
 
   std::vector<int64_t> pairs(static_cast<size_t>(R)), toks(static_cast<size_t>(R)),
       tok_node(static_cast<size_t>(N)), ent_node(static_cast<size_t>(N));
@@ -240,19 +246,14 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
         }
       }
     }
-    // The source's bandwidth numerator (moed/plan.h PublishedBytes).
-    if (per_selection) {
-      pub_d += selections * unit_d;
-      pub_c += selections * unit_c;
-    } else if (N == 1) {
-      // Intranode: tokens received, counted on the receivers; summed the same.
-      pub_d += std::accumulate(toks.begin(), toks.end(), int64_t(0)) * unit_d;
-      pub_c += std::accumulate(toks.begin(), toks.end(), int64_t(0)) * unit_c;
-    } else {
-      const int64_t tn = std::accumulate(tok_node.begin(), tok_node.end(), int64_t(0));
-      pub_d += tn * unit_d;
-      pub_c += tn * unit_c;
-    }
+    // The source's bandwidth numerators (moed/plan.h PublishedBytes): per selection for
+    // low-latency and pplx, else tokens received on one node and (token, node) pairs across.
+    sel_d += selections * sel_unit_d;
+    sel_c += selections * unit_c;
+    const int64_t counted = N == 1 ? std::accumulate(toks.begin(), toks.end(), int64_t(0))
+                                   : std::accumulate(tok_node.begin(), tok_node.end(), int64_t(0));
+    tok_d += counted * tok_unit_d;
+    tok_c += counted * unit_c;
     for (int d = 0; d < R; ++d) {
       const bool same = d / G == ns;
       // flat: one row per (token, rank), straight to the rank (own rows included), a message
@@ -347,9 +348,9 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
   const AlgorithmCost& chosen = r.algorithm(o.algorithm);
   r.dispatch_seconds = chosen.dispatch.seconds;
   r.combine_seconds = chosen.combine.seconds;
-  r.published.dispatch = pub_d / R;
-  r.published.combine = pub_c / R;
-  r.published.link = (per_selection || N > 1) ? "RDMA" : "NVL";
+  r.published_selections = {sel_d / R, sel_c / R, "RDMA"};
+  r.published_tokens = {tok_d / R, tok_c / R, N > 1 ? "RDMA" : "NVL"};
+  r.published = per_selection ? r.published_selections : r.published_tokens;
   auto gbps = [](int64_t b, double sec) { return sec > 0 ? double(b) / sec / 1e9 : 0.0; };
   r.dispatch_gbps = gbps(r.published.dispatch, r.dispatch_seconds);
   r.combine_gbps = gbps(r.published.combine, r.combine_seconds);

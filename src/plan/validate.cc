@@ -24,9 +24,54 @@ std::vector<PublishedSource> published_sources() {
   return {s.begin(), s.end()};
 }
 
-StatusOr<std::vector<ValidationRow>> validate_plan() {
+namespace {
+
+// The rows of one setting, published figures only; `r` fills the model's side when given.
+void append_rows(const published::Setting& p, const published::Design& d, int num_nodes,
+                 const PlanResult* r, std::vector<ValidationRow>& out) {
+  // NOTE: kept apart from the model run so the rows' fields read the same with and without it.
+  for (int phase = 0; phase < 2; ++phase) {
+    const double gbps = phase == 0 ? p.dispatch_gbps : p.combine_gbps;
+    const double us = phase == 0 ? p.dispatch_us : p.combine_us;
+    if (gbps <= 0 && us <= 0) continue;
+    ValidationRow v;
+    v.source = p.source;
+    v.table = p.table;
+    v.design = p.design;
+    v.cluster = p.cluster;
+    const std::string algorithm = d.algorithm;
+    const bool ll = algorithm == "low-latency" || algorithm == "pplx";
+    v.mode = ll ? "low-latency" : (num_nodes > 1 ? "internode" : "intranode");
+    v.phase = phase == 0 ? "dispatch" : "combine";
+    v.ep = p.ep;
+    v.tokens = p.tokens;
+    v.dtype = phase == 0 ? (p.fp8 ? "fp8" : "bf16") : "bf16";
+    v.published_gbps = gbps;
+    v.published_us = us;
+    v.note = phase == 0 ? p.dispatch_note : p.combine_note;
+    if (r != nullptr) {
+      v.predicted_gbps = phase == 0 ? r->dispatch_gbps : r->combine_gbps;
+      v.predicted_us = 1e6 * (phase == 0 ? r->dispatch_seconds : r->combine_seconds);
+      v.ratio = gbps > 0 ? v.predicted_gbps / gbps : us / v.predicted_us;
+      const double bytes = double(phase == 0 ? r->published.dispatch : r->published.combine);
+      v.implied_us = us > 0 ? us : 1e6 * bytes / (gbps * 1e9);
+    }
+    out.push_back(std::move(v));
+  }
+}
+
+}  // namespace
+
+StatusOr<std::vector<ValidationRow>> validate_plan() { return validate_plan("", -1, -1); }
+
+StatusOr<std::vector<ValidationRow>> validate_plan(const std::string& cluster, int64_t tokens,
+                                                   int ep) {
   std::vector<ValidationRow> out;
   for (const published::Setting& p : published::settings()) {
+    if ((!cluster.empty() && cluster != p.cluster) || (tokens >= 0 && tokens != p.tokens) ||
+        (ep >= 0 && ep != p.ep)) {
+      continue;
+    }
     MOED_ASSIGN_OR_RETURN(const published::Design d, find_design(p.design));
     PlanOptions o;
     MOED_ASSIGN_OR_RETURN(o.cluster, cluster_preset(p.cluster));
@@ -50,29 +95,7 @@ StatusOr<std::vector<ValidationRow>> validate_plan() {
     o.sm_dispatch_gbps = p.fp8 ? d.sm_fp8_gbps : d.sm_bf16_gbps;
     o.sm_combine_gbps = d.sm_combine_gbps;
     MOED_ASSIGN_OR_RETURN(PlanResult r, plan(o));
-    for (int phase = 0; phase < 2; ++phase) {
-      const double gbps = phase == 0 ? p.dispatch_gbps : p.combine_gbps;
-      const double us = phase == 0 ? p.dispatch_us : p.combine_us;
-      if (gbps <= 0 && us <= 0) continue;
-      ValidationRow v;
-      v.source = p.source;
-      v.table = p.table;
-      v.design = p.design;
-      v.cluster = p.cluster;
-      const bool ll = o.algorithm == "low-latency" || o.algorithm == "pplx";
-      v.mode = ll ? "low-latency" : (r.num_nodes > 1 ? "internode" : "intranode");
-      v.phase = phase == 0 ? "dispatch" : "combine";
-      v.ep = p.ep;
-      v.tokens = p.tokens;
-      v.dtype = phase == 0 ? (p.fp8 ? "fp8" : "bf16") : "bf16";
-      v.published_gbps = gbps;
-      v.published_us = us;
-      v.predicted_gbps = phase == 0 ? r.dispatch_gbps : r.combine_gbps;
-      v.predicted_us = 1e6 * (phase == 0 ? r.dispatch_seconds : r.combine_seconds);
-      v.ratio = gbps > 0 ? v.predicted_gbps / gbps : us / v.predicted_us;
-      v.note = phase == 0 ? p.dispatch_note : p.combine_note;
-      out.push_back(std::move(v));
-    }
+    append_rows(p, d, r.num_nodes, &r, out);
   }
   return out;
 }

@@ -220,5 +220,51 @@ TEST(PlanValidate, PresetsFollowTheirSpecifications) {
   EXPECT_EQ(cluster_preset("gb200").value().ranks_per_node, 72);
 }
 
+// A sweep is plan() at each value, every algorithm; E rises to a multiple of EP past it; the
+// published rows beside it are those of its cluster and tokens, their GB/s turned into time.
+TEST(PlanSweep, PointsArePlanAtEachValue) {
+  PlanOptions o = base("h800", 8, 8, 128);
+  o.hidden = 7168;
+  o.topk = 8;
+  o.experts = 16;
+  o.low_latency = true;
+  const SweepResult sw = plan_sweep(o, "ep=8,16,32").value();
+  ASSERT_EQ(sw.points.size(), 3u);
+  EXPECT_EQ(sw.algorithms.size(), 5u);
+  for (const SweepPoint& p : sw.points) {
+    PlanOptions x = o;
+    x.ep = int(p.value);
+    x.experts = p.value <= 16 ? 16 : 32;
+    EXPECT_EQ(p.experts, x.experts);
+    const PlanResult r = plan(x).value();
+    for (size_t a = 0; a < sw.algorithms.size(); ++a) {
+      const AlgorithmCost& c = r.algorithm(sw.algorithms[a]);
+      EXPECT_DOUBLE_EQ(p.dispatch_us[a], c.dispatch.seconds * 1e6);
+      EXPECT_DOUBLE_EQ(p.combine_gbps[a],
+                       double(r.published_for(sw.algorithms[a]).combine) / c.combine.seconds / 1e9);
+    }
+  }
+  ASSERT_FALSE(sw.published.empty());
+  for (const ValidationRow& v : sw.published) {
+    EXPECT_EQ(v.cluster, "h800");
+    EXPECT_EQ(v.tokens, 128);
+    if (v.published_us > 0) {
+      EXPECT_EQ(v.implied_us, v.published_us);
+    } else {
+      EXPECT_NEAR(v.implied_us * v.published_gbps, v.predicted_us * v.predicted_gbps, 1e-6);
+    }
+  }
+  EXPECT_EQ(plan_sweep(o, "ep=16,8").status().message(),
+            "--sweep 'ep=16,8': values must ascend (8 after 16)");
+  EXPECT_EQ(plan_sweep(o, "gpus=8").status().message(),
+            "--sweep 'gpus=8' is not ep=V1,V2,... or tokens=V1,V2,...");
+  EXPECT_EQ(plan_sweep(o, "ep=8,x").status().message(),
+            "--sweep 'ep=8,x': 'x' is not a whole number >= 1");
+  EXPECT_EQ(plan_sweep(o, "ep=8,4096").status().message(), "--sweep 'ep=8,4096': EP 4096 is above 2048");
+  const SweepResult tok = plan_sweep(o, "tokens=1,128,4096").value();
+  EXPECT_EQ(tok.points[2].value, 4096);
+  EXPECT_LT(tok.points[0].dispatch_us[3], tok.points[2].dispatch_us[3]);
+}
+
 }  // namespace
 }  // namespace moed

@@ -3,6 +3,8 @@
 // with a message naming the value.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -101,6 +103,22 @@ TEST(CliPlan, TraceAndReplayUseTheSameModel) {
   EXPECT_EQ(jr["plan"]["combine_seconds"].get<double>(), jp["combine_seconds"].get<double>());
 }
 
+TEST(CliPlan, SweepPrintsEveryAlgorithmAndWritesTheChart) {
+  TempDir dir("plan_sweep");
+  const CliResult r = run_cli("plan --cluster h800 --tokens 128 --mode low-latency --sweep "
+                              "ep=8,16,32 --sweep-metric gbps --out " + dir / "out", false);
+  ASSERT_EQ(r.rc, 0) << r.output;
+  for (const char* s : {"flat", "alltoall", "flex", "low-latency", "pplx", "published on h800",
+                        "DeepEP V1", "sweep.svg"}) {
+    EXPECT_NE(r.output.find(s), std::string::npos) << s << "\n" << r.output;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "out/sweep.svg"));
+  const CliResult bad = run_cli("plan --sweep ep=8 --sweep-metric fast");
+  EXPECT_EQ(bad.rc, 1);
+  EXPECT_NE(bad.output.find("moed plan: --sweep-metric 'fast' is not one of gbps, us"),
+            std::string::npos) << bad.output;
+}
+
 TEST(CliPlan, BadOptionsAreClearErrors) {
   struct Case {
     std::string args, want;
@@ -116,6 +134,8 @@ TEST(CliPlan, BadOptionsAreClearErrors) {
       {"plan --hidden 100", "--hidden = 100 is not a multiple of 128"},
       {"plan --net-gbps 0", "bandwidths must be > 0"},
       {"plan --trace /nonexistent/t.npy", "/nonexistent/t.npy"},
+      {"plan --sweep ep=16,8", "--sweep 'ep=16,8': values must ascend (8 after 16)"},
+      {"plan --algorithm ring", "--algorithm 'ring' is not one of flat, alltoall, flex"},
       {"replay --trace /nonexistent/t.npy --out /tmp --cluster a100", "'a100'"},
   };
   for (const Case& c : cases) {

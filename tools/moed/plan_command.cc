@@ -4,6 +4,7 @@
 //   moed plan --cluster h800 --ep 64 --ranks-per-node 8 --tokens 4096 --hidden 7168 --topk 8
 //             --experts 256 --routing group
 //   moed plan --validate [--markdown]
+//   moed plan --cluster h800 --tokens 4096 --routing group --sweep ep=8,16,32,64,128,256 --out d/
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -11,6 +12,7 @@
 #include <string>
 
 #include "moed/plan.h"
+#include "replay/svg.h"
 #include "tools/moed/registry.h"
 #include "tools/moed/trace_input.h"
 
@@ -23,6 +25,7 @@ struct PlanArgs {
   PlanOptions options;
   std::optional<int> ep;  // default: a Megatron trace's ranks, else 8
   TraceArgs trace_args;
+  std::string sweep, metric = "us", out;
   bool json = false, validate = false, markdown = false;
 };
 
@@ -54,6 +57,28 @@ void run(PlanArgs a) {
     fail(invalid_argument("--dispatch-dtype '", a.dtype, "' is not one of fp8, bf16"));
   }
   o.fp8_dispatch = a.dtype == "fp8";
+  if (!a.sweep.empty()) {
+    if (a.metric != "gbps" && a.metric != "us") {
+      fail(invalid_argument("--sweep-metric '", a.metric, "' is not one of gbps, us"));
+    }
+    if (!a.trace.empty()) fail(invalid_argument("--sweep generates its routing; drop --trace"));
+    StatusOr<PlanRouting> r = parse_plan_routing(a.routing);
+    if (!r.ok()) fail(r.status());
+    o.routing = *r;
+    o.ep = a.ep.value_or(8);
+    StatusOr<SweepResult> sw = plan_sweep(o, a.sweep);
+    if (!sw.ok()) fail(sw.status());
+    const bool gbps = a.metric == "gbps";
+    std::fputs(sweep_table(*sw, gbps).c_str(), stdout);
+    if (!a.out.empty()) {
+      StatusOr<ReplayPictures> pics = svg::write_pictures(a.out, {{"sweep", sweep_svg(*sw, gbps)}});
+      if (!pics.ok()) fail(pics.status());
+      std::printf("\npicture:");
+      for (const std::string& f : pics->files) std::printf(" %s", f.c_str());
+      std::printf("\n");
+    }
+    return;
+  }
   std::optional<LoadedTrace> trace;
   o.ep = a.ep.value_or(8);
   if (!a.trace.empty()) {
@@ -158,8 +183,21 @@ void setup(CLI::App& app) {
   c->add_option("--nvl-latency-us", a->nvl_latency_us, "override: intra-node hop latency");
   c->add_option("--net-latency-us", a->net_latency_us, "override: network hop latency");
   c->add_option("--fixed-us", a->fixed_us, "override: fixed cost per call");
+  c->add_option("--algorithm", a->options.algorithm,
+                "the reported algorithm: flat | alltoall | flex | low-latency | pplx (default: flex, "
+                "or low-latency with --mode low-latency)");
+  c->add_flag("--cpu-proxy", a->options.cpu_proxy,
+              "network messages posted by CPU proxy threads (UCCL-EP, pplx-garden): each pays the "
+              "cluster's per-message cost");
+  c->add_option("--sweep", a->sweep,
+                "ep=8,16,... or tokens=128,4096,...: every algorithm over that range (table; "
+                "with --out, sweep.svg)");
+  c->add_option("--sweep-metric", a->metric, "with --sweep: gbps | us")->capture_default_str();
+  c->add_option("--out", a->out, "with --sweep: directory for sweep.svg (and sweep.png)");
   c->add_flag("--json", a->json, "print one JSON object");
-  c->add_flag("--validate", a->validate, "print the model beside DeepEP's and UCCL-EP's tables");
+  c->add_flag("--validate", a->validate,
+              "print the model beside every published table (DeepEP, HybridEP, NCCL EP, UCCL-EP, "
+              "pplx, MORI, Triton-distributed)");
   c->add_flag("--markdown", a->markdown, "with --validate: a Markdown table");
   c->callback([a] { run(*a); });
 }
