@@ -73,7 +73,7 @@ std::string draw(const Heatmap& h) {
   }
   if (h.group > 0 && h.group < cols && cols / h.group <= 64) {
     for (int k = h.group; k < cols; k += h.group) {
-      c.line(left + k * cw, top, left + k * cw, top + ph, "#ffffff", 0.8);
+      c.line(left + k * cw, top, left + k * cw, top + ph, "#ffffff", cols <= 64 ? 1.5 : 0.8);
     }
   }
   c.rect(left, top, pw, ph, "none", "stroke=\"#333333\" stroke-width=\"1\"");
@@ -141,6 +141,8 @@ std::string layer_traffic_svg(const std::vector<LayerReplay>& layers) {
   h.legend_title = "rows";
   h.note_title = "max/mean, Flex net MB";
   h.columns = layers.empty() ? 0 : layers.front().result.num_ranks;
+  // Node boundaries: the ranks of one node share NVLink.
+  h.group = layers.empty() ? 0 : layers.front().result.ranks_per_node;
   for (const LayerReplay& l : layers) {
     h.row_labels.push_back(l.label);
     h.values.push_back(l.result.rows_per_rank);

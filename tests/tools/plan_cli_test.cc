@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include <nlohmann/json.hpp>
 #include <string>
@@ -76,6 +78,11 @@ TEST(CliPlan, ValidatePrintsEveryPublishedRow) {
   const CliResult md = run_cli("plan --validate --markdown", false);
   ASSERT_EQ(md.rc, 0);
   EXPECT_NE(md.output.find("| source | table | design | cluster |"), std::string::npos);
+  // docs/planner.md carries this very table: regenerate it there when the model or a row changes.
+  std::ifstream doc(std::string(MOED_SOURCE_DIR) + "/docs/planner.md");
+  const std::string text((std::istreambuf_iterator<char>(doc)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find(md.output), std::string::npos)
+      << "docs/planner.md does not carry the current `moed plan --validate --markdown`";
 }
 
 TEST(CliPlan, TraceAndReplayUseTheSameModel) {
