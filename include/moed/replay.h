@@ -152,4 +152,21 @@ struct ReplayPictures {
 // order; otherwise no PNG, silently).
 StatusOr<ReplayPictures> write_replay_pictures(const ReplayResult& r, const std::string& dir);
 
+// Several router calls of one step (a model's layers), each replayed on its own: imbalance differs
+// per layer, so the pictures show every layer at once.
+struct LayerReplay {
+  std::string label;    // "decoder layer 3"
+  ReplayResult result;  // replay_trace of that call alone
+};
+// Layers down, experts across: the tokens each expert receives (viridis), with each layer's
+// max / mean at the right.
+std::string layer_load_svg(const std::vector<LayerReplay>& layers);
+// Layers down, ranks across: the token-expert rows each rank's experts receive, with each layer's
+// rank max / mean and Flex's network megabytes of its busiest rank at the right.
+std::string layer_traffic_svg(const std::vector<LayerReplay>& layers);
+// Writes layer_load.svg and layer_traffic.svg into `dir` (PNG beside them as
+// write_replay_pictures does).
+StatusOr<ReplayPictures> write_layer_pictures(const std::vector<LayerReplay>& layers,
+                                              const std::string& dir);
+
 }  // namespace moed

@@ -43,7 +43,7 @@ __all__ = ["AbortedError", "Group", "launch", "init", "from_torch", "current_gro
 
 def __getattr__(name):
     # Submodules that pull in more (and may come from other work) load on first use.
-    if name in ("megatron", "reference", "deep_ep"):
+    if name in ("megatron", "reference", "deep_ep", "traces"):
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'moed' has no attribute {name!r}")

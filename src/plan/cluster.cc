@@ -1,68 +1,107 @@
-// Cluster presets and routing generation for the plan model (moed/plan.h). Every number of a
-// preset is public; README "Planning clusters: moed plan" says where each one comes from.
-#include <algorithm>
-#include <cmath>
-#include <numeric>
-
+// Cluster presets of the plan model (moed/plan.h). One parameter set per system, each number
+// from the hardware's published specification (cited beside it), none fitted to a table row.
+//
+// Two rules turn a data sheet into the model's numbers, the same for every system:
+//   - the GPU-to-GPU fabric (NVLink, Infinity Fabric / xGMI) is usable at 0.8 x its line rate
+//     per direction: DeepEP's README quotes "~160 GB/s NVLink maximum bandwidth" for the H800,
+//     whose NVLink carries 400 GB/s both ways (200 per direction);
+//   - the network is the GPU's NIC line rate (DeepEP: "CX7 InfiniBand 400 Gb/s RDMA network card
+//     (~50 GB/s maximum bandwidth)"); HBM is 0.9 x the data sheet (local passes only).
 #include "moed/plan.h"
 
 namespace moed {
 
 namespace {
 
-// NVLink usable per direction = 0.8 x the line rate: DeepEP quotes ~160 GB/s on H800, whose
-// NVLink carries 400 GB/s both ways (200 per direction). The network: the NIC's line rate
-// (DeepEP quotes ~50 GB/s for a CX7 400 Gb/s). HBM: 0.9 x the data-sheet figure.
-Cluster make(std::string name, std::string description, double nvl_line_per_dir, double net_gbps,
-             double hbm_spec, double net_latency_us) {
+struct Spec {
+  const char* name;
+  const char* description;
+  double fabric_gbps_both_ways;  // per GPU, the data sheet's (bidirectional) figure
+  double nic_gbit_per_gpu;       // NIC line rate per GPU, Gb/s
+  double hbm_spec_gbps;
+  bool efa;                      // AWS EFA (SRD through libfabric) rather than IB / RoCE verbs
+  int domain;                    // GPUs per NVLink / xGMI domain
+  const char* sources;
+};
+
+// clang-format off
+const Spec kSpecs[] = {
+  {"h800", "H800, 8 per node on NVLink (400 GB/s), one ConnectX-7 400 Gb/s IB NIC per GPU",
+   400, 400, 3350, false, 8,
+   "NVIDIA H800 SXM5: NVLink 400 GB/s, HBM3 3.35 TB/s; NVIDIA ConnectX-7: 400 Gb/s (DeepEP README: "
+   "H800 ~160 GB/s NVLink, CX7 ~50 GB/s)"},
+  {"h100", "H100 SXM, 8 per node on NVLink 4 (900 GB/s), one ConnectX-7 400 Gb/s IB NIC per GPU",
+   900, 400, 3350, false, 8,
+   "NVIDIA H100 SXM5 datasheet: NVLink 900 GB/s, HBM3 3.35 TB/s; NVIDIA DGX H100: 8x ConnectX-7 "
+   "400 Gb/s"},
+  {"h200", "H200, 8 per node on NVLink 4 (900 GB/s), one ConnectX-7 400 Gb/s IB NIC per GPU",
+   900, 400, 4800, false, 8,
+   "NVIDIA H200 SXM datasheet: NVLink 900 GB/s, HBM3e 4.8 TB/s; ConnectX-7 400 Gb/s"},
+  {"h200-efa", "AWS p5en: H200, 8 per node on NVLink 4 (900 GB/s), two 200 Gb/s EFA NICs per GPU",
+   900, 400, 4800, true, 8,
+   "AWS p5en.48xlarge: 8x H200 (NVLink 900 GB/s, HBM3e 4.8 TB/s), 3200 Gbps EFAv3 = 16x 200 Gb/s"},
+  {"b200", "B200, 8 per node on NVLink 5 (1.8 TB/s), one ConnectX-7 400 Gb/s NIC per GPU",
+   1800, 400, 8000, false, 8,
+   "NVIDIA DGX B200 datasheet: NVLink 5 1.8 TB/s per GPU, HBM3e 8 TB/s per GPU, 8x ConnectX-7 "
+   "400 Gb/s"},
+  {"b200-efa", "AWS p6-b200: B200, 8 per node on NVLink 5 (1.8 TB/s), one 400 Gb/s EFA NIC per GPU",
+   1800, 400, 8000, true, 8,
+   "AWS p6-b200.48xlarge: 8x B200 (NVLink 5 1.8 TB/s, HBM3e 8 TB/s), 3200 Gbps EFAv4 = 8x 400 Gb/s"},
+  {"gb200", "GB200 NVL72: 72 B200 GPUs in one NVLink 5 domain (1.8 TB/s), ConnectX-7 400 Gb/s",
+   1800, 400, 8000, false, 72,
+   "NVIDIA GB200 NVL72: 72 GPUs on one NVLink 5 switch domain, 1.8 TB/s per GPU, HBM3e 8 TB/s; "
+   "ConnectX-7 400 Gb/s per GPU"},
+  {"mi300x", "MI300X, 8 per node on Infinity Fabric (7 links, 896 GB/s), ConnectX-7 400 Gb/s",
+   896, 400, 5300, false, 8,
+   "AMD Instinct MI300X datasheet: 7 Infinity Fabric links of 128 GB/s, 896 GB/s aggregate, HBM3 "
+   "5.3 TB/s; NVIDIA ConnectX-7 400 Gb/s"},
+  {"mi300x-thor2", "MI300X on Infinity Fabric (896 GB/s), Broadcom Thor2 400 Gb/s RoCE",
+   896, 400, 5300, false, 8,
+   "AMD Instinct MI300X datasheet (as mi300x); Broadcom BCM57608 Thor2: 400 Gb/s"},
+  {"mi355x", "MI355X, 8 per node on Infinity Fabric (7 links, 1075 GB/s), Pollara 400 AI NIC",
+   1075.2, 400, 8000, false, 8,
+   "AMD Instinct MI355X datasheet: 7 Infinity Fabric links of 153.6 GB/s, 1075 GB/s aggregate, "
+   "HBM3E 8 TB/s; AMD Pensando Pollara 400 AI NIC: 400 Gb/s"},
+};
+// clang-format on
+
+Cluster make(const Spec& s) {
   Cluster c;
-  c.name = std::move(name);
-  c.description = std::move(description);
-  c.nvl_gbps = 0.8 * nvl_line_per_dir;
-  c.net_gbps = net_gbps;
-  c.hbm_gbps = 0.9 * hbm_spec;
+  c.name = s.name;
+  c.description = s.description;
+  c.nvl_gbps = 0.8 * s.fabric_gbps_both_ways / 2;
+  c.net_gbps = s.nic_gbit_per_gpu / 8;
+  c.hbm_gbps = 0.9 * s.hbm_spec_gbps;
+  // NOTE: hop latencies are round figures of the usual order, not from a data sheet: 1 us for a
+  // GPU write seen by its peer over NVLink / xGMI, 3 us for an RDMA write over IB / RoCE, 15 us
+  // over EFA (SRD through libfabric). They move no DeepEP row by more than 3%.
   c.nvl_latency_us = 1.0;
-  c.net_latency_us = net_latency_us;
-  // The floor of one call: pplx-kernels' README (fork wufann/pplx-kernels) times a
-  // 1-token-per-GPU dispatch over NVLink at 41.6 us; the same 40 us for every system (launch, count
-  // exchange, completion flags).
+  c.net_latency_us = s.efa ? 15.0 : 3.0;
+  // The floor of one call: perplexityai/pplx-kernels README (2bd6e30), "1 tok per GPU", EP8
+  // NVLINK dispatch 41.6 us, combine 41.7 us: launch, count exchange, completion flags.
   c.fixed_us = 40.0;
-  c.ranks_per_node = 8;
+  // A write posted by a CPU proxy over EFA: UCCL-EP's own all-to-all on EFA
+  // (uccl-project/uccl ep/bench/alltoall/efa_alltoall_results.md, two p5, rail-aligned) moves
+  // 8 KB messages at 13.8 GB/s and 16 KB at 21.1 GB/s against 43.7 GB/s for 4 MB: per message
+  // 8192 / 13.8e9 - 8192 / 43.7e9 = 0.41 us and 16384 / 21.1e9 - 16384 / 43.7e9 = 0.40 us on
+  // top of the bytes. No such figure is published for CX7, Thor2 or Pollara (0: not charged).
+  c.proxy_message_us = s.efa ? 0.40 : 0.0;
+  c.ranks_per_node = s.domain;
+  c.sources = s.sources;
   return c;
 }
 
-std::vector<Cluster> presets() {
-  return {
-      make("h800", "H800, 8 per node on NVLink (400 GB/s), one ConnectX-7 400 Gb/s IB NIC per GPU",
-           200.0, 50.0, 3350.0, 3.0),
-      make("h100", "H100 SXM, 8 per node on NVLink 4 (900 GB/s), one CX7 400 Gb/s IB NIC per GPU",
-           450.0, 50.0, 3350.0, 3.0),
-      make("h200", "H200, 8 per node on NVLink 4 (900 GB/s), one CX7 400 Gb/s IB NIC per GPU",
-           450.0, 50.0, 4800.0, 3.0),
-      make("h200-efa",
-           "AWS p5en: H200, 8 per node on NVLink 4 (900 GB/s), two 200 Gb/s EFA NICs per GPU",
-           450.0, 50.0, 4800.0, 15.0),
-  };
-}
-
-// splitmix64: small, seedable, the same on every platform.
-struct Rng {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform() { return double(next() >> 11) * (1.0 / 9007199254740992.0); }
-  uint64_t below(uint64_t n) { return n == 0 ? 0 : next() % n; }
-};
-
 }  // namespace
 
+std::vector<Cluster> cluster_presets() {
+  std::vector<Cluster> out;
+  for (const Spec& s : kSpecs) out.push_back(make(s));
+  return out;
+}
+
 StatusOr<Cluster> cluster_preset(const std::string& name) {
-  for (Cluster& c : presets()) {
-    if (c.name == name) return c;
+  for (const Spec& s : kSpecs) {
+    if (s.name == name) return make(s);
   }
   std::string known;
   for (const std::string& n : cluster_preset_names()) known += (known.empty() ? "" : ", ") + n;
@@ -71,126 +110,8 @@ StatusOr<Cluster> cluster_preset(const std::string& name) {
 
 std::vector<std::string> cluster_preset_names() {
   std::vector<std::string> names;
-  for (const Cluster& c : presets()) names.push_back(c.name);
+  for (const Spec& s : kSpecs) names.push_back(s.name);
   return names;
-}
-
-StatusOr<PlanRouting> parse_plan_routing(const std::string& name) {
-  if (name == "uniform") return PlanRouting::kUniform;
-  if (name == "zipf") return PlanRouting::kZipf;
-  if (name == "group") return PlanRouting::kGroup;
-  if (name == "trace") return PlanRouting::kTrace;
-  return invalid_argument("--routing '", name, "' is not one of uniform, zipf, group");
-}
-
-StatusOr<std::vector<int32_t>> plan_routing(const PlanOptions& options, int rank) {
-  PlanOptions o = options;
-  if (o.routing == PlanRouting::kGroup) {
-    if (o.num_groups == 0 && o.ranks_per_node > 0) o.num_groups = o.ep / o.ranks_per_node;
-    if (o.group_topk == 0) o.group_topk = std::min(o.num_groups, 4);
-    if (o.num_groups < 1 || o.experts % o.num_groups != 0 || o.group_topk < 1 ||
-        o.group_topk > o.num_groups ||
-        int64_t(o.group_topk) * (o.experts / o.num_groups) < o.topk) {
-      return invalid_argument("--groups = ", o.num_groups, ", --group-topk = ", o.group_topk,
-                              " cannot route --topk = ", o.topk, " of --experts = ", o.experts);
-    }
-  }
-  if (o.topk < 1 || o.experts < o.topk || o.tokens < 0) {
-    return invalid_argument("--topk = ", o.topk, " is outside [1, --experts = ", o.experts, "]");
-  }
-  const int E = o.experts, K = o.topk;
-  const int64_t T = o.tokens;
-  std::vector<int32_t> idx(size_t(T) * size_t(K), -1);
-  if (o.routing == PlanRouting::kTrace) {
-    if (o.trace == nullptr) return invalid_argument("--routing trace needs --trace");
-    if (o.trace_step < 0 || o.trace_step >= o.trace->num_steps ||
-        (int64_t(rank) + 1) * T > o.trace->num_tokens || o.topk != o.trace->num_topk) {
-      return invalid_argument(o.trace->name, ": step ", o.trace_step, " rank ", rank,
-                              " is outside the trace");
-    }
-    const int64_t first = int64_t(rank) * T;
-    for (int64_t t = 0; t < T; ++t) {
-      for (int k = 0; k < K; ++k) idx[size_t(t * K + k)] = o.trace->idx(o.trace_step, first + t, k);
-    }
-    return idx;
-  }
-  Rng rng{o.seed * 0x100000001B3ull + uint64_t(rank) + 1};
-  if (o.routing == PlanRouting::kUniform) {
-    // Partial Fisher-Yates: each token's K experts are a uniform K-subset.
-    std::vector<int32_t> perm(static_cast<size_t>(E));
-    std::iota(perm.begin(), perm.end(), 0);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int k = 0; k < K; ++k) {
-        const size_t j = size_t(k) + size_t(rng.below(uint64_t(E - k)));
-        std::swap(perm[size_t(k)], perm[j]);
-        idx[size_t(t * K + k)] = perm[size_t(k)];
-      }
-    }
-  } else if (o.routing == PlanRouting::kZipf) {
-    // Expert i has the i-th popularity, P ~ 1 / (i + 1)^s; K distinct, drawn one by one
-    // without replacement (renormalised over the experts not yet taken).
-    std::vector<double> w(static_cast<size_t>(E));
-    for (int e = 0; e < E; ++e) w[size_t(e)] = 1.0 / std::pow(double(e + 1), o.zipf_s);
-    std::vector<double> cdf(static_cast<size_t>(E));
-    std::partial_sum(w.begin(), w.end(), cdf.begin());
-    for (int64_t t = 0; t < T; ++t) {
-      double taken = 0.0;
-      for (int k = 0; k < K; ++k) {
-        int e = -1;
-        for (int tries = 0; tries < 64 && e < 0; ++tries) {
-          const double u = rng.uniform() * cdf.back();
-          const int c = int(std::lower_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
-          const int pick = std::min(c, E - 1);
-          bool seen = false;
-          for (int k2 = 0; k2 < k; ++k2) seen = seen || idx[size_t(t * K + k2)] == pick;
-          if (!seen) e = pick;
-        }
-        if (e < 0) {  // the rest of the mass is in taken experts: scan by weight
-          double u = rng.uniform() * (cdf.back() - taken), acc = 0.0;
-          for (int c = 0; c < E && e < 0; ++c) {
-            bool seen = false;
-            for (int k2 = 0; k2 < k; ++k2) seen = seen || idx[size_t(t * K + k2)] == c;
-            if (seen) continue;
-            acc += w[size_t(c)];
-            if (acc >= u) e = c;
-          }
-          for (int c = E - 1; e < 0 && c >= 0; --c) {
-            bool seen = false;
-            for (int k2 = 0; k2 < k; ++k2) seen = seen || idx[size_t(t * K + k2)] == c;
-            if (!seen) e = c;
-          }
-        }
-        taken += w[size_t(e)];
-        idx[size_t(t * K + k)] = e;
-      }
-    }
-  } else {
-    // DeepSeek's group-limited gating, as DeepEP's tests route: iid scores per expert, a
-    // group's score is its best expert's, the top group_topk groups are kept, and the top K
-    // experts among them are chosen.
-    const int NG = o.num_groups, GK = o.group_topk, per = E / NG;
-    std::vector<double> score(static_cast<size_t>(E)), gscore(static_cast<size_t>(NG));
-    std::vector<int> groups(static_cast<size_t>(NG)), cand;
-    for (int64_t t = 0; t < T; ++t) {
-      for (int e = 0; e < E; ++e) score[size_t(e)] = rng.uniform();
-      for (int g = 0; g < NG; ++g) {
-        gscore[size_t(g)] =
-            *std::max_element(score.begin() + g * per, score.begin() + (g + 1) * per);
-      }
-      std::iota(groups.begin(), groups.end(), 0);
-      std::partial_sort(groups.begin(), groups.begin() + GK, groups.end(),
-                        [&](int a, int b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
-      cand.clear();
-      for (int i = 0; i < GK; ++i) {
-        for (int e = groups[size_t(i)] * per; e < (groups[size_t(i)] + 1) * per; ++e)
-          cand.push_back(e);
-      }
-      std::partial_sort(cand.begin(), cand.begin() + K, cand.end(),
-                        [&](int a, int b) { return score[size_t(a)] > score[size_t(b)]; });
-      for (int k = 0; k < K; ++k) idx[size_t(t * K + k)] = cand[size_t(k)];
-    }
-  }
-  return idx;
 }
 
 }  // namespace moed

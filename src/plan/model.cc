@@ -10,6 +10,11 @@ namespace moed {
 int64_t LinkCost::max_nvl() const { return *std::max_element(nvl_bytes.begin(), nvl_bytes.end()); }
 int64_t LinkCost::max_net() const { return *std::max_element(net_bytes.begin(), net_bytes.end()); }
 
+PublishedBytes PlanResult::published_for(const std::string& algorithm) const {
+  return algorithm == "low-latency" || algorithm == "pplx" ? published_selections
+                                                           : published_tokens;
+}
+
 const AlgorithmCost& PlanResult::algorithm(const std::string& name) const {
   for (const AlgorithmCost& a : algorithms) {
     if (a.name == name) return a;
@@ -19,7 +24,19 @@ const AlgorithmCost& PlanResult::algorithm(const std::string& name) const {
 
 namespace {
 
+bool known_algorithm(const std::string& name) {
+  for (const char* a : kPlanAlgorithms) {
+    if (name == a) return true;
+  }
+  return false;
+}
+
 Status check(PlanOptions& o) {
+  if (o.algorithm.empty()) o.algorithm = o.low_latency ? "low-latency" : "flex";
+  if (!known_algorithm(o.algorithm)) {
+    return invalid_argument("--algorithm '", o.algorithm,
+                            "' is not one of flat, alltoall, flex, low-latency, pplx");
+  }
   if (o.routing == PlanRouting::kTrace) {
     if (o.trace == nullptr) return invalid_argument("--routing trace needs --trace");
     if (o.trace->num_tokens % o.ep != 0) {
@@ -74,7 +91,7 @@ Status check(PlanOptions& o) {
     return invalid_argument("cluster '", c.name, "': bandwidths must be > 0 (nvl ", c.nvl_gbps,
                             ", net ", c.net_gbps, ", hbm ", c.hbm_gbps, ")");
   }
-  if (c.fixed_us < 0 || c.nvl_latency_us < 0 || c.net_latency_us < 0) {
+  if (c.fixed_us < 0 || c.nvl_latency_us < 0 || c.net_latency_us < 0 || c.proxy_message_us < 0) {
     return invalid_argument("cluster '", c.name, "': latencies must be >= 0");
   }
   return ok_status();
@@ -82,39 +99,55 @@ Status check(PlanOptions& o) {
 
 // Per-rank send / receive counters of one link view, in bytes.
 struct Dir {
-  std::vector<int64_t> nvl_send, nvl_recv, net_send, net_recv, hbm;
+  std::vector<int64_t> nvl_send, nvl_recv, net_send, net_recv, hbm, msgs;
   explicit Dir(int R)
       : nvl_send(static_cast<size_t>(R)),
         nvl_recv(static_cast<size_t>(R)),
         net_send(static_cast<size_t>(R)),
         net_recv(static_cast<size_t>(R)),
-        hbm(static_cast<size_t>(R)) {}
+        hbm(static_cast<size_t>(R)),
+        msgs(static_cast<size_t>(R)) {}
 };
 
-LinkCost finish(const Dir& d, const Cluster& c, int hops_nvl, int hops_net) {
+// How one algorithm's bytes turn into time (beyond the cluster's links).
+struct Costs {
+  double message_us = 0.0;  // one network message, where a CPU proxy posts it (0 otherwise)
+  double fixed_us = 0.0;    // per call
+  double sm_gbps = 0.0;     // SMs x the per-SM copy rate (0: not SM-limited)
+};
+
+LinkCost finish(const Dir& d, const Cluster& c, int hops_nvl, int hops_net, const Costs& k) {
   LinkCost l;
   const size_t R = d.nvl_send.size();
   l.nvl_bytes.resize(R);
   l.net_bytes.resize(R);
   l.hbm_bytes = d.hbm;
+  l.net_messages = d.msgs;
   double worst = 0.0;
   for (size_t r = 0; r < R; ++r) {
     l.nvl_bytes[r] = std::max(d.nvl_send[r], d.nvl_recv[r]);
     l.net_bytes[r] = std::max(d.net_send[r], d.net_recv[r]);
-    // NVLink and RDMA run at once (DeepEP pipelines them); local passes come on top.
-    const double link = std::max(double(l.nvl_bytes[r]) / (c.nvl_gbps * 1e9),
-                                 double(l.net_bytes[r]) / (c.net_gbps * 1e9));
+    // NVLink and RDMA run at once (DeepEP pipelines them); local passes come on top. A CPU
+    // proxy pays each message on top of its bytes (LogGP's per-message gap): the posting thread
+    // is busy for it whatever the size.
+    // The intra-node copies are SM work: with too few SMs they, not the link, set the pace.
+    const double nvl_gbps = k.sm_gbps > 0 ? std::min(c.nvl_gbps, k.sm_gbps) : c.nvl_gbps;
+    const double link =
+        std::max(double(l.nvl_bytes[r]) / (nvl_gbps * 1e9),
+                 double(l.net_bytes[r]) / (c.net_gbps * 1e9) + 1e-6 * k.message_us * double(d.msgs[r]));
     worst = std::max(worst, link + double(d.hbm[r]) / (c.hbm_gbps * 1e9));
   }
   l.seconds =
-      worst + 1e-6 * (c.fixed_us + hops_nvl * c.nvl_latency_us + hops_net * c.net_latency_us);
+      worst + 1e-6 * (k.fixed_us + hops_nvl * c.nvl_latency_us + hops_net * c.net_latency_us);
   return l;
 }
 
-void add(Dir& d, bool same_node, int from, int to, int64_t bytes) {
+// `messages`: network messages the sender posts for these bytes.
+void add(Dir& d, bool same_node, int from, int to, int64_t bytes, int64_t messages = 0) {
   if (bytes == 0) return;
   (same_node ? d.nvl_send : d.net_send)[size_t(from)] += bytes;
   (same_node ? d.nvl_recv : d.net_recv)[size_t(to)] += bytes;
+  if (!same_node) d.msgs[size_t(from)] += messages;
 }
 
 }  // namespace
@@ -135,8 +168,19 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
   r.combine_row_bytes = row_c;
   const int64_t ll_row_d = row_d + 16;        // DeepEP low-latency: + source info per message
   const int64_t flex_row_total = row_d + kFlexRowMetaBytes;  // moed Flex: + prob, source, slot
+  // The published numerator: what is counted, and the bytes of one (moed/plan.h Convention).
+  const bool per_selection = o.algorithm == "low-latency" || o.algorithm == "pplx";
+  // DeepEP's low-latency test counts fp8 rows with their 16-byte message header.
+  int64_t sel_unit_d = o.fp8_dispatch ? ll_row_d : row_d, tok_unit_d = row_d, unit_c = row_c;
+  if (o.convention == Convention::kDeepEPv2) {
+    sel_unit_d = tok_unit_d = row_d + 12 * K;  // + int64 index and fp32 weight per top-k slot
+    unit_c = row_c + 4 * K;                    // + fp32 weight per slot
+  } else if (o.convention == Convention::kPayload) {
+    sel_unit_d = tok_unit_d = o.fp8_dispatch ? H : 2 * H;
+  }
 
-  Dir flat_d(R), flat_c(R), a2a_d(R), a2a_c(R), flex_d(R), flex_c(R), ll_d(R), ll_c(R);
+  Dir flat_d(R), flat_c(R), a2a_d(R), a2a_c(R), flex_d(R), flex_c(R), ll_d(R), ll_c(R), pp_d(R),
+      pp_c(R);
   MoedCounters& m = r.moed;
   for (CounterBytes* cb : {&m.alltoall_dispatch, &m.alltoall_combine, &m.flex_dispatch,
                            &m.flex_combine, &m.low_latency_dispatch, &m.low_latency_combine}) {
@@ -144,7 +188,7 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
     cb->network.assign(size_t(R), 0);
   }
   std::vector<int64_t> recv_pairs(size_t(R), 0);
-  int64_t pub_d = 0, pub_c = 0;
+  int64_t sel_d = 0, sel_c = 0, tok_d = 0, tok_c = 0;
 
   std::vector<int64_t> pairs(static_cast<size_t>(R)), toks(static_cast<size_t>(R)),
       tok_node(static_cast<size_t>(N)), ent_node(static_cast<size_t>(N));
@@ -202,32 +246,32 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
         }
       }
     }
-    // DeepEP's bandwidth numerators (moed/plan.h PublishedBytes).
-    if (o.low_latency) {
-      pub_d += selections * (o.fp8_dispatch ? ll_row_d : 2 * H);  // the test's num_bf16_bytes
-      pub_c += selections * row_c;
-    } else if (N == 1) {
-      // Intranode: tokens received, counted on the receivers; summed the same.
-      pub_d += std::accumulate(toks.begin(), toks.end(), int64_t(0)) * row_d;
-      pub_c += std::accumulate(toks.begin(), toks.end(), int64_t(0)) * row_c;
-    } else {
-      const int64_t tn = std::accumulate(tok_node.begin(), tok_node.end(), int64_t(0));
-      pub_d += tn * row_d;
-      pub_c += tn * row_c;
-    }
+    // The source's bandwidth numerators (moed/plan.h PublishedBytes): per selection for
+    // low-latency and pplx, else tokens received on one node and (token, node) pairs across.
+    sel_d += selections * sel_unit_d;
+    sel_c += selections * unit_c;
+    const int64_t counted = N == 1 ? std::accumulate(toks.begin(), toks.end(), int64_t(0))
+                                   : std::accumulate(tok_node.begin(), tok_node.end(), int64_t(0));
+    tok_d += counted * tok_unit_d;
+    tok_c += counted * unit_c;
     for (int d = 0; d < R; ++d) {
       const bool same = d / G == ns;
-      // flat: one row per (token, rank), straight to the rank (own rows included).
-      add(flat_d, same, s, d, toks[size_t(d)] * row_d);
-      add(flat_c, same, d, s, toks[size_t(d)] * row_c);
-      // alltoall: one row per (token, expert), NCCL copies the rank's own rows locally.
+      // flat: one row per (token, rank), straight to the rank (own rows included), a message
+      // each across nodes.
+      add(flat_d, same, s, d, toks[size_t(d)] * row_d, toks[size_t(d)]);
+      add(flat_c, same, d, s, toks[size_t(d)] * row_c, toks[size_t(d)]);
+      // alltoall: one row per (token, expert), NCCL copies the rank's own rows locally; one
+      // message per peer.
       if (d != s) {
-        add(a2a_d, same, s, d, pairs[size_t(d)] * row_d);
-        add(a2a_c, same, d, s, pairs[size_t(d)] * row_c);
+        add(a2a_d, same, s, d, pairs[size_t(d)] * row_d, 1);
+        add(a2a_c, same, d, s, pairs[size_t(d)] * row_c, 1);
       }
       // low-latency: one message per (token, expert) into the expert's slots.
-      add(ll_d, same, s, d, pairs[size_t(d)] * ll_row_d);
-      add(ll_c, same, d, s, pairs[size_t(d)] * row_c);
+      add(ll_d, same, s, d, pairs[size_t(d)] * ll_row_d, pairs[size_t(d)]);
+      add(ll_c, same, d, s, pairs[size_t(d)] * row_c, pairs[size_t(d)]);
+      // pplx: the same rows (no per-message header), one write per peer.
+      add(pp_d, same, s, d, pairs[size_t(d)] * row_d, 1);
+      add(pp_c, same, d, s, pairs[size_t(d)] * row_c, 1);
       // flex (DeepEP's two hops): rows for another node go via the rank there with s's local
       // index, which writes one row per destination rank of its node.
       const int via = same ? s : (d / G) * G + ls;
@@ -278,18 +322,35 @@ StatusOr<PlanResult> plan(const PlanOptions& options) {
   }
 
   const int multi = N > 1 ? 1 : 0;
+  const double msg = o.cpu_proxy ? c.proxy_message_us : 0.0;
+  // NOTE: low-latency kernels signal once per call (the counts travel after the rows, no count
+  // exchange first), so their floor is half of Cluster::fixed_us, which comes from pplx's
+  // two-round (counts, then rows) 1-token call.
+  const double sm_d = o.sms * o.sm_dispatch_gbps, sm_c = o.sms * o.sm_combine_gbps;
+  const Costs two{msg, c.fixed_us, sm_d}, two_c{msg, c.fixed_us, sm_c};
+  const Costs one{msg, c.fixed_us / 2, sm_d}, one_c{msg, c.fixed_us / 2, sm_c};
+  // NOTE: flex sends a remote node's tokens in chunks (DeepEP's num_max_rdma_chunked_send_tokens
+  // per RDMA write, 100 KB and more), so its messages are not counted: at 0.4 us each they are
+  // under 1% of the bytes' time.
+  const Costs two_hops{0.0, c.fixed_us, sm_d}, two_hops_c{0.0, c.fixed_us, sm_c};
   r.algorithms = {
-      {"flat", finish(flat_d, c, 1 - multi, multi), finish(flat_c, c, 1 - multi, multi)},
-      {"alltoall", finish(a2a_d, c, 1 - multi, multi), finish(a2a_c, c, 1 - multi, multi)},
-      {"flex", finish(flex_d, c, 1, multi), finish(flex_c, c, 1, multi)},
-      {"low-latency", finish(ll_d, c, 1 - multi, multi), finish(ll_c, c, 1 - multi, multi)},
+      // flat writes each row straight into its receiver's slots (claimed there, counts after the
+      // rows), one round like low-latency.
+      {"flat", finish(flat_d, c, 1 - multi, multi, one), finish(flat_c, c, 1 - multi, multi, one_c)},
+      {"alltoall", finish(a2a_d, c, 1 - multi, multi, two), finish(a2a_c, c, 1 - multi, multi, two_c)},
+      {"flex", finish(flex_d, c, 1, multi, two_hops), finish(flex_c, c, 1, multi, two_hops_c)},
+      {"low-latency", finish(ll_d, c, 1 - multi, multi, one),
+       finish(ll_c, c, 1 - multi, multi, one_c)},
+      // pplx exchanges the per-expert counts before the rows: two network round trips.
+      {"pplx", finish(pp_d, c, 1 - multi, 2 * multi, two), finish(pp_c, c, 1 - multi, multi, two_c)},
   };
-  const AlgorithmCost& chosen = r.algorithm(o.low_latency ? "low-latency" : "flex");
+  r.reported = o.algorithm;
+  const AlgorithmCost& chosen = r.algorithm(o.algorithm);
   r.dispatch_seconds = chosen.dispatch.seconds;
   r.combine_seconds = chosen.combine.seconds;
-  r.published.dispatch = pub_d / R;
-  r.published.combine = pub_c / R;
-  r.published.link = (o.low_latency || N > 1) ? "RDMA" : "NVL";
+  r.published_selections = {sel_d / R, sel_c / R, "RDMA"};
+  r.published_tokens = {tok_d / R, tok_c / R, N > 1 ? "RDMA" : "NVL"};
+  r.published = per_selection ? r.published_selections : r.published_tokens;
   auto gbps = [](int64_t b, double sec) { return sec > 0 ? double(b) / sec / 1e9 : 0.0; };
   r.dispatch_gbps = gbps(r.published.dispatch, r.dispatch_seconds);
   r.combine_gbps = gbps(r.published.combine, r.combine_seconds);

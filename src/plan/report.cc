@@ -2,6 +2,7 @@
 // against published figures (`moed plan --validate`).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "moed/plan.h"
@@ -34,9 +35,13 @@ std::string plan_table(const PlanResult& r) {
       "  (MB: the busiest rank's bytes over each link, max of sent and received)\n\n"
       "{} mode: dispatch {:.1f} us, {:.1f} GB/s ({})   combine {:.1f} us, {:.1f} GB/s ({})\n"
       "  (GB/s as DeepEP defines it: {} bytes of one rank / time)\n",
-      o.low_latency ? "low-latency" : "normal (flex)", r.dispatch_seconds * 1e6, r.dispatch_gbps,
-      r.published.link, r.combine_seconds * 1e6, r.combine_gbps, r.published.link,
-      o.low_latency     ? "(token, expert) selections x row"
+      r.reported == "low-latency" ? "low-latency"
+      : r.reported == "flex"      ? "normal (flex)"
+                                  : r.reported,
+      r.dispatch_seconds * 1e6, r.dispatch_gbps, r.published.link, r.combine_seconds * 1e6,
+      r.combine_gbps, r.published.link,
+      r.published.link == "RDMA" && (r.reported == "low-latency" || r.reported == "pplx")
+          ? "(token, expert) selections x row"
       : r.num_nodes > 1 ? "(token, node) pairs, own node included, x row"
                         : "tokens received x row");
   return s;
@@ -51,7 +56,9 @@ std::string plan_json(const PlanResult& r) {
                   {"hbm_gbps", o.cluster.hbm_gbps},
                   {"nvl_latency_us", o.cluster.nvl_latency_us},
                   {"net_latency_us", o.cluster.net_latency_us},
-                  {"fixed_us", o.cluster.fixed_us}};
+                  {"fixed_us", o.cluster.fixed_us},
+                  {"proxy_message_us", o.cluster.proxy_message_us},
+                  {"ranks_per_node", o.cluster.ranks_per_node}};
   j["ep"] = o.ep;
   j["ranks_per_node"] = o.ranks_per_node;
   j["num_nodes"] = r.num_nodes;
@@ -60,6 +67,8 @@ std::string plan_json(const PlanResult& r) {
   j["topk"] = o.topk;
   j["experts"] = o.experts;
   j["mode"] = o.low_latency ? "low-latency" : "normal";
+  j["algorithm"] = r.reported;
+  j["cpu_proxy"] = o.cpu_proxy;
   const char* routing[] = {"uniform", "zipf", "group", "trace"};
   j["routing"] = routing[int(o.routing)];
   j["dispatch_dtype"] = o.fp8_dispatch ? "fp8" : "bf16";
@@ -80,34 +89,58 @@ std::string plan_json(const PlanResult& r) {
   return j.dump(2);
 }
 
+std::string validation_summary(const std::vector<ValidationRow>& rows) {
+  std::vector<std::pair<std::string, std::pair<int, int>>> per;  // source -> (within, rows)
+  int within = 0;
+  for (const ValidationRow& v : rows) {
+    auto it = std::find_if(per.begin(), per.end(), [&](const auto& p) { return p.first == v.source; });
+    if (it == per.end()) it = per.insert(per.end(), {v.source, {0, 0}});
+    it->second.first += v.within();
+    it->second.second += 1;
+    within += v.within();
+  }
+  std::string s = fmt::format("{} of {} rows within +-25% ({:.0f}%)", within, rows.size(),
+                              rows.empty() ? 0.0 : 100.0 * within / double(rows.size()));
+  for (size_t i = 0; i < per.size(); ++i) {
+    s += fmt::format("{} {} {}/{}", i == 0 ? ":" : ",", per[i].first, per[i].second.first,
+                     per[i].second.second);
+  }
+  return s + "\n";
+}
+
 std::string validation_table(const std::vector<ValidationRow>& rows, bool markdown) {
   std::string s;
   if (markdown) {
-    s += "| source | cluster | mode | EP | phase | published | model | ratio | note |\n";
-    s += "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | --- |\n";
+    s += "| source | table | design | cluster | EP | tokens | phase | published | model | ratio | "
+         "miss: why |\n";
+    s += "| --- | --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- |\n";
   } else {
-    s += fmt::format("{:<22} {:<9} {:<12} {:>4} {:<9} {:>18} {:>18} {:>6}  {}\n", "source",
-                     "cluster", "mode", "EP", "phase", "published", "model", "ratio", "note");
+    s += fmt::format("{:<18} {:<26} {:<14} {:<12} {:>4} {:>5} {:<9} {:>18} {:>18} {:>6}  {}\n",
+                     "source", "table", "design", "cluster", "EP", "tok", "phase", "published",
+                     "model", "ratio", "note");
   }
-  int within = 0;
   for (const ValidationRow& v : rows) {
-    const std::string pub =
-        v.published_us > 0 ? fmt::format("{:.0f} GB/s, {:.0f} us", v.published_gbps, v.published_us)
-                           : fmt::format("{:.0f} GB/s", v.published_gbps);
-    const std::string mod = fmt::format("{:.1f} GB/s, {:.0f} us", v.predicted_gbps, v.predicted_us);
-    const bool ok = v.ratio >= 0.75 && v.ratio <= 1.25;
-    within += ok;
-    const std::string note = ok ? v.note : "MISS: " + v.note;
+    std::string pub;
+    if (v.published_gbps > 0) pub = fmt::format("{:.0f} GB/s", v.published_gbps);
+    if (v.published_us > 0) pub += fmt::format("{}{:.0f} us", pub.empty() ? "" : ", ", v.published_us);
+    const std::string mod = v.published_gbps > 0
+                                ? fmt::format("{:.1f} GB/s, {:.0f} us", v.predicted_gbps, v.predicted_us)
+                                : fmt::format("{:.0f} us", v.predicted_us);
+    const std::string note = v.within() ? v.note : "MISS: " + v.note;
+    const std::string phase = v.phase + (v.phase == "dispatch" && v.dtype == "bf16" ? " bf16" : "");
     if (markdown) {
-      s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {:.2f} | {} |\n", v.source, v.cluster,
-                       v.mode, v.ep, v.phase, pub, mod, v.ratio, note);
+      s += fmt::format("| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.2f} | {} |\n", v.source,
+                       v.table, v.design, v.cluster, v.ep, v.tokens, phase, pub, mod, v.ratio,
+                       v.within() ? "" : v.note);
     } else {
-      s += fmt::format("{:<22} {:<9} {:<12} {:>4} {:<9} {:>18} {:>18} {:>6.2f}  {}\n", v.source,
-                       v.cluster, v.mode, v.ep, v.phase, pub, mod, v.ratio, note);
+      s += fmt::format("{:<18} {:<26} {:<14} {:<12} {:>4} {:>5} {:<9} {:>18} {:>18} {:>6.2f}  {}\n",
+                       v.source, v.table, v.design, v.cluster, v.ep, v.tokens, phase, pub, mod,
+                       v.ratio, note);
     }
   }
-  s += fmt::format("{}{} of {} rows within +-25% (ratio = model GB/s / published GB/s)\n",
-                   markdown ? "\n" : "", within, rows.size());
+  s += fmt::format("{}{}", markdown ? "\n" : "", validation_summary(rows));
+  s += "(ratio = model GB/s / published GB/s, or published us / model us where only a time is "
+       "published)\n";
   return s;
 }
 

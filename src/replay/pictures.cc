@@ -248,16 +248,15 @@ bool to_png(const std::string& converter, const std::string& svg_path,
 
 }  // namespace
 
-StatusOr<ReplayPictures> write_replay_pictures(const ReplayResult& r, const std::string& dir) {
+StatusOr<ReplayPictures> svg::write_pictures(
+    const std::string& dir, const std::vector<std::pair<std::string, std::string>>& docs) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return invalid_argument(dir, ": cannot create the directory: ", ec.message());
   ReplayPictures out;
-  const std::pair<const char*, std::string> docs[] = {{"traffic", traffic_heatmap_svg(r)},
-                                                      {"expert_load", expert_load_svg(r)}};
   std::vector<std::string> svgs;
   for (const auto& [name, text] : docs) {
-    const std::string path = (std::filesystem::path(dir) / (std::string(name) + ".svg")).string();
+    const std::string path = (std::filesystem::path(dir) / (name + ".svg")).string();
     std::ofstream f(path, std::ios::binary);
     f << text;
     f.close();
@@ -281,6 +280,11 @@ StatusOr<ReplayPictures> write_replay_pictures(const ReplayResult& r, const std:
     for (const std::string& p : pngs) std::filesystem::remove(p, ec);
   }
   return out;
+}
+
+StatusOr<ReplayPictures> write_replay_pictures(const ReplayResult& r, const std::string& dir) {
+  return svg::write_pictures(dir, {{"traffic", traffic_heatmap_svg(r)},
+                                   {"expert_load", expert_load_svg(r)}});
 }
 
 }  // namespace moed

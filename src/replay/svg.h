@@ -10,7 +10,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "moed/replay.h"
 
 namespace moed::svg {
 
@@ -63,5 +66,11 @@ class Canvas {
   double width_, height_;
   std::string body_;
 };
+
+// Writes each (name, document) as DIR/name.svg (DIR created if missing) and a PNG beside each
+// when rsvg-convert or ImageMagick's convert is on PATH and converts them all (tried in that
+// order; otherwise no PNG, silently).
+StatusOr<ReplayPictures> write_pictures(const std::string& dir,
+                                        const std::vector<std::pair<std::string, std::string>>& docs);
 
 }  // namespace moed::svg

@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""`moed replay`'s pictures are well-formed SVG with titles, axis labels and legends.
+"""`moed replay`'s and `moed plan --sweep`'s pictures are well-formed SVG with titles, axis
+labels and legends.
 
 Usage: check_replay_pictures.py MOED_BINARY WORK_DIR
 
 Writes a skewed [steps, T, K] trace (plain Python, no NumPy needed), runs `moed replay` on it for
 16 ranks in 2 nodes with a capacity factor, parses both SVGs with xml.etree and checks what a
-reader needs to see. Exits non-zero with the reason on the first failure.
+reader needs to see; then the per-layer pictures of a Megatron-Core trace directory (JSONL written
+here as RouterTracer writes it) and the sweep chart. Exits non-zero with the reason on the first
+failure.
 """
+import json
 import os
 import random
 import shutil
@@ -81,7 +85,52 @@ def main():
     check("0" in ticks and "240" in ticks, "expert_load.svg: expert ticks 0..240 missing")
     check(len([s for s in t if s.isdigit() and int(s) % 16 == 0 and int(s) <= 240]) >= 16,
           "expert_load.svg: fewer than 16 expert tick labels")
-    print("check_replay_pictures: traffic.svg and expert_load.svg are well-formed and labelled")
+    check_layer_pictures(moed, work)
+    check_sweep(moed, work)
+    print("check_replay_pictures: traffic.svg, expert_load.svg, layer_load.svg, layer_traffic.svg "
+          "and sweep.svg are well-formed and labelled")
+
+
+def check_layer_pictures(moed, work):
+    """3 decoder layers of a 4-rank step, 16 experts: a layers x experts and a layers x ranks map."""
+    d = os.path.join(work, "megatron")
+    os.makedirs(d)
+    rng = random.Random(9)
+    for rank in range(4):
+        with open(os.path.join(d, "router_trace_rank%d.jsonl" % rank), "w") as f:
+            for layer in range(1, 4):
+                top = [sorted(rng.sample(range(16), 2)) for _ in range(32)]
+                f.write(json.dumps({"step": 0, "stage": "pre_dispatch", "block": "decoder",
+                                    "layer": layer, "rank": rank, "num_tokens": 32, "topk": 2,
+                                    "top_indices": top}) + "\n")
+    out = os.path.join(work, "layers")
+    run = subprocess.run([moed, "replay", "--trace", d, "--experts", "16", "--ranks-per-node", "2",
+                          "--out", out], capture_output=True, text=True)
+    check(run.returncode == 0, "moed replay on a Megatron trace failed: " + run.stdout + run.stderr)
+    for name, columns, axis in (("layer_load.svg", 16, "expert"), ("layer_traffic.svg", 4,
+                                                                  "destination rank")):
+        root = ET.parse(os.path.join(out, name)).getroot()
+        t = texts(root)
+        for want in [axis, "decoder layer 1", "decoder layer 3"]:
+            check(want in t, "%s lacks the text %r (has %r)" % (name, want, t))
+        cells = [r for r in root.iter(SVG + "rect") if r.find(SVG + "title") is not None]
+        check(len(cells) == 3 * columns, "%s: %d cells, expected %d" % (name, len(cells), 3 * columns))
+
+
+def check_sweep(moed, work):
+    out = os.path.join(work, "sweep")
+    run = subprocess.run([moed, "plan", "--cluster", "h800", "--tokens", "128", "--mode",
+                          "low-latency", "--sweep", "ep=8,16,32,64", "--out", out],
+                         capture_output=True, text=True)
+    check(run.returncode == 0, "moed plan --sweep failed: " + run.stdout + run.stderr)
+    root = ET.parse(os.path.join(out, "sweep.svg")).getroot()
+    t = texts(root)
+    for want in ["dispatch", "combine", "EP size (ranks)", "time per call (us)",
+                 "flex: DeepEP normal, 2 hops", "low-latency: per (token, expert)",
+                 "DeepEP V1 (deepep-ll)", "8", "64"]:
+        check(want in t, "sweep.svg lacks the text %r (has %r)" % (want, t))
+    lines = [p for p in root.iter(SVG + "path") if p.get("fill") == "none"]
+    check(len(lines) == 2 * 5, "sweep.svg: %d lines, expected 5 algorithms x 2 panels" % len(lines))
 
 
 if __name__ == "__main__":

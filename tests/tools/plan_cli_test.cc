@@ -3,6 +3,10 @@
 // with a message naming the value.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -56,21 +60,29 @@ TEST(CliPlan, LowLatencyAndOverrides) {
 TEST(CliPlan, ValidatePrintsEveryPublishedRow) {
   const CliResult r = run_cli("plan --validate", false);
   ASSERT_EQ(r.rc, 0) << r.output;
-  EXPECT_NE(r.output.find("of 34 rows within +-25%"), std::string::npos) << r.output;
-  for (const char* s : {"DeepEP normal", "DeepEP low-latency", "UCCL-EP p5en normal"}) {
-    EXPECT_NE(r.output.find(s), std::string::npos) << s;
+  StatusOr<std::vector<ValidationRow>> rows = validate_plan();
+  ASSERT_TRUE(rows.ok()) << rows.status().to_string();
+  EXPECT_NE(r.output.find(validation_summary(*rows)), std::string::npos) << r.output;
+  for (const PublishedSource& s : published_sources()) {
+    EXPECT_NE(r.output.find("\n" + s.name + " "), std::string::npos) << s.name;
   }
-  // Every DeepEP row is within the target.
-  size_t pos = 0;
-  int deepep = 0;
-  while ((pos = r.output.find("\nDeepEP", pos)) != std::string::npos) {
-    const size_t end = r.output.find('\n', pos + 1);
-    EXPECT_EQ(r.output.substr(pos, end - pos).find("MISS"), std::string::npos)
-        << r.output.substr(pos, end - pos);
-    ++deepep;
-    pos = end;
+  // One line per row (and the header and two summary lines); every MISS names its reason.
+  size_t lines = 0, pos = 0;
+  while ((pos = r.output.find('\n', pos)) != std::string::npos) ++lines, ++pos;
+  EXPECT_EQ(lines, rows->size() + 3);
+  pos = 0;
+  while ((pos = r.output.find("MISS:", pos)) != std::string::npos) {
+    EXPECT_NE(r.output[pos + 6], '\n');
+    pos += 5;
   }
-  EXPECT_EQ(deepep, 20);
+  const CliResult md = run_cli("plan --validate --markdown", false);
+  ASSERT_EQ(md.rc, 0);
+  EXPECT_NE(md.output.find("| source | table | design | cluster |"), std::string::npos);
+  // docs/planner.md carries this very table: regenerate it there when the model or a row changes.
+  std::ifstream doc(std::string(MOED_SOURCE_DIR) + "/docs/planner.md");
+  const std::string text((std::istreambuf_iterator<char>(doc)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find(md.output), std::string::npos)
+      << "docs/planner.md does not carry the current `moed plan --validate --markdown`";
 }
 
 TEST(CliPlan, TraceAndReplayUseTheSameModel) {
@@ -98,6 +110,22 @@ TEST(CliPlan, TraceAndReplayUseTheSameModel) {
   EXPECT_EQ(jr["plan"]["combine_seconds"].get<double>(), jp["combine_seconds"].get<double>());
 }
 
+TEST(CliPlan, SweepPrintsEveryAlgorithmAndWritesTheChart) {
+  TempDir dir("plan_sweep");
+  const CliResult r = run_cli("plan --cluster h800 --tokens 128 --mode low-latency --sweep "
+                              "ep=8,16,32 --sweep-metric gbps --out " + dir / "out", false);
+  ASSERT_EQ(r.rc, 0) << r.output;
+  for (const char* s : {"flat", "alltoall", "flex", "low-latency", "pplx", "published on h800",
+                        "DeepEP V1", "sweep.svg"}) {
+    EXPECT_NE(r.output.find(s), std::string::npos) << s << "\n" << r.output;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "out/sweep.svg"));
+  const CliResult bad = run_cli("plan --sweep ep=8 --sweep-metric fast");
+  EXPECT_EQ(bad.rc, 1);
+  EXPECT_NE(bad.output.find("moed plan: --sweep-metric 'fast' is not one of gbps, us"),
+            std::string::npos) << bad.output;
+}
+
 TEST(CliPlan, BadOptionsAreClearErrors) {
   struct Case {
     std::string args, want;
@@ -113,6 +141,8 @@ TEST(CliPlan, BadOptionsAreClearErrors) {
       {"plan --hidden 100", "--hidden = 100 is not a multiple of 128"},
       {"plan --net-gbps 0", "bandwidths must be > 0"},
       {"plan --trace /nonexistent/t.npy", "/nonexistent/t.npy"},
+      {"plan --sweep ep=16,8", "--sweep 'ep=16,8': values must ascend (8 after 16)"},
+      {"plan --algorithm ring", "--algorithm 'ring' is not one of flat, alltoall, flex"},
       {"replay --trace /nonexistent/t.npy --out /tmp --cluster a100", "'a100'"},
   };
   for (const Case& c : cases) {

@@ -8,6 +8,13 @@
 //   mpirun -np 4 moed dispatch --world mpi --x x.npy ... --experts 16 --dispatcher flex --out d/
 //
 // x is float32 or bf16 (uint16 bit patterns) [R*T, H]: rank r holds rows [r*T, (r+1)*T).
+// Or the routing (and rows) of one router call from Megatron-Core's traces (moed/megatron_trace.h):
+//
+//   moed dispatch --trace megatron_traces/ --step 0 --layer 3 --experts 64 --dispatcher flex --out d/
+//
+// takes the ranks from the trace, the rows from its hidden-state sidecar (or --x), and, since a
+// trace records no probs, prob 1 for every routed slot (so combined = x times the number of
+// experts each token routed to).
 // DIR receives, per rank r, expert_input_rank{r}.npy [rows_r, H] (x's dtype, the canonical
 // layout of spec §3) and permuted_probs_rank{r}.npy [rows_r]; tokens_per_expert.npy int64
 // [R, L]; and combined.npy [R*T, H]: the unweighted combine of identity experts whose output
@@ -28,7 +35,9 @@
 #include "moed/dispatcher.h"
 #include "moed/npy.h"
 #include "moed/world.h"
+#include "moed/megatron_trace.h"
 #include "tools/moed/registry.h"
+#include "tools/moed/trace_input.h"
 #include "tools/moed/world_choice.h"
 
 namespace moed::cli {
@@ -36,6 +45,8 @@ namespace {
 
 struct DispatchArgs {
   std::string x, topk_idx, topk_probs, out;
+  std::string trace;  // a routing trace instead of --topk-idx / --topk-probs
+  TraceArgs trace_args;
   std::optional<int> ranks;  // required for threads; under MPI the job's size
   int experts = 0;
   std::string dispatcher;
@@ -133,33 +144,12 @@ struct Problem {
   int64_t tokens_per_rank = 0;
 };
 
-// Reads and checks the inputs and creates the output directory. Errors are returned, not
-// printed: under MPI the ranks agree on them first.
-Status prepare(const DispatchArgs& a, int R, bool mpi, Problem& p) {
-  MOED_ASSIGN_OR_RETURN(const DispatcherKind kind, parse_dispatcher_kind(a.dispatcher));
-  if (kind == DispatcherKind::kLowLatency) {
-    return invalid_argument("--dispatcher ", a.dispatcher,
-                            ": moed dispatch takes allgather, alltoall or flex (low-latency has "
-                            "its own layout)");
+// x, topk_idx and topk_probs from .npy files, with their shapes checked against each other.
+Status load_npy(const DispatchArgs& a, int R, Problem& p) {
+  for (const auto& [flag, value] : {std::pair{"--x", &a.x}, std::pair{"--topk-idx", &a.topk_idx},
+                                    std::pair{"--topk-probs", &a.topk_probs}}) {
+    if (value->empty()) return invalid_argument(flag, " is required (or --trace)");
   }
-  DispatchConfig& config = p.config;
-  config.kind = kind;
-  config.num_experts = a.experts;
-  config.etp_size = a.etp;
-  config.layout.capacity_factor = a.capacity_factor;
-  MOED_ASSIGN_OR_RETURN(config.layout.drop_policy, parse_drop_policy(a.drop_policy));
-  config.layout.pad_to_capacity = a.pad_to_capacity;
-  config.layout.expert_alignment = a.expert_alignment;
-  config.layout.router_padding_multiple = a.router_padding;
-  MOED_RETURN_IF_ERROR(config.validate(R));
-  // The threads world is one node unless told; the MPI world's default is the host.
-  p.ranks_per_node = a.ranks_per_node == 0 && !mpi ? R : a.ranks_per_node;
-  const int G = p.ranks_per_node;
-  if (G != 0 && (G < 1 || R % G != 0)) {
-    return invalid_argument("--ranks-per-node = ", G, " does not divide --ranks = ", R);
-  }
-
-  // Inputs, with their shapes checked against each other.
   MOED_ASSIGN_OR_RETURN(const NpyArray xf, read_npy(a.x));
   if (xf.shape.size() != 2) {
     return invalid_argument(a.x, ": shape ", xf.shape_string(), "; x is [ranks * tokens, hidden]");
@@ -187,13 +177,97 @@ Status prepare(const DispatchArgs& a, int R, bool mpi, Problem& p) {
   all.num_topk = int(idx_f.shape[1]);
   MOED_ASSIGN_OR_RETURN(all.topk_idx, npy_to_i32(idx_f));
   MOED_ASSIGN_OR_RETURN(all.topk_weights, npy_to_f32(prob_f));
-  if (Status s = validate(all, a.experts); !s.ok()) {
-    const bool probs = s.message().rfind("topk_weights", 0) == 0;
-    return s.with_context(probs ? a.topk_probs : a.topk_idx);
-  }
   p.x = Tensor::empty(xf.dtype == NpyDType::kF32 ? DType::kF32 : DType::kBF16, rows, H);
   if (!xf.data.empty()) std::memcpy(p.x.data(), xf.data.data(), xf.data.size());
-  p.tokens_per_rank = rows / R;
+  return ok_status();
+}
+
+// One router call of a trace: its routing, prob 1 per routed slot, and its rows from the
+// hidden-state sidecar (a Megatron trace) or --x.
+Status load_trace(const DispatchArgs& a, int R, Problem& p) {
+  if (!a.topk_idx.empty() || !a.topk_probs.empty()) {
+    return invalid_argument("--trace gives the routing; --topk-idx and --topk-probs are for .npy "
+                            "routing without it");
+  }
+  MOED_ASSIGN_OR_RETURN(const LoadedTrace t, a.trace_args.load(a.trace, a.experts, a.x.empty()));
+  const RoutingTrace& r = t.routing;
+  if (r.num_steps != 1) {
+    std::string which;
+    for (size_t i = 0; t.megatron && i < t.megatron->calls.size() && i < 6; ++i) {
+      which += (i ? ", " : "") + t.megatron->calls[i].label();
+    }
+    return invalid_argument(a.trace, ": ", r.num_steps, " router calls selected (", which,
+                            r.num_steps > 6 ? ", ..." : "",
+                            "); moed dispatch moves one: choose it with --layer (and --microbatch)");
+  }
+  if (r.num_tokens % R != 0) {
+    return invalid_argument(a.trace, ": ", r.num_tokens, " tokens do not split evenly over --ranks = ",
+                            R);
+  }
+  TopkRouting& all = p.all;
+  all.num_tokens = r.num_tokens;
+  all.num_topk = r.num_topk;
+  all.topk_idx = r.topk_idx;
+  all.topk_weights.resize(r.topk_idx.size());
+  for (size_t i = 0; i < r.topk_idx.size(); ++i) all.topk_weights[i] = r.topk_idx[i] >= 0 ? 1.0f : 0.0f;
+  if (!a.x.empty()) {
+    MOED_ASSIGN_OR_RETURN(const NpyArray xf, read_npy(a.x));
+    if (xf.shape.size() != 2 || xf.shape[0] != r.num_tokens ||
+        (xf.dtype != NpyDType::kF32 && xf.dtype != NpyDType::kU16)) {
+      return invalid_argument(a.x, ": shape ", xf.shape_string(), " dtype '", npy_descr(xf.dtype),
+                              "'; the trace's call has ", r.num_tokens,
+                              " tokens, so x is [", r.num_tokens, ", hidden] float32 or bf16 (<u2)");
+    }
+    p.x = Tensor::empty(xf.dtype == NpyDType::kF32 ? DType::kF32 : DType::kBF16, xf.shape[0],
+                        xf.shape[1]);
+    if (!xf.data.empty()) std::memcpy(p.x.data(), xf.data.data(), xf.data.size());
+    return ok_status();
+  }
+  if (!t.megatron) {
+    return invalid_argument(a.trace, " holds only expert indices; give the rows with --x");
+  }
+  const MegatronLayerCall& call = t.megatron->calls.front();
+  p.x = Tensor::empty(DType::kBF16, r.num_tokens, call.hidden);
+  std::memcpy(p.x.data(), call.hidden_states.data(), call.hidden_states.size() * 2);
+  return ok_status();
+}
+
+// Reads and checks the inputs and creates the output directory. Errors are returned, not
+// printed: under MPI the ranks agree on them first.
+Status prepare(const DispatchArgs& a, int R, bool mpi, Problem& p) {
+  MOED_ASSIGN_OR_RETURN(const DispatcherKind kind, parse_dispatcher_kind(a.dispatcher));
+  if (kind == DispatcherKind::kLowLatency) {
+    return invalid_argument("--dispatcher ", a.dispatcher,
+                            ": moed dispatch takes allgather, alltoall or flex (low-latency has "
+                            "its own layout)");
+  }
+  DispatchConfig& config = p.config;
+  config.kind = kind;
+  config.num_experts = a.experts;
+  config.etp_size = a.etp;
+  config.layout.capacity_factor = a.capacity_factor;
+  MOED_ASSIGN_OR_RETURN(config.layout.drop_policy, parse_drop_policy(a.drop_policy));
+  config.layout.pad_to_capacity = a.pad_to_capacity;
+  config.layout.expert_alignment = a.expert_alignment;
+  config.layout.router_padding_multiple = a.router_padding;
+  MOED_RETURN_IF_ERROR(config.validate(R));
+  // The threads world is one node unless told; the MPI world's default is the host.
+  p.ranks_per_node = a.ranks_per_node == 0 && !mpi ? R : a.ranks_per_node;
+  const int G = p.ranks_per_node;
+  if (G != 0 && (G < 1 || R % G != 0)) {
+    return invalid_argument("--ranks-per-node = ", G, " does not divide --ranks = ", R);
+  }
+
+  if (!a.trace.empty()) {
+    MOED_RETURN_IF_ERROR(load_trace(a, R, p));
+  } else {
+    MOED_RETURN_IF_ERROR(load_npy(a, R, p));
+  }
+  if (Status s = validate(p.all, a.experts); !s.ok()) {
+    const bool probs = s.message().rfind("topk_weights", 0) == 0;
+    return s.with_context(!a.trace.empty() ? a.trace : probs ? a.topk_probs : a.topk_idx);
+  }
+  p.tokens_per_rank = p.x.rows() / R;
 
   // Every process makes the directory: under MPI each writes its own files into it.
   std::error_code ec;
@@ -285,8 +359,15 @@ void run(const DispatchArgs& a) {
                                 R, " or omit it)");
     }
   } else {
-    if (!a.ranks) fail(invalid_argument("--ranks is required with --world threads"));
-    R = *a.ranks;
+    std::error_code ec;
+    if (!a.ranks && !a.trace.empty() && std::filesystem::is_directory(a.trace, ec)) {
+      StatusOr<int> ranks = megatron_trace_ranks(a.trace);
+      if (!ranks.ok()) fail(ranks.status());
+      R = *ranks;
+    } else {
+      if (!a.ranks) fail(invalid_argument("--ranks is required with --world threads"));
+      R = *a.ranks;
+    }
     if (R < 1) fail(invalid_argument("--ranks = ", R, " must be >= 1"));
   }
   Problem p;
@@ -339,9 +420,15 @@ void setup(CLI::App& app) {
       "dispatch",
       "dispatch + combine tokens from .npy files on R ranks (threads, or MPI processes under "
       "mpirun); write each rank's expert input and the combined output");
-  c->add_option("--x", a->x, "tokens, float32 or bf16 (uint16) [R*T, H] .npy")->required();
-  c->add_option("--topk-idx", a->topk_idx, "int32/int64 [R*T, K] .npy, -1 = none")->required();
-  c->add_option("--topk-probs", a->topk_probs, "float32 [R*T, K] .npy")->required();
+  c->add_option("--x", a->x,
+                "tokens, float32 or bf16 (uint16) [R*T, H] .npy (with --trace: default the "
+                "trace's hidden-state sidecar)");
+  c->add_option("--topk-idx", a->topk_idx, "int32/int64 [R*T, K] .npy, -1 = none");
+  c->add_option("--topk-probs", a->topk_probs, "float32 [R*T, K] .npy");
+  c->add_option("--trace", a->trace,
+                "routing from one router call of a Megatron-Core trace directory (or a one-step "
+                "top-k .npy with --x), prob 1 per routed slot, instead of --topk-idx/--topk-probs");
+  a->trace_args.add_options(c);
   c->add_option("--ranks", a->ranks,
                 "ranks R (tokens split evenly); under --world mpi the job's size, if given");
   c->add_option("--experts", a->experts, "experts E")->required();

@@ -4,13 +4,17 @@
 //   moed plan --cluster h800 --ep 64 --ranks-per-node 8 --tokens 4096 --hidden 7168 --topk 8
 //             --experts 256 --routing group
 //   moed plan --validate [--markdown]
+//   moed plan --cluster h800 --tokens 4096 --routing group --sweep ep=8,16,32,64,128,256 --out d/
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
 #include "moed/plan.h"
+#include "replay/svg.h"
 #include "tools/moed/registry.h"
+#include "tools/moed/trace_input.h"
 
 namespace moed::cli {
 namespace {
@@ -19,6 +23,9 @@ struct PlanArgs {
   std::string cluster = "h800", mode = "normal", dtype = "fp8", routing = "uniform", trace;
   std::optional<double> nvl_gbps, net_gbps, hbm_gbps, nvl_latency_us, net_latency_us, fixed_us;
   PlanOptions options;
+  std::optional<int> ep;  // default: a Megatron trace's ranks, else 8
+  TraceArgs trace_args;
+  std::string sweep, metric = "us", out;
   bool json = false, validate = false, markdown = false;
 };
 
@@ -50,12 +57,36 @@ void run(PlanArgs a) {
     fail(invalid_argument("--dispatch-dtype '", a.dtype, "' is not one of fp8, bf16"));
   }
   o.fp8_dispatch = a.dtype == "fp8";
-  RoutingTrace trace;
+  if (!a.sweep.empty()) {
+    if (a.metric != "gbps" && a.metric != "us") {
+      fail(invalid_argument("--sweep-metric '", a.metric, "' is not one of gbps, us"));
+    }
+    if (!a.trace.empty()) fail(invalid_argument("--sweep generates its routing; drop --trace"));
+    StatusOr<PlanRouting> r = parse_plan_routing(a.routing);
+    if (!r.ok()) fail(r.status());
+    o.routing = *r;
+    o.ep = a.ep.value_or(8);
+    StatusOr<SweepResult> sw = plan_sweep(o, a.sweep);
+    if (!sw.ok()) fail(sw.status());
+    const bool gbps = a.metric == "gbps";
+    std::fputs(sweep_table(*sw, gbps).c_str(), stdout);
+    if (!a.out.empty()) {
+      StatusOr<ReplayPictures> pics = svg::write_pictures(a.out, {{"sweep", sweep_svg(*sw, gbps)}});
+      if (!pics.ok()) fail(pics.status());
+      std::printf("\npicture:");
+      for (const std::string& f : pics->files) std::printf(" %s", f.c_str());
+      std::printf("\n");
+    }
+    return;
+  }
+  std::optional<LoadedTrace> trace;
+  o.ep = a.ep.value_or(8);
   if (!a.trace.empty()) {
-    StatusOr<RoutingTrace> t = read_routing_trace(a.trace);
+    StatusOr<LoadedTrace> t = a.trace_args.load(a.trace, o.experts, false);
     if (!t.ok()) fail(t.status());
     trace = std::move(*t);
-    o.trace = &trace;
+    if (trace->megatron && !a.ep) o.ep = trace->megatron->num_ranks;
+    o.trace = &trace->routing;
     o.routing = PlanRouting::kTrace;
   } else {
     StatusOr<PlanRouting> r = parse_plan_routing(a.routing);
@@ -64,12 +95,51 @@ void run(PlanArgs a) {
     }
     o.routing = *r;
   }
-  StatusOr<PlanResult> r = plan(o);
-  if (!r.ok()) fail(r.status());
+  // A trace with several steps (a Megatron step's layer calls): each planned, then summed.
+  const int64_t calls = trace ? trace->routing.num_steps : 1;
+  std::vector<PlanResult> results;
+  for (int64_t st = 0; st < calls; ++st) {
+    o.trace_step = st;
+    StatusOr<PlanResult> r = plan(o);
+    if (!r.ok()) fail(r.status());
+    results.push_back(std::move(*r));
+  }
+  auto label = [&](int64_t st) {
+    return trace && trace->megatron ? trace->megatron->calls[size_t(st)].label()
+                                    : "step " + std::to_string(st);
+  };
   if (a.json) {
-    std::printf("%s\n", plan_json(*r).c_str());
-  } else {
-    std::fputs(plan_table(*r).c_str(), stdout);
+    if (calls == 1) {
+      std::printf("%s\n", plan_json(results.front()).c_str());
+      return;
+    }
+    nlohmann::json j;
+    double d = 0, c = 0;
+    for (int64_t st = 0; st < calls; ++st) {
+      nlohmann::json one = nlohmann::json::parse(plan_json(results[size_t(st)]));
+      one["label"] = label(st);
+      j["calls"].push_back(one);
+      d += results[size_t(st)].dispatch_seconds;
+      c += results[size_t(st)].combine_seconds;
+    }
+    j["dispatch_seconds"] = d;
+    j["combine_seconds"] = c;
+    std::printf("%s\n", j.dump(2).c_str());
+    return;
+  }
+  std::fputs(plan_table(results.front()).c_str(), stdout);
+  if (calls > 1) {
+    std::printf("\n%zu router calls (%s):\n  %-28s %12s %12s\n", size_t(calls), a.trace.c_str(),
+                "call", "disp us", "comb us");
+    double d = 0, c = 0;
+    for (int64_t st = 0; st < calls; ++st) {
+      const PlanResult& r = results[size_t(st)];
+      std::printf("  %-28s %12.1f %12.1f\n", label(st).c_str(), r.dispatch_seconds * 1e6,
+                  r.combine_seconds * 1e6);
+      d += r.dispatch_seconds;
+      c += r.combine_seconds;
+    }
+    std::printf("  %-28s %12.1f %12.1f\n", "sum", d * 1e6, c * 1e6);
   }
 }
 
@@ -82,7 +152,7 @@ void setup(CLI::App& app) {
   std::string presets;
   for (const std::string& n : cluster_preset_names()) presets += (presets.empty() ? "" : ", ") + n;
   c->add_option("--cluster", a->cluster, "hardware preset: " + presets)->capture_default_str();
-  c->add_option("--ep", a->options.ep, "EP size R (ranks), up to 2048")->capture_default_str();
+  c->add_option("--ep", a->ep, "EP size R (ranks), up to 2048 (default: a Megatron trace's ranks, else 8)");
   c->add_option("--ranks-per-node", a->options.ranks_per_node, "G ranks per node")
       ->capture_default_str();
   c->add_option("--tokens", a->options.tokens, "tokens per rank T (with --trace: its tokens / R)")
@@ -96,7 +166,10 @@ void setup(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--routing", a->routing, "uniform | zipf | group (generated routing)")
       ->capture_default_str();
-  c->add_option("--trace", a->trace, "top-k indices .npy (step 0, T * R tokens) instead");
+  c->add_option("--trace", a->trace,
+                "routing from a top-k indices .npy (each step planned, T * R tokens) or a "
+                "Megatron-Core trace directory (each selected layer call planned)");
+  a->trace_args.add_options(c);
   c->add_option("--zipf-s", a->options.zipf_s, "zipf exponent s")->capture_default_str();
   c->add_option("--groups", a->options.num_groups, "group routing: groups (0 = nodes)")
       ->capture_default_str();
@@ -110,8 +183,21 @@ void setup(CLI::App& app) {
   c->add_option("--nvl-latency-us", a->nvl_latency_us, "override: intra-node hop latency");
   c->add_option("--net-latency-us", a->net_latency_us, "override: network hop latency");
   c->add_option("--fixed-us", a->fixed_us, "override: fixed cost per call");
+  c->add_option("--algorithm", a->options.algorithm,
+                "the reported algorithm: flat | alltoall | flex | low-latency | pplx (default: flex, "
+                "or low-latency with --mode low-latency)");
+  c->add_flag("--cpu-proxy", a->options.cpu_proxy,
+              "network messages posted by CPU proxy threads (UCCL-EP, pplx-garden): each pays the "
+              "cluster's per-message cost");
+  c->add_option("--sweep", a->sweep,
+                "ep=8,16,... or tokens=128,4096,...: every algorithm over that range (table; "
+                "with --out, sweep.svg)");
+  c->add_option("--sweep-metric", a->metric, "with --sweep: gbps | us")->capture_default_str();
+  c->add_option("--out", a->out, "with --sweep: directory for sweep.svg (and sweep.png)");
   c->add_flag("--json", a->json, "print one JSON object");
-  c->add_flag("--validate", a->validate, "print the model beside DeepEP's and UCCL-EP's tables");
+  c->add_flag("--validate", a->validate,
+              "print the model beside every published table (DeepEP, HybridEP, NCCL EP, UCCL-EP, "
+              "pplx, MORI, Triton-distributed)");
   c->add_flag("--markdown", a->markdown, "with --validate: a Markdown table");
   c->callback([a] { run(*a); });
 }

@@ -5,6 +5,12 @@
 // converter is installed).
 //
 //   moed replay --trace topk_idx.npy --experts 256 --ranks 16 --ranks-per-node 8 --out replay/
+//   moed replay --trace megatron_traces/ --step 3 --experts 64 --ranks-per-node 4 --out replay/
+//
+// A Megatron-Core trace directory (router_trace_rank*.jsonl) replays every selected layer call
+// of one step as a step of its own; the sums cover the step's layers, and two more pictures show
+// them one by one (layer_load.svg: layers x experts; layer_traffic.svg: layers x ranks).
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -14,6 +20,7 @@
 #include "moed/plan.h"
 #include "moed/replay.h"
 #include "tools/moed/registry.h"
+#include "tools/moed/trace_input.h"
 
 namespace moed::cli {
 namespace {
@@ -21,6 +28,8 @@ namespace {
 struct ReplayArgs {
   std::string trace, out;
   ReplayOptions options;
+  std::optional<int> ranks;  // default: a Megatron trace's ranks, else 1
+  TraceArgs trace_args;
   std::optional<double> capacity_factor;
   std::string drop_policy = "position";
   std::string cluster;  // a plan preset: the time comes from moed/plan.h's model
@@ -48,10 +57,30 @@ void run(ReplayArgs a) {
     a.options.shared_gbps = c->nvl_gbps;
     a.options.network_gbps = c->net_gbps;
   }
-  StatusOr<RoutingTrace> trace = read_routing_trace(a.trace);
-  if (!trace.ok()) fail(trace.status());
+  StatusOr<LoadedTrace> loaded = a.trace_args.load(a.trace, a.options.num_experts, false);
+  if (!loaded.ok()) fail(loaded.status());
+  const RoutingTrace* trace = &loaded->routing;
+  a.options.num_ranks = a.ranks.value_or(loaded->megatron ? loaded->megatron->num_ranks : 1);
   StatusOr<ReplayResult> r = replay_trace(*trace, a.options);
   if (!r.ok()) fail(r.status());
+  // A Megatron step: each layer call replayed alone, for the per-layer pictures and table.
+  std::vector<LayerReplay> layers;
+  if (loaded->megatron) {
+    ReplayOptions one = a.options;
+    one.num_experts = r->num_experts;
+    const size_t per_call = size_t(trace->num_tokens) * size_t(trace->num_topk);
+    for (size_t i = 0; i < loaded->megatron->calls.size(); ++i) {
+      RoutingTrace t;
+      t.name = trace->name;
+      t.num_tokens = trace->num_tokens;
+      t.num_topk = trace->num_topk;
+      t.topk_idx.assign(trace->topk_idx.begin() + i * per_call,
+                        trace->topk_idx.begin() + (i + 1) * per_call);
+      StatusOr<ReplayResult> lr = replay_trace(t, one);
+      if (!lr.ok()) fail(lr.status());
+      layers.push_back({loaded->megatron->calls[i].label(), std::move(*lr)});
+    }
+  }
   // The cluster model on the same trace, every step, summed (a capacity factor is not
   // applied: the model sees the routing as the router chose it).
   std::vector<PlanResult> plans;
@@ -65,7 +94,7 @@ void run(ReplayArgs a) {
     o.experts = r->num_experts;
     o.fp8_dispatch = r->dtype_bytes == 1;
     o.routing = PlanRouting::kTrace;
-    o.trace = &*trace;
+    o.trace = trace;
     o.trace_step = st;
     StatusOr<PlanResult> p = plan(o);
     if (!p.ok()) fail(p.status());
@@ -75,8 +104,39 @@ void run(ReplayArgs a) {
   }
   StatusOr<ReplayPictures> pictures = write_replay_pictures(*r, a.out);
   if (!pictures.ok()) fail(pictures.status());
+  if (!layers.empty()) {
+    StatusOr<ReplayPictures> more = write_layer_pictures(layers, a.out);
+    if (!more.ok()) fail(more.status());
+    // SVGs first, then PNGs, as write_replay_pictures lists them.
+    std::vector<std::string> files;
+    for (const auto* p : {&*pictures, &*more}) {
+      for (const std::string& f : p->files) {
+        if (f.ends_with(".svg")) files.push_back(f);
+      }
+    }
+    for (const auto* p : {&*pictures, &*more}) {
+      for (const std::string& f : p->files) {
+        if (f.ends_with(".png")) files.push_back(f);
+      }
+    }
+    pictures->files = files;
+    if (more->converter.empty()) pictures->converter.clear();
+  }
   if (a.json) {
     nlohmann::json j = nlohmann::json::parse(replay_json(*r));
+    if (loaded->megatron) {
+      j["megatron"]["step"] = loaded->megatron->step;
+      j["megatron"]["num_ranks"] = loaded->megatron->num_ranks;
+      for (const LayerReplay& l : layers) {
+        j["megatron"]["layers"].push_back(
+            {{"label", l.label},
+             {"tokens_per_expert", l.result.tokens_per_expert},
+             {"rows_per_rank", l.result.rows_per_rank},
+             {"expert_imbalance", l.result.expert_imbalance},
+             {"rank_imbalance", l.result.rank_imbalance},
+             {"flex_network_bytes", l.result.flex.network_bytes}});
+      }
+    }
     if (cluster) {
       j["plan"] = nlohmann::json::parse(plan_json(plans.front()));
       j["plan"]["steps"] = plans.size();
@@ -87,6 +147,18 @@ void run(ReplayArgs a) {
     return;
   }
   std::fputs(replay_table(*r).c_str(), stdout);
+  if (!layers.empty()) {
+    std::printf("\nMegatron trace %s, step %lld, %d ranks: per layer call\n",
+                loaded->megatron->dir.c_str(), (long long)loaded->megatron->step,
+                loaded->megatron->num_ranks);
+    std::printf("  %-28s %12s %12s %16s\n", "layer", "expert max/mean", "rank max/mean",
+                "Flex net MB max");
+    for (const LayerReplay& l : layers) {
+      const std::vector<int64_t>& net = l.result.flex.network_bytes;
+      std::printf("  %-28s %12.2f %12.2f %16.3f\n", l.label.c_str(), l.result.expert_imbalance,
+                  l.result.rank_imbalance, double(*std::max_element(net.begin(), net.end())) / 1e6);
+    }
+  }
   if (cluster) {
     std::printf("\n%s", plan_table(plans.front()).c_str());
     std::printf("over %zu step%s: normal (flex) dispatch %.1f us, combine %.1f us\n", plans.size(),
@@ -106,12 +178,15 @@ void setup(CLI::App& app) {
       "replay",
       "replay a top-k routing trace: load, drops, rank-to-rank traffic, flat vs Flex "
       "network bytes and predicted time, with SVG pictures");
-  c->add_option("--trace", a->trace, "top-k indices [T, K] or [steps, T, K] .npy, -1 = none")
+  c->add_option("--trace", a->trace,
+                "top-k indices [T, K] or [steps, T, K] .npy (-1 = none), or a directory of "
+                "Megatron-Core router_trace_rank*.jsonl files")
       ->required();
+  a->trace_args.add_options(c);
   c->add_option("--out", a->out, "directory for traffic.svg and expert_load.svg")->required();
   c->add_option("--experts", a->options.num_experts, "experts E (default: max index + 1)");
-  c->add_option("--ranks", a->options.num_ranks, "ranks R (tokens split evenly)")
-      ->capture_default_str();
+  c->add_option("--ranks", a->ranks,
+                "ranks R (tokens split evenly; default: a Megatron trace's ranks, else 1)");
   c->add_option("--ranks-per-node", a->options.ranks_per_node, "G ranks per node (0 = R)")
       ->capture_default_str();
   c->add_option("--capacity-factor", a->capacity_factor,
