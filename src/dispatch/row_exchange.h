@@ -34,7 +34,6 @@
 #include <span>
 #include <vector>
 
-#include "dispatch/dispatch_steps.h"
 #include "dispatch/prepare.h"
 #include "moed/dispatcher.h"
 #include "moed/permute.h"
@@ -134,9 +133,13 @@ class ExchangeHandle : public DispatchHandle {
 // output glue of their own dispatch and combine backward steps, which differ only in between.
 class RowExchangeDispatcher : public TokenDispatcher {
  public:
-  MOED_COMBINE_STEPS;
+  Status combine_preprocess(const CombineInput& input) override;
+  StatusOr<Request> token_combine(bool async) override;
+  StatusOr<CombineOutput> combine_postprocess() override;
 
-  MOED_DISPATCH_BACKWARD_STEPS;
+  Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
+  StatusOr<Request> token_dispatch_backward(bool async) override;
+  StatusOr<DispatchGrad> dispatch_preprocess_backward() override;
 
  protected:
   RowExchangeDispatcher(World& world, const DispatchConfig& config)

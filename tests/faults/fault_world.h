@@ -15,10 +15,12 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
+#include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 
-#include "comm/world_methods.h"
 #include "moed/world.h"
 
 namespace moed::testing {
@@ -38,7 +40,20 @@ class FaultWorld final : public World {
   const char* backend_name() const override { return inner_.backend_name(); }
   bool shares_address_space() const override { return inner_.shares_address_space(); }
   bool calls_from_any_thread() const override { return inner_.calls_from_any_thread(); }
-  MOED_WORLD_TRANSPORT_OVERRIDES;
+  Status barrier() override;
+  Status broadcast_bytes(void* data, size_t bytes, int root) override;
+  Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
+                            std::span<const size_t> recv_bytes) override;
+  Status all_to_all_v_bytes(const void* send, std::span<const size_t> send_bytes,
+                            std::span<const size_t> send_offsets, void* recv,
+                            std::span<const size_t> recv_bytes,
+                            std::span<const size_t> recv_offsets) override;
+  Status reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
+                              float* recv) override;
+  Status all_reduce_f32(const float* send, float* recv, size_t count) override;
+  StatusOr<std::shared_ptr<SharedBuffer>> alloc_shared(size_t bytes) override;
+  StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) override;
+  StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
   // Marks this rank failed now, as a crash would: abort() of the real world, so the other
   // ranks are told (the armed fault calls it too).
   // NOTE: under MPI a rank that merely returns its error is announced by run_world only after

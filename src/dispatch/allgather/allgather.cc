@@ -4,7 +4,6 @@
 #include <cstring>
 #include <vector>
 
-#include "dispatch/dispatch_steps.h"
 #include "dispatch/row_exchange.h"
 
 namespace moed {
@@ -82,9 +81,13 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
   AllGatherDispatcher(World& world, const DispatchConfig& config)
       : RowExchangeDispatcher(world, config) {}
 
-  MOED_DISPATCH_STEPS;
+  Status dispatch_preprocess(const DispatchInput& input) override;
+  StatusOr<Request> token_dispatch(bool async) override;
+  StatusOr<DispatchOutput> dispatch_postprocess() override;
 
-  MOED_COMBINE_BACKWARD_STEPS;
+  Status combine_postprocess_backward(const CombineGradInput& grad) override;
+  StatusOr<Request> token_combine_backward(bool async) override;
+  StatusOr<CombineGrad> combine_preprocess_backward() override;
 
  private:
   struct DispatchState {

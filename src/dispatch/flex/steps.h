@@ -11,7 +11,6 @@
 #include <span>
 #include <vector>
 
-#include "dispatch/dispatch_steps.h"
 #include "dispatch/flex/flex.h"
 #include "dispatch/flex/flex_internal.h"
 
@@ -64,10 +63,18 @@ class FlexDispatcher final : public TokenDispatcher {
   FlexDispatcher(World& world, const DispatchConfig& config);
   Status init() { return signals_.init(*world_); }
 
-  MOED_DISPATCH_STEPS;
-  MOED_COMBINE_STEPS;
-  MOED_DISPATCH_BACKWARD_STEPS;
-  MOED_COMBINE_BACKWARD_STEPS;
+  Status dispatch_preprocess(const DispatchInput& input) override;
+  StatusOr<Request> token_dispatch(bool async) override;
+  StatusOr<DispatchOutput> dispatch_postprocess() override;
+  Status combine_preprocess(const CombineInput& input) override;
+  StatusOr<Request> token_combine(bool async) override;
+  StatusOr<CombineOutput> combine_postprocess() override;
+  Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
+  StatusOr<Request> token_dispatch_backward(bool async) override;
+  StatusOr<DispatchGrad> dispatch_preprocess_backward() override;
+  Status combine_postprocess_backward(const CombineGradInput& grad) override;
+  StatusOr<Request> token_combine_backward(bool async) override;
+  StatusOr<CombineGrad> combine_preprocess_backward() override;
 
   // flex_expert_output_buffer (moed/flex.h).
   StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype);
