@@ -3,7 +3,7 @@
 //   acc    = fp32 0 + sum over effective-routed e ascending of (weighted ? prob * term_e : term_e)
 // rounded once to the output dtype.
 #include "moed/reference.h"
-#include "reference/plan.h"
+#include "reference/reference_plan.h"
 
 namespace moed {
 

@@ -2,7 +2,7 @@
 #include <cstring>
 
 #include "moed/reference.h"
-#include "reference/plan.h"
+#include "reference/reference_plan.h"
 
 namespace moed {
 

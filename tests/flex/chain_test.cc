@@ -11,7 +11,7 @@
 #include <span>
 #include <vector>
 
-#include "dispatch/flex/flex.h"
+#include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/harness.h"
 #include "moed/reference.h"
 

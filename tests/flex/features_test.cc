@@ -4,7 +4,7 @@
 
 #include <random>
 
-#include "dispatch/flex/flex.h"
+#include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/flex/steps.h"
 #include "dispatch/harness.h"
 #include "moed/flex.h"

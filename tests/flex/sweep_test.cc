@@ -3,7 +3,7 @@
 // reference, so Flex is also bitwise equal to AllGather and AlltoAll.
 #include <gtest/gtest.h>
 
-#include "dispatch/flex/flex.h"
+#include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/harness.h"
 
 namespace moed {

@@ -1,7 +1,7 @@
 // TokenDispatcher::create: the one place that names every dispatcher.
 #include "dispatch/allgather/allgather.h"
 #include "dispatch/alltoall/alltoall.h"
-#include "dispatch/flex/flex.h"
+#include "dispatch/flex/flex_dispatcher.h"
 #include "moed/dispatcher.h"
 
 namespace moed {

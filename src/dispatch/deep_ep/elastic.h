@@ -8,7 +8,7 @@
 #include <tuple>
 #include <vector>
 
-#include "dispatch/flex/flex.h"
+#include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/flex/flex_internal.h"
 #include "moed/elastic_buffer.h"
 

@@ -37,12 +37,13 @@
 // Combine reads the expert outputs where they are when the world shares one address space
 // (threads); otherwise (MPI) they are copied into a shared region first (counted), unless the
 // experts wrote them into flex_expert_output_buffer().
+#include "dispatch/flex/flex_dispatcher.h"
+
 #include <algorithm>
 #include <cstring>
 #include <thread>
 
 #include "core/row_kernels.h"
-#include "dispatch/flex/flex.h"
 #include "dispatch/flex/steps.h"
 
 namespace moed {

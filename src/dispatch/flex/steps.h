@@ -11,7 +11,7 @@
 #include <span>
 #include <vector>
 
-#include "dispatch/flex/flex.h"
+#include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/flex/flex_internal.h"
 
 namespace moed::flex {
@@ -78,7 +78,7 @@ class FlexDispatcher final : public TokenDispatcher {
 
   // flex_expert_output_buffer (moed/flex.h).
   StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype);
-  // flex_ordered_combine (flex.h): DeepEP V2's combine order, one synchronous call.
+  // flex_ordered_combine (flex_dispatcher.h): DeepEP V2's combine order, one synchronous call.
   StatusOr<OrderedCombineOutput> ordered_combine(std::shared_ptr<const DispatchHandle> handle,
                                                  const OrderedCombineInput& input);
 

@@ -1,7 +1,7 @@
 // Validation of the global problem, the effective routing of every source rank (capacity
 // dropping, then router padding) and the canonical layout of every expert-parallel group:
 // the brief's "Semantics everybody shares", written out as plain loops.
-#include "reference/plan.h"
+#include "reference/reference_plan.h"
 
 #include <algorithm>
 #include <cmath>

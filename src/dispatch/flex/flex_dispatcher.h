@@ -1,4 +1,6 @@
-// The Flex dispatcher's factory (DeepEP's design, spec §5); TokenDispatcher::create calls it.
+// Internal: the Flex dispatcher's entry points for the rest of the library (its class and
+// phases stay in this folder): the factory TokenDispatcher::create calls (DeepEP's design,
+// spec §5) and DeepEP V2's ordered combine, which ElasticBuffer calls.
 #pragma once
 
 #include <memory>
@@ -19,17 +21,17 @@ StatusOr<std::unique_ptr<TokenDispatcher>> make_flex_dispatcher(World& world,
 // order (moed/combine_recipe.h) after bias_0 + bias_1, and each (token, slot)'s row weight
 // handed back. Needs etp_size = 1 and a routing with top-k slots (from a top-k form).
 struct OrderedCombineInput {
-  TensorView rows;                      // [num_rows, H] f32 or bf16, the dispatch's layout
-  std::span<const float> row_weights;   // [num_rows] or empty
-  TensorView bias_0, bias_1;            // optional [T, H] of rows' dtype
+  TensorView rows;                     // [num_rows, H] f32 or bf16, the dispatch's layout
+  std::span<const float> row_weights;  // [num_rows] or empty
+  TensorView bias_0, bias_1;           // optional [T, H] of rows' dtype
   CombineRecipe recipe;
-  int num_topk = 0;                     // K of the weights' output
-  std::optional<TensorView> out;        // optional caller-owned [T, H]
+  int num_topk = 0;               // K of the weights' output
+  std::optional<TensorView> out;  // optional caller-owned [T, H]
   Status caller_error = Status();
 };
 struct OrderedCombineOutput {
-  Tensor combined;                   // [T, H]; empty when out was given
-  std::vector<float> slot_weights;   // [T, K] when row_weights were given (any rank), else empty
+  Tensor combined;                  // [T, H]; empty when out was given
+  std::vector<float> slot_weights;  // [T, K] when row_weights were given (any rank), else empty
 };
 StatusOr<OrderedCombineOutput> flex_ordered_combine(TokenDispatcher& dispatcher,
                                                     std::shared_ptr<const DispatchHandle> handle,
