@@ -16,8 +16,8 @@
 #include <string>
 
 #include "bench/common.h"
+#include "cli/registry.h"
 #include "moed/world.h"
-#include "tools/moed/registry.h"
 #ifdef MOED_WITH_MPI
 #include <mpi.h>
 #endif

@@ -12,10 +12,10 @@
 #include <random>
 #include <thread>
 
+#include "cli/registry.h"
+#include "cli/world_choice.h"
 #include "moed/dtype.h"
 #include "moed/threads_world.h"
-#include "tools/moed/registry.h"
-#include "tools/moed/world_choice.h"
 
 namespace moed::bench {
 

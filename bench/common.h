@@ -24,12 +24,12 @@
 #include <string_view>
 #include <vector>
 
+#include "cli/world_choice.h"
 #include "moed/routing.h"
 #include "moed/status.h"
 #include "moed/tensor.h"
 #include "moed/thread_pool.h"
 #include "moed/world.h"
-#include "tools/moed/world_choice.h"
 
 namespace CLI {
 class App;
@@ -122,7 +122,7 @@ uint64_t current_rss_bytes();
 int host_threads();
 
 // Prints "moed bench <command>: <status>" ("moed bench: ..." for the sweep, command "") and
-// ends the command with exit code 1, as tools/moed/registry.h asks of a failing command.
+// ends the command with exit code 1, as cli/registry.h asks of a failing command.
 [[noreturn]] void fail(std::string_view command, const Status& s);
 
 // Options with the same meaning and help in every command that takes them: --world, --ranks
@@ -215,7 +215,7 @@ class Report {
   std::vector<nlohmann::json> records_;
 };
 
-// ---- choosing a world (tools/moed/world_choice.h, shared with `moed run`) ----
+// ---- choosing a world (cli/world_choice.h, shared with `moed run`) ----
 using cli::launched_by_mpirun;
 using cli::mpi_world_size;
 using cli::run_in_world;

@@ -37,10 +37,10 @@
 #endif
 
 #include "bench/common.h"
+#include "cli/registry.h"
 #include "moed/dispatcher.h"
 #include "moed/flex.h"
 #include "moed/reference.h"
-#include "tools/moed/registry.h"
 
 namespace moed::bench {
 namespace {

@@ -26,9 +26,9 @@
 #include <random>
 
 #include "bench/common.h"
+#include "cli/registry.h"
 #include "moed/dispatcher.h"
 #include "moed/low_latency.h"
-#include "tools/moed/registry.h"
 
 namespace moed::bench {
 namespace {

@@ -10,9 +10,9 @@
 #include <string>
 
 #include "bench/common.h"
+#include "cli/registry.h"
 #include "moed/permute.h"
 #include "moed/reference.h"
-#include "tools/moed/registry.h"
 
 namespace moed::bench {
 namespace {

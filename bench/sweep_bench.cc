@@ -20,10 +20,10 @@
 #include <sstream>
 
 #include "bench/common.h"
+#include "cli/registry.h"
 #include "moed/dispatcher.h"
 #include "moed/low_latency.h"
 #include "moed/reference.h"
-#include "tools/moed/registry.h"
 
 namespace moed::bench {
 namespace {

@@ -32,13 +32,13 @@
 #include <string>
 #include <vector>
 
+#include "cli/registry.h"
+#include "cli/world_choice.h"
 #include "moed/dispatcher.h"
+#include "moed/megatron_trace.h"
 #include "moed/npy.h"
 #include "moed/world.h"
-#include "moed/megatron_trace.h"
-#include "tools/moed/registry.h"
 #include "tools/moed/trace_input.h"
-#include "tools/moed/world_choice.h"
 
 namespace moed::cli {
 namespace {

@@ -3,14 +3,7 @@
 #include <cstdio>
 #include <map>
 
-#include "tools/moed/registry.h"
-
-namespace moed::cli {
-std::vector<Registration>& registrations() {
-  static std::vector<Registration> r;
-  return r;
-}
-}  // namespace moed::cli
+#include "cli/registry.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"moed: MoE token dispatch and combine (AllGather, AlltoAll, Flex, low-latency)"};

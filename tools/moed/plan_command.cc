@@ -11,9 +11,9 @@
 #include <optional>
 #include <string>
 
+#include "cli/registry.h"
 #include "moed/plan.h"
 #include "replay/svg.h"
-#include "tools/moed/registry.h"
 #include "tools/moed/trace_input.h"
 
 namespace moed::cli {

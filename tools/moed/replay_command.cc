@@ -17,9 +17,9 @@
 #include <optional>
 #include <string>
 
+#include "cli/registry.h"
 #include "moed/plan.h"
 #include "moed/replay.h"
-#include "tools/moed/registry.h"
 #include "tools/moed/trace_input.h"
 
 namespace moed::cli {

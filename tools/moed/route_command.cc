@@ -22,9 +22,9 @@
 #include <optional>
 #include <string>
 
+#include "cli/registry.h"
 #include "moed/npy.h"
 #include "moed/router.h"
-#include "tools/moed/registry.h"
 
 namespace moed::cli {
 namespace {

@@ -24,11 +24,11 @@
 #include <string>
 #include <vector>
 
+#include "cli/registry.h"
+#include "cli/world_choice.h"
 #include "moed/dtype.h"
 #include "moed/moe_layer.h"
 #include "moed/threads_world.h"
-#include "tools/moed/registry.h"
-#include "tools/moed/world_choice.h"
 
 namespace moed::cli {
 namespace {

@@ -1,13 +1,13 @@
 // Choosing a world for a command: threads in this process or the MPI job (world_choice.h).
-#include "tools/moed/world_choice.h"
+#include "cli/world_choice.h"
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 
+#include "cli/registry.h"
 #include "moed/threads_world.h"
-#include "tools/moed/registry.h"
 #ifdef MOED_WITH_MPI
 #include "moed/mpi_world.h"
 #endif

@@ -5,8 +5,8 @@
 //   Status s = moed::cli::run_in_world("mpi", 4, WorldOptions{}, body, &my_rank);
 //   if (my_rank == 0) ... print the report ...
 //
-// NOTE: bench/ depends on tools/ (its commands register here and use this), never the
-// reverse, so tools/moed builds without bench/.
+// NOTE: src/cli is the floor of the command line: the program (tools/moed) and the benchmark
+// commands (bench/, a library the program links) both build on it, and it on neither.
 #pragma once
 
 #include <functional>
