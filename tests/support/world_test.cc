@@ -1,11 +1,11 @@
-// run_world and backends() for both test binaries: compiled once without MPI (threads test
-// binary) and once with MOED_WORLD_TEST_MPI (the MPI test binary started by mpiexec).
+// run_world and backends() for the world test binaries: the threads world, or under
+// `mpiexec ... <test> --world=mpi` the MPI world (world_main.cc chooses before gtest starts).
 #include "support/world_test.h"
 
 #include <exception>
 
 #include "moed/threads_world.h"
-#ifdef MOED_WORLD_TEST_MPI
+#ifdef MOED_WITH_MPI
 #include <mpi.h>
 
 #include <chrono>
@@ -17,25 +17,17 @@
 
 namespace moed::testing {
 
+namespace {
+Backend g_backend = Backend::kThreads;
+}  // namespace
+
 const char* backend_name(Backend b) { return b == Backend::kThreads ? "threads" : "mpi"; }
 
-#ifndef MOED_WORLD_TEST_MPI
+void use_backend(Backend b) { g_backend = b; }
 
-std::vector<Backend> backends() { return {Backend::kThreads}; }
+std::vector<Backend> backends() { return {g_backend}; }
 
-Status run_world(Backend b, int ranks, int ranks_per_node,
-                 const std::function<Status(World&)>& body, WorldOptions opts) {
-  if (b != Backend::kThreads) {
-    return unimplemented("run_world: the MPI world runs only in an MPI test binary");
-  }
-  opts.ranks_per_node = ranks_per_node;
-  return run_threads(ranks, opts, body);
-}
-
-#else
-
-std::vector<Backend> backends() { return {Backend::kMpi}; }
-
+#ifdef MOED_WITH_MPI
 namespace {
 
 // Waits for `req` without spinning. In CI 8 MPI processes share 2 cores, and a blocking MPI
@@ -86,13 +78,8 @@ Status combine(const Status& local, MPI_Comm comm) {
   return Status(StatusCode(codes[size_t(pick)]), msg);
 }
 
-}  // namespace
-
-Status run_world(Backend b, int ranks, int ranks_per_node,
-                 const std::function<Status(World&)>& body, WorldOptions opts) {
-  if (b != Backend::kMpi) {
-    return unimplemented("run_world: this MPI test binary runs only the MPI world");
-  }
+Status run_mpi_world(int ranks, int ranks_per_node, const std::function<Status(World&)>& body,
+                     WorldOptions opts) {
   int size = 0, me = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
@@ -131,6 +118,24 @@ Status run_world(Backend b, int ranks, int ranks_per_node,
   return combine(local, MPI_COMM_WORLD);
 }
 
+}  // namespace
 #endif
+
+Status run_world(Backend b, int ranks, int ranks_per_node,
+                 const std::function<Status(World&)>& body, WorldOptions opts) {
+  if (b != g_backend) {
+    return unimplemented("run_world: this run of the test binary has the ", backend_name(g_backend),
+                         " world, not ", backend_name(b), " (--world=mpi under mpiexec for MPI)");
+  }
+  if (b == Backend::kThreads) {
+    opts.ranks_per_node = ranks_per_node;
+    return run_threads(ranks, opts, body);
+  }
+#ifdef MOED_WITH_MPI
+  return run_mpi_world(ranks, ranks_per_node, body, opts);
+#else
+  return unimplemented("run_world: this build has no MPI (-DMOED_WITH_MPI=OFF)");
+#endif
+}
 
 }  // namespace moed::testing

@@ -4,12 +4,12 @@
 //
 //   1. In your tests/<area>/CMakeLists.txt:
 //        moed_world_gtest(moed_<area>_tests SOURCES a_test.cc b_test.cc [LIBS moed_x ...] [NP 8])
-//      This builds the sources twice: moed_<area>_tests (threads world, CTest label `tsan`)
-//      and, when MOED_WITH_MPI, moed_<area>_tests_mpi, run by CTest as
-//      `mpiexec --oversubscribe -np 8 moed_<area>_tests_mpi` (label `mpi`). Do not link
-//      GTest::gtest_main yourself; the function picks the right main.
-//   2. In the test, parameterise over moed::testing::backends() (kThreads in the threads
-//      binary, kMpi in the MPI binary) and run the body with run_world:
+//      This builds one binary, moed_<area>_tests, and runs it twice: on the threads world
+//      (its tests one by one, CTest label `tsan`) and, when MOED_WITH_MPI, as the CTest test
+//      moed_<area>_tests_mpi: `mpiexec --oversubscribe -np 8 moed_<area>_tests --world=mpi`
+//      (label `mpi`). Do not link GTest::gtest_main yourself; world_main.cc is the main.
+//   2. In the test, parameterise over moed::testing::backends() (kThreads, or kMpi under
+//      --world=mpi) and run the body with run_world:
 //
 //        class MyTest : public ::testing::TestWithParam<moed::testing::Backend> {};
 //        TEST_P(MyTest, Sums) {
@@ -32,7 +32,7 @@
 //     problems by returning an error Status (preferred: run_world then fails the test on
 //     every rank); gtest EXPECT_* inside the body also work but only on the rank that sees
 //     them. Everything outside the body runs on every MPI process.
-//   - Keep ranks <= 8 (the MPI binary is started with 8 processes); ranks_per_node must
+//   - Keep ranks <= 8 (mpiexec starts 8 processes, or NP); ranks_per_node must
 //     divide ranks (0 = all ranks on one node).
 //   - Inside `namespace moed`, write gtest's namespace as ::testing (moed::testing is this).
 //   - MPI: run_world announces a body's error after the body returns, i.e. after its locals
@@ -55,8 +55,10 @@ namespace moed::testing {
 
 enum class Backend { kThreads, kMpi };
 
-// The backends this test binary runs: {kThreads} normally, {kMpi} in an MPI test binary.
+// The backends this run of the test binary has: {kThreads}, or {kMpi} under --world=mpi.
 std::vector<Backend> backends();
+// Chooses the backend (world_main.cc, before gtest registers the tests).
+void use_backend(Backend b);
 const char* backend_name(Backend b);
 // For INSTANTIATE_TEST_SUITE_P's name generator: "threads" / "mpi".
 template <typename ParamInfo>
