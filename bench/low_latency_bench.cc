@@ -188,15 +188,9 @@ StatusOr<Floor> measure_floor(World& w, int iters) {
   return f;
 }
 
-// One T per rank: low-latency dispatch and combine (bf16 and FP8, whole calls and halves) and
-// Flex's normal mode at the same shape.
-Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figures) {
-  const int R = w.size(), E = s.num_experts, K = s.num_topk, H = s.hidden;
-  const int64_t T = s.num_tokens;
-  // Inputs: random bf16 rows (any rank can rebuild any other's, to check FP8 rows); each
-  // token picks K distinct experts uniformly; unit weights.
-  Tensor x = make_tokens(w.rank(), T, H);
-  std::mt19937 rng(5678u + uint32_t(w.rank()));
+// Rank `rank`'s routing: each token picks K distinct experts of E uniformly; unit weights.
+TopkRouting uniform_topk(int rank, int64_t T, int E, int K) {
+  std::mt19937 rng(5678u + uint32_t(rank));
   TopkRouting topk;
   topk.num_tokens = T;
   topk.num_topk = K;
@@ -209,6 +203,17 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
       topk.topk_weights.push_back(1.0f);
     }
   }
+  return topk;
+}
+
+// One T per rank: low-latency dispatch and combine (bf16 and FP8, whole calls and halves) and
+// Flex's normal mode at the same shape.
+Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figures) {
+  const int R = w.size(), E = s.num_experts, K = s.num_topk, H = s.hidden;
+  const int64_t T = s.num_tokens;
+  // Inputs: random bf16 rows (any rank can rebuild any other's, to check FP8 rows).
+  Tensor x = make_tokens(w.rank(), T, H);
+  const TopkRouting topk = uniform_topk(w.rank(), T, E, K);
 
   MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, T, H, E));
   const bool root = w.rank() == 0;

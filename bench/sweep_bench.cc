@@ -204,6 +204,57 @@ struct SummaryRow {
   bool verified = true;
 };
 
+// Adds one (shape, R) point's figures to the report; its summary rows, one per dispatcher.
+std::map<std::string, SummaryRow> report_point(Report& report, const std::vector<Figure>& figures,
+                                               const Shape& s, const std::string& world, int R,
+                                               const SweepArgs& a, int pool_threads) {
+  std::map<std::string, SummaryRow> rows;
+  for (const Figure& f : figures) {
+    nlohmann::json rec = world_record(
+        "sweep", s, world, R, a.ranks_per_node, pool_threads, a.iters,
+        bf16_phase_fields(f.dispatcher, f.phase, f.rows, s.hidden, f.traffic, f.verified));
+    add_paired(rec, f.times);
+    const double seconds = rec["seconds"].get<double>();
+    const double copy = rec["copy_gbps"].get<double>();
+    const double ratio = rec["ratio_to_copy"].get<double>();
+    rec["microseconds"] = seconds * 1e6;
+    const bool noisy = rec["noisy"].get<bool>();
+    const double rec_bytes = rec["bytes"].get<double>();
+    report.add(std::move(rec));
+    SummaryRow& row = rows[f.dispatcher];
+    row.world = world;
+    row.shape = s.name;
+    row.dispatcher = f.dispatcher;
+    row.ranks = R;
+    const double gbps = seconds > 0 ? rec_bytes / seconds / 1e9 : 0;
+    (f.phase == "dispatch" ? row.dispatch_gbps : row.combine_gbps) = gbps;
+    (f.phase == "dispatch" ? row.dispatch_us : row.combine_us) = seconds * 1e6;
+    (f.phase == "dispatch" ? row.dispatch_ratio : row.combine_ratio) = ratio;
+    if (f.phase == "dispatch") row.copy_gbps = copy;
+    row.noisy = row.noisy || noisy;
+    row.verified = row.verified && f.verified;
+  }
+  return rows;
+}
+
+void print_summary(const std::vector<SummaryRow>& summary) {
+  std::printf("\n%-8s %-8s %5s %-12s %11s %9s %6s %11s %9s %6s %9s  %s\n", "world", "shape",
+              "ranks", "dispatcher", "dispatch us", "GB/s", "ratio", "combine us", "GB/s", "ratio",
+              "copy GB/s", "check");
+  for (const SummaryRow& r : summary) {
+    std::printf("%-8s %-8s %5d %-12s %11.1f %9.2f %6.2f %11.1f %9.2f %6.2f %9.2f  %s%s\n",
+                r.world.c_str(), r.shape.c_str(), r.ranks, r.dispatcher.c_str(), r.dispatch_us,
+                r.dispatch_gbps, r.dispatch_ratio, r.combine_us, r.combine_gbps, r.combine_ratio,
+                r.copy_gbps, r.verified ? "verified" : "MISMATCH", r.noisy ? " NOISY" : "");
+  }
+  std::printf(
+      "(aggregate GB/s = rows received over all ranks x H x 2 bytes / slowest rank's "
+      "median time; ratio = median over iterations of copy time / kernel time, each copy of "
+      "the same bytes by the ranks' threads just before the kernel; NOISY = those ratios "
+      "spread over %.0f%% of their median)\n",
+      kNoisySpread * 100);
+}
+
 void sweep(const SweepArgs& a) {
   const std::string world = a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
   std::vector<int> ranks_list = a.ranks;
@@ -268,32 +319,8 @@ void sweep(const SweepArgs& a) {
           &my_rank);
       if (!st.ok()) fail("", st);
       if (my_rank != 0) continue;
-      std::map<std::string, SummaryRow> rows;
-      for (const Figure& f : figures) {
-        nlohmann::json rec = world_record(
-            "sweep", s, world, R, a.ranks_per_node, pool_threads, a.iters,
-            bf16_phase_fields(f.dispatcher, f.phase, f.rows, s.hidden, f.traffic, f.verified));
-        add_paired(rec, f.times);
-        const double seconds = rec["seconds"].get<double>();
-        const double copy = rec["copy_gbps"].get<double>();
-        const double ratio = rec["ratio_to_copy"].get<double>();
-        rec["microseconds"] = seconds * 1e6;
-        const bool noisy = rec["noisy"].get<bool>();
-        const double rec_bytes = rec["bytes"].get<double>();
-        report.add(std::move(rec));
-        SummaryRow& row = rows[f.dispatcher];
-        row.world = world;
-        row.shape = s.name;
-        row.dispatcher = f.dispatcher;
-        row.ranks = R;
-        const double gbps = seconds > 0 ? rec_bytes / seconds / 1e9 : 0;
-        (f.phase == "dispatch" ? row.dispatch_gbps : row.combine_gbps) = gbps;
-        (f.phase == "dispatch" ? row.dispatch_us : row.combine_us) = seconds * 1e6;
-        (f.phase == "dispatch" ? row.dispatch_ratio : row.combine_ratio) = ratio;
-        if (f.phase == "dispatch") row.copy_gbps = copy;
-        row.noisy = row.noisy || noisy;
-        row.verified = row.verified && f.verified;
-      }
+      std::map<std::string, SummaryRow> rows =
+          report_point(report, figures, s, world, R, a, pool_threads);
       for (DispatcherKind k : kinds) {
         if (k == DispatcherKind::kLowLatency && !ll_fits) {
           std::fprintf(stderr,
@@ -309,23 +336,7 @@ void sweep(const SweepArgs& a) {
   report.finish();
   bool all_ok = true;
   for (const SummaryRow& r : summary) all_ok = all_ok && r.verified;
-  if (!a.json) {
-    std::printf("\n%-8s %-8s %5s %-12s %11s %9s %6s %11s %9s %6s %9s  %s\n", "world", "shape",
-                "ranks", "dispatcher", "dispatch us", "GB/s", "ratio", "combine us", "GB/s",
-                "ratio", "copy GB/s", "check");
-    for (const SummaryRow& r : summary) {
-      std::printf("%-8s %-8s %5d %-12s %11.1f %9.2f %6.2f %11.1f %9.2f %6.2f %9.2f  %s%s\n",
-                  r.world.c_str(), r.shape.c_str(), r.ranks, r.dispatcher.c_str(), r.dispatch_us,
-                  r.dispatch_gbps, r.dispatch_ratio, r.combine_us, r.combine_gbps, r.combine_ratio,
-                  r.copy_gbps, r.verified ? "verified" : "MISMATCH", r.noisy ? " NOISY" : "");
-    }
-    std::printf(
-        "(aggregate GB/s = rows received over all ranks x H x 2 bytes / slowest rank's "
-        "median time; ratio = median over iterations of copy time / kernel time, each copy of "
-        "the same bytes by the ranks' threads just before the kernel; NOISY = those ratios "
-        "spread over %.0f%% of their median)\n",
-        kNoisySpread * 100);
-  }
+  if (!a.json) print_summary(summary);
   if (!all_ok) {
     std::fprintf(stderr, "moed bench: some results differ from the reference (see MISMATCH)\n");
     throw CLI::RuntimeError(2);

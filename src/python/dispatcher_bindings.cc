@@ -7,13 +7,12 @@
 // storage keeps the memory too (Flex: its node-shared region, in every world), so expert_input
 // is zero-copy and may outlive the dispatcher. permuted_probs and tokens_per_expert are copied
 // (the handle's own vectors are what a weighted combine reads, so torch must not write them).
-#include "moed/dispatcher.h"
-
 #include <pybind11/stl.h>
 
 #include <chrono>
 #include <mutex>
 
+#include "moed/dispatcher.h"
 #include "python/bindings.h"
 #include "python/interop.h"
 #include "python/world_handle.h"
@@ -166,9 +165,114 @@ void def_dispatch(Class& c, const char* name, F f) {
       py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0, py::arg("out") = py::none());
 }
 
-}  // namespace
+std::shared_ptr<DispatcherBox> make_dispatcher(
+    std::shared_ptr<WorldHandle> world, const std::string& kind, int num_experts, int ep_size,
+    int etp_size, py::handle capacity_factor, const std::string& drop_policy, bool pad_to_capacity,
+    int expert_alignment, int router_padding_multiple, bool weighted_combine,
+    int64_t num_worst_tokens, int num_channels) {
+  DispatchConfig c;
+  c.kind = check(parse_dispatcher_kind(kind));
+  set_dispatch_fields(c, num_experts, ep_size, etp_size, capacity_factor, drop_policy,
+                      pad_to_capacity, expert_alignment, router_padding_multiple, weighted_combine);
+  c.num_worst_tokens = num_worst_tokens;
+  c.num_channels = num_channels;
+  World& w = world->get();
+  auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
+  auto box = std::make_shared<DispatcherBox>(world, std::move(d));
+  world->add(box);
+  return box;
+}
 
-void bind_dispatcher(py::module_& m) {
+std::vector<double> bench_cpp(DispatcherBox& b, py::handle x, py::handle routing_map,
+                              py::handle probs, int num_topk, int iters, int warmup, int between) {
+  if (between < 0 || between > 3) {
+    throw py::value_error("between = " + std::to_string(between) + " is not 0, 1, 2 or 3");
+  }
+  DispatchInput in;
+  py::object no_scales;
+  in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload, no_scales);
+  RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
+  in.map = &map;
+  TokenDispatcher& d = b.get();
+  py::object tick = py::module_::import("time").attr("perf_counter");
+  auto gap = [&] {
+    if (between < 2) return;
+    py::gil_scoped_acquire gil;
+    if (between == 3) tick();
+  };
+  auto wait = [](StatusOr<Request> r) -> Status {
+    if (!r.ok()) return r.status();
+    return (*r)->wait();
+  };
+  // Both outputs live until the iteration's time is taken, as in the Python loop.
+  DispatchOutput out;
+  CombineOutput y;
+  auto iteration = [&]() -> Status {
+    if (between == 0) {
+      MOED_ASSIGN_OR_RETURN(out, d.dispatch(in));
+      MOED_ASSIGN_OR_RETURN(y, d.combine({out.expert_input, out.handle}));
+      return ok_status();
+    }
+    MOED_RETURN_IF_ERROR(d.dispatch_preprocess(in));
+    gap();
+    MOED_RETURN_IF_ERROR(wait(d.token_dispatch(false)));
+    gap();
+    MOED_ASSIGN_OR_RETURN(out, d.dispatch_postprocess());
+    gap();
+    MOED_RETURN_IF_ERROR(d.combine_preprocess({out.expert_input, out.handle}));
+    gap();
+    MOED_RETURN_IF_ERROR(wait(d.token_combine(false)));
+    gap();
+    MOED_ASSIGN_OR_RETURN(y, d.combine_postprocess());
+    return ok_status();
+  };
+  std::vector<double> times;
+  Status st = nogil([&]() -> Status {
+    for (int i = 0; i < warmup + iters; ++i) {
+      auto t0 = std::chrono::steady_clock::now();
+      MOED_RETURN_IF_ERROR(iteration());
+      auto t1 = std::chrono::steady_clock::now();
+      out = DispatchOutput{};
+      y = CombineOutput{};
+      if (i >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
+    }
+    return Status();
+  });
+  check(st);
+  return times;
+}
+
+py::tuple dispatch_backward(DispatcherBox& b, py::handle grad_x, py::handle grad_pprobs,
+                            py::handle handle) {
+  DispatchGradInput g;
+  g.handle = handle_of(handle);
+  g.grad_expert_input =
+      rows_arg(grad_x, "grad_expert_input", kFloatRows, g.handle->num_rows, g.handle->hidden);
+  if (!grad_pprobs.is_none())
+    g.grad_permuted_probs =
+        span_arg<float>(grad_pprobs, "grad_permuted_probs", ElemType::kF32, {g.handle->num_rows});
+  TokenDispatcher& d = b.get();
+  DispatchGrad out = check(nogil([&] { return d.dispatch_backward(g); }));
+  return grad_result(std::move(out.grad_hidden), std::move(out.grad_probs), *g.handle);
+}
+
+py::tuple combine_backward(DispatcherBox& b, py::handle grad_out, py::handle expert_output,
+                           py::handle handle) {
+  CombineGradInput g;
+  g.handle = handle_of(handle);
+  g.grad_hidden = rows_arg(grad_out, "grad_output", kFloatRows, g.handle->routing.num_tokens(),
+                           g.handle->hidden);
+  if (!expert_output.is_none())
+    g.expert_output = TokenRows{
+        rows_arg(expert_output, "expert_output", kFloatRows, g.handle->num_rows, g.handle->hidden),
+        {}};
+  TokenDispatcher& d = b.get();
+  CombineGrad out = check(nogil([&] { return d.combine_backward(g); }));
+  return grad_result(std::move(out.grad_expert_output), std::move(out.grad_probs), *g.handle);
+}
+
+// DispatchHandle: the handle's fields, read-only, as torch tensors.
+void bind_dispatch_handle(py::module_& m) {
   py::class_<HandleBox>(m, "DispatchHandle")
       .def_property_readonly(
           "kind", [](const HandleBox& b) { return std::string(dispatcher_kind_name(b.h->kind)); })
@@ -207,28 +311,16 @@ void bind_dispatcher(py::module_& m) {
         RoutingMap r = to_map(b.h->routing);
         return vector_to_torch<float>(std::move(r.probs), {r.num_tokens, r.num_experts});
       });
+}
+
+}  // namespace
+
+void bind_dispatcher(py::module_& m) {
+  bind_dispatch_handle(m);
 
   py::class_<DispatcherBox, std::shared_ptr<DispatcherBox>> cls(m, "TokenDispatcher");
-  cls.def(py::init([](std::shared_ptr<WorldHandle> world, const std::string& kind, int num_experts,
-                      int ep_size, int etp_size, py::handle capacity_factor,
-                      const std::string& drop_policy, bool pad_to_capacity, int expert_alignment,
-                      int router_padding_multiple, bool weighted_combine, int64_t num_worst_tokens,
-                      int num_channels) {
-            DispatchConfig c;
-            c.kind = check(parse_dispatcher_kind(kind));
-            set_dispatch_fields(c, num_experts, ep_size, etp_size, capacity_factor, drop_policy,
-                                pad_to_capacity, expert_alignment, router_padding_multiple,
-                                weighted_combine);
-            c.num_worst_tokens = num_worst_tokens;
-            c.num_channels = num_channels;
-            World& w = world->get();
-            auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
-            auto box = std::make_shared<DispatcherBox>(world, std::move(d));
-            world->add(box);
-            return box;
-          }),
-          py::arg("world"), py::arg("kind"), py::arg("num_experts"), py::arg("ep_size") = 0,
-          py::arg("etp_size") = 1, py::arg("capacity_factor") = py::none(),
+  cls.def(py::init(&make_dispatcher), py::arg("world"), py::arg("kind"), py::arg("num_experts"),
+          py::arg("ep_size") = 0, py::arg("etp_size") = 1, py::arg("capacity_factor") = py::none(),
           py::arg("drop_policy") = "probs", py::arg("pad_to_capacity") = false,
           py::arg("expert_alignment") = 1, py::arg("router_padding_multiple") = 0,
           py::arg("weighted_combine") = false, py::arg("num_worst_tokens") = 0,
@@ -311,102 +403,14 @@ void bind_dispatcher(py::module_& m) {
       // returns each iteration's seconds. `between` splits the Python path's extra (bench_python
       // --split): 0, the two calls; 1, the six steps; 2, the six steps with the GIL taken
       // between them; 3, the same with one trivial Python call (time.perf_counter) there.
-      .def(
-          "_bench_cpp",
-          [](DispatcherBox& b, py::handle x, py::handle routing_map, py::handle probs, int num_topk,
-             int iters, int warmup, int between) {
-            if (between < 0 || between > 3) {
-              throw py::value_error("between = " + std::to_string(between) +
-                                    " is not 0, 1, 2 or 3");
-            }
-            DispatchInput in;
-            py::object no_scales;
-            in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload, no_scales);
-            RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
-            in.map = &map;
-            TokenDispatcher& d = b.get();
-            py::object tick = py::module_::import("time").attr("perf_counter");
-            auto gap = [&] {
-              if (between < 2) return;
-              py::gil_scoped_acquire gil;
-              if (between == 3) tick();
-            };
-            auto wait = [](StatusOr<Request> r) -> Status {
-              if (!r.ok()) return r.status();
-              return (*r)->wait();
-            };
-            // Both outputs live until the iteration's time is taken, as in the Python loop.
-            DispatchOutput out;
-            CombineOutput y;
-            auto iteration = [&]() -> Status {
-              if (between == 0) {
-                MOED_ASSIGN_OR_RETURN(out, d.dispatch(in));
-                MOED_ASSIGN_OR_RETURN(y, d.combine({out.expert_input, out.handle}));
-                return ok_status();
-              }
-              MOED_RETURN_IF_ERROR(d.dispatch_preprocess(in));
-              gap();
-              MOED_RETURN_IF_ERROR(wait(d.token_dispatch(false)));
-              gap();
-              MOED_ASSIGN_OR_RETURN(out, d.dispatch_postprocess());
-              gap();
-              MOED_RETURN_IF_ERROR(d.combine_preprocess({out.expert_input, out.handle}));
-              gap();
-              MOED_RETURN_IF_ERROR(wait(d.token_combine(false)));
-              gap();
-              MOED_ASSIGN_OR_RETURN(y, d.combine_postprocess());
-              return ok_status();
-            };
-            std::vector<double> times;
-            Status st = nogil([&]() -> Status {
-              for (int i = 0; i < warmup + iters; ++i) {
-                auto t0 = std::chrono::steady_clock::now();
-                MOED_RETURN_IF_ERROR(iteration());
-                auto t1 = std::chrono::steady_clock::now();
-                out = DispatchOutput{};
-                y = CombineOutput{};
-                if (i >= warmup) times.push_back(std::chrono::duration<double>(t1 - t0).count());
-              }
-              return Status();
-            });
-            check(st);
-            return times;
-          },
-          py::arg("hidden_states"), py::arg("routing_map"), py::arg("probs"), py::arg("num_topk"),
-          py::arg("iters"), py::arg("warmup"), py::arg("between") = 0)
+      .def("_bench_cpp", &bench_cpp, py::arg("hidden_states"), py::arg("routing_map"),
+           py::arg("probs"), py::arg("num_topk"), py::arg("iters"), py::arg("warmup"),
+           py::arg("between") = 0)
       // ---- backward ----
-      .def(
-          "dispatch_backward",
-          [](DispatcherBox& b, py::handle grad_x, py::handle grad_pprobs, py::handle handle) {
-            DispatchGradInput g;
-            g.handle = handle_of(handle);
-            g.grad_expert_input = rows_arg(grad_x, "grad_expert_input", kFloatRows,
-                                           g.handle->num_rows, g.handle->hidden);
-            if (!grad_pprobs.is_none())
-              g.grad_permuted_probs = span_arg<float>(grad_pprobs, "grad_permuted_probs",
-                                                      ElemType::kF32, {g.handle->num_rows});
-            TokenDispatcher& d = b.get();
-            DispatchGrad out = check(nogil([&] { return d.dispatch_backward(g); }));
-            return grad_result(std::move(out.grad_hidden), std::move(out.grad_probs), *g.handle);
-          },
-          py::arg("grad_expert_input"), py::arg("grad_permuted_probs"), py::arg("handle"))
-      .def(
-          "combine_backward",
-          [](DispatcherBox& b, py::handle grad_out, py::handle expert_output, py::handle handle) {
-            CombineGradInput g;
-            g.handle = handle_of(handle);
-            g.grad_hidden = rows_arg(grad_out, "grad_output", kFloatRows,
-                                     g.handle->routing.num_tokens(), g.handle->hidden);
-            if (!expert_output.is_none())
-              g.expert_output = TokenRows{rows_arg(expert_output, "expert_output", kFloatRows,
-                                                   g.handle->num_rows, g.handle->hidden),
-                                          {}};
-            TokenDispatcher& d = b.get();
-            CombineGrad out = check(nogil([&] { return d.combine_backward(g); }));
-            return grad_result(std::move(out.grad_expert_output), std::move(out.grad_probs),
-                               *g.handle);
-          },
-          py::arg("grad_output"), py::arg("expert_output"), py::arg("handle"));
+      .def("dispatch_backward", &dispatch_backward, py::arg("grad_expert_input"),
+           py::arg("grad_permuted_probs"), py::arg("handle"))
+      .def("combine_backward", &combine_backward, py::arg("grad_output"), py::arg("expert_output"),
+           py::arg("handle"));
 }
 
 }  // namespace moed::python

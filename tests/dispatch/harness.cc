@@ -212,44 +212,41 @@ CaseInput make_case_input(const DispatchCase& c) {
   return in;
 }
 
-Status check_case(World& w, const DispatchCase& c, DispatcherKind kind,
-                  const DispatcherFactory& make) {
-  const int me = w.rank(), R = c.ranks, P = c.etp, E = c.num_experts;
-  const int64_t H = c.hidden;
-  MOED_CHECK(w.size() == R, "world size ", w.size(), " != case ranks ", R);
-  const CaseInput in = make_case_input(c);
+namespace {
 
+// One case on one rank: its input, the reference's answers and the dispatcher under test,
+// shared by the checks below (each compares one step with the reference, bit for bit).
+struct CaseRun {
+  const DispatchCase& c;
+  const CaseInput& in;
+  int me = 0;
   ReferenceProblem p;
-  p.num_experts = E;
-  p.ep_size = R / P;
-  p.etp_size = P;
-  p.layout = c.layout;
-  p.weighted_combine = c.weighted;
-  p.num_topk = c.num_topk;
-  p.routing = in.map;
-  for (const TokenTensor& x : in.hidden) p.hidden.push_back(rows_of(x));
-  MOED_ASSIGN_OR_RETURN(std::vector<ReferenceRankDispatch> ref, reference_dispatch(p));
-  MOED_ASSIGN_OR_RETURN(std::vector<RoutingMap> eff, reference_effective_routing(p));
+  std::vector<ReferenceRankDispatch> ref;
+  std::vector<RoutingMap> eff;  // the reference's effective routing, per source rank
+  std::unique_ptr<TokenDispatcher> d;
+  StridedCopies strided;
+  DispatchOutput out;     // this rank's dispatch
+  std::vector<Tensor> y;  // every rank's random expert outputs
+  std::vector<TensorView> y_views;
+  TensorView my_y;
 
-  DispatchConfig cfg;
-  cfg.kind = kind;
-  cfg.num_experts = E;
-  cfg.etp_size = P;
-  cfg.layout = c.layout;
-  cfg.weighted_combine = c.weighted;
-  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, make(w, cfg));
-  StridedCopies strided(c.strided);
+  CaseRun(const DispatchCase& c, const CaseInput& in, int me)
+      : c(c), in(in), me(me), strided(c.strided) {}
+};
 
-  // ---- dispatch ----
+Status check_dispatch(CaseRun& run) {
+  const DispatchCase& c = run.c;
+  const int me = run.me;
   DispatchInput din;
-  din.hidden = strided(in.hidden[size_t(me)].rows());
+  din.hidden = run.strided(run.in.hidden[size_t(me)].rows());
   if (c.map_form) {
-    din.map = &in.map[size_t(me)];
+    din.map = &run.in.map[size_t(me)];
   } else {
-    din.topk = &in.topk[size_t(me)];
+    din.topk = &run.in.topk[size_t(me)];
   }
-  MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(din));
-  const ReferenceRankDispatch& want = ref[size_t(me)];
+  MOED_ASSIGN_OR_RETURN(run.out, run.d->dispatch(din));
+  const DispatchOutput& out = run.out;
+  const ReferenceRankDispatch& want = run.ref[size_t(me)];
   const DispatchHandle& h = *out.handle;
   MOED_RETURN_IF_ERROR(
       compare_rows("dispatch expert_input", out.expert_input.x, want.expert_input.x));
@@ -276,124 +273,164 @@ Status check_case(World& w, const DispatchCase& c, DispatcherKind kind,
     return internal_error("handle num_rows = ", h.num_rows, ", reference ",
                           want.expert_input.x.rows());
   }
+  return ok_status();
+}
 
-  // ---- combine: random expert outputs (padding rows too: they must be ignored) ----
-  std::vector<Tensor> y;
-  std::vector<TensorView> y_views;
-  for (int g = 0; g < R; ++g) {
-    y.push_back(
-        random_rows(c.out_dtype, ref[size_t(g)].expert_input.x.rows(), H, mix(c.seed, 100 + g)));
-    y_views.push_back(y.back().view());
+// Combine of random expert outputs (padding rows too: they must be ignored).
+Status check_combine(CaseRun& run) {
+  const DispatchCase& c = run.c;
+  const int me = run.me;
+  for (int g = 0; g < c.ranks; ++g) {
+    run.y.push_back(random_rows(c.out_dtype, run.ref[size_t(g)].expert_input.x.rows(), c.hidden,
+                                mix(c.seed, 100 + g)));
+    run.y_views.push_back(run.y.back().view());
   }
-  const TensorView my_y = strided(y[size_t(me)].view());
+  run.my_y = run.strided(run.y[size_t(me)].view());
   MOED_ASSIGN_OR_RETURN(CombineOutput co,
-                        d->combine(CombineInput{TokenRows{my_y, {}}, out.handle}));
-  MOED_ASSIGN_OR_RETURN(std::vector<Tensor> ref_out, reference_combine(p, y_views));
+                        run.d->combine(CombineInput{TokenRows{run.my_y, {}}, run.out.handle}));
+  MOED_ASSIGN_OR_RETURN(std::vector<Tensor> ref_out, reference_combine(run.p, run.y_views));
   MOED_RETURN_IF_ERROR(compare_rows("combine out", co.hidden, ref_out[size_t(me)]));
-  {
-    const RoutingMap& m = eff[size_t(me)];
-    std::vector<float> probs(size_t(m.num_tokens), 0.0f);
-    for (int64_t t = 0; t < m.num_tokens; ++t) {
-      float acc = 0.0f;
-      for (int e = 0; e < E; ++e) {
-        if (m.routed(t, e)) acc += m.prob(t, e);
-      }
-      probs[size_t(t)] = acc;
+  const RoutingMap& m = run.eff[size_t(me)];
+  std::vector<float> probs(size_t(m.num_tokens), 0.0f);
+  for (int64_t t = 0; t < m.num_tokens; ++t) {
+    float acc = 0.0f;
+    for (int e = 0; e < c.num_experts; ++e) {
+      if (m.routed(t, e)) acc += m.prob(t, e);
     }
-    MOED_RETURN_IF_ERROR(compare_values("combined_probs", co.combined_probs, probs));
+    probs[size_t(t)] = acc;
   }
+  return compare_values("combined_probs", co.combined_probs, probs);
+}
 
-  // ---- dispatch backward ----
-  {
-    std::vector<Tensor> gr;
-    std::vector<TensorView> gr_views;
-    std::vector<std::vector<float>> gpp(static_cast<size_t>(R));
-    const bool with_pprobs = c.seed % 3 != 0;
-    for (int g = 0; g < R; ++g) {
-      const int64_t n = ref[size_t(g)].expert_input.x.rows();
-      gr.push_back(random_rows(c.out_dtype, n, H, mix(c.seed, 200 + g)));
-      gr_views.push_back(gr.back().view());
-      if (with_pprobs) {
-        std::mt19937_64 rng(mix(c.seed, 300 + g));
-        for (int64_t i = 0; i < n; ++i) gpp[size_t(g)].push_back(random_float(rng));
-      }
+Status check_dispatch_backward(CaseRun& run) {
+  const DispatchCase& c = run.c;
+  const int me = run.me, R = c.ranks;
+  std::vector<Tensor> gr;
+  std::vector<TensorView> gr_views;
+  std::vector<std::vector<float>> gpp(static_cast<size_t>(R));
+  const bool with_pprobs = c.seed % 3 != 0;
+  for (int g = 0; g < R; ++g) {
+    const int64_t n = run.ref[size_t(g)].expert_input.x.rows();
+    gr.push_back(random_rows(c.out_dtype, n, c.hidden, mix(c.seed, 200 + g)));
+    gr_views.push_back(gr.back().view());
+    if (with_pprobs) {
+      std::mt19937_64 rng(mix(c.seed, 300 + g));
+      for (int64_t i = 0; i < n; ++i) gpp[size_t(g)].push_back(random_float(rng));
     }
-    MOED_ASSIGN_OR_RETURN(DispatchGrad dg,
-                          d->dispatch_backward(DispatchGradInput{strided(gr[size_t(me)].view()),
-                                                                 gpp[size_t(me)], out.handle}));
-    MOED_ASSIGN_OR_RETURN(ReferenceDispatchGrad rdg, reference_dispatch_backward(p, gr_views, gpp));
-    MOED_RETURN_IF_ERROR(
-        compare_rows("dispatch backward grad_hidden", dg.grad_hidden, rdg.grad_hidden[size_t(me)]));
-    MOED_RETURN_IF_ERROR(
-        compare_values("dispatch backward grad_probs", dg.grad_probs, rdg.grad_probs[size_t(me)]));
   }
+  MOED_ASSIGN_OR_RETURN(DispatchGrad dg,
+                        run.d->dispatch_backward(DispatchGradInput{
+                            run.strided(gr[size_t(me)].view()), gpp[size_t(me)], run.out.handle}));
+  MOED_ASSIGN_OR_RETURN(ReferenceDispatchGrad rdg,
+                        reference_dispatch_backward(run.p, gr_views, gpp));
+  MOED_RETURN_IF_ERROR(
+      compare_rows("dispatch backward grad_hidden", dg.grad_hidden, rdg.grad_hidden[size_t(me)]));
+  return compare_values("dispatch backward grad_probs", dg.grad_probs, rdg.grad_probs[size_t(me)]);
+}
 
-  // ---- combine backward ----
-  {
-    std::vector<Tensor> go;
-    std::vector<TensorView> go_views;
-    for (int s = 0; s < R; ++s) {
-      go.push_back(random_rows(c.out_dtype, c.tokens[size_t(s)], H, mix(c.seed, 400 + s)));
-      go_views.push_back(go.back().view());
-    }
-    MOED_ASSIGN_OR_RETURN(CombineGrad cg,
-                          d->combine_backward(CombineGradInput{strided(go[size_t(me)].view()),
-                                                               TokenRows{my_y, {}}, out.handle}));
-    MOED_ASSIGN_OR_RETURN(ReferenceCombineGrad rcg,
-                          reference_combine_backward(p, go_views, y_views));
-    MOED_RETURN_IF_ERROR(compare_rows("combine backward grad_expert_output", cg.grad_expert_output,
-                                      rcg.grad_expert_output[size_t(me)]));
-    MOED_RETURN_IF_ERROR(
-        compare_values("combine backward grad_probs", cg.grad_probs, rcg.grad_probs[size_t(me)]));
+Status check_combine_backward(CaseRun& run) {
+  const DispatchCase& c = run.c;
+  const int me = run.me;
+  std::vector<Tensor> go;
+  std::vector<TensorView> go_views;
+  for (int s = 0; s < c.ranks; ++s) {
+    go.push_back(random_rows(c.out_dtype, c.tokens[size_t(s)], c.hidden, mix(c.seed, 400 + s)));
+    go_views.push_back(go.back().view());
   }
+  MOED_ASSIGN_OR_RETURN(CombineGrad cg, run.d->combine_backward(CombineGradInput{
+                                            run.strided(go[size_t(me)].view()),
+                                            TokenRows{run.my_y, {}}, run.out.handle}));
+  MOED_ASSIGN_OR_RETURN(ReferenceCombineGrad rcg,
+                        reference_combine_backward(run.p, go_views, run.y_views));
+  MOED_RETURN_IF_ERROR(compare_rows("combine backward grad_expert_output", cg.grad_expert_output,
+                                    rcg.grad_expert_output[size_t(me)]));
+  return compare_values("combine backward grad_probs", cg.grad_probs, rcg.grad_probs[size_t(me)]);
+}
 
-  // ---- Megatron's round trip, computed independently of the reference ----
-  // Experts: each of the P shards returns x * prob / P (unweighted) or x / P (weighted, the
-  // combine applies the prob): combine(dispatch(x)) = x * (sum of kept probs). Backward with
-  // grad_out = x: the experts' backward multiplies by prob / P (or 1 / P), and the dispatch
-  // backward sums: grad_x = x * (sum of kept probs). All values are exact (small integers
-  // times multiples of 1/8 and halves), so bitwise equality holds in any order.
-  if (c.dtype != DType::kFP8) {
-    const TensorView xr = out.expert_input.x;
-    Tensor ye = Tensor::empty(c.out_dtype, xr.rows, H);
-    for (int64_t r = 0; r < xr.rows; ++r) {
+// Megatron's round trip, computed independently of the reference. Experts: each of the P
+// shards returns x * prob / P (unweighted) or x / P (weighted, the combine applies the prob):
+// combine(dispatch(x)) = x * (sum of kept probs). Backward with grad_out = x: the experts'
+// backward multiplies by prob / P (or 1 / P), and the dispatch backward sums: grad_x = x *
+// (sum of kept probs). All values are exact (small integers times multiples of 1/8 and
+// halves), so bitwise equality holds in any order.
+Status check_round_trip(CaseRun& run) {
+  const DispatchCase& c = run.c;
+  const int64_t H = c.hidden;
+  const int P = c.etp;
+  const DispatchHandle& h = *run.out.handle;
+  // The experts' forward (and backward): each row times its prob / P, or 1 / P when weighted.
+  auto experts = [&](const TensorView& rows) {
+    const int64_t n = run.out.expert_input.x.rows;
+    Tensor scaled = Tensor::empty(c.out_dtype, n, H);
+    for (int64_t r = 0; r < n; ++r) {
       const float scale = (c.weighted ? 1.0f : h.permuted_probs[size_t(r)]) / float(P);
-      for (int64_t hh = 0; hh < H; ++hh) store(ye.view(), r, hh, load(xr, r, hh) * scale);
+      for (int64_t hh = 0; hh < H; ++hh) store(scaled.view(), r, hh, load(rows, r, hh) * scale);
     }
-    const RoutingMap& m = eff[size_t(me)];
-    const TensorView x = in.hidden[size_t(me)].x.view();
-    Tensor expect = Tensor::empty(c.out_dtype, x.rows, H);
-    for (int64_t t = 0; t < x.rows; ++t) {
-      float sum = 0.0f;
-      for (int e = 0; e < E; ++e) {
-        if (m.routed(t, e)) sum += m.prob(t, e);
-      }
-      for (int64_t hh = 0; hh < H; ++hh) {
-        store(expect.view(), t, hh, sum == 0.0f ? 0.0f : load(x, t, hh) * sum);
-      }
+    return scaled;
+  };
+  const Tensor ye = experts(run.out.expert_input.x);
+  const RoutingMap& m = run.eff[size_t(run.me)];
+  const TensorView x = run.in.hidden[size_t(run.me)].x.view();
+  Tensor expect = Tensor::empty(c.out_dtype, x.rows, H);
+  for (int64_t t = 0; t < x.rows; ++t) {
+    float sum = 0.0f;
+    for (int e = 0; e < c.num_experts; ++e) {
+      if (m.routed(t, e)) sum += m.prob(t, e);
     }
-    MOED_ASSIGN_OR_RETURN(CombineOutput rt,
-                          d->combine(CombineInput{TokenRows{ye.view(), {}}, out.handle}));
-    MOED_RETURN_IF_ERROR(
-        compare_rows("round trip combine(dispatch(x)) vs x * sum(probs)", rt.hidden, expect));
-    Tensor gx = Tensor::empty(c.out_dtype, x.rows, H);
-    for (int64_t t = 0; t < x.rows; ++t) {
-      for (int64_t hh = 0; hh < H; ++hh) store(gx.view(), t, hh, load(x, t, hh));
+    for (int64_t hh = 0; hh < H; ++hh) {
+      store(expect.view(), t, hh, sum == 0.0f ? 0.0f : load(x, t, hh) * sum);
     }
-    MOED_ASSIGN_OR_RETURN(CombineGrad cg, d->combine_backward(CombineGradInput{
-                                              gx.view(), TokenRows{ye.view(), {}}, out.handle}));
-    Tensor gy = Tensor::empty(c.out_dtype, xr.rows, H);
-    for (int64_t r = 0; r < xr.rows; ++r) {
-      const float scale = (c.weighted ? 1.0f : h.permuted_probs[size_t(r)]) / float(P);
-      for (int64_t hh = 0; hh < H; ++hh) {
-        store(gy.view(), r, hh, load(cg.grad_expert_output.view(), r, hh) * scale);
-      }
-    }
-    MOED_ASSIGN_OR_RETURN(DispatchGrad dg,
-                          d->dispatch_backward(DispatchGradInput{gy.view(), {}, out.handle}));
-    MOED_RETURN_IF_ERROR(
-        compare_rows("round trip backward grad_x vs x * sum(probs)", dg.grad_hidden, expect));
   }
+  MOED_ASSIGN_OR_RETURN(CombineOutput rt,
+                        run.d->combine(CombineInput{TokenRows{ye.view(), {}}, run.out.handle}));
+  MOED_RETURN_IF_ERROR(
+      compare_rows("round trip combine(dispatch(x)) vs x * sum(probs)", rt.hidden, expect));
+  Tensor gx = Tensor::empty(c.out_dtype, x.rows, H);
+  for (int64_t t = 0; t < x.rows; ++t) {
+    for (int64_t hh = 0; hh < H; ++hh) store(gx.view(), t, hh, load(x, t, hh));
+  }
+  MOED_ASSIGN_OR_RETURN(CombineGrad cg, run.d->combine_backward(CombineGradInput{
+                                            gx.view(), TokenRows{ye.view(), {}}, run.out.handle}));
+  const Tensor gy = experts(cg.grad_expert_output.view());
+  MOED_ASSIGN_OR_RETURN(DispatchGrad dg,
+                        run.d->dispatch_backward(DispatchGradInput{gy.view(), {}, run.out.handle}));
+  return compare_rows("round trip backward grad_x vs x * sum(probs)", dg.grad_hidden, expect);
+}
+
+}  // namespace
+
+Status check_case(World& w, const DispatchCase& c, DispatcherKind kind,
+                  const DispatcherFactory& make) {
+  const int R = c.ranks, P = c.etp;
+  MOED_CHECK(w.size() == R, "world size ", w.size(), " != case ranks ", R);
+  const CaseInput in = make_case_input(c);
+  CaseRun run(c, in, w.rank());
+
+  ReferenceProblem& p = run.p;
+  p.num_experts = c.num_experts;
+  p.ep_size = R / P;
+  p.etp_size = P;
+  p.layout = c.layout;
+  p.weighted_combine = c.weighted;
+  p.num_topk = c.num_topk;
+  p.routing = in.map;
+  for (const TokenTensor& x : in.hidden) p.hidden.push_back(rows_of(x));
+  MOED_ASSIGN_OR_RETURN(run.ref, reference_dispatch(p));
+  MOED_ASSIGN_OR_RETURN(run.eff, reference_effective_routing(p));
+
+  DispatchConfig cfg;
+  cfg.kind = kind;
+  cfg.num_experts = c.num_experts;
+  cfg.etp_size = P;
+  cfg.layout = c.layout;
+  cfg.weighted_combine = c.weighted;
+  MOED_ASSIGN_OR_RETURN(run.d, make(w, cfg));
+
+  MOED_RETURN_IF_ERROR(check_dispatch(run));
+  MOED_RETURN_IF_ERROR(check_combine(run));
+  MOED_RETURN_IF_ERROR(check_dispatch_backward(run));
+  MOED_RETURN_IF_ERROR(check_combine_backward(run));
+  if (c.dtype != DType::kFP8) MOED_RETURN_IF_ERROR(check_round_trip(run));
   return ok_status();
 }
 

@@ -38,6 +38,134 @@ struct ReplayArgs {
 
 [[noreturn]] void fail(const Status& s) { fail_command("moed replay", s.message()); }
 
+// A Megatron step: each layer call replayed alone, for the per-layer pictures and table.
+std::vector<LayerReplay> replay_layers(const LoadedTrace& loaded, const ReplayOptions& options,
+                                       int num_experts) {
+  std::vector<LayerReplay> layers;
+  if (!loaded.megatron) return layers;
+  const RoutingTrace& trace = loaded.routing;
+  ReplayOptions one = options;
+  one.num_experts = num_experts;
+  const size_t per_call = size_t(trace.num_tokens) * size_t(trace.num_topk);
+  for (size_t i = 0; i < loaded.megatron->calls.size(); ++i) {
+    RoutingTrace t;
+    t.name = trace.name;
+    t.num_tokens = trace.num_tokens;
+    t.num_topk = trace.num_topk;
+    t.topk_idx.assign(trace.topk_idx.begin() + i * per_call,
+                      trace.topk_idx.begin() + (i + 1) * per_call);
+    StatusOr<ReplayResult> lr = replay_trace(t, one);
+    if (!lr.ok()) fail(lr.status());
+    layers.push_back({loaded.megatron->calls[i].label(), std::move(*lr)});
+  }
+  return layers;
+}
+
+// The cluster model on the same trace, every step (a capacity factor is not applied: the
+// model sees the routing as the router chose it).
+struct ClusterPlans {
+  std::vector<PlanResult> steps;
+  double dispatch_s = 0.0, combine_s = 0.0;  // summed over the steps
+};
+
+ClusterPlans plan_steps(const Cluster& cluster, const RoutingTrace& trace, const ReplayResult& r) {
+  ClusterPlans plans;
+  for (int64_t st = 0; st < trace.num_steps; ++st) {
+    PlanOptions o;
+    o.cluster = cluster;
+    o.ep = r.num_ranks;
+    o.ranks_per_node = r.ranks_per_node;
+    o.hidden = r.hidden;
+    o.experts = r.num_experts;
+    o.fp8_dispatch = r.dtype_bytes == 1;
+    o.routing = PlanRouting::kTrace;
+    o.trace = &trace;
+    o.trace_step = st;
+    StatusOr<PlanResult> p = plan(o);
+    if (!p.ok()) fail(p.status());
+    plans.dispatch_s += p->dispatch_seconds;
+    plans.combine_s += p->combine_seconds;
+    plans.steps.push_back(std::move(*p));
+  }
+  return plans;
+}
+
+// The replay's pictures and, for a Megatron step, the per-layer ones: SVGs first, then PNGs,
+// as write_replay_pictures lists them.
+ReplayPictures write_pictures(const ReplayResult& r, const std::vector<LayerReplay>& layers,
+                              const std::string& out) {
+  StatusOr<ReplayPictures> pictures = write_replay_pictures(r, out);
+  if (!pictures.ok()) fail(pictures.status());
+  if (layers.empty()) return *pictures;
+  StatusOr<ReplayPictures> more = write_layer_pictures(layers, out);
+  if (!more.ok()) fail(more.status());
+  std::vector<std::string> files;
+  for (const char* ext : {".svg", ".png"}) {
+    for (const auto* p : {&*pictures, &*more}) {
+      for (const std::string& f : p->files) {
+        if (f.ends_with(ext)) files.push_back(f);
+      }
+    }
+  }
+  pictures->files = files;
+  if (more->converter.empty()) pictures->converter.clear();
+  return *pictures;
+}
+
+void print_json(const ReplayResult& r, const LoadedTrace& loaded,
+                const std::vector<LayerReplay>& layers, const std::optional<ClusterPlans>& plans) {
+  nlohmann::json j = nlohmann::json::parse(replay_json(r));
+  if (loaded.megatron) {
+    j["megatron"]["step"] = loaded.megatron->step;
+    j["megatron"]["num_ranks"] = loaded.megatron->num_ranks;
+    for (const LayerReplay& l : layers) {
+      j["megatron"]["layers"].push_back({{"label", l.label},
+                                         {"tokens_per_expert", l.result.tokens_per_expert},
+                                         {"rows_per_rank", l.result.rows_per_rank},
+                                         {"expert_imbalance", l.result.expert_imbalance},
+                                         {"rank_imbalance", l.result.rank_imbalance},
+                                         {"flex_network_bytes", l.result.flex.network_bytes}});
+    }
+  }
+  if (plans) {
+    j["plan"] = nlohmann::json::parse(plan_json(plans->steps.front()));
+    j["plan"]["steps"] = plans->steps.size();
+    j["plan"]["dispatch_seconds"] = plans->dispatch_s;
+    j["plan"]["combine_seconds"] = plans->combine_s;
+  }
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+void print_tables(const ReplayResult& r, const LoadedTrace& loaded,
+                  const std::vector<LayerReplay>& layers, const std::optional<ClusterPlans>& plans,
+                  const ReplayPictures& pictures) {
+  std::fputs(replay_table(r).c_str(), stdout);
+  if (!layers.empty()) {
+    std::printf("\nMegatron trace %s, step %lld, %d ranks: per layer call\n",
+                loaded.megatron->dir.c_str(), (long long)loaded.megatron->step,
+                loaded.megatron->num_ranks);
+    std::printf("  %-28s %12s %12s %16s\n", "layer", "expert max/mean", "rank max/mean",
+                "Flex net MB max");
+    for (const LayerReplay& l : layers) {
+      const std::vector<int64_t>& net = l.result.flex.network_bytes;
+      std::printf("  %-28s %12.2f %12.2f %16.3f\n", l.label.c_str(), l.result.expert_imbalance,
+                  l.result.rank_imbalance, double(*std::max_element(net.begin(), net.end())) / 1e6);
+    }
+  }
+  if (plans) {
+    const size_t n = plans->steps.size();
+    std::printf("\n%s", plan_table(plans->steps.front()).c_str());
+    std::printf("over %zu step%s: normal (flex) dispatch %.1f us, combine %.1f us\n", n,
+                n == 1 ? "" : "s", plans->dispatch_s * 1e6, plans->combine_s * 1e6);
+  }
+  std::printf("\npictures:");
+  for (const std::string& f : pictures.files) std::printf(" %s", f.c_str());
+  std::printf("\n  %s\n", pictures.converter.empty()
+                              ? "(no PNG: neither rsvg-convert nor ImageMagick's convert could "
+                                "convert the SVGs)"
+                              : ("(PNG by " + pictures.converter + ")").c_str());
+}
+
 void run(ReplayArgs a) {
   if (a.drop_policy == "probs") {
     fail(
@@ -59,117 +187,18 @@ void run(ReplayArgs a) {
   }
   StatusOr<LoadedTrace> loaded = a.trace_args.load(a.trace, a.options.num_experts, false);
   if (!loaded.ok()) fail(loaded.status());
-  const RoutingTrace* trace = &loaded->routing;
   a.options.num_ranks = a.ranks.value_or(loaded->megatron ? loaded->megatron->num_ranks : 1);
-  StatusOr<ReplayResult> r = replay_trace(*trace, a.options);
+  StatusOr<ReplayResult> r = replay_trace(loaded->routing, a.options);
   if (!r.ok()) fail(r.status());
-  // A Megatron step: each layer call replayed alone, for the per-layer pictures and table.
-  std::vector<LayerReplay> layers;
-  if (loaded->megatron) {
-    ReplayOptions one = a.options;
-    one.num_experts = r->num_experts;
-    const size_t per_call = size_t(trace->num_tokens) * size_t(trace->num_topk);
-    for (size_t i = 0; i < loaded->megatron->calls.size(); ++i) {
-      RoutingTrace t;
-      t.name = trace->name;
-      t.num_tokens = trace->num_tokens;
-      t.num_topk = trace->num_topk;
-      t.topk_idx.assign(trace->topk_idx.begin() + i * per_call,
-                        trace->topk_idx.begin() + (i + 1) * per_call);
-      StatusOr<ReplayResult> lr = replay_trace(t, one);
-      if (!lr.ok()) fail(lr.status());
-      layers.push_back({loaded->megatron->calls[i].label(), std::move(*lr)});
-    }
-  }
-  // The cluster model on the same trace, every step, summed (a capacity factor is not
-  // applied: the model sees the routing as the router chose it).
-  std::vector<PlanResult> plans;
-  double dispatch_s = 0.0, combine_s = 0.0;
-  for (int64_t st = 0; cluster && st < trace->num_steps; ++st) {
-    PlanOptions o;
-    o.cluster = *cluster;
-    o.ep = r->num_ranks;
-    o.ranks_per_node = r->ranks_per_node;
-    o.hidden = r->hidden;
-    o.experts = r->num_experts;
-    o.fp8_dispatch = r->dtype_bytes == 1;
-    o.routing = PlanRouting::kTrace;
-    o.trace = trace;
-    o.trace_step = st;
-    StatusOr<PlanResult> p = plan(o);
-    if (!p.ok()) fail(p.status());
-    dispatch_s += p->dispatch_seconds;
-    combine_s += p->combine_seconds;
-    plans.push_back(std::move(*p));
-  }
-  StatusOr<ReplayPictures> pictures = write_replay_pictures(*r, a.out);
-  if (!pictures.ok()) fail(pictures.status());
-  if (!layers.empty()) {
-    StatusOr<ReplayPictures> more = write_layer_pictures(layers, a.out);
-    if (!more.ok()) fail(more.status());
-    // SVGs first, then PNGs, as write_replay_pictures lists them.
-    std::vector<std::string> files;
-    for (const auto* p : {&*pictures, &*more}) {
-      for (const std::string& f : p->files) {
-        if (f.ends_with(".svg")) files.push_back(f);
-      }
-    }
-    for (const auto* p : {&*pictures, &*more}) {
-      for (const std::string& f : p->files) {
-        if (f.ends_with(".png")) files.push_back(f);
-      }
-    }
-    pictures->files = files;
-    if (more->converter.empty()) pictures->converter.clear();
-  }
+  const std::vector<LayerReplay> layers = replay_layers(*loaded, a.options, r->num_experts);
+  std::optional<ClusterPlans> plans;
+  if (cluster) plans = plan_steps(*cluster, loaded->routing, *r);
+  const ReplayPictures pictures = write_pictures(*r, layers, a.out);
   if (a.json) {
-    nlohmann::json j = nlohmann::json::parse(replay_json(*r));
-    if (loaded->megatron) {
-      j["megatron"]["step"] = loaded->megatron->step;
-      j["megatron"]["num_ranks"] = loaded->megatron->num_ranks;
-      for (const LayerReplay& l : layers) {
-        j["megatron"]["layers"].push_back(
-            {{"label", l.label},
-             {"tokens_per_expert", l.result.tokens_per_expert},
-             {"rows_per_rank", l.result.rows_per_rank},
-             {"expert_imbalance", l.result.expert_imbalance},
-             {"rank_imbalance", l.result.rank_imbalance},
-             {"flex_network_bytes", l.result.flex.network_bytes}});
-      }
-    }
-    if (cluster) {
-      j["plan"] = nlohmann::json::parse(plan_json(plans.front()));
-      j["plan"]["steps"] = plans.size();
-      j["plan"]["dispatch_seconds"] = dispatch_s;
-      j["plan"]["combine_seconds"] = combine_s;
-    }
-    std::printf("%s\n", j.dump(2).c_str());
-    return;
+    print_json(*r, *loaded, layers, plans);
+  } else {
+    print_tables(*r, *loaded, layers, plans, pictures);
   }
-  std::fputs(replay_table(*r).c_str(), stdout);
-  if (!layers.empty()) {
-    std::printf("\nMegatron trace %s, step %lld, %d ranks: per layer call\n",
-                loaded->megatron->dir.c_str(), (long long)loaded->megatron->step,
-                loaded->megatron->num_ranks);
-    std::printf("  %-28s %12s %12s %16s\n", "layer", "expert max/mean", "rank max/mean",
-                "Flex net MB max");
-    for (const LayerReplay& l : layers) {
-      const std::vector<int64_t>& net = l.result.flex.network_bytes;
-      std::printf("  %-28s %12.2f %12.2f %16.3f\n", l.label.c_str(), l.result.expert_imbalance,
-                  l.result.rank_imbalance, double(*std::max_element(net.begin(), net.end())) / 1e6);
-    }
-  }
-  if (cluster) {
-    std::printf("\n%s", plan_table(plans.front()).c_str());
-    std::printf("over %zu step%s: normal (flex) dispatch %.1f us, combine %.1f us\n", plans.size(),
-                plans.size() == 1 ? "" : "s", dispatch_s * 1e6, combine_s * 1e6);
-  }
-  std::printf("\npictures:");
-  for (const std::string& f : pictures->files) std::printf(" %s", f.c_str());
-  std::printf("\n  %s\n", pictures->converter.empty()
-                              ? "(no PNG: neither rsvg-convert nor ImageMagick's convert could "
-                                "convert the SVGs)"
-                              : ("(PNG by " + pictures->converter + ")").c_str());
 }
 
 void setup(CLI::App& app) {

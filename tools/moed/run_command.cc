@@ -163,8 +163,25 @@ struct Summary {
 const char* kStages[] = {"route", "dispatch", "experts", "combine", "shared", "backward"};
 constexpr int kNumStages = 6;
 
-void run(const RunArgs& a) {
-  // ---- the configuration ----
+// The job every rank runs: the layer's configuration, the inputs of all ranks (a function of
+// seed and rank) and the single-process reference, computed once.
+struct Job {
+  MoEConfig c;
+  std::string world;
+  int ranks = 0;
+  int64_t tokens = 0;  // per rank
+  int steps = 0;
+  bool json = false;
+  std::vector<Tensor> xs, gs;  // per rank: input and output gradient
+  std::vector<TensorView> xv, gv;
+  std::chrono::steady_clock::time_point start;
+  // The reference layer's result, from the first rank that computes it.
+  std::mutex mu;
+  std::optional<ReferenceMoEResult> ref;
+  double ref_s = 0;
+};
+
+MoEConfig configure(const RunArgs& a, int64_t* tokens) {
   const Preset* preset = nullptr;
   for (const Preset& p : kPresets) {
     if (a.preset == p.name) preset = &p;
@@ -173,7 +190,7 @@ void run(const RunArgs& a) {
     fail(invalid_argument("--preset ", a.preset, " is not one of tiny, small, medium, large"));
   }
   MoEConfig c;
-  const int64_t tokens = a.tokens.value_or(preset->tokens);
+  *tokens = a.tokens.value_or(preset->tokens);
   c.hidden = a.hidden.value_or(preset->hidden);
   c.ffn_hidden = a.ffn.value_or(preset->ffn);
   c.num_experts = a.experts.value_or(preset->experts);
@@ -187,252 +204,295 @@ void run(const RunArgs& a) {
   c.layout.pad_to_capacity = a.pad_to_capacity;
   c.overlap_shared_expert = !a.no_overlap;
   c.seed = a.seed;
-  if (tokens < 0) fail(invalid_argument("--tokens = ", tokens, " must be >= 0"));
-  const std::string world_name =
-      a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
-  if (world_name != "threads" && world_name != "mpi") {
-    fail(invalid_argument("--world ", world_name, " is not one of threads, mpi"));
-  }
-  WorldOptions opts;
-  opts.ranks_per_node = a.ranks_per_node;
+  if (*tokens < 0) fail(invalid_argument("--tokens = ", *tokens, " must be >= 0"));
+  return c;
+}
 
-  // ---- inputs (a function of seed and rank) and the reference, computed once ----
-  const int R = world_name == "mpi" ? value_or(mpi_world_size()) : a.ranks;
-  if (Status s = c.validate(R); !s.ok()) fail(s);
-  std::vector<Tensor> xs, gs;
-  std::vector<TensorView> xv, gv;
-  for (int r = 0; r < R; ++r) {
-    xs.push_back(random_rows(c.dtype, tokens, c.hidden, a.seed * 1000003u + uint64_t(r)));
-    gs.push_back(random_rows(c.dtype, tokens, c.hidden, a.seed * 1000003u + 500u + uint64_t(r)));
-    xv.push_back(xs.back().view());
-    gv.push_back(gs.back().view());
+// What one rank saw in its steps, before the gather.
+struct RankResult {
+  std::vector<std::vector<double>> stage_s;  // [stage][step]: max over ranks
+  Tensor y0;                                 // step 0's output and gradients
+  MoEGrads g0;
+  MoEStepStats st0;
+};
+
+// The timed steps on one rank (after the reference, which one rank thread computes, every
+// process under MPI).
+Status run_steps(World& w, Job& job, std::unique_ptr<MoELayer>& layer, RankResult* out) {
+  const int R = job.ranks;
+  if (w.rank() == 0 || job.world == "mpi") {
+    auto t0 = std::chrono::steady_clock::now();
+    MOED_ASSIGN_OR_RETURN(ReferenceMoEResult rr, reference_moe_layer(job.c, R, job.xv, job.gv));
+    std::lock_guard<std::mutex> lock(job.mu);
+    job.ref = std::move(rr);
+    job.ref_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
+  MOED_RETURN_IF_ERROR(w.barrier());
+  MOED_ASSIGN_OR_RETURN(layer, MoELayer::create(w, job.c));
+  const int r = w.rank();
+  out->stage_s.assign(kNumStages, {});
+  w.reset_counters();
+  for (int step = 0; step < job.steps; ++step) {
+    MOED_RETURN_IF_ERROR(w.barrier());
+    MOED_ASSIGN_OR_RETURN(Tensor y, layer->forward(job.xv[size_t(r)]));
+    MOED_ASSIGN_OR_RETURN(MoEGrads g, layer->backward(job.gv[size_t(r)]));
+    const MoEStepStats& st = layer->last_stats();
+    const double mine[kNumStages] = {st.route_s,   st.dispatch_s, st.experts_s,
+                                     st.combine_s, st.shared_s,   st.backward_s};
+    MOED_ASSIGN_OR_RETURN(std::vector<double> all,
+                          all_gather<double>(w, std::span<const double>(mine, kNumStages)));
+    for (int i = 0; i < kNumStages; ++i) {
+      double mx = 0;
+      for (int q = 0; q < R; ++q) mx = std::max(mx, all[size_t(q * kNumStages + i)]);
+      out->stage_s[size_t(i)].push_back(mx);
+    }
+    if (step == 0) {
+      out->y0 = std::move(y);
+      out->g0 = std::move(g);
+      out->st0 = st;
+    }
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - job.start).count();
+    if (r == 0 && elapsed > 3.0 && !job.json) {
+      std::fprintf(stderr, "moed run: step %d/%d done (%.1f s)\n", step + 1, job.steps, elapsed);
+    }
+  }
+  return ok_status();
+}
+
+// Gathers what rank 0 reports into *sum (on rank 0): the verdicts, counts and traffic.
+Status summarize(World& w, const Job& job, const RankResult& mine, Summary* sum) {
+  const MoEConfig& c = job.c;
+  const int r = w.rank();
+  Verdict v;
+  compare(mine.y0, mine.g0, job.ref->output[size_t(r)], job.ref->grads[size_t(r)], &v);
+  const double mine_v[4] = {v.output_bitwise ? 1.0 : 0.0, v.grads_bitwise ? 1.0 : 0.0, v.output_err,
+                            v.grads_err};
+  MOED_ASSIGN_OR_RETURN(std::vector<double> all_v,
+                        all_gather<double>(w, std::span<const double>(mine_v, 4)));
+  MOED_ASSIGN_OR_RETURN(std::vector<std::vector<char>> all_first,
+                        all_gather_v<char>(w, std::span<const char>(v.first_grad)));
+  const MoEStepStats& st0 = mine.st0;
+  const int L = int(st0.tokens_per_local_expert.size());
+  const int p = r % c.etp_size;
+  // Token counts from p = 0 only: the P ranks of an expert see the same tokens.
+  std::vector<int64_t> counts(size_t(c.num_experts), 0);
+  const int ep = r / c.etp_size;
+  if (p == 0) {
+    for (int j = 0; j < L; ++j) counts[size_t(ep * L + j)] = st0.tokens_per_local_expert[size_t(j)];
+  }
+  const double fp = double(c.ffn_hidden / c.etp_size);
+  std::vector<int64_t> mine_i = {st0.dispatch_rows,
+                                 st0.routed,
+                                 st0.dropped,
+                                 int64_t(w.counters().shared_bytes / uint64_t(job.steps)),
+                                 int64_t(w.counters().network_bytes / uint64_t(job.steps)),
+                                 int64_t(double(st0.dispatch_rows) * 6.0 * c.hidden * fp)};
+  mine_i.insert(mine_i.end(), counts.begin(), counts.end());
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all_i,
+                        all_gather<int64_t>(w, std::span<const int64_t>(mine_i)));
+  if (r != 0) return ok_status();
+  const size_t n = mine_i.size();
+  sum->ranks_per_node = w.ranks_per_node();
+  sum->stage_s = mine.stage_s;
+  sum->tokens_per_expert.assign(size_t(c.num_experts), 0);
+  for (int q = 0; q < job.ranks; ++q) {
+    const int64_t* row = &all_i[size_t(q) * n];
+    sum->rows += row[0];
+    sum->routed += row[1];
+    sum->dropped += row[2];
+    sum->shared_bytes += uint64_t(row[3]);
+    sum->network_bytes += uint64_t(row[4]);
+    sum->expert_flops += double(row[5]);
+    for (int e = 0; e < c.num_experts; ++e) sum->tokens_per_expert[size_t(e)] += row[6 + e];
+    Verdict& sv = sum->verdict;
+    sv.output_bitwise = sv.output_bitwise && all_v[size_t(q) * 4] == 1.0;
+    sv.grads_bitwise = sv.grads_bitwise && all_v[size_t(q) * 4 + 1] == 1.0;
+    sv.output_err = std::max(sv.output_err, all_v[size_t(q) * 4 + 2]);
+    sv.grads_err = std::max(sv.grads_err, all_v[size_t(q) * 4 + 3]);
+    if (sv.first_grad.empty() && !all_first[size_t(q)].empty()) {
+      sv.first_grad = "rank " + std::to_string(q) + " " +
+                      std::string(all_first[size_t(q)].begin(), all_first[size_t(q)].end());
+    }
+  }
+  return ok_status();
+}
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// The figures both reports print, from the summary.
+struct Figures {
+  double row_bytes = 0, moved = 0;  // bytes per row; dispatched bytes, all ranks
+  int64_t tmin = INT64_MAX, tmax = 0;
+  double tmean = 0;  // tokens per expert
+  bool pass = false;
+  std::string verify;  // the verdict line
+};
+
+Figures figures_of(const Job& job, const Summary& sum) {
+  const MoEConfig& c = job.c;
+  Figures f;
+  f.row_bytes = double(c.hidden) * double(dtype_size(c.dtype));
+  f.moved = double(sum.rows) * f.row_bytes;
+  const Verdict& v = sum.verdict;
+  f.pass = v.output_bitwise && v.grads_bitwise;
+  int64_t ttot = 0;
+  for (int64_t t : sum.tokens_per_expert) {
+    f.tmin = std::min(f.tmin, t);
+    f.tmax = std::max(f.tmax, t);
+    ttot += t;
+  }
+  f.tmean = double(ttot) / double(c.num_experts);
+  // The verdict is bitwise; the max relative errors are a diagnostic (0 when equal).
+  auto part = [](bool bitwise, const char* what) {
+    return std::string(what) + (bitwise ? " bitwise equal" : " differ");
+  };
+  f.verify = std::string("verify: ") + (f.pass ? "PASS" : "FAIL") +
+             " (vs the reference layer: " + part(v.output_bitwise, "output") + ", " +
+             part(v.grads_bitwise, "grads") +
+             (v.first_grad.empty() ? "" : " (first: " + v.first_grad + ")") +
+             "; max rel err output " + fmt_err(v.output_err) + ", grads " + fmt_err(v.grads_err) +
+             ")";
+  return f;
+}
+
+void print_json(const RunArgs& a, const Job& job, const Summary& sum, const Figures& f) {
+  const MoEConfig& c = job.c;
+  const Verdict& v = sum.verdict;
+  nlohmann::json j;
+  j["world"] = job.world;
+  j["ranks"] = job.ranks;
+  j["ranks_per_node"] = sum.ranks_per_node;
+  j["dispatcher"] = dispatcher_kind_name(c.dispatcher);
+  j["preset"] = a.preset;
+  j["tokens_per_rank"] = job.tokens;
+  j["hidden"] = c.hidden;
+  j["ffn_hidden"] = c.ffn_hidden;
+  j["num_experts"] = c.num_experts;
+  j["num_topk"] = c.num_topk;
+  j["shared_expert_ffn"] = c.shared_expert_ffn;
+  j["etp_size"] = c.etp_size;
+  j["dtype"] = dtype_name(c.dtype);
+  j["steps"] = a.steps;
+  j["overlap_shared_expert"] = c.overlap_shared_expert;
+  for (int i = 0; i < kNumStages; ++i) {
+    j["stages"][kStages[i]]["seconds"] = median_of(sum.stage_s[size_t(i)]);
+  }
+  j["stages"]["dispatch"]["gbps"] = f.moved / median_of(sum.stage_s[1]) / 1e9;
+  j["stages"]["combine"]["gbps"] = f.moved / median_of(sum.stage_s[3]) / 1e9;
+  j["stages"]["experts"]["gflops"] = sum.expert_flops / median_of(sum.stage_s[2]) / 1e9;
+  j["dispatched_rows"] = sum.rows;
+  j["load"] = {{"tokens_per_expert", sum.tokens_per_expert},
+               {"min", f.tmin},
+               {"mean", f.tmean},
+               {"max", f.tmax},
+               {"imbalance", f.tmean > 0 ? double(f.tmax) / f.tmean : 0.0},
+               {"routed", sum.routed},
+               {"dropped", sum.dropped}};
+  j["traffic"] = {{"shared_bytes_per_step", sum.shared_bytes},
+                  {"network_bytes_per_step", sum.network_bytes}};
+  j["verify"] = {{"pass", f.pass},
+                 {"output_bitwise", v.output_bitwise},
+                 {"grads_bitwise", v.grads_bitwise},
+                 {"output_max_rel_err", v.output_err},
+                 {"grads_max_rel_err", v.grads_err},
+                 {"first_differing_grad", v.first_grad},
+                 {"reference_seconds", job.ref_s}};
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+void print_tables(const RunArgs& a, const Job& job, const Summary& sum, const Figures& f) {
+  const MoEConfig& c = job.c;
+  std::printf("moed run: %s world, %d ranks (%d per node), dispatcher %s, %s, preset %s\n",
+              job.world.c_str(), job.ranks, sum.ranks_per_node, dispatcher_kind_name(c.dispatcher),
+              dtype_name(c.dtype), a.preset.c_str());
+  std::printf("  T=%lld per rank  H=%d  F=%d  E=%d  K=%d  shared F=%d  ETP=%d  steps=%d\n",
+              (long long)job.tokens, c.hidden, c.ffn_hidden, c.num_experts, c.num_topk,
+              c.shared_expert_ffn, c.etp_size, a.steps);
+  std::printf("\n  %-10s %10s %12s   (median over steps of the slowest rank)\n", "stage", "ms",
+              "rate");
+  for (int i = 0; i < kNumStages; ++i) {
+    const double t = median_of(sum.stage_s[size_t(i)]);
+    std::string rate;
+    char buf[64];
+    if (i == 1 || i == 3) {
+      std::snprintf(buf, sizeof buf, "%8.2f GB/s", t > 0 ? f.moved / t / 1e9 : 0.0);
+      rate = buf;
+    } else if (i == 2) {
+      std::snprintf(buf, sizeof buf, "%6.1f GFLOP/s", t > 0 ? sum.expert_flops / t / 1e9 : 0.0);
+      rate = buf;
+    } else if (i == 4 && c.shared_expert_ffn > 0) {
+      rate = c.overlap_shared_expert ? "(overlaps dispatch)" : "(after dispatch)";
+    }
+    std::printf("  %-10s %10.3f %12s\n", kStages[i], t * 1e3, rate.c_str());
+  }
+  std::printf("  (GB/s: %lld rows received over all ranks x %d bytes per row, aggregate)\n",
+              (long long)sum.rows, int(f.row_bytes));
+  if (c.shared_expert_ffn > 0) {
+    std::printf("  dispatch + shared expert: %.3f ms (%s)\n",
+                (median_of(sum.stage_s[1]) + median_of(sum.stage_s[4])) * 1e3,
+                c.overlap_shared_expert ? "overlapped" : "one after the other, --no-overlap");
+  }
+  std::printf(
+      "\nload: tokens per expert min %lld  mean %.1f  max %lld  imbalance %.2f  "
+      "routed %lld  dropped %lld\n",
+      (long long)f.tmin, f.tmean, (long long)f.tmax, f.tmean > 0 ? double(f.tmax) / f.tmean : 0.0,
+      (long long)sum.routed, (long long)sum.dropped);
+  std::printf("traffic per step: shared-memory %.2f MB  network %.2f MB\n",
+              double(sum.shared_bytes) / 1e6, double(sum.network_bytes) / 1e6);
+  std::printf("%s  [reference layer %.2f s]\n", f.verify.c_str(), job.ref_s);
+}
+
+void run(const RunArgs& a) {
+  Job job;
+  job.c = configure(a, &job.tokens);
+  job.world = a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
+  if (job.world != "threads" && job.world != "mpi") {
+    fail(invalid_argument("--world ", job.world, " is not one of threads, mpi"));
+  }
+  job.ranks = job.world == "mpi" ? value_or(mpi_world_size()) : a.ranks;
+  job.steps = a.steps;
+  job.json = a.json;
+  if (Status s = job.c.validate(job.ranks); !s.ok()) fail(s);
+  for (int r = 0; r < job.ranks; ++r) {
+    const uint64_t seed = a.seed * 1000003u + uint64_t(r);
+    job.xs.push_back(random_rows(job.c.dtype, job.tokens, job.c.hidden, seed));
+    job.gs.push_back(random_rows(job.c.dtype, job.tokens, job.c.hidden, seed + 500u));
+    job.xv.push_back(job.xs.back().view());
+    job.gv.push_back(job.gs.back().view());
+  }
+  job.start = std::chrono::steady_clock::now();
 
   Summary sum;
-  std::mutex mu;
-  std::optional<ReferenceMoEResult> ref;
-  double ref_s = 0;
-  const auto start = std::chrono::steady_clock::now();
-  auto steps = [&](World& w, std::unique_ptr<MoELayer>& layer) -> Status {
-    if (w.rank() == 0) sum.ranks_per_node = w.ranks_per_node();
-    // The reference runs on one rank thread (every process under MPI), before the timed steps.
-    if (w.rank() == 0 || world_name == "mpi") {
-      auto t0 = std::chrono::steady_clock::now();
-      MOED_ASSIGN_OR_RETURN(ReferenceMoEResult rr, reference_moe_layer(c, R, xv, gv));
-      std::lock_guard<std::mutex> lock(mu);
-      ref = std::move(rr);
-      ref_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    }
-    MOED_RETURN_IF_ERROR(w.barrier());
-    MOED_ASSIGN_OR_RETURN(layer, MoELayer::create(w, c));
-    const int r = w.rank();
-    std::vector<std::vector<double>> stage(kNumStages);
-    Tensor y0;
-    MoEGrads g0;
-    MoEStepStats st0;
-    w.reset_counters();
-    for (int step = 0; step < a.steps; ++step) {
-      MOED_RETURN_IF_ERROR(w.barrier());
-      MOED_ASSIGN_OR_RETURN(Tensor y, layer->forward(xv[size_t(r)]));
-      MOED_ASSIGN_OR_RETURN(MoEGrads g, layer->backward(gv[size_t(r)]));
-      const MoEStepStats& st = layer->last_stats();
-      const double mine[kNumStages] = {st.route_s,   st.dispatch_s, st.experts_s,
-                                       st.combine_s, st.shared_s,   st.backward_s};
-      MOED_ASSIGN_OR_RETURN(std::vector<double> all,
-                            all_gather<double>(w, std::span<const double>(mine, kNumStages)));
-      for (int i = 0; i < kNumStages; ++i) {
-        double mx = 0;
-        for (int q = 0; q < R; ++q) mx = std::max(mx, all[size_t(q * kNumStages + i)]);
-        stage[size_t(i)].push_back(mx);
-      }
-      if (step == 0) {
-        y0 = std::move(y);
-        g0 = std::move(g);
-        st0 = st;
-      }
-      const double elapsed =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (r == 0 && elapsed > 3.0 && !a.json) {
-        std::fprintf(stderr, "moed run: step %d/%d done (%.1f s)\n", step + 1, a.steps, elapsed);
-      }
-    }
-    // Gather what rank 0 prints.
-    Verdict v;
-    compare(y0, g0, ref->output[size_t(r)], ref->grads[size_t(r)], &v);
-    const double mine_v[4] = {v.output_bitwise ? 1.0 : 0.0, v.grads_bitwise ? 1.0 : 0.0,
-                              v.output_err, v.grads_err};
-    MOED_ASSIGN_OR_RETURN(std::vector<double> all_v,
-                          all_gather<double>(w, std::span<const double>(mine_v, 4)));
-    MOED_ASSIGN_OR_RETURN(std::vector<std::vector<char>> all_first,
-                          all_gather_v<char>(w, std::span<const char>(v.first_grad)));
-    const int L = int(st0.tokens_per_local_expert.size());
-    const int p = r % c.etp_size;
-    // Token counts from p = 0 only: the P ranks of an expert see the same tokens.
-    std::vector<int64_t> counts(size_t(c.num_experts), 0);
-    const int ep = r / c.etp_size;
-    if (p == 0) {
-      for (int j = 0; j < L; ++j)
-        counts[size_t(ep * L + j)] = st0.tokens_per_local_expert[size_t(j)];
-    }
-    const double fp = double(c.ffn_hidden / c.etp_size);
-    std::vector<int64_t> mine_i = {st0.dispatch_rows,
-                                   st0.routed,
-                                   st0.dropped,
-                                   int64_t(w.counters().shared_bytes / uint64_t(a.steps)),
-                                   int64_t(w.counters().network_bytes / uint64_t(a.steps)),
-                                   int64_t(double(st0.dispatch_rows) * 6.0 * c.hidden * fp)};
-    mine_i.insert(mine_i.end(), counts.begin(), counts.end());
-    MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all_i,
-                          all_gather<int64_t>(w, std::span<const int64_t>(mine_i)));
-    if (r != 0) return ok_status();
-    const size_t n = mine_i.size();
-    sum.stage_s = stage;
-    sum.tokens_per_expert.assign(size_t(c.num_experts), 0);
-    for (int q = 0; q < R; ++q) {
-      const int64_t* row = &all_i[size_t(q) * n];
-      sum.rows += row[0];
-      sum.routed += row[1];
-      sum.dropped += row[2];
-      sum.shared_bytes += uint64_t(row[3]);
-      sum.network_bytes += uint64_t(row[4]);
-      sum.expert_flops += double(row[5]);
-      for (int e = 0; e < c.num_experts; ++e) sum.tokens_per_expert[size_t(e)] += row[6 + e];
-      sum.verdict.output_bitwise = sum.verdict.output_bitwise && all_v[size_t(q) * 4] == 1.0;
-      sum.verdict.grads_bitwise = sum.verdict.grads_bitwise && all_v[size_t(q) * 4 + 1] == 1.0;
-      sum.verdict.output_err = std::max(sum.verdict.output_err, all_v[size_t(q) * 4 + 2]);
-      sum.verdict.grads_err = std::max(sum.verdict.grads_err, all_v[size_t(q) * 4 + 3]);
-      if (sum.verdict.first_grad.empty() && !all_first[size_t(q)].empty()) {
-        sum.verdict.first_grad =
-            "rank " + std::to_string(q) + " " +
-            std::string(all_first[size_t(q)].begin(), all_first[size_t(q)].end());
-      }
-    }
-    return ok_status();
-  };
   auto body = [&](World& w) -> Status {
     std::unique_ptr<MoELayer> layer;
-    Status st = steps(w, layer);
+    RankResult mine;
+    Status st = run_steps(w, job, layer, &mine);
+    if (st.ok()) st = summarize(w, job, mine, &sum);
     // NOTE: announced while the layer still holds its shared buffers: dropping them is a
     // collective free under MPI, which would keep the other ranks waiting for the timeout.
     if (!st.ok()) w.abort(st);
     return st;
   };
+  WorldOptions opts;
+  opts.ranks_per_node = a.ranks_per_node;
   int my_rank = 0;
-  Status s = run_in_world(world_name, R, opts, body, &my_rank);
+  Status s = run_in_world(job.world, job.ranks, opts, body, &my_rank);
   if (!s.ok()) fail(s);
   if (my_rank != 0) return;
 
-  // ---- the report ----
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
-  const double row_bytes = double(c.hidden) * double(dtype_size(c.dtype));
-  const double moved = double(sum.rows) * row_bytes;
-  const Verdict& v = sum.verdict;
-  const bool pass = v.output_bitwise && v.grads_bitwise;
-  int64_t tmin = INT64_MAX, tmax = 0, ttot = 0;
-  for (int64_t t : sum.tokens_per_expert) {
-    tmin = std::min(tmin, t);
-    tmax = std::max(tmax, t);
-    ttot += t;
-  }
-  const double tmean = double(ttot) / double(c.num_experts);
-  // The verdict is bitwise; the max relative errors are a diagnostic (0 when equal).
-  auto part = [](bool bitwise, const char* what) {
-    return std::string(what) + (bitwise ? " bitwise equal" : " differ");
-  };
-  std::string verify = std::string("verify: ") + (pass ? "PASS" : "FAIL") +
-                       " (vs the reference layer: " + part(v.output_bitwise, "output") + ", " +
-                       part(v.grads_bitwise, "grads") +
-                       (v.first_grad.empty() ? "" : " (first: " + v.first_grad + ")") +
-                       "; max rel err output " + fmt_err(v.output_err) + ", grads " +
-                       fmt_err(v.grads_err) + ")";
-
+  const Figures f = figures_of(job, sum);
   if (a.json) {
-    nlohmann::json j;
-    j["world"] = world_name;
-    j["ranks"] = R;
-    j["ranks_per_node"] = sum.ranks_per_node;
-    j["dispatcher"] = dispatcher_kind_name(c.dispatcher);
-    j["preset"] = a.preset;
-    j["tokens_per_rank"] = tokens;
-    j["hidden"] = c.hidden;
-    j["ffn_hidden"] = c.ffn_hidden;
-    j["num_experts"] = c.num_experts;
-    j["num_topk"] = c.num_topk;
-    j["shared_expert_ffn"] = c.shared_expert_ffn;
-    j["etp_size"] = c.etp_size;
-    j["dtype"] = dtype_name(c.dtype);
-    j["steps"] = a.steps;
-    j["overlap_shared_expert"] = c.overlap_shared_expert;
-    for (int i = 0; i < kNumStages; ++i) {
-      j["stages"][kStages[i]]["seconds"] = median(sum.stage_s[size_t(i)]);
-    }
-    j["stages"]["dispatch"]["gbps"] = moved / median(sum.stage_s[1]) / 1e9;
-    j["stages"]["combine"]["gbps"] = moved / median(sum.stage_s[3]) / 1e9;
-    j["stages"]["experts"]["gflops"] = sum.expert_flops / median(sum.stage_s[2]) / 1e9;
-    j["dispatched_rows"] = sum.rows;
-    j["load"] = {{"tokens_per_expert", sum.tokens_per_expert},
-                 {"min", tmin},
-                 {"mean", tmean},
-                 {"max", tmax},
-                 {"imbalance", tmean > 0 ? double(tmax) / tmean : 0.0},
-                 {"routed", sum.routed},
-                 {"dropped", sum.dropped}};
-    j["traffic"] = {{"shared_bytes_per_step", sum.shared_bytes},
-                    {"network_bytes_per_step", sum.network_bytes}};
-    j["verify"] = {{"pass", pass},
-                   {"output_bitwise", v.output_bitwise},
-                   {"grads_bitwise", v.grads_bitwise},
-                   {"output_max_rel_err", v.output_err},
-                   {"grads_max_rel_err", v.grads_err},
-                   {"first_differing_grad", v.first_grad},
-                   {"reference_seconds", ref_s}};
-    std::printf("%s\n", j.dump(2).c_str());
+    print_json(a, job, sum, f);
   } else {
-    std::printf("moed run: %s world, %d ranks (%d per node), dispatcher %s, %s, preset %s\n",
-                world_name.c_str(), R, sum.ranks_per_node, dispatcher_kind_name(c.dispatcher),
-                dtype_name(c.dtype), a.preset.c_str());
-    std::printf("  T=%lld per rank  H=%d  F=%d  E=%d  K=%d  shared F=%d  ETP=%d  steps=%d\n",
-                (long long)tokens, c.hidden, c.ffn_hidden, c.num_experts, c.num_topk,
-                c.shared_expert_ffn, c.etp_size, a.steps);
-    std::printf("\n  %-10s %10s %12s   (median over steps of the slowest rank)\n", "stage", "ms",
-                "rate");
-    for (int i = 0; i < kNumStages; ++i) {
-      const double t = median(sum.stage_s[size_t(i)]);
-      std::string rate;
-      char buf[64];
-      if (i == 1 || i == 3) {
-        std::snprintf(buf, sizeof buf, "%8.2f GB/s", t > 0 ? moved / t / 1e9 : 0.0);
-        rate = buf;
-      } else if (i == 2) {
-        std::snprintf(buf, sizeof buf, "%6.1f GFLOP/s", t > 0 ? sum.expert_flops / t / 1e9 : 0.0);
-        rate = buf;
-      } else if (i == 4 && c.shared_expert_ffn > 0) {
-        rate = c.overlap_shared_expert ? "(overlaps dispatch)" : "(after dispatch)";
-      }
-      std::printf("  %-10s %10.3f %12s\n", kStages[i], t * 1e3, rate.c_str());
-    }
-    std::printf("  (GB/s: %lld rows received over all ranks x %d bytes per row, aggregate)\n",
-                (long long)sum.rows, int(row_bytes));
-    if (c.shared_expert_ffn > 0) {
-      std::printf("  dispatch + shared expert: %.3f ms (%s)\n",
-                  (median(sum.stage_s[1]) + median(sum.stage_s[4])) * 1e3,
-                  c.overlap_shared_expert ? "overlapped" : "one after the other, --no-overlap");
-    }
-    std::printf(
-        "\nload: tokens per expert min %lld  mean %.1f  max %lld  imbalance %.2f  "
-        "routed %lld  dropped %lld\n",
-        (long long)tmin, tmean, (long long)tmax, tmean > 0 ? double(tmax) / tmean : 0.0,
-        (long long)sum.routed, (long long)sum.dropped);
-    std::printf("traffic per step: shared-memory %.2f MB  network %.2f MB\n",
-                double(sum.shared_bytes) / 1e6, double(sum.network_bytes) / 1e6);
-    std::printf("%s  [reference layer %.2f s]\n", verify.c_str(), ref_s);
+    print_tables(a, job, sum, f);
   }
   std::fflush(stdout);
-  if (!pass) {
-    if (a.json) std::fprintf(stderr, "moed run: %s\n", verify.c_str());
+  if (!f.pass) {
+    if (a.json) std::fprintf(stderr, "moed run: %s\n", f.verify.c_str());
     throw CLI::RuntimeError(2);
   }
 }
