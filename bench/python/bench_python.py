@@ -49,20 +49,26 @@ def routing(seed, T, E, K):
     return rmap, probs, topi, topw
 
 
+def megatron_iteration(d, x, rmap, probs):
+    """One Megatron-style dispatch + combine through d's six steps; its seconds (its outputs
+    are dropped before it returns)."""
+    t0 = time.perf_counter()
+    h, p = d.dispatch_preprocess(x, rmap, probs)
+    h, p = d.token_dispatch(h, p)
+    ei, tpe, pp = d.dispatch_postprocess(h, p)
+    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
+    t1 = time.perf_counter()
+    del h, p, ei, tpe, pp, y
+    return t1 - t0
+
+
 def megatron_pair(group, kind, E, K, x, rmap, probs):
     """(Python iteration, C++ loop) of one Megatron-style dispatcher, and its closer."""
     cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K)
     d = make_dispatcher(kind, cfg, group=group)
 
     def python_iter():
-        t0 = time.perf_counter()
-        h, p = d.dispatch_preprocess(x, rmap, probs)
-        h, p = d.token_dispatch(h, p)
-        ei, tpe, pp = d.dispatch_postprocess(h, p)
-        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
-        t1 = time.perf_counter()
-        del h, p, ei, tpe, pp, y
-        return t1 - t0
+        return megatron_iteration(d, x, rmap, probs)
 
     # The C++ loop runs on the Python dispatcher's own C++ dispatcher, so both use the same
     # buffers: with a second dispatcher each side found the other's rows in the caches, not
@@ -168,14 +174,7 @@ def split_body(group, shape, kinds, rounds, hidden=0):
             return t1 - t0
 
         def megatron():
-            t0 = time.perf_counter()
-            h, p = d.dispatch_preprocess(x, rmap, probs)
-            h, p = d.token_dispatch(h, p)
-            ei, tpe, pp = d.dispatch_postprocess(h, p)
-            y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei)))
-            t1 = time.perf_counter()
-            del h, p, ei, tpe, pp, y
-            return t1 - t0
+            return megatron_iteration(d, x, rmap, probs)
 
         def cpp(between):
             return lambda: box._bench_cpp(x, rmap, probs, K, 1, 0, between)[0]

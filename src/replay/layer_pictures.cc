@@ -89,18 +89,7 @@ std::string draw(const Heatmap& h) {
   const double lx = left + pw + note_w + 24, ly = top + 18, lh = 200, lw = 18;
   const double scale_max = max > 0 ? double(max) : 1.0;
   c.text(lx - 4, top + 2, h.legend_title, {.size = 12, .bold = true});
-  std::string grad = "<defs><linearGradient id=\"ramp\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">";
-  for (int i = 0; i <= 8; ++i) {
-    grad += format("<stop offset=\"%.3f\" stop-color=\"%s\"/>", i / 8.0, svg::viridis(i / 8.0).c_str());
-  }
-  c.raw(grad + "</linearGradient></defs>\n");
-  c.rect(lx, ly, lw, lh, "url(#ramp)", "stroke=\"#333333\" stroke-width=\"0.5\"");
-  for (double t : svg::nice_ticks(scale_max, 5)) {
-    if (t > scale_max * (1 + 1e-9)) break;
-    const double y = ly + lh - lh * t / scale_max;
-    c.line(lx + lw, y, lx + lw + 4, y, "#333333");
-    c.text(lx + lw + 7, y + 4, svg::short_number(t), {.size = 11});
-  }
+  svg::ramp_legend(c, lx, ly, lw, lh, scale_max);
   c.rect(lx, ly + lh + 18, 14, 12, "#e8e8e8", "stroke=\"#555555\" stroke-width=\"0.5\"");
   c.text(lx + 20, ly + lh + 28, "0", {.size = 11});
   return c.finish();
@@ -114,19 +103,27 @@ std::string subtitle(const std::vector<LayerReplay>& layers) {
                 r.num_experts, r.num_ranks, r.num_nodes, r.ranks_per_node);
 }
 
+// A heatmap with one row per layer call; the caller fills its columns, values and notes.
+Heatmap layer_heatmap(const std::vector<LayerReplay>& layers, const char* title,
+                      const char* column_axis, const char* legend_title, const char* note_title) {
+  Heatmap h;
+  h.title = title;
+  h.subtitle = subtitle(layers);
+  h.column_axis = column_axis;
+  h.legend_title = legend_title;
+  h.note_title = note_title;
+  for (const LayerReplay& l : layers) h.row_labels.push_back(l.label);
+  return h;
+}
+
 }  // namespace
 
 std::string layer_load_svg(const std::vector<LayerReplay>& layers) {
-  Heatmap h;
-  h.title = "Load per expert, layer by layer";
-  h.subtitle = subtitle(layers);
-  h.column_axis = "expert";
-  h.legend_title = "tokens";
-  h.note_title = "max / mean";
+  Heatmap h = layer_heatmap(layers, "Load per expert, layer by layer", "expert", "tokens",
+                            "max / mean");
   h.columns = layers.empty() ? 0 : layers.front().result.num_experts;
   h.group = layers.empty() ? 0 : layers.front().result.num_local_experts;
   for (const LayerReplay& l : layers) {
-    h.row_labels.push_back(l.label);
     h.values.push_back(l.result.tokens_per_expert);
     h.notes.push_back(format("%.2f", imbalance(l.result.tokens_per_expert)));
   }
@@ -134,17 +131,12 @@ std::string layer_load_svg(const std::vector<LayerReplay>& layers) {
 }
 
 std::string layer_traffic_svg(const std::vector<LayerReplay>& layers) {
-  Heatmap h;
-  h.title = "Rows each rank receives, layer by layer";
-  h.subtitle = subtitle(layers);
-  h.column_axis = "destination rank";
-  h.legend_title = "rows";
-  h.note_title = "max/mean, Flex net MB";
+  Heatmap h = layer_heatmap(layers, "Rows each rank receives, layer by layer", "destination rank",
+                            "rows", "max/mean, Flex net MB");
   h.columns = layers.empty() ? 0 : layers.front().result.num_ranks;
   // Node boundaries: the ranks of one node share NVLink.
   h.group = layers.empty() ? 0 : layers.front().result.ranks_per_node;
   for (const LayerReplay& l : layers) {
-    h.row_labels.push_back(l.label);
     h.values.push_back(l.result.rows_per_rank);
     const std::vector<int64_t>& net = l.result.flex.network_bytes;
     const double busiest = net.empty() ? 0.0 : double(*std::max_element(net.begin(), net.end()));

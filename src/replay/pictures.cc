@@ -96,19 +96,7 @@ std::string traffic_heatmap_svg(const ReplayResult& r) {
   const double lx = left + plot + 36, ly = top + 18, lh = plot * 0.55, lw = 18;
   const double scale_max = max > 0 ? double(max) : 1.0;
   c.text(lx - 4, top + 2, "tokens sent", {.size = 12, .bold = true});
-  std::string grad = "<defs><linearGradient id=\"ramp\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">";
-  for (int i = 0; i <= 8; ++i) {
-    grad +=
-        format("<stop offset=\"%.3f\" stop-color=\"%s\"/>", i / 8.0, svg::viridis(i / 8.0).c_str());
-  }
-  c.raw(grad + "</linearGradient></defs>\n");
-  c.rect(lx, ly, lw, lh, "url(#ramp)", "stroke=\"#333333\" stroke-width=\"0.5\"");
-  for (double t : svg::nice_ticks(scale_max, 5)) {
-    if (t > scale_max * (1 + 1e-9)) break;
-    const double y = ly + lh - lh * t / scale_max;
-    c.line(lx + lw, y, lx + lw + 4, y, "#333333");
-    c.text(lx + lw + 7, y + 4, svg::short_number(t), {.size = 11});
-  }
+  svg::ramp_legend(c, lx, ly, lw, lh, scale_max);
   double row = ly + lh + 30;
   legend_box(c, lx, row, "#e8e8e8", "0 (no tokens)");
   row += 20;

@@ -151,4 +151,22 @@ std::string Canvas::finish() const {
              "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\">\n", body_, "</svg>\n");
 }
 
+void ramp_legend(Canvas& c, double lx, double ly, double lw, double lh, double scale_max) {
+  std::string grad = "<defs><linearGradient id=\"ramp\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">";
+  char stop[96];
+  for (int i = 0; i <= 8; ++i) {
+    std::snprintf(stop, sizeof(stop), "<stop offset=\"%.3f\" stop-color=\"%s\"/>", i / 8.0,
+                  viridis(i / 8.0).c_str());
+    grad += stop;
+  }
+  c.raw(grad + "</linearGradient></defs>\n");
+  c.rect(lx, ly, lw, lh, "url(#ramp)", "stroke=\"#333333\" stroke-width=\"0.5\"");
+  for (double t : nice_ticks(scale_max, 5)) {
+    if (t > scale_max * (1 + 1e-9)) break;
+    const double y = ly + lh - lh * t / scale_max;
+    c.line(lx + lw, y, lx + lw + 4, y, "#333333");
+    c.text(lx + lw + 7, y + 4, short_number(t), {.size = 11});
+  }
+}
+
 }  // namespace moed::svg

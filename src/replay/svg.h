@@ -67,6 +67,10 @@ class Canvas {
   std::string body_;
 };
 
+// The viridis ramp as a legend: a lw x lh bar at (lx, ly), 0 at the bottom and scale_max at
+// the top, with round tick labels to its right.
+void ramp_legend(Canvas& c, double lx, double ly, double lw, double lh, double scale_max);
+
 // Writes each (name, document) as DIR/name.svg (DIR created if missing) and a PNG beside each
 // when rsvg-convert or ImageMagick's convert is on PATH and converts them all (tried in that
 // order; otherwise no PNG, silently).
