@@ -173,8 +173,8 @@ void run(const Args& args) {
   Report report(args.json);
   int my_rank = 0;
   Status s = run_in_world(
-      args.world, ranks, opts, [&](World& w) { return bench_body(w, args, *shape, &report); },
-      &my_rank);
+      args.world, ranks, opts, args.json,
+      [&](World& w) { return bench_body(w, args, *shape, &report); }, &my_rank);
   if (!s.ok()) fail("alltoallv", s);
   if (my_rank == 0) report.finish();
 }

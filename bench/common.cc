@@ -1,5 +1,7 @@
 #include "bench/common.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -7,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <new>
 #include <random>
@@ -170,7 +173,7 @@ Paired paired_seconds(const std::function<void()>& fn, size_t bytes, ThreadPool&
 StatusOr<double> time_copy(World& w, CopyBuffers& buffers, size_t total_bytes) {
   const size_t R = size_t(w.size()), me = size_t(w.rank());
   const size_t share = total_bytes / R + (me < total_bytes % R ? 1 : 0);
-  return time_max(w, [&] {
+  return time_span(w, [&] {
     buffers.copy(share, w.pool());
     return ok_status();
   });
@@ -266,6 +269,59 @@ StatusOr<double> time_max(World& w, const std::function<Status()>& fn) {
   MOED_ASSIGN_OR_RETURN(std::vector<double> all,
                         all_gather<double>(w, std::span<const double>(&mine, 1)));
   return *std::max_element(all.begin(), all.end());
+}
+
+namespace {
+
+// The clock domain of this process: steady_clock readings compare between processes of one
+// running kernel, named by its boot id (the host name where there is none).
+int64_t clock_domain() {
+  static const int64_t key = [] {
+    std::string id;
+    std::ifstream f("/proc/sys/kernel/random/boot_id");
+    if (!(f >> id)) {
+      char host[256] = {};
+      gethostname(host, sizeof(host) - 1);
+      id = host;
+    }
+    return int64_t(std::hash<std::string>{}(id));
+  }();
+  return key;
+}
+
+int64_t steady_ns() {
+  return int64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now().time_since_epoch())
+                     .count());
+}
+
+}  // namespace
+
+StatusOr<double> time_span(World& w, const std::function<Status()>& fn) {
+  MOED_RETURN_IF_ERROR(w.barrier());
+  const int64_t start = steady_ns();
+  MOED_RETURN_IF_ERROR(fn());
+  const int64_t mine[3] = {clock_domain(), start, steady_ns()};
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all, all_gather<int64_t>(w, mine));
+  std::map<int64_t, std::pair<int64_t, int64_t>> spans;  // domain -> first start, last end
+  for (size_t i = 0; i + 2 < all.size(); i += 3) {
+    auto [it, fresh] = spans.try_emplace(all[i], all[i + 1], all[i + 2]);
+    it->second.first = std::min(it->second.first, all[i + 1]);
+    it->second.second = std::max(it->second.second, all[i + 2]);
+  }
+  int64_t longest = 0;
+  for (const auto& [domain, span] : spans) longest = std::max(longest, span.second - span.first);
+  return double(longest) * 1e-9;
+}
+
+StatusOr<int> ranks_per_host(World& w) {
+  const int64_t mine = clock_domain();
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                        all_gather<int64_t>(w, std::span<const int64_t>(&mine, 1)));
+  std::map<int64_t, int> count;
+  int most = 0;
+  for (int64_t d : all) most = std::max(most, ++count[d]);
+  return most;
 }
 
 StatusOr<double> median_time_max(World& w, int iters, const std::function<Status()>& fn,
@@ -392,6 +448,25 @@ void Report::add(nlohmann::json r) {
 
 void Report::finish() const {
   if (json_) std::printf("%s\n", nlohmann::json(records_).dump(2).c_str());
+}
+
+Status run_in_world(const std::string& world, int ranks, const WorldOptions& options, bool json,
+                    const std::function<Status(World&)>& body, int* my_rank) {
+  return cli::run_in_world(
+      world, ranks, options,
+      [&](World& w) -> Status {
+        MOED_ASSIGN_OR_RETURN(const int here, ranks_per_host(w));
+        if (w.rank() == 0 && here > host_threads()) {
+          std::fprintf(json ? stderr : stdout,
+                       "note: %d ranks on %d cores: the ranks take turns on the cores, so the "
+                       "copy bound is timed over all ranks (first start to last end), as the "
+                       "kernel is\n",
+                       here, host_threads());
+          std::fflush(json ? stderr : stdout);
+        }
+        return body(w);
+      },
+      my_rank);
 }
 
 StatusOr<WorldShape> world_shape(std::string_view shape, const std::string& world, int ranks) {

@@ -7,12 +7,12 @@
 // instruction set). Commands add their own fields (world, ranks, dispatcher, phase,
 // network_bytes, ...).
 //
-// The copy bound is measured interleaved with the kernel (copy, kernel, copy, kernel, ...: the
-// same bytes, the same threads, timed the same way), so that each kernel iteration has a copy
-// taken under the same load: ratio_to_copy is the median of the paired ratios copy_i / kernel_i,
-// ratio_min and ratio_max their spread, and noisy is true when (max - min) / median > 20%: such
-// a record is a sign of a loaded machine, not a result. seconds is the kernel's median and
-// copy_gbps = bytes / the copies' median.
+// The copy bound is measured interleaved with the kernel (copy, kernel, copy, kernel, ...: the same
+// bytes, the same threads, over all ranks as the kernel is: time_copy), so that each kernel
+// iteration has a copy taken under the same load: ratio_to_copy is the median of the paired ratios
+// copy_i / kernel_i, ratio_min and ratio_max their spread, and noisy is true when (max - min) /
+// median > 20%: such a record is a sign of a loaded machine, not a result. seconds is the kernel's
+// median and copy_gbps = bytes / the copies' median.
 #pragma once
 
 #include <cstdint>
@@ -92,7 +92,11 @@ void add_paired(nlohmann::json& record, const Paired& p);
 Paired paired_seconds(const std::function<void()>& fn, size_t bytes, ThreadPool& pool, int iters,
                       int warmup = 1);
 // The copy bound of a world: every rank copies its share (1/R) of `total_bytes` with its own
-// pool, after a barrier; the slowest rank's seconds, as time_max times a kernel.
+// pool, after a barrier; timed by time_span, from the first rank's start to the last rank's end.
+// NOTE: not each rank's own time, as time_max takes a kernel's: a kernel's ranks wait for each
+// other, so its slowest rank's time spans them all, but a rank's copy waits for no one. When
+// ranks outnumber cores they take turns, and a rank's own copy time leaves out the turns of
+// the others (at R = 4 on 2 cores the bound read twice what the cores can copy).
 StatusOr<double> time_copy(World& w, CopyBuffers& buffers, size_t total_bytes);
 // `iters` pairs (time_copy of total_bytes, then time_max of fn) after `warmup` of each.
 StatusOr<Paired> paired_time_max(World& w, int iters, size_t total_bytes, CopyBuffers& buffers,
@@ -161,6 +165,12 @@ TopkRouting random_topk(const Shape& s, float min_weight, std::mt19937& rng);
 // Every rank runs fn after a barrier; the slowest rank's seconds (the time of a collective
 // operation is when its last rank is done).
 StatusOr<double> time_max(World& w, const std::function<Status()>& fn);
+// Every rank runs fn after a barrier; seconds from the first rank's start to the last rank's
+// end. Clocks are compared only between ranks on one host (one running kernel); over several
+// hosts, the longest of their spans.
+StatusOr<double> time_span(World& w, const std::function<Status()>& fn);
+// How many ranks share this rank's host (the most on any host, the same on every rank).
+StatusOr<int> ranks_per_host(World& w);
 // The median over `iters` runs of time_max, after `warmup` untimed runs.
 StatusOr<double> median_time_max(World& w, int iters, const std::function<Status()>& fn,
                                  int warmup = 1);
@@ -218,7 +228,10 @@ class Report {
 // ---- choosing a world (cli/world_choice.h, shared with `moed run`) ----
 using cli::launched_by_mpirun;
 using cli::mpi_world_size;
-using cli::run_in_world;
+// cli::run_in_world, and where a host has more ranks than cores, a line that says so (on
+// stdout, or stderr under --json so the JSON stays whole) before the figures.
+Status run_in_world(const std::string& world, int ranks, const WorldOptions& options, bool json,
+                    const std::function<Status(World&)>& body, int* my_rank);
 // What a multi-rank command runs on: its ranks (under --world mpi the job's size, which mpirun
 // decides, else `ranks`) and the named shape with E adjusted so that they divide it.
 struct WorldShape {

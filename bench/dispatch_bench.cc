@@ -316,7 +316,7 @@ void run(const Args& a) {
           pr->dispatched[size_t(r)].expert_input.x.bytes() + pr->combined[size_t(r)].bytes();
     }
     Status st = run_in_world(
-        a.world, ranks, opts,
+        a.world, ranks, opts, a.json,
         [&](World& w) {
           if (w.rank() == 0) g = w.ranks_per_node();
           return run_rank(w, s, kinds, a.iters, *pr, &figures, &memory);

@@ -364,7 +364,7 @@ void run(const Args& a) {
   int my_rank = 0;
   int threads = 0;  // the ranks' pools together (the copy bound runs on them too)
   Status st = run_in_world(
-      a.world, ranks, opts,
+      a.world, ranks, opts, a.json,
       [&](World& w) {
         if (w.rank() == 0) threads = w.pool().num_threads() * w.size();
         return run_rank(w, s, tokens, a.iters, &floor, &memory, &figures);

@@ -300,7 +300,7 @@ void sweep(const SweepArgs& a) {
       WorldOptions opts;
       opts.ranks_per_node = a.ranks_per_node;
       Status st = run_in_world(
-          world, R, opts,
+          world, R, opts, a.json,
           [&](World& w) -> Status {
             if (w.rank() == 0) pool_threads = w.pool().num_threads() * w.size();
             CopyBuffers copy;  // this rank's share of the copy bound
