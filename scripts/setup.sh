@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Installs what moed needs from Debian (only what is missing) and builds Release into build/.
+# Installs what moed needs from Debian (only what is missing), builds Release into build/ and
+# installs the Python package with pip into .venv, a virtual environment that also sees
+# Debian's packages (torch): .venv/bin/python is the interpreter that imports moed.
 # Usage: scripts/setup.sh [extra cmake args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,7 +10,8 @@ cd "$(dirname "$0")/.."
 packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libfmt-dev
           nlohmann-json3-dev libcli11-dev libopenmpi-dev openmpi-bin libgloo-dev libopenblas-dev
           python3-numpy clang libclang-rt-14-dev iproute2 nftables
-          python3-torch pybind11-dev python3-dev python3-pytest python3-mpi4py)
+          python3-torch pybind11-dev python3-dev python3-pytest python3-mpi4py
+          python3-venv python3-pip python3-setuptools python3-wheel)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -25,16 +28,10 @@ build_dir=${MOED_BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
 cmake --build "$build_dir" -j "$(nproc)"
 
-# The Python package (when built): a .pth file in Debian's dist-packages points /usr/bin/python3
-# at the build tree's package, so `import moed` works from any directory without PYTHONPATH.
+# The Python package (when this build has it): pip builds it from this build directory
+# (setup.py), so nothing is compiled twice. NOTE: Debian's own python3 refuses pip installs
+# (PEP 668), hence the virtual environment; --system-site-packages lets it import Debian's torch.
 if ls "$build_dir"/python/moed/_C*.so >/dev/null 2>&1; then
-  site_dir=$(/usr/bin/python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
-  pth_line=$(cd "$build_dir/python" && pwd)
-  sudo_cmd=""
-  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
-  if [ "$(cat "$site_dir/moed.pth" 2>/dev/null)" != "$pth_line" ]; then
-    $sudo_cmd mkdir -p "$site_dir"
-    echo "$pth_line" | $sudo_cmd tee "$site_dir/moed.pth" >/dev/null
-    echo "moed setup: $site_dir/moed.pth -> $pth_line"
-  fi
+  [ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
+  MOED_BUILD_DIR="$(cd "$build_dir" && pwd)" .venv/bin/pip install --quiet --no-build-isolation .
 fi
