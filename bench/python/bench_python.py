@@ -94,12 +94,19 @@ def deep_ep_pair(group, E, x, topi, topw):
             buf.destroy)
 
 
-def body(group, shape, kinds, iters, warmup, rounds, pairs, hidden=0):
+def rank_inputs(group, shape, hidden=0):
+    """This rank's inputs at `shape` (H overridden by `hidden`; E rounded to a multiple of the
+    ranks): (E, K, x bf16 [T, H], routing map, probs, topk_idx, topk_weights)."""
     T, H, E, K = SHAPES[shape]
     H = hidden or H
     E = max(E, group.size()) // group.size() * group.size()
     rmap, probs, topi, topw = routing(7 + group.rank(), T, E, K)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(group.rank())).bfloat16()
+    return E, K, x, rmap, probs, topi, topw
+
+
+def body(group, shape, kinds, iters, warmup, rounds, pairs, hidden=0):
+    E, K, x, rmap, probs, topi, topw = rank_inputs(group, shape, hidden)
     res = {}
     for kind in kinds:
         if kind == "deep_ep":
@@ -150,11 +157,7 @@ def split_body(group, shape, kinds, rounds, hidden=0):
     them; with one trivial Python call there too; the six `_C` calls from Python; the
     Megatron-style path. Median over `rounds` of each one's difference to the C++ loop's
     iteration in the same round (order alternating by round)."""
-    T, H, E, K = SHAPES[shape]
-    H = hidden or H
-    E = max(E, group.size()) // group.size() * group.size()
-    rmap, probs, _, _ = routing(7 + group.rank(), T, E, K)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(group.rank())).bfloat16()
+    E, K, x, rmap, probs, _, _ = rank_inputs(group, shape, hidden)
     res = {}
     for kind in kinds:
         cfg = MoEConfig(num_moe_experts=E, moe_router_topk=K)
