@@ -3,6 +3,7 @@
 # installs the Python package with pip into .venv, a virtual environment that also sees
 # Debian's packages (torch): .venv/bin/python is the interpreter that imports moed.
 # Usage: scripts/setup.sh [extra cmake args]
+# MOED_BUILD_DIR: the build directory (default build); MOED_BUILD_TARGET: build only that target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,7 +27,7 @@ fi
 
 build_dir=${MOED_BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
-cmake --build "$build_dir" -j "$(nproc)"
+cmake --build "$build_dir" -j "$(nproc)" ${MOED_BUILD_TARGET:+--target "$MOED_BUILD_TARGET"}
 
 # The Python package (when this build has it): pip builds it from this build directory
 # (setup.py), so nothing is compiled twice. NOTE: Debian's own python3 refuses pip installs

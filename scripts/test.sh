@@ -1,33 +1,104 @@
 #!/usr/bin/env bash
 # The tests: set up, build, run the whole suite (CTest: unit, threads-world and MPI tests),
 # then again under AddressSanitizer + UndefinedBehaviorSanitizer, and the threads-world tests
-# under ThreadSanitizer. MOED_QUICK=1 skips the sanitizer passes.
+# (label tsan) under ThreadSanitizer. MOED_QUICK=1 skips the sanitizer passes. Ends with each
+# phase's wall time (also when a phase fails).
+#
+# NOTE: each sanitizer build runs beside the tests before it, at the lowest CPU priority: the
+# tests spend much of their time waiting (on peers, timeouts, processes starting, the test
+# hosts' network), and the build takes only the cores they leave idle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
-scripts/setup.sh
-(cd build && ctest --output-on-failure -j "$jobs")
+
+phases=()
+# phase NAME SECONDS: one line of the report.
+phase() { phases+=("$(printf '%-46s %5d s' "$1" "$2")"); }
+report() {
+  echo "== phase times (wall, $jobs cores) =="
+  if [ ${#phases[@]} -gt 0 ]; then printf '  %s\n' "${phases[@]}"; fi
+  printf '  %-46s %5d s\n' total "$SECONDS"
+}
+
+# timed NAME command...: runs the command, then records NAME's time.
+timed() {
+  local name=$1 start=$SECONDS
+  shift
+  "$@"
+  phase "$name" $((SECONDS - start))
+}
+
+# in_background NAME LOG command...: starts the command at the lowest priority (in a session of
+# its own, ended with the script), its output in LOG; finish_background waits for it, records
+# NAME's time and fails, with LOG's end, if it did.
+bg_name="" bg_log="" bg_pid=""
+in_background() {
+  bg_name=$1 bg_log=$2
+  shift 2
+  setsid bash -c 'start=$SECONDS; rc=0; nice -n 19 "${@:2}" >"$1" 2>&1 || rc=$?
+                  echo "$((SECONDS - start)) $rc" >"$1.done"' _ "$bg_log" "$@" &
+  bg_pid=$!
+}
+finish_background() {
+  local start=$SECONDS secs rc
+  wait "$bg_pid" || true
+  bg_pid=""
+  read -r secs rc <"$bg_log.done"
+  phase "$bg_name" "$secs"
+  if [ $((SECONDS - start)) -gt 0 ]; then
+    phase "  (then waited for it)" $((SECONDS - start))
+  fi
+  if [ "$rc" != 0 ]; then
+    tail -n 50 "$bg_log"
+    echo "$bg_name failed (exit $rc); the whole log is $bg_log"
+    exit "$rc"
+  fi
+}
+on_exit() {
+  # The session's group, or the process itself while it has not made the session yet.
+  if [ -n "$bg_pid" ]; then kill -- "-$bg_pid" 2>/dev/null || kill "$bg_pid" 2>/dev/null || true; fi
+  report
+}
+trap on_exit EXIT
+
+sanitizers=1
+[ "${MOED_QUICK:-0}" = 1 ] && sanitizers=0
+# -O1 keeps sanitizer builds quick to compile on small machines and still inlines enough.
+sanitizer_flags=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1")
+
+timed "setup + Release build" scripts/setup.sh
+if [ $sanitizers = 1 ]; then
+  mkdir -p build-asan
+  in_background "ASan+UBSan build (beside the Release tests)" build-asan/build.log \
+    env MOED_BUILD_DIR=build-asan scripts/setup.sh -DMOED_SANITIZE=ON "${sanitizer_flags[@]}"
+fi
+timed "Release tests" bash -c "cd build && ctest --output-on-failure -j $jobs"
 echo "== .npy header parser under libFuzzer (20 s) =="
 # A fixed seed keeps this pass deterministic, so a clean main never fails here by luck; run
 # tests/io/fuzz/run.sh without one (random seed) to look for new inputs.
-tests/io/fuzz/run.sh 20 -seed=1
+timed "fuzz" tests/io/fuzz/run.sh 20 -seed=1
+[ $sanitizers = 1 ] || exit 0
 
-if [ "${MOED_QUICK:-0}" != 1 ]; then
-  echo "== AddressSanitizer + UndefinedBehaviorSanitizer =="
-  # -O1 keeps sanitizer builds quick to compile on small machines and still inlines enough.
-  MOED_BUILD_DIR=build-asan scripts/setup.sh -DMOED_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug \
-    -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1"
-  # Leak detection on. OpenMPI's own allocations in MPI_Init / MPI_Finalize are suppressed
-  # (scripts/lsan.supp says why); matching them needs full stacks, which are slow, so only the
-  # MPI tests get fast_unwind_on_malloc=0. The multi-host tests (label hosts) run once, in the
-  # Release pass above.
-  supp="$PWD/scripts/lsan.supp"
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer =="
+finish_background
+# Only what the tests labelled tsan run is built (the target moed_tsan_tests).
+mkdir -p build-tsan
+in_background "TSan build (beside the ASan+UBSan tests)" build-tsan/build.log \
+  env MOED_BUILD_DIR=build-tsan MOED_BUILD_TARGET=moed_tsan_tests scripts/setup.sh \
+  -DMOED_TSAN=ON -DMOED_WITH_MPI=OFF "${sanitizer_flags[@]}"
+# Leak detection on. OpenMPI's own allocations in MPI_Init / MPI_Finalize are suppressed
+# (scripts/lsan.supp says why); matching them needs full stacks, which are slow, so only the
+# MPI tests get fast_unwind_on_malloc=0. The multi-host tests (label hosts) run once, in the
+# Release pass above.
+supp="$PWD/scripts/lsan.supp"
+asan_tests() {
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 LSAN_OPTIONS=suppressions="$supp" \
     ctest --output-on-failure -j "$jobs" -LE "mpi|hosts")
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=0 \
     LSAN_OPTIONS=suppressions="$supp" ctest --output-on-failure -j "$jobs" -L mpi)
-  echo "== ThreadSanitizer (threads world) =="
-  MOED_BUILD_DIR=build-tsan scripts/setup.sh -DMOED_TSAN=ON -DMOED_WITH_MPI=OFF -DCMAKE_BUILD_TYPE=Debug \
-    -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1"
-  (cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j "$jobs" -L tsan)
-fi
+}
+timed "ASan+UBSan tests" asan_tests
+
+echo "== ThreadSanitizer (threads world) =="
+finish_background
+timed "TSan tests" bash -c "cd build-tsan && TSAN_OPTIONS=halt_on_error=1 ctest --output-on-failure -j $jobs -L tsan"
