@@ -1,8 +1,6 @@
 // bind_world: WorldHandle, the threads world (run_threads over a Python body), the MPI world,
 // the gloo world (gloo.cc),
 // and the collectives moed.dist is built on (byte level over contiguous CPU tensors).
-#include "moed/world.h"
-
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
@@ -10,6 +8,7 @@
 #include <cstring>
 
 #include "moed/threads_world.h"
+#include "moed/world.h"
 #include "python/bindings.h"
 #include "python/interop.h"
 #include "python/world_handle.h"
@@ -86,6 +85,21 @@ void bind_world(py::module_& m) {
              py::gil_scoped_release nogil;
              w.abort(reason);
            })
+      .def("rank_failed", [](const WorldHandle& h, int r) { return h.get().rank_failed(r); })
+      .def("timeout", [](const WorldHandle& h) { return double(h.get().timeout().count()) / 1e3; })
+      .def("shrink",
+           [](const WorldHandle& h) {
+             // The new world is owned by its handle (moed.Group.shrink keeps it).
+             World& w = h.get();
+             StatusOr<ShrunkWorld> s = internal_error("shrink did not run");
+             {
+               py::gil_scoped_release nogil;
+               s = w.shrink();
+             }
+             ShrunkWorld shrunk = check(std::move(s));
+             return py::make_tuple(std::make_shared<WorldHandle>(std::move(shrunk.world)),
+                                   shrunk.members);
+           })
       .def("agree",
            [](const WorldHandle& h, const std::string& local_error) {
              // Every rank passes "" (fine) or its error; all raise the lowest failing rank's.
@@ -152,8 +166,8 @@ void bind_world(py::module_& m) {
                                         out_bytes.size(), " entries; world size is ", R);
              else if (sum(in_bytes) != src.size() || sum(out_bytes) != dst.size())
                local = invalid_argument("split sizes cover ", sum(in_bytes), " / ", sum(out_bytes),
-                                        " bytes of input / output, which have ", src.size(),
-                                        " / ", dst.size());
+                                        " bytes of input / output, which have ", src.size(), " / ",
+                                        dst.size());
              Status s;
              {
                py::gil_scoped_release nogil;
