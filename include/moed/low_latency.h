@@ -22,6 +22,19 @@
 // Every call is collective over the world (all ranks call it, in the same order); bad input on
 // any rank is an error on every rank (World::agree), never a hang.
 //
+// Shrink mode (LowLatencyOptions::enable_shrink; DeepEP's enable_shrink): a rank that does not
+// take part in a dispatch, combine or clean within options.shrink_timeout (or that this rank
+// sees fail) is masked, and the call completes for the others: no rows go to or come from a
+// masked rank, and combine sums only the experts of unmasked ranks (the reference with those
+// experts' terms dropped, in the same order). Each rank masks on its own; query_mask() says
+// whom. The calls then use no collective of the world: every rank writes only its own
+// node-shared memory (its rows, counts and a sequence word per half; in-node peers read them)
+// or sends messages, and waits for each peer with its own deadline. A rank that comes back
+// after the others masked it (stopped, say) finds its bit set in their masks and gets an error
+// saying it was removed; it wrote nothing into their memory. Bad input is an error on its rank
+// and, through the verdict it publishes instead of its rows, on every rank that receives from
+// it. Buffers are made (collectively) before a rank is lost.
+//
 // In the threads world a call without return_recv_hook lets its in-node peers read its rows
 // where they are: the send phase only publishes where they are, each receiver copies them once,
 // straight into their packed place (dispatch), or reduces the expert outputs where they are
@@ -32,6 +45,7 @@
 // waits in the call until its in-node peers have received (or the world's timeout).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -47,9 +61,9 @@
 namespace moed {
 
 // Bytes of node-shared memory one rank's LowLatencyBuffer needs (both halves; DeepEP's
-// get_low_latency_rdma_size_hint). Per half: dispatch slots [E * M] rows of hidden bf16
-// (FP8 rows and their scales fit in the same layout), scales, source indices and counts;
-// combine slots [E * M] rows of hidden bf16.
+// get_low_latency_rdma_size_hint), in shrink mode too. Per half: dispatch slots [E * M] rows
+// of hidden bf16 (FP8 rows and their scales fit in the same layout), scales, source indices
+// and counts; combine slots [E * M] rows of hidden bf16.
 size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,
                                  int num_experts);
 
@@ -110,6 +124,18 @@ struct LowLatencyDispatchOutput {
   }
 };
 
+struct LowLatencyOptions {
+  bool enable_shrink = false;  // shrink mode (above)
+  // How long a rank waits for a peer in shrink mode before it masks it (DeepEP's timeout),
+  // rather than the world's timeout.
+  std::chrono::milliseconds shrink_timeout = std::chrono::seconds(10);
+  // A node-shared segment made earlier, zeroed on every rank (World::alloc_shared; DeepEP's
+  // num_rdma_bytes, get_low_latency_size_hint bytes or more): create() then makes no
+  // collective call, so the buffer can be made after a rank is lost (shrink mode). Every rank
+  // must then pass the same shape, as in DeepEP (it is not checked across ranks).
+  std::shared_ptr<SharedBuffer> segment = nullptr;
+};
+
 struct LowLatencyCombineInput {
   // Expert outputs bf16 [L * R * M, H] in the dispatch's layout (rows past recv_count[j] are
   // not read). NOTE: rows bound for other nodes are sent from here, so x must stay valid and
@@ -123,12 +149,16 @@ struct LowLatencyCombineInput {
   // each token's sum there. With a hook it is written when the hook runs, so it must stay
   // valid until then.
   std::optional<TensorView> out = std::nullopt;
+  // Optional [T, K]: each token's terms are summed in ascending order of this key instead of
+  // the expert id (copied; read by the receive). With redundant experts (moed/replicas.h): the
+  // logical ids, so that the sum does not depend on which replica served a slot.
+  std::span<const int32_t> order = {};
 };
 
 struct LowLatencyCombineOutput {
-  // [T, H] bf16: for each token, fp32 acc = 0; for its experts e ascending: acc += w_e * y_e;
-  // rounded once. Tokens with no expert are 0. Valid after hook->wait() with a hook.
-  // Empty (0 x 0) when LowLatencyCombineInput::out was given: the result is there.
+  // [T, H] bf16: for each token, fp32 acc = 0; for its experts e ascending (by `order` where
+  // given): acc += w_e * y_e; rounded once. Tokens with no expert are 0. Valid after hook->wait()
+  // with a hook. Empty (0 x 0) when LowLatencyCombineInput::out was given: the result is there.
   Tensor combined_x;
   Request hook;  // never null: the receive half with return_recv_hook, else completed
   std::optional<TensorView> out = std::nullopt;  // LowLatencyCombineInput::out, when given
@@ -141,7 +171,8 @@ class LowLatencyBuffer {
   // every rank and E a multiple of the world size (one expert-parallel group, EP = R).
   static StatusOr<std::unique_ptr<LowLatencyBuffer>> create(World& world,
                                                             int64_t max_tokens_per_rank, int hidden,
-                                                            int num_experts);
+                                                            int num_experts,
+                                                            const LowLatencyOptions& options = {});
   ~LowLatencyBuffer();
   LowLatencyBuffer(const LowLatencyBuffer&) = delete;
   LowLatencyBuffer& operator=(const LowLatencyBuffer&) = delete;
@@ -152,6 +183,18 @@ class LowLatencyBuffer {
   // Collective. Sends every received row's expert output back to its home rank, then
   // receives and reduces (now, or in the hook).
   StatusOr<LowLatencyCombineOutput> low_latency_combine(const LowLatencyCombineInput& input);
+
+  // Collective (DeepEP's clean_low_latency_buffer): a barrier; in shrink mode over the unmasked
+  // ranks only, masking those that do not come within the shrink timeout.
+  Status clean();
+
+  // Shrink mode's mask (DeepEP's mask buffer): query_mask()[r] = 1 when this rank masked rank r.
+  // update_mask masks or unmasks one rank by hand; clean_mask unmasks all. An unmasked rank must
+  // be in step with the others (the same number of calls), or it is masked again at the next
+  // call's deadline. FailedPrecondition outside shrink mode; InvalidArgument for a bad rank.
+  std::vector<int32_t> query_mask() const;
+  Status update_mask(int rank, bool mask);
+  Status clean_mask();
 
   World& world() const;
   int64_t max_tokens_per_rank() const;
@@ -164,6 +207,12 @@ class LowLatencyBuffer {
 
  private:
   explicit LowLatencyBuffer(std::shared_ptr<State> state);
+  // The buffer over options.segment or a fresh segment, without a collective call of its own
+  // but alloc_shared's.
+  static StatusOr<std::unique_ptr<LowLatencyBuffer>> make_state(World& world,
+                                                                int64_t max_tokens_per_rank,
+                                                                int hidden, int num_experts,
+                                                                const LowLatencyOptions& options);
   std::shared_ptr<State> state_;
 };
 

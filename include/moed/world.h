@@ -72,6 +72,15 @@ class PendingOp {
   // fails (an error shows in wait()). A receive hook (moed/low_latency.h) runs its receive
   // inside wait(), so it is ready only after wait().
   virtual bool ready() = 0;
+  // For callers that go on without a lost peer (the low-latency shrink mode): like wait(), but
+  // bounded by `timeout` rather than the world's, ended early only by the failure of the rank
+  // this operation talks to (not by another rank's), and never failing the world: on a timeout
+  // it returns kDeadlineExceeded and cancels the operation. The default (a request without a
+  // peer) is wait().
+  virtual Status wait_for(std::chrono::milliseconds timeout) {
+    (void)timeout;
+    return wait();
+  }
 };
 using Request = std::unique_ptr<PendingOp>;
 // A request that is already done with `status` (ready() is true; wait() returns status).
@@ -101,6 +110,10 @@ class SharedBuffer {
   // return an error when a rank has failed or the world's timeout passes.
   void signal(int to_local_rank, uint64_t value);
   Status wait_signal(int from_local_rank, uint64_t value);
+  // The (from -> me) counter now (acquire), without waiting.
+  uint64_t signal_value(int from_local_rank) const {
+    return inbox_[size_t(from_local_rank)]->load(std::memory_order_acquire);
+  }
 
  protected:
   SharedBuffer(World* world, size_t bytes, int local_rank, std::vector<void*> segments,
@@ -135,6 +148,12 @@ Status set_default_threads_per_rank(int threads);
 int default_threads_per_rank();  // 0 = the built-in choice
 // What a world of `ranks_on_host` ranks on this host uses for threads_per_rank = 0.
 int resolve_threads_per_rank(int threads_per_rank, int ranks_on_host);
+
+// A world of the ranks of another that went on after a loss (World::shrink).
+struct ShrunkWorld {
+  std::unique_ptr<World> world;
+  std::vector<int> members;  // members[r]: new rank r's rank in the old world (ascending)
+};
 
 class World {
  public:
@@ -190,6 +209,7 @@ class World {
   // ---- network (point to point between any two ranks; DeepEP's RDMA) ----
   // Counted as network bytes when the peers are on different nodes, shared bytes otherwise.
   // The receiver must know the exact size. Messages between one (src, dst, tag) arrive in order.
+  // Posting fails when the peer has failed; another rank's failure shows in wait().
   virtual StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) = 0;
   virtual StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) = 0;
   Status send(int dst, int tag, const void* data, size_t bytes);
@@ -205,6 +225,10 @@ class World {
   virtual void abort(const Status& reason) = 0;
   // The first failure seen (ok() while nobody has failed). Checked by every wait.
   virtual Status failure() const = 0;
+  // Whether this rank has seen rank `r` fail (returned an error, threw, aborted, its process
+  // ended or its connection closed), the first failure or a later one. The low-latency shrink
+  // mode masks such a rank at once instead of waiting out its deadline.
+  virtual bool rank_failed(int r) const = 0;
   // A wait of this rank's on node-shared memory (a signal, an ack) ran out of time with
   // `timed_out`. A backend that can ask who is missing adds the silent ranks to the message, as
   // its own waits' timeouts do (MPI: the census), so the error names a stalled rank whichever
@@ -214,6 +238,18 @@ class World {
   // A collective decision on input validation: every rank passes its local verdict; all ranks
   // return the same result: OK, or the lowest failing rank's error prefixed "rank r: ".
   Status agree(const Status& local);
+
+  // ---- going on without lost ranks ----
+  // After a rank is lost (it failed, or a wait ran out on it), the ranks that go on call
+  // shrink(): collective over them, bounded by the timeout; a rank this world saw fail is not
+  // waited for (one that failed and still calls it is taken). The new world holds the ranks
+  // that came, renumbered in ascending order of their rank here, in nodes of G' = the gcd of
+  // the survivors per node (so old nodes stay together); the same bitwise promises hold on it.
+  // Dispatchers and buffers are made anew on it; this world stays failed. The threads world
+  // and the MPI world (Debian's OpenMPI has no ULFM: a process that dies ends the MPI job, so
+  // there it serves a rank that failed and stays alive) shrink here; the gloo world through
+  // its rendezvous store (Python's moed.Group.shrink); elsewhere kUnimplemented.
+  virtual StatusOr<ShrunkWorld> shrink();
 
   // ---- counters ----
   TrafficCounters& counters() { return counters_; }

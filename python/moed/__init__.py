@@ -3,7 +3,8 @@
     import moed
 
     def body(group, x):
-        d = moed.megatron.MoEAlltoAllTokenDispatcher(group, num_experts=8)
+        d = moed.megatron.MoEAlltoAllTokenDispatcher(2, group=group, num_moe_experts=8,
+                                                     moe_router_topk=2)
         ...
     results = moed.launch(body, 4, x)   # 4 rank threads; results in rank order
 
@@ -28,22 +29,24 @@ finally:
     _sys.setdlopenflags(_flags)
 
 from ._C import AbortedError
-from ._world import (Group, launch, init, from_torch, current_group, set_num_threads, get_num_threads,
-                     set_tensor_cache_limit, tensor_cache_stats, release_tensor_cache, shutdown)
+from ._world import (Group, launch, init, from_torch, join, current_group, set_num_threads,
+                     get_num_threads, set_tensor_cache_limit, tensor_cache_stats,
+                     release_tensor_cache, shutdown)
 from . import dist
+from .replicas import ExpertReplicas
 
 # The torch dtype of moed's FP8 payloads: float8_e4m3fn where torch has it, else uint8 holding
 # E4M3FN bits (torch 1.13).
 fp8_dtype = getattr(_torch, "float8_e4m3fn", _torch.uint8)
 
-__all__ = ["AbortedError", "Group", "launch", "init", "from_torch", "current_group", "set_num_threads",
+__all__ = ["AbortedError", "Group", "launch", "init", "from_torch", "join", "current_group", "set_num_threads",
            "get_num_threads", "set_tensor_cache_limit", "tensor_cache_stats",
-           "release_tensor_cache", "shutdown", "dist", "fp8_dtype"]
+           "release_tensor_cache", "shutdown", "dist", "fp8_dtype", "ExpertReplicas"]
 
 
 def __getattr__(name):
     # Submodules that pull in more (and may come from other work) load on first use.
-    if name in ("megatron", "reference", "deep_ep", "traces"):
+    if name in ("megatron", "deep_ep", "traces"):
         import importlib
         return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'moed' has no attribute {name!r}")

@@ -49,6 +49,11 @@ class Group:
 
     def __init__(self, handle):
         self.handle = handle
+        # After shrink() / grow(): each rank's rank in the first world, and how many worlds
+        # came before this one.
+        self.members = list(range(handle.size()))
+        self.generation = 0
+        self._gloo = None  # the gloo world's store and settings (from_torch), for shrink/grow
 
     def rank(self):
         return self.handle.rank()
@@ -78,6 +83,32 @@ class Group:
         moed.AbortedError naming this rank and the reason. Returns (gloo, MPI: nothing ends)."""
         if self.handle.alive():
             self.handle.fail(str(reason))
+
+    def shrink(self, timeout=None):
+        """The group of the ranks that go on after a loss: collective over them (every rank
+        that has not failed is waited for, up to the group's timeout). Ranks are renumbered in
+        ascending order of their rank here; ``members`` keeps each one's rank in the first
+        world. Make dispatchers and buffers anew on it (same bitwise promises). Threads world
+        and gloo world (through the torch store); MPI while the lost process stays alive
+        (OpenMPI has no ULFM). This group stays failed."""
+        if self._gloo is not None:
+            from . import _membership
+            return _membership.shrink(self, timeout)
+        handle, idx = self.handle.shrink()
+        g = Group(handle)
+        g.members = [self.members[i] for i in idx]
+        g.generation = self.generation + 1
+        return g
+
+    def grow(self, joiners=1, timeout=None):
+        """The gloo world back to a larger size: collective over this group's ranks and
+        ``joiners`` replacement processes that call moed.join(); the replacements take the
+        lowest ranks missing from the first world, the others keep theirs (``members``)."""
+        if self._gloo is None:
+            raise RuntimeError(f"moed: grow() needs a gloo world (moed.from_torch); this one is "
+                               f"{self.backend}")
+        from . import _membership
+        return _membership.grow(self, int(joiners), timeout)
 
     def __enter__(self):
         return self
@@ -176,6 +207,8 @@ def _install_hooks():
 
 
 def _close_torch_groups():
+    from . import _membership
+    _membership.close_all()
     for key, (_, g) in list(_torch_groups.items()):
         g.handle.close()
         del _torch_groups[key]
@@ -212,16 +245,48 @@ def from_torch(pg=None, ranks_per_node=0, timeout=300.0, threads_per_rank=None, 
         raise RuntimeError("moed was built without gloo (libgloo-dev; MOED_WITH_GLOO=OFF)")
     if threads_per_rank is None:
         threads_per_rank = get_num_threads()
-    name = c10d._pg_names.get(pg, "default") if hasattr(c10d, "_pg_names") else "default"
+    # The default group is "default" (moed.join's default); torch's own name for it varies.
+    if pg is c10d._get_default_group():
+        name = "default"
+    else:
+        name = c10d._pg_names.get(pg, "group") if hasattr(c10d, "_pg_names") else "group"
     n = _torch_world_count.get(name, 0)
     _torch_world_count[name] = n + 1
     handle = _C.gloo_world(c10d._get_default_store(), f"moed/{name}/{n}/", tdist.get_rank(pg),
                            tdist.get_world_size(pg), address or _local_address(), str(host_id),
                            int(ranks_per_node), float(timeout), int(threads_per_rank))
     g = Group(handle)
+    store = c10d._get_default_store()
+    g._gloo = dict(store=store, name=name, address=address or _local_address(),
+                   host_id=str(host_id), ranks_per_node=int(ranks_per_node),
+                   timeout=float(timeout), threads=int(threads_per_rank))
+    store.set(f"moed/{name}/elastic/origin", str(tdist.get_world_size(pg)).encode())
     _torch_groups[id(pg)] = (pg, g)
     _install_hooks()
     return g
+
+
+def join(store=None, name="default", timeout=300.0, ranks_per_node=0, threads_per_rank=None,
+         address=None, host_id=""):
+    """A replacement process joins a gloo world that lost ranks (moed.from_torch's world, after
+    the survivors' group.shrink()); the survivors' group.grow() takes it in. Returns the moed
+    Group of the grown world. store: the torch.distributed store of that world (default:
+    PrefixStore("default_pg", TCPStore(MASTER_ADDR, MASTER_PORT)), the default group's); name:
+    the torch group's name ("default" for the default group)."""
+    import torch.distributed as tdist
+    from . import _membership
+    if store is None:
+        tcp = tdist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                             int(os.environ.get("MASTER_PORT", "29500")), is_master=False,
+                             timeout=__import__("datetime").timedelta(seconds=timeout))
+        store = tdist.PrefixStore("default_pg", tcp)
+    if threads_per_rank is None:
+        threads_per_rank = get_num_threads()
+    info = dict(store=store, name=name, address=address or _local_address(), host_id=str(host_id),
+                ranks_per_node=int(ranks_per_node), timeout=float(timeout),
+                threads=int(threads_per_rank))
+    _install_hooks()
+    return _membership.join(info, float(timeout))
 
 
 def close_torch_group(pg=None):

@@ -5,9 +5,12 @@
 // gathered words).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <numeric>
 #include <span>
+#include <vector>
 
 #include "moed/status.h"
 #include "moed/world.h"
@@ -19,6 +22,26 @@ inline Status start_collective(World& w) {
   MOED_RETURN_IF_ERROR(w.failure());
   ++w.counters().collectives;
   return ok_status();
+}
+
+// Point to point starts so: posting fails only when the peer itself has failed (another rank's
+// failure shows in the wait, which the low-latency shrink mode may ask to go on past it).
+// The error is the world's first failure, the root cause (a peer that failed after it
+// usually echoes it).
+inline Status peer_failure(const World& w, int peer) {
+  if (peer < 0 || peer >= w.size() || !w.rank_failed(peer)) return ok_status();
+  Status first = w.failure();
+  return first.ok() ? aborted("rank ", peer, " failed") : first;
+}
+
+// World::shrink's nodes: G' = the gcd of the survivors per old node, so that runs of G'
+// members (ascending ranks, node-major) stay inside one old node.
+inline int shrunk_ranks_per_node(const World& w, std::span<const int> members) {
+  std::vector<int> per_node(size_t(w.num_nodes()), 0);
+  for (int m : members) ++per_node[size_t(w.node_of(m))];
+  int g = 0;
+  for (int n : per_node) g = std::gcd(g, n);
+  return std::max(g, 1);
 }
 
 // Counts `bytes` this rank sends to `dst`: nothing to itself, shared within a node, network

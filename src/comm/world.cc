@@ -134,6 +134,12 @@ std::shared_ptr<SharedBuffer> World::make_shared_buffer(size_t bytes, std::vecto
                                              std::move(on_free));
 }
 
+StatusOr<ShrunkWorld> World::shrink() {
+  return unimplemented("shrink() is not available in the ", backend_name(),
+                       " world from C++; the gloo world shrinks through its rendezvous store "
+                       "(moed.Group.shrink in Python)");
+}
+
 Status World::agree(const Status& local) {
   // Every rank shares its code and message; all pick the lowest failing rank's error.
   std::string mine = local.ok() ? std::string() : local.message();

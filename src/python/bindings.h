@@ -14,6 +14,7 @@ void bind_dispatcher(py::module_& m);  // dispatcher_bindings.cc: TokenDispatche
 void bind_reference(py::module_& m);   // reference_bindings.cc: the reference (tests)
 // deep_ep_bindings.cc + low_latency_bindings.cc: moed.deep_ep.Buffer (DeepEP's legacy Buffer)
 void bind_deep_ep(py::module_& m);
-void bind_elastic(py::module_& m);  // elastic_bindings.cc: moed.deep_ep.ElasticBuffer (DeepEP V2)
+void bind_elastic(py::module_& m);   // elastic_bindings.cc: moed.deep_ep.ElasticBuffer (DeepEP V2)
+void bind_replicas(py::module_& m);  // replicas_bindings.cc: moed.ExpertReplicas
 
 }  // namespace moed::python

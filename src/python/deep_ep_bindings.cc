@@ -164,7 +164,9 @@ py::tuple dispatch_layout(DeepEpBox& b, py::handle topk_idx, int num_experts) {
   const TopkView tv = topk_view_arg(topk_idx, py::none(), keep_idx, keep_weights);
   deep_ep::NormalBuffer& nb = b.normal();
   DispatchLayout l = check(nogil([&] { return nb.get_dispatch_layout(tv, num_experts); }));
-  auto to32 = [](const std::vector<int64_t>& v) { return std::vector<int32_t>(v.begin(), v.end()); };
+  auto to32 = [](const std::vector<int64_t>& v) {
+    return std::vector<int32_t>(v.begin(), v.end());
+  };
   const int64_t R = l.num_ranks, N = l.num_nodes;
   py::object per_node =
       N > 1 ? vector_to_torch<int32_t>(to32(l.num_tokens_per_node), {N}) : py::none();
@@ -268,12 +270,22 @@ void bind_deep_ep_normal(py::module_& m, DeepEpClass& buffer) {
 void bind_deep_ep(py::module_& m) {
   DeepEpClass buffer(m, "DeepEpBuffer");
   buffer
-      .def(py::init([](std::shared_ptr<WorldHandle> world) {
-             auto box = std::make_shared<DeepEpBox>(world);
+      .def(py::init([](std::shared_ptr<WorldHandle> world, bool enable_shrink,
+                       double shrink_timeout_s, int64_t num_rdma_bytes) {
+             if (enable_shrink && !(shrink_timeout_s > 0))
+               throw py::value_error("shrink_timeout = " + std::to_string(shrink_timeout_s) +
+                                     " must be > 0 seconds");
+             LowLatencyOptions ll;
+             ll.enable_shrink = enable_shrink;
+             ll.shrink_timeout = std::chrono::milliseconds(
+                 std::max<int64_t>(1, int64_t(shrink_timeout_s * 1000.0 + 0.5)));
+             auto box = std::make_shared<DeepEpBox>(world, ll,
+                                                    size_t(std::max<int64_t>(0, num_rdma_bytes)));
              world->add(box);
              return box;
            }),
-           py::arg("world"))
+           py::arg("world"), py::kw_only(), py::arg("enable_shrink") = false,
+           py::arg("shrink_timeout") = 10.0, py::arg("num_rdma_bytes") = 0)
       .def("close", [](DeepEpBox& b) {
         nogil([&] {
           b.close();

@@ -7,10 +7,12 @@
 #include <pybind11/pybind11.h>
 
 #include <array>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "moed/deep_ep.h"
 #include "moed/low_latency.h"
@@ -31,9 +33,24 @@ class DeepEpBox : public Closable {
     bool pending = false;  // get_next_low_latency_combine_buffer was called for the next combine
   };
 
-  explicit DeepEpBox(std::shared_ptr<WorldHandle> world) : world_(std::move(world)) {
+  // Shrink mode: the low-latency segment (num_rdma_bytes) is made here, while every rank is
+  // there, so that the low-latency buffer can be made on first use without a collective.
+  DeepEpBox(std::shared_ptr<WorldHandle> world, const LowLatencyOptions& ll, size_t num_rdma_bytes)
+      : world_(std::move(world)), ll_options_(ll) {
     World& w = world_->get();
     normal_ = check(nogil([&] { return deep_ep::NormalBuffer::create(w); }));
+    manual_mask_.assign(size_t(w.size()), -1);
+    if (!ll.enable_shrink) return;
+    ll_options_.segment = check(nogil([&]() -> StatusOr<std::shared_ptr<SharedBuffer>> {
+      MOED_RETURN_IF_ERROR(w.agree(num_rdma_bytes > 0
+                                       ? ok_status()
+                                       : invalid_argument("enable_shrink needs num_rdma_bytes "
+                                                          "(get_low_latency_rdma_size_hint)")));
+      MOED_ASSIGN_OR_RETURN(std::shared_ptr<SharedBuffer> seg, w.alloc_shared(num_rdma_bytes));
+      std::memset(seg->local(), 0, seg->bytes());
+      MOED_RETURN_IF_ERROR(w.barrier());
+      return seg;
+    }));
   }
   void close() override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -52,11 +69,56 @@ class DeepEpBox : public Closable {
     if (it != ll_.end()) return *it->second;
     if (!normal_)
       throw std::runtime_error("moed.deep_ep: this Buffer was destroyed or its world has ended");
+    if (shrink() && !ll_.empty()) {
+      const Shape& had = ll_.begin()->first;
+      check(invalid_argument(
+          "moed.deep_ep: in shrink mode a Buffer has one low-latency shape; it has (",
+          std::get<0>(had), ", ", std::get<1>(had), ", ", std::get<2>(had), "), asked for (",
+          std::get<0>(s), ", ", std::get<1>(s), ", ", std::get<2>(s), ")"));
+    }
     World& w = world();
     auto b = check(nogil([&] {
-      return LowLatencyBuffer::create(w, std::get<0>(s), std::get<1>(s), std::get<2>(s));
+      return LowLatencyBuffer::create(w, std::get<0>(s), std::get<1>(s), std::get<2>(s),
+                                      ll_options_);
     }));
+    // Masks set by hand before this shape's buffer existed apply to it too.
+    for (size_t r = 0; r < manual_mask_.size(); ++r) {
+      if (manual_mask_[r] >= 0) check(b->update_mask(int(r), manual_mask_[r] != 0));
+    }
     return *(ll_[s] = std::move(b));
+  }
+  bool shrink() const { return ll_options_.enable_shrink; }
+  // DeepEP's one mask buffer per Buffer over moed's buffer per shape: a rank is masked when
+  // any of them masked it; by hand, it is (un)masked in all of them, now and later.
+  std::vector<int32_t> query_mask() const {
+    std::vector<int32_t> mask(manual_mask_.size(), 0);
+    for (const auto& [shape, b] : ll_) {
+      std::vector<int32_t> m = b->query_mask();
+      for (size_t r = 0; r < mask.size(); ++r) mask[r] |= m[r];
+    }
+    for (size_t r = 0; r < mask.size(); ++r) {
+      if (manual_mask_[r] == 1) mask[r] = 1;
+    }
+    return mask;
+  }
+  void update_mask(int rank, bool mask) {
+    if (!shrink())
+      throw std::runtime_error("moed.deep_ep: rank masking needs Buffer(..., enable_shrink=True)");
+    if (rank < 0 || size_t(rank) >= manual_mask_.size()) {
+      check(invalid_argument("low_latency_update_mask_buffer: rank_to_mask = ", rank,
+                             " is outside [0, ", manual_mask_.size(), ")"));
+    }
+    if (rank == world().rank() && mask) {
+      check(invalid_argument("low_latency_update_mask_buffer: rank ", rank, " cannot mask itself"));
+    }
+    for (auto& [shape, b] : ll_) check(b->update_mask(rank, mask));
+    manual_mask_[size_t(rank)] = mask ? 1 : 0;
+  }
+  void clean_mask() {
+    if (!shrink())
+      throw std::runtime_error("moed.deep_ep: rank masking needs Buffer(..., enable_shrink=True)");
+    for (auto& [shape, b] : ll_) check(b->clean_mask());
+    std::fill(manual_mask_.begin(), manual_mask_.end(), -1);
   }
   void drop_low_latency(const Shape& s) {
     ll_.erase(s);
@@ -66,6 +128,8 @@ class DeepEpBox : public Closable {
 
  private:
   std::shared_ptr<WorldHandle> world_;
+  LowLatencyOptions ll_options_;
+  std::vector<int8_t> manual_mask_;  // [R]: -1 untouched, else the last update_mask by hand
   std::mutex mu_;
   std::unique_ptr<deep_ep::NormalBuffer> normal_;
   std::map<Shape, std::unique_ptr<LowLatencyBuffer>> ll_;

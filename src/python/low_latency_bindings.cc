@@ -43,7 +43,7 @@ struct LowLatencyDispatchResult {
 };
 
 struct LowLatencyCombineArgs {
-  py::object x, topk_idx, topk_weights, handle, out;
+  py::object x, topk_idx, topk_weights, handle, out, order;
   bool zero_copy = false, return_recv_hook = false;
 };
 
@@ -116,8 +116,8 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
     xv = rows_arg(a.x, "x", {DType::kBF16});
     topk = topk_copy(a.topk_idx, py::none());
     if (topk.num_tokens != xv.rows)
-      throw py::value_error("topk_idx has " + std::to_string(topk.num_tokens) +
-                            " rows but x has " + std::to_string(xv.rows));
+      throw py::value_error("topk_idx has " + std::to_string(topk.num_tokens) + " rows but x has " +
+                            std::to_string(xv.rows));
     if (!a.cumulative_local_expert_recv_stats.is_none()) {
       stats = const_cast<int32_t*>(span_arg<int32_t>(a.cumulative_local_expert_recv_stats,
                                                      "cumulative_local_expert_recv_stats",
@@ -150,8 +150,8 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
   std::shared_ptr<std::vector<int32_t>> packed;
   if (a.use_fp8 && a.use_ue8m0) {
     packed = std::make_shared<std::vector<int32_t>>(size_t(L * RM) * size_t(H / 512), 0);
-    r.recv_x_scales = array_to_torch(packed->data(), L * RM, H / 512, packed)
-                          .attr("view")(L, RM, H / 512);
+    r.recv_x_scales =
+        array_to_torch(packed->data(), L * RM, H / 512, packed).attr("view")(L, RM, H / 512);
   } else if (a.use_fp8) {
     r.recv_x_scales = to_torch(out.recv.scales, owner).attr("view")(L, RM, H / 128);
   } else {
@@ -211,6 +211,7 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
   py::object keep_x = a.x;
   // NOTE: the combine's hook reads the routing later; it lives as long as the hook.
   auto topk = std::make_shared<TopkRouting>();
+  std::vector<int32_t> order;
   const Status parsed = ll_parse([&] {
     if (a.zero_copy) {
       DeepEpBox::NextCombine& next = b.next_combine(hb.shape);
@@ -225,6 +226,7 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
     xv = expert_rows_arg(keep_x, hb);
     *topk = topk_copy(a.topk_idx, a.topk_weights);
     if (!a.out.is_none()) outv = rows_arg(a.out, "out", {DType::kF32, DType::kBF16});
+    if (!a.order.is_none()) order = topk_copy(a.order, py::none()).topk_idx;
   });
   LowLatencyBuffer& ll = b.low_latency(hb.shape);
   LowLatencyCombineInput in{.x = xv,
@@ -232,7 +234,8 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
                             .handle = hb.h,
                             .return_recv_hook = a.return_recv_hook,
                             .caller_error = parsed,
-                            .out = outv};
+                            .out = outv,
+                            .order = order};
   LowLatencyCombineOutput out = check(nogil([&] { return ll.low_latency_combine(in); }));
   LowLatencyCombineResult r;
   if (outv) {
@@ -276,9 +279,9 @@ void bind_deep_ep_low_latency(py::module_& m, DeepEpClass& buffer) {
       .def(py::init([](py::object x, py::object topk_idx, int64_t m_tokens, int num_experts,
                        py::object stats, bool use_fp8, bool round_scale, bool use_ue8m0,
                        bool return_recv_hook) {
-             return LowLatencyDispatchArgs{x,         topk_idx,    stats,     m_tokens,
-                                           num_experts, use_fp8, round_scale, use_ue8m0,
-                                           return_recv_hook};
+             return LowLatencyDispatchArgs{x,           topk_idx,    stats,
+                                           m_tokens,    num_experts, use_fp8,
+                                           round_scale, use_ue8m0,   return_recv_hook};
            }),
            py::kw_only(), py::arg("x"), py::arg("topk_idx"),
            py::arg("num_max_dispatch_tokens_per_rank"), py::arg("num_experts"),
@@ -294,14 +297,15 @@ void bind_deep_ep_low_latency(py::module_& m, DeepEpClass& buffer) {
       .def_readonly("handle", &LowLatencyDispatchResult::handle)
       .def_readonly("hook", &LowLatencyDispatchResult::hook);
   py::class_<LowLatencyCombineArgs>(m, "LowLatencyCombineArgs")
-      .def(py::init([](py::object x, py::object topk_idx, py::object topk_weights,
-                       py::object handle, bool zero_copy, bool return_recv_hook, py::object out) {
-             return LowLatencyCombineArgs{x,   topk_idx,  topk_weights,    handle,
-                                          out, zero_copy, return_recv_hook};
-           }),
-           py::kw_only(), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("handle"), py::arg("zero_copy") = false, py::arg("return_recv_hook") = false,
-           py::arg("out") = py::none());
+      .def(
+          py::init([](py::object x, py::object topk_idx, py::object topk_weights, py::object handle,
+                      bool zero_copy, bool return_recv_hook, py::object out, py::object order) {
+            return LowLatencyCombineArgs{x,   topk_idx, topk_weights, handle,
+                                         out, order,    zero_copy,    return_recv_hook};
+          }),
+          py::kw_only(), py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
+          py::arg("handle"), py::arg("zero_copy") = false, py::arg("return_recv_hook") = false,
+          py::arg("out") = py::none(), py::arg("order") = py::none());
   py::class_<LowLatencyCombineResult>(m, "LowLatencyCombineResult")
       .def_readonly("combined_x", &LowLatencyCombineResult::combined_x)
       .def_readonly("hook", &LowLatencyCombineResult::hook);
@@ -312,12 +316,23 @@ void bind_deep_ep_low_latency(py::module_& m, DeepEpClass& buffer) {
       .def(
           "clean_low_latency_buffer",
           [](DeepEpBox& b, int64_t m, int hidden, int experts) {
+            if (b.shrink()) {
+              // Shrink mode keeps the buffer (making one is collective over every rank): a
+              // barrier over the unmasked ranks, masking whoever does not come.
+              LowLatencyBuffer& ll = b.low_latency({m, hidden, experts});
+              check(nogil([&] { return ll.clean(); }));
+              return;
+            }
             // Collective like DeepEP's: every rank drops its buffer here, in the same order.
             World& w = b.world();
             check(nogil([&] { return w.barrier(); }));
             b.drop_low_latency({m, hidden, experts});
           },
-          py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"));
+          py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_experts"))
+      .def("query_mask", &DeepEpBox::query_mask)
+      .def("update_mask", &DeepEpBox::update_mask, py::arg("rank"), py::arg("mask"))
+      .def("clean_mask", &DeepEpBox::clean_mask)
+      .def_property_readonly("enable_shrink", &DeepEpBox::shrink);
 
   m.def("get_low_latency_rdma_size_hint",
         [](int64_t m, int hidden, int num_ranks, int num_experts) {

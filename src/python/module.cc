@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   moed::python::bind_reference(m);
   moed::python::bind_deep_ep(m);
   moed::python::bind_elastic(m);
+  moed::python::bind_replicas(m);
 }

@@ -258,6 +258,21 @@ void bind_world(py::module_& m) {
              py::gil_scoped_release nogil;
              w.abort(reason);
            })
+      .def("rank_failed", [](const WorldHandle& h, int r) { return h.get().rank_failed(r); })
+      .def("timeout", [](const WorldHandle& h) { return double(h.get().timeout().count()) / 1e3; })
+      .def("shrink",
+           [](const WorldHandle& h) {
+             // The new world is owned by its handle (moed.Group.shrink keeps it).
+             World& w = h.get();
+             StatusOr<ShrunkWorld> s = internal_error("shrink did not run");
+             {
+               py::gil_scoped_release nogil;
+               s = w.shrink();
+             }
+             ShrunkWorld shrunk = check(std::move(s));
+             return py::make_tuple(std::make_shared<WorldHandle>(std::move(shrunk.world)),
+                                   shrunk.members);
+           })
       .def("agree",
            [](const WorldHandle& h, const std::string& local_error) {
              // Every rank passes "" (fine) or its error; all raise the lowest failing rank's.

@@ -61,6 +61,7 @@ class FaultWorld final : public World {
   // others would wait out the timeout (kDeadlineExceeded) instead of hearing kAborted.
   void abort(const Status& reason) override { inner_.abort(reason); }
   Status failure() const override { return inner_.failure(); }
+  bool rank_failed(int r) const override { return inner_.rank_failed(r); }
   Status after_timeout(Status timed_out) override {
     return inner_.after_timeout(std::move(timed_out));
   }

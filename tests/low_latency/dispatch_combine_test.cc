@@ -185,11 +185,12 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
 
 TEST(LowLatencySizeHint, CoversTheSlots) {
   // Per half: dispatch [E*M] rows of H bf16 + scales + indices + probs, combine [E*M] rows of
-  // H bf16.
+  // H bf16; and shrink mode's: the layout [L][R] per half and 13 + R words.
   const size_t rows = 256 * 128;
   const size_t hint = get_low_latency_size_hint(128, 7168, 8, 256);
   EXPECT_GE(hint, 2 * (rows * 7168 * 2 * 2 + rows * 56 * 4 + rows * 8));
-  EXPECT_LE(hint, 2 * (rows * 7168 * 2 * 2 + rows * 56 * 4 + rows * 8) + 2 * 6 * 64 + 2 * 256 * 8);
+  EXPECT_LE(hint, 2 * (rows * 7168 * 2 * 2 + rows * 56 * 4 + rows * 8) + 2 * 7 * 64 + 2 * 256 * 8 +
+                      2 * 32 * 8 * 8 + (13 + 8) * 8 + 64);
   EXPECT_EQ(get_low_latency_size_hint(0, 7168, 8, 256), 0u);
 }
 

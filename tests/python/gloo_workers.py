@@ -178,3 +178,182 @@ def main_on_host(local, host, per_host, size, master, port, scenario, ranks_per_
                  out):
     """main() for the `local`-th process of test host `host` (gloo_hosts.py spawns these)."""
     main(host * per_host + local, size, master, port, scenario, ranks_per_node, timeout, out)
+
+
+# ---- shrink mode (test_shrink.py): a decode loop that goes on without a lost rank ----
+
+SHRINK_STEPS, SHRINK_FAULT_AT, SHRINK_TOKENS, SHRINK_HIDDEN, SHRINK_TOPK = 10, 4, 6, 256, 3
+
+
+def shrink_inputs(rank, step, num_logical):
+    """Rank `rank`'s tokens of step `step`: x [T, H] bf16, logical topk_idx [T, K], weights."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = (torch.randint(-16, 17, (SHRINK_TOKENS, SHRINK_HIDDEN), generator=g).float() / 8).to(
+        torch.bfloat16)
+    idx = torch.stack([torch.randperm(num_logical, generator=g)[:SHRINK_TOPK]
+                       for _ in range(SHRINK_TOKENS)])
+    w = torch.randint(0, 64, (SHRINK_TOKENS, SHRINK_TOPK), generator=g).float() / 32
+    return x, idx, w
+
+
+def expert_scale(logical):
+    """Logical expert e computes y = x * (1 + e / 8) in bf16 (on every replica alike)."""
+    return 1.0 + logical / 8.0
+
+
+def shrink_layout(R, replicas):
+    """(logical experts, physical experts, the replica map or None): with replicas, logical
+    expert e has physical replicas e and e + E on ranks e // 2 and e // 2 + R // 2."""
+    if not replicas:
+        return 2 * R, 2 * R, None
+    E = R
+    return E, 2 * E, [[e, e + E] for e in range(E)]
+
+
+def _shrink_loop(g, pg, rank, fault, replicas, after=None):
+    import moed
+    import moed.deep_ep as deep_ep
+    R = g.size()
+    E_log, E_phys, reps = shrink_layout(R, replicas)
+    L = E_phys // R
+    rmap = moed.ExpertReplicas(reps, E_phys, R) if reps else None
+    buffer = deep_ep.Buffer(pg, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        SHRINK_TOKENS, SHRINK_HIDDEN, R, E_phys), low_latency_mode=True, enable_shrink=True,
+        shrink_timeout=2.0)
+    mask = torch.zeros(R, dtype=torch.int)
+    steps = []
+
+    def step(i):
+        # A step whose calls masked a rank is run again on the new mask: every survivor saw
+        # the same calls miss it, so they all run it again, and tokens routed to a lost
+        # replica go to a live one.
+        x, logical, w = shrink_inputs(rank, i, E_log)
+        for attempt in range(R):
+            buffer.low_latency_query_mask_buffer(mask)
+            before = mask.clone()
+            physical, lost = rmap.route(logical, mask) if rmap else (logical, 0)
+            hook = i % 2 == 1
+            recv_x, count, handle, _, h = buffer.low_latency_dispatch(
+                x, physical, SHRINK_TOKENS, E_phys, use_fp8=False, return_recv_hook=hook)
+            if hook:
+                h()
+            y = torch.empty_like(recv_x)
+            for j in range(L):
+                e = (rank * L + j) % E_log
+                y[j] = (recv_x[j].float() * expert_scale(e)).to(torch.bfloat16)
+            out, _, h = buffer.low_latency_combine(y, physical, w, handle, return_recv_hook=hook,
+                                                   order=logical)
+            if hook:
+                h()
+            buffer.low_latency_query_mask_buffer(mask)
+            if torch.equal(mask, before):
+                break
+        steps.append(dict(step=i, out=out.clone(), mask=mask.clone(), lost=int(lost),
+                          attempts=attempt + 1, done=time.time()))
+
+    for i in range(SHRINK_STEPS):
+        if rank == 1 and i == SHRINK_FAULT_AT:
+            fault()
+        step(i)
+    if after is not None:
+        after(step)
+    return steps
+
+
+def _fault_file(name):
+    return os.path.join(os.environ["MOED_SHRINK_DIR"], name)
+
+
+def _kill_self():
+    with open(_fault_file("fault_time"), "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scenario_shrink_kill(g, pg, rank):
+    return _shrink_loop(g, pg, rank, _kill_self, replicas=False)
+
+
+def scenario_shrink_kill_replicas(g, pg, rank):
+    return _shrink_loop(g, pg, rank, _kill_self, replicas=True)
+
+
+def scenario_shrink_stop(g, pg, rank):
+    """Rank 1 stops itself (SIGSTOP) at the fault step; the test continues it once the others
+    have finished their steps. Its next call must say it was removed; the others then run three
+    more steps, which must still be right (it wrote nothing into their memory)."""
+    def stop_self():
+        with open(_fault_file("fault_time"), "w") as f:
+            f.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGSTOP)  # continued: the loop's next call must fail
+
+    def after(step):
+        with open(_fault_file(f"steps_done_{rank}"), "w"):
+            pass
+        deadline = time.time() + 120
+        while not os.path.exists(_fault_file("victim_done")) and time.time() < deadline:
+            time.sleep(0.05)
+        for i in range(SHRINK_STEPS, SHRINK_STEPS + 3):
+            step(i)
+
+    if rank != 1:
+        return _shrink_loop(g, pg, rank, None, replicas=False, after=after)
+    try:
+        _shrink_loop(g, pg, rank, stop_self, replicas=False)
+    except Exception as e:  # noqa: B902 (the removed rank's error is the result)
+        open(_fault_file("victim_done"), "w").close()
+        return dict(removed_error=f"{type(e).__name__}: {e}")
+    return dict(removed_error=None)
+
+
+# ---- a world that shrinks and grows back (test_shrink.py) ----
+
+def elastic_step(g, kind):
+    """One Megatron-style dispatch and combine on group g (test_megatron's inputs and experts,
+    by g's ranks): what the threads world of g's size returns, bit for bit."""
+    from test_megatron import E, inputs, expert_fn, six_steps, combine_steps
+    from moed.megatron import MoEConfig, make_dispatcher
+    r = g.rank()
+    x, rmap, probs, _, _ = inputs(r, 16, 2, torch.float32)
+    d = make_dispatcher(kind, MoEConfig(num_moe_experts=E, moe_router_topk=2), group=g)
+    ei, _, _ = six_steps(d, x, rmap, probs, False)
+    return combine_steps(d, expert_fn(ei, r), False).detach()
+
+
+def _grown_steps(g3):
+    return [{k: elastic_step(g3, k) for k in ("alltoall", "flex")} for _ in range(2)]
+
+
+def scenario_elastic(g, pg, rank):
+    """Rank 1 is killed in a loop of dispatches; the others see its loss, shrink to 3 ranks and
+    go on, then grow back to 4 with a replacement (main_join) that takes rank 1."""
+    import moed
+    out = dict(full=[])
+    try:
+        for step in range(100):
+            if rank == 1 and step == 2:
+                _kill_self()
+            out["full"].append(elastic_step(g, "alltoall"))
+    except moed.AbortedError as e:
+        out["seen"] = f"{e}"
+        out["seen_time"] = time.time()
+    g2 = g.shrink()
+    out["members2"] = g2.members
+    out["shrunk"] = [{k: elastic_step(g2, k) for k in ("alltoall", "flex")} for _ in range(2)]
+    out["shrunk_time"] = time.time()
+    open(_fault_file(f"shrunk_{rank}"), "w").close()
+    g3 = g2.grow(1)
+    out["members3"] = g3.members
+    out["grown"] = _grown_steps(g3)
+    return out
+
+
+def main_join(port, out):
+    """The replacement process of scenario_elastic: joins the shrunken world, runs its steps."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    torch.set_num_threads(1)
+    import moed
+    store = dist.PrefixStore("default_pg", dist.TCPStore("127.0.0.1", port, is_master=False))
+    g3 = moed.join(store, timeout=120.0, threads_per_rank=1)
+    rec = dict(rank=g3.rank(), members3=g3.members, grown=_grown_steps(g3))
+    torch.save(rec, os.path.join(out, "join.pt"))

@@ -431,7 +431,8 @@ def test_signatures_match_deepep():
     params = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
     assert params(deep_ep.Buffer.__init__) == [
         "self", "group", "num_nvl_bytes", "num_rdma_bytes", "low_latency_mode", "num_qps_per_rank",
-        "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "explicitly_destroy", "enable_shrink", "comm"]
+        "allow_nvlink_for_low_latency_mode", "allow_mnnvl", "explicitly_destroy", "enable_shrink", "comm",
+        "shrink_timeout"]  # shrink_timeout: keyword-only, moed's extension
     assert params(deep_ep.Buffer.dispatch) == [
         "self", "x", "handle", "num_tokens_per_rank", "num_tokens_per_rdma_rank", "is_token_in_rank",
         "num_tokens_per_expert", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens",
@@ -446,7 +447,8 @@ def test_signatures_match_deepep():
         "use_ue8m0", "async_finish", "return_recv_hook"]
     assert params(deep_ep.Buffer.low_latency_combine) == [
         "self", "x", "topk_idx", "topk_weights", "handle", "use_logfmt", "zero_copy", "async_finish",
-        "return_recv_hook", "out", "combine_wait_recv_cost_stats"]
+        "return_recv_hook", "out", "combine_wait_recv_cost_stats",
+        "order"]  # order: keyword-only, moed's extension
     assert params(deep_ep.Buffer.get_dispatch_layout) == [
         "self", "topk_idx", "num_experts", "previous_event", "async_finish", "allocate_on_comm_stream"]
     assert deep_ep.Buffer.is_sm90_compiled() is True

@@ -32,7 +32,7 @@ and ``device='cpu'`` tensors. Differences, all documented on the methods:
   ascending, fp32, rounded once), so results are bitwise deterministic.
 * GPU-only knobs are accepted and ignored: num_sms / Config's SM and chunk fields,
   previous_event, async_finish, allocate_on_comm_stream (every call has finished when it
-  returns), num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink,
+  returns), num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
   use_logfmt (combine stays bf16), dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats
   (GPU clock counters; left unchanged). Byte counts (num_nvl_bytes, num_rdma_bytes) are
   recorded only: moed allocates what each call needs, lazily.
@@ -43,12 +43,17 @@ and ``device='cpu'`` tensors. Differences, all documented on the methods:
 * Argument errors are every rank's: a bad argument on one rank raises on every rank, naming
   that rank (normal mode: that rank its own TypeError / ValueError, the others ValueError;
   low-latency mode: ValueError on every rank, carried by the call's own agreement).
+* enable_shrink is DeepEP's shrink mode (the low-latency calls go on without a rank that
+  stops answering; the mask methods), with the wait before a rank is masked its own setting
+  (shrink_timeout). In shrink mode a bad argument is an error on its rank and on every rank
+  that receives from it.
 * ``group`` is the object the caller passed (a torch ProcessGroup stays one, so client code
   that compares ``buffer.group == group`` keeps its buffer), and a handle is valid for any
   Buffer over the same group.
 """
 from typing import Callable, List, Optional, Tuple, Union
 
+import os
 import torch
 
 from .. import _C
@@ -128,7 +133,7 @@ class Buffer:
         group: the group as the caller passed it (a moed.Group, a torch ProcessGroup or an
             mpi4py communicator).
         num_nvl_bytes, num_rdma_bytes: recorded only (moed allocates lazily).
-        low_latency_mode, explicitly_destroy, enable_shrink: as given.
+        low_latency_mode, explicitly_destroy, enable_shrink, shrink_timeout: as given.
         runtime: the C++ runtime (moed._C.DeepEpBuffer).
     """
 
@@ -138,7 +143,8 @@ class Buffer:
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Optional["mpi4py.MPI.Comm"] = None) -> None:  # noqa: F821
+                 comm: Optional["mpi4py.MPI.Comm"] = None,  # noqa: F821
+                 *, shrink_timeout: Optional[float] = None) -> None:
         """Initialize the communication buffer.
 
         Arguments:
@@ -147,12 +153,22 @@ class Buffer:
                 first use); None with ``comm`` given uses the calling rank's group (moed.init()
                 under mpirun).
             num_nvl_bytes, num_rdma_bytes: DeepEP's buffer sizes; recorded, not allocated
-                (pass DeepEP-sized values such as 1e9 freely).
+                (pass DeepEP-sized values such as 1e9 freely), except num_rdma_bytes with
+                enable_shrink: the low-latency buffer's node-shared memory, allocated here
+                (get_low_latency_rdma_size_hint).
             low_latency_mode: recorded; both modes are always available.
-            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, enable_shrink:
-                GPU/RDMA settings, accepted and ignored.
+            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: GPU/RDMA
+                settings, accepted and ignored.
             explicitly_destroy: if set, ``destroy()`` must be called to release the memory.
+            enable_shrink: DeepEP's shrink mode for the low-latency calls: a rank that does not
+                take part in a low-latency dispatch, combine or clean within ``shrink_timeout``
+                (or that is seen to fail) is masked on every live rank, and the call completes
+                for the others (no rows to or from it; combine sums only the experts of
+                unmasked ranks). See low_latency_query_mask_buffer.
             comm: an mpi4py communicator, used only when group is None (its size must match).
+            shrink_timeout: moed's extension: seconds a rank waits for a peer in shrink mode
+                before masking it (default: $MOED_SHRINK_TIMEOUT, else 10; DeepEP's is a
+                compile-time constant).
         """
         if group is None:
             if comm is None:
@@ -173,7 +189,14 @@ class Buffer:
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.runtime = _C.DeepEpBuffer(moed_group.handle)
+        if shrink_timeout is None:
+            shrink_timeout = float(os.environ.get("MOED_SHRINK_TIMEOUT", "10"))
+        self.shrink_timeout = float(shrink_timeout)
+        # Shrink mode allocates num_rdma_bytes now (the low-latency buffer is made on it later
+        # without a collective, so a rank lost before the first call does not stop it).
+        self.runtime = _C.DeepEpBuffer(moed_group.handle, enable_shrink=bool(enable_shrink),
+                                       shrink_timeout=self.shrink_timeout,
+                                       num_rdma_bytes=self.num_rdma_bytes)
 
     def destroy(self):
         """Destroy the C++ runtime and release resources."""
@@ -421,7 +444,8 @@ class Buffer:
                             handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None) -> \
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                            *, order: Optional[torch.Tensor] = None) -> \
             Tuple[torch.Tensor, EventOverlap, Callable]:
         """Low-latency combine (reduce **with** weights): for each token, fp32 from 0 over its
         experts in ascending id, w * y, rounded once to bf16.
@@ -437,13 +461,17 @@ class Buffer:
             return_recv_hook: return after the send phase; call the hook to receive.
             out: `[num_tokens, hidden]` bf16 (rows may be strided) that the receive writes the
                 result into directly (with a hook: when the hook runs); returned as combined_x.
+            order: moed's extension, `[num_tokens, num_topk]`: each token's experts are summed
+                in ascending order of this key instead of the expert id; with redundant experts
+                (moed.ExpertReplicas) the logical ids, so the result does not depend on the
+                replica that served a slot.
 
         Returns:
             combined_x: `[num_tokens, hidden]` bf16; event; hook (None without return_recv_hook).
         """
         args = _C.LowLatencyCombineArgs(x=x, topk_idx=topk_idx, topk_weights=topk_weights, handle=_impl(handle),
                                         zero_copy=bool(zero_copy), return_recv_hook=bool(return_recv_hook),
-                                        out=out)
+                                        out=out, order=order)
         with _profile.phase("combine"):
             r = self._rt().low_latency_combine(args)
         return r.combined_x, completed(), _profile.hook("combine", r.hook)
@@ -456,13 +484,34 @@ class Buffer:
         return self._rt().get_next_low_latency_combine_buffer(_impl(handle))
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):
-        raise NotImplementedError("moed.deep_ep: rank masking (enable_shrink) is not available yet")
+        """
+        Mask (unmask) a rank during communication (dispatch, combine, and clean). Needs
+        enable_shrink. An unmasked rank must be in step with the others (the same low-latency
+        calls), or it is masked again at the next call's deadline.
+
+        Arguments:
+            rank_to_mask: the rank to mask (unmask).
+            mask: if True, will mask the rank (do not recv from/send to the rank), otherwise will unmask the rank.
+        """
+        self._rt().update_mask(int(rank_to_mask), bool(mask))
 
     def low_latency_query_mask_buffer(self, mask_status: torch.Tensor):
-        raise NotImplementedError("moed.deep_ep: rank masking (enable_shrink) is not available yet")
+        """
+        Query the mask status of all ranks (all zero without enable_shrink).
+
+        Arguments:
+            mask_status: `[num_ranks]` with `torch.int`, the mask status of each rank. `1` means mask and `0` means unmasked.
+        """
+        if mask_status.dtype != torch.int or mask_status.numel() != self.group_size:
+            raise ValueError(f"mask_status must be [{self.group_size}] torch.int; got "
+                             f"{list(mask_status.shape)} {mask_status.dtype}")
+        mask_status.copy_(torch.tensor(self._rt().query_mask(), dtype=torch.int).view_as(mask_status))
 
     def low_latency_clean_mask_buffer(self):
-        raise NotImplementedError("moed.deep_ep: rank masking (enable_shrink) is not available yet")
+        """
+        Clean the mask buffer (unmask every rank). Needs enable_shrink.
+        """
+        self._rt().clean_mask()
 
 
 # DeepEP's recommended (dispatch, combine) configs per rank count: Config's arguments after

@@ -103,9 +103,9 @@ GlooWorld::GlooWorld(std::shared_ptr<::gloo::transport::Device> device,
       device_(std::move(device)),
       ctx_(std::move(ctx)),
       host_(std::move(host)),
+      rank_failed_(size_t(size), 0),
       fault_in_(kMessageBytes + 16) {
-  host_index_ =
-      int(std::find(host_.ranks.begin(), host_.ranks.end(), rank) - host_.ranks.begin());
+  host_index_ = int(std::find(host_.ranks.begin(), host_.ranks.end(), rank) - host_.ranks.begin());
 }
 
 GlooWorld::~GlooWorld() {
@@ -152,16 +152,19 @@ std::vector<int> GlooWorld::node_ranks() const {
 void GlooWorld::record_failure(int rank, const Status& reason) const {
   {
     std::lock_guard<std::mutex> lock(fail_mu_);
+    if (rank >= 0 && rank < size_) rank_failed_[size_t(rank)] = 1;
     if (failed_.load(std::memory_order_relaxed)) return;
     const std::string prefix = str_cat("rank ", rank, " failed: ");
-    failure_ = aborted(reason.message().rfind(prefix, 0) == 0 ? std::string() : prefix,
-                       reason.message());
+    failure_ =
+        aborted(reason.message().rfind(prefix, 0) == 0 ? std::string() : prefix, reason.message());
     failed_.store(true, std::memory_order_release);
   }
   std::lock_guard<std::mutex> lock(wait_mu_);
-  if (waiting_ != nullptr) {
-    if (waiting_->recv) waiting_->buf->abortWaitRecv();
-    else waiting_->buf->abortWaitSend();
+  if (waiting_ != nullptr && (!waiting_peer_scope_ || waiting_->peer == rank)) {
+    if (waiting_->recv)
+      waiting_->buf->abortWaitRecv();
+    else
+      waiting_->buf->abortWaitSend();
   }
 }
 
@@ -178,6 +181,16 @@ Status GlooWorld::failure() const {
   if (!failed_.load(std::memory_order_acquire)) return ok_status();
   std::lock_guard<std::mutex> lock(fail_mu_);
   return failure_;
+}
+
+bool GlooWorld::rank_failed(int r) const {
+  (void)failure();  // the host's fault word
+  return rank_failed_locked(r);
+}
+
+bool GlooWorld::rank_failed_locked(int r) const {
+  std::lock_guard<std::mutex> lock(fail_mu_);
+  return r >= 0 && r < size_ && rank_failed_[size_t(r)] != 0;
 }
 
 void GlooWorld::send_fault(int failed_rank, const Status& reason) {
@@ -227,8 +240,8 @@ void GlooWorld::listen_for_faults() {
       int32_t head[3];
       std::memcpy(head, fault_in_.data(), sizeof(head));
       const size_t len = std::min(size_t(std::max(head[2], 0)), kMessageBytes);
-      record_failure(head[0], Status(StatusCode(head[1]),
-                                     std::string(fault_in_.data() + sizeof(head), len)));
+      record_failure(
+          head[0], Status(StatusCode(head[1]), std::string(fault_in_.data() + sizeof(head), len)));
     }
   } catch (const std::exception&) {
     // The context closed (gloo's backstop timeout): waits see it themselves.
@@ -238,6 +251,10 @@ void GlooWorld::listen_for_faults() {
 int GlooWorld::find_dead_host_mate() const {
   for (size_t i = 0; i < host_.ranks.size(); ++i) {
     if (int(i) == host_index_) continue;
+    {
+      std::lock_guard<std::mutex> lock(fail_mu_);
+      if (rank_failed_[size_t(host_.ranks[i])] != 0) continue;  // recorded already
+    }
     const auto& m = control_->members[i];
     if (m.state.load(std::memory_order_acquire) != kAlive) continue;
     if (process_gone(m.pid.load(std::memory_order_relaxed))) return host_.ranks[i];
@@ -253,21 +270,28 @@ void GlooWorld::monitor() {
     const auto now = Clock::now();
     {
       std::lock_guard<std::mutex> lock(wait_mu_);
-      if (waiting_ != nullptr && (now >= waiting_deadline_ || failed_.load())) {
+      const bool stop = waiting_ != nullptr &&
+                        (waiting_peer_scope_ ? rank_failed_locked(waiting_->peer) : failed_.load());
+      if (waiting_ != nullptr && (now >= waiting_deadline_ || stop)) {
         deadline_hit_ = now >= waiting_deadline_;
-        if (waiting_->recv) waiting_->buf->abortWaitRecv();
-        else waiting_->buf->abortWaitSend();
+        if (waiting_->recv)
+          waiting_->buf->abortWaitRecv();
+        else
+          waiting_->buf->abortWaitSend();
       }
     }
-    if (failed_.load()) continue;
-    (void)failure();  // the host's fault word
+    if (!failed_.load()) (void)failure();  // the host's fault word
+    // NOTE: dead host-mates are looked for after the first failure too, so that each is
+    // recorded as failed (rank_failed), as the low-latency shrink mode asks.
     if (control_ != nullptr && now >= next_pid_check) {
       next_pid_check = now + kPidCheckEvery;
       const int dead = find_dead_host_mate();
       if (dead >= 0) {
-        const int64_t pid = control_->members[size_t(std::find(host_.ranks.begin(), host_.ranks.end(), dead) -
-                                                     host_.ranks.begin())]
-                                .pid.load();
+        const int64_t pid =
+            control_
+                ->members[size_t(std::find(host_.ranks.begin(), host_.ranks.end(), dead) -
+                                 host_.ranks.begin())]
+                .pid.load();
         Status s = aborted("rank ", dead, " failed: its process (pid ", pid,
                            ") ended without closing its moed world (seen by rank ", rank_,
                            " on the same host)");
@@ -297,6 +321,47 @@ StatusOr<Op> GlooWorld::post(bool recv, int peer, uint64_t slot, void* data, siz
     return failure();
   }
   return op;
+}
+
+Status GlooWorld::wait_peer(Op& op, Clock::time_point deadline,
+                            const std::function<std::string()>& what) {
+  if (op.done) return ok_status();
+  if (rank_failed(op.peer)) return internal::peer_failure(*this, op.peer);
+  {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    waiting_ = &op;
+    waiting_deadline_ = deadline;
+    deadline_hit_ = false;
+    waiting_peer_scope_ = true;
+  }
+  const auto start = Clock::now();
+  bool completed = false;
+  std::string error;
+  try {
+    const auto backstop =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - start) + kBackstop;
+    completed = op.recv ? op.buf->waitRecv(nullptr, backstop) : op.buf->waitSend(nullptr, backstop);
+  } catch (const std::exception& e) {
+    error = gloo_what(e);
+  }
+  {
+    std::lock_guard<std::mutex> lock(wait_mu_);
+    waiting_ = nullptr;
+    waiting_peer_scope_ = false;
+  }
+  if (completed && error.empty()) {
+    op.done = true;
+    return ok_status();
+  }
+  if (rank_failed(op.peer)) return internal::peer_failure(*this, op.peer);
+  if (!error.empty()) {
+    Status s = aborted("rank ", op.peer, " failed: its connection to rank ", rank_,
+                       " closed while ", what(), " (gloo: ", error, ")");
+    record_failure(op.peer, s);
+    return s;
+  }
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  return deadline_exceeded(what(), ": waited ", waited.count(), " ms");
 }
 
 Status GlooWorld::wait(Op& op, Clock::time_point deadline,
@@ -346,8 +411,7 @@ Status GlooWorld::wait(Op& op, Clock::time_point deadline,
     return failure();
   }
   if (hit || Clock::now() >= deadline) {
-    const auto waited =
-        std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     s = deadline_exceeded(what(), ": waited ", waited.count(), " ms (timeout ", timeout_.count(),
                           " ms)");
   } else {

@@ -58,7 +58,9 @@ struct HostControl {
     std::atomic<int32_t> state;  // kAlive, kClosed (ended its world on purpose)
   };
   Member members[1];  // one per rank on the host, in rank order (flexible)
-  static size_t bytes(int members) { return sizeof(HostControl) + sizeof(Member) * size_t(members); }
+  static size_t bytes(int members) {
+    return sizeof(HostControl) + sizeof(Member) * size_t(members);
+  }
 };
 // Same-host collectives (every rank on one host): each rank's slot in a shared segment. Round
 // k: wait until every rank has read round k-1 (done), write, publish seq = k, read every
@@ -153,11 +155,15 @@ class GlooWorld final : public World {
   // Marks this rank failed and tells every other rank (host segment and gloo); returns.
   void abort(const Status& reason) override;
   Status failure() const override;
+  bool rank_failed(int r) const override;
 
   // Posts a send or receive on `slot` (gloo errors become a Status).
   StatusOr<Op> post(bool recv, int peer, uint64_t slot, void* data, size_t bytes);
   // Waits for `op` until `deadline`; on an error marks this rank failed (and says so).
   Status wait(Op& op, Clock::time_point deadline, const std::function<std::string()>& what);
+  // PendingOp::wait_for's wait: ended early only by op.peer's failure; a timeout returns
+  // kDeadlineExceeded and leaves the world as it is; a closed connection fails op.peer.
+  Status wait_peer(Op& op, Clock::time_point deadline, const std::function<std::string()>& what);
   // Posts every receive and send, then waits for all. Self transfers are the caller's.
   Status exchange(uint64_t slot, std::span<const Transfer> sends, std::span<const Transfer> recvs,
                   const std::function<std::string()>& what);
@@ -215,6 +221,8 @@ class GlooWorld final : public World {
   uint64_t single_copy_min_ = UINT64_MAX;  // writers of this many bytes are read in place
   uint64_t probe_word_ = 0;
   void unmap_stages();
+  // rank_failed without reading the host's fault word (the monitor, under wait_mu_).
+  bool rank_failed_locked(int r) const;
   // A host-mate whose process is gone without closing its world: its rank, or -1.
   int find_dead_host_mate() const;
 
@@ -240,10 +248,12 @@ class GlooWorld final : public World {
   Op* waiting_ = nullptr;
   Clock::time_point waiting_deadline_;
   bool deadline_hit_ = false;
+  bool waiting_peer_scope_ = false;  // wait_peer: only waiting_->peer's failure ends it
 
   mutable std::atomic<bool> failed_{false};
   mutable std::mutex fail_mu_;
   mutable Status failure_;
+  mutable std::vector<uint8_t> rank_failed_;  // every rank a failure was recorded for, fail_mu_
   bool told_others_ = false;
 
   // The failure channel: a receive from any rank on the fault slot, re-posted after each.

@@ -23,20 +23,29 @@ class GlooRequest final : public PendingOp {
   bool ready() override { return finished_; }
   Status wait() override {
     if (finished_) return result_;
-    GlooWorld* w = world_;
-    result_ = w->wait(op_, Clock::now() + w->timeout(), [&] {
-      return op_.recv ? str_cat("rank ", w->rank(), " receiving ", op_.bytes, " bytes from rank ",
-                                op_.peer, " with tag ", tag_)
-                      : str_cat("rank ", w->rank(), " sending ", op_.bytes, " bytes to rank ",
-                                op_.peer, " with tag ", tag_);
-    });
+    result_ = world_->wait(op_, Clock::now() + world_->timeout(), [&] { return what(); });
+    return finish();
+  }
+  Status wait_for(std::chrono::milliseconds timeout) override {
+    if (finished_) return result_;
+    result_ = world_->wait_peer(op_, Clock::now() + timeout, [&] { return what(); });
+    return finish();
+  }
+
+ private:
+  std::string what() const {
+    return op_.recv ? str_cat("rank ", world_->rank(), " receiving ", op_.bytes,
+                              " bytes from rank ", op_.peer, " with tag ", tag_)
+                    : str_cat("rank ", world_->rank(), " sending ", op_.bytes, " bytes to rank ",
+                              op_.peer, " with tag ", tag_);
+  }
+  Status finish() {
     finished_ = true;
     // Dropping the gloo buffer cancels what is still unmatched.
     op_.buf.reset();
     return result_;
   }
 
- private:
   GlooWorld* world_;
   Op op_;
   int tag_;
@@ -99,7 +108,7 @@ void forget_mailbox(const World* w) {
 }
 
 StatusOr<Request> GlooWorld::isend(int dst, int tag, const void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(failure());
+  MOED_RETURN_IF_ERROR(internal::peer_failure(*this, dst));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "isend", "dst", dst, tag, data, bytes));
   if (dst == rank_) {
     std::lock_guard<std::mutex> lock(g_mailbox_mu);
@@ -113,7 +122,7 @@ StatusOr<Request> GlooWorld::isend(int dst, int tag, const void* data, size_t by
 }
 
 StatusOr<Request> GlooWorld::irecv(int src, int tag, void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(failure());
+  MOED_RETURN_IF_ERROR(internal::peer_failure(*this, src));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "irecv", "src", src, tag, data, bytes));
   if (src == rank_) {
     std::lock_guard<std::mutex> lock(g_mailbox_mu);

@@ -6,8 +6,10 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "comm/wait.h"
+#include "moed/mpi_world.h"
 
 namespace moed {
 namespace mpi {
@@ -220,7 +222,72 @@ void MpiWorld::record_failure(int rank, const Status& reason) const {
   std::lock_guard<std::mutex> lock(fail_mu_);
   if (failed_.load(std::memory_order_relaxed)) return;
   failure_ = aborted("rank ", rank, " failed: ", reason.message());
+  failed_rank_ = rank;
   failed_.store(true, std::memory_order_release);
+}
+
+StatusOr<ShrunkWorld> MpiWorld::shrink() {
+  constexpr int kShrinkTag = 4;  // on fault_comm_, beside the failure channel's own tags
+  std::vector<int> members;
+  for (int r = 0; r < size_; ++r) {
+    if (!rank_failed(r)) members.push_back(r);
+  }
+  // Each member tells every other its list and reads theirs: the same list everywhere, or
+  // an error (a second loss while shrinking: call shrink() again).
+  std::vector<int> mine(size_t(size_), 0), theirs(members.size() * size_t(size_), 0);
+  for (int m : members) mine[size_t(m)] = 1;
+  std::vector<MPI_Request> reqs;
+  for (size_t i = 0; i < members.size(); ++i) {
+    const int m = members[i];
+    if (m == rank_) continue;
+    MPI_Request r;
+    MPI_Isend(mine.data(), size_, MPI_INT, m, kShrinkTag, fault_comm_, &r);
+    reqs.push_back(r);
+    MPI_Irecv(theirs.data() + i * size_t(size_), size_, MPI_INT, m, kShrinkTag, fault_comm_, &r);
+    reqs.push_back(r);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  int done = 0;
+  while (!done && std::chrono::steady_clock::now() < deadline) {
+    MPI_Testall(int(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (!done) {
+    for (MPI_Request& r : reqs) {
+      if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);  // parked: the job is in trouble anyway
+    }
+    return deadline_exceeded("shrink: rank ", rank_, " heard from not every one of the ",
+                             members.size(), " ranks that have not failed within ",
+                             timeout_.count(), " ms");
+  }
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i] == rank_) continue;
+    if (!std::equal(mine.begin(), mine.end(), theirs.begin() + i * size_t(size_))) {
+      return aborted("shrink: rank ", members[i], " sees other ranks lost than rank ", rank_,
+                     " does; call shrink() again");
+    }
+  }
+  MPI_Group all, kept;
+  MPI_Comm_group(comm_, &all);
+  MPI_Group_incl(all, int(members.size()), members.data(), &kept);
+  MPI_Comm next = MPI_COMM_NULL;
+  const int rc = MPI_Comm_create_group(comm_, kept, kShrinkTag, &next);
+  MPI_Group_free(&kept);
+  MPI_Group_free(&all);
+  MOED_RETURN_IF_ERROR(check(rc, "MPI_Comm_create_group"));
+  WorldOptions o;
+  o.ranks_per_node = internal::shrunk_ranks_per_node(*this, members);
+  o.timeout = timeout_;
+  o.threads_per_rank = pool().num_threads();
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<World> w, make_mpi_world(next, o));
+  MPI_Comm_free(&next);  // make_mpi_world duplicated it
+  return ShrunkWorld{std::move(w), std::move(members)};
+}
+
+bool MpiWorld::rank_failed(int r) const {
+  if (failure().ok()) return false;
+  std::lock_guard<std::mutex> lock(fail_mu_);
+  return failed_rank_ == r;
 }
 
 void MpiWorld::answer_census() const {
@@ -367,10 +434,9 @@ Status MpiWorld::wait(MPI_Request* request, const std::function<std::string()>& 
     for (int i = 0; !done(); ++i) {
       const auto waited = std::chrono::steady_clock::now() - start;
       if (waited >= timeout_) {
-        s = deadline_exceeded(
-            what(), ": waited ",
-            std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
-            " ms (timeout ", timeout_.count(), " ms)");
+        s = deadline_exceeded(what(), ": waited ",
+                              std::chrono::duration_cast<std::chrono::milliseconds>(waited).count(),
+                              " ms (timeout ", timeout_.count(), " ms)");
         break;
       }
       if (i < 2048) {
@@ -500,8 +566,7 @@ StatusOr<std::unique_ptr<World>> make_mpi_world(MPI_Comm comm, const WorldOption
   MPI_Comm_set_errhandler(node_comm, MPI_ERRORS_RETURN);
   // The failure channel's own communicator, so its messages never match a data receive.
   MPI_Comm fault_comm = MPI_COMM_NULL;
-  MOED_RETURN_IF_ERROR(
-      mpi::check(MPI_Comm_idup(world_comm, &fault_comm, &req), "MPI_Comm_idup"));
+  MOED_RETURN_IF_ERROR(mpi::check(MPI_Comm_idup(world_comm, &fault_comm, &req), "MPI_Comm_idup"));
   MOED_RETURN_IF_ERROR(boot.wait(&req, "MPI_Comm_idup (failure channel)"));
   const int threads = resolve_threads_per_rank(options.threads_per_rank, host_size);
   return std::unique_ptr<World>(std::make_unique<mpi::MpiWorld>(

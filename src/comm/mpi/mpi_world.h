@@ -83,6 +83,12 @@ class MpiWorld final : public World {
   // Records `reason` and sends it to every other rank over the failure channel.
   void abort(const Status& reason) override;
   Status failure() const override;
+  // The failure channel carries the first failure only: rank r failed if it was that one.
+  bool rank_failed(int r) const override;
+  // The ranks that have not failed agree on who they are (messages on the failure channel's
+  // communicator, each bounded by the timeout), then MPI_Comm_create_group, which only they
+  // enter. A process that died has usually ended the job already (no ULFM).
+  StatusOr<ShrunkWorld> shrink() override;
   // The census on the owner thread (any thread under MPI_THREAD_MULTIPLE); elsewhere
   // `timed_out` as is (the owner's own wait then names the silent rank).
   Status after_timeout(Status timed_out) override;
@@ -143,6 +149,7 @@ class MpiWorld final : public World {
   mutable std::atomic<bool> peer_lost_{false};
   mutable std::mutex fail_mu_;
   mutable Status failure_;
+  mutable int failed_rank_ = -1;  // under fail_mu_
 };
 
 }  // namespace moed::mpi

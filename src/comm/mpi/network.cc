@@ -56,6 +56,26 @@ class MpiRequest final : public PendingOp {
     return result_;
   }
 
+  Status wait_for(std::chrono::milliseconds timeout) override {
+    if (done_) return result_;
+    MPI_Status st;
+    int rc = MPI_SUCCESS;
+    Status s = internal::poll(
+        timeout,
+        [&] {
+          int flag = 0;
+          rc = MPI_Test(&request_, &flag, &st);
+          return rc != MPI_SUCCESS || flag != 0;
+        },
+        [&] { return internal::peer_failure(*world_, peer_); },
+        [&] {
+          return str_cat("rank ", world_->rank(), is_recv_ ? " receiving from" : " sending to",
+                         " rank ", peer_, " with tag ", tag_);
+        });
+    finish(rc, st, s);
+    return result_;
+  }
+
  private:
   // Records the outcome once MPI_Test said done (or the wait failed with `s`).
   void finish(int rc, const MPI_Status& st, Status s) {
@@ -112,7 +132,7 @@ Status check_p2p(const MpiWorld& w, const char* op, const char* peer_name, int p
 }  // namespace
 
 StatusOr<Request> MpiWorld::isend(int dst, int tag, const void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(failure());
+  MOED_RETURN_IF_ERROR(internal::peer_failure(*this, dst));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "isend", "dst", dst, tag, data, bytes));
   MPI_Request req;
   MOED_RETURN_IF_ERROR(
@@ -122,7 +142,7 @@ StatusOr<Request> MpiWorld::isend(int dst, int tag, const void* data, size_t byt
 }
 
 StatusOr<Request> MpiWorld::irecv(int src, int tag, void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(failure());
+  MOED_RETURN_IF_ERROR(internal::peer_failure(*this, src));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "irecv", "src", src, tag, data, bytes));
   MPI_Request req;
   MOED_RETURN_IF_ERROR(

@@ -47,10 +47,20 @@ class ThreadsRequest final : public PendingOp {
   }
 
   Status wait() override {
+    return wait_with(world_->timeout(), [&] { return world_->failure(); });
+  }
+  Status wait_for(std::chrono::milliseconds timeout) override {
+    const int peer = is_recv_ ? op_->src : op_->dst;
+    return wait_with(timeout, [&] { return internal::peer_failure(*world_, peer); });
+  }
+
+ private:
+  template <typename Stop>
+  Status wait_with(std::chrono::milliseconds timeout, Stop&& stop) {
     if (waited_) return op_->error;
     if (cancelled_) return failed_precondition("wait() on a request that already failed");
-    Status s = internal::poll_until(
-        *world_, [&] { return op_->state.load(std::memory_order_acquire) == P2pOp::kDone; },
+    Status s = internal::poll(
+        timeout, [&] { return op_->state.load(std::memory_order_acquire) == P2pOp::kDone; }, stop,
         [&] {
           return is_recv_ ? str_cat("rank ", op_->dst, " receiving ", op_->bytes,
                                     " bytes from rank ", op_->src, " with tag ", op_->tag)
@@ -67,7 +77,6 @@ class ThreadsRequest final : public PendingOp {
     return op_->error;
   }
 
- private:
   // Removes a still-unmatched op from its mailbox, or waits out a copy in progress.
   void cancel() {
     if (cancelled_ || op_->state.load(std::memory_order_acquire) == P2pOp::kDone) return;
@@ -134,14 +143,14 @@ Request post(ThreadsWorld& w, int src, int dst, int tag, const void* send, void*
 }  // namespace
 
 StatusOr<Request> ThreadsWorld::isend(int dst, int tag, const void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(failure());
+  MOED_RETURN_IF_ERROR(internal::peer_failure(*this, dst));
   MOED_RETURN_IF_ERROR(check_args("isend", "dst", dst, size_, tag, data, bytes));
   count_send(dst, bytes);
   return post(*this, rank_, dst, tag, data, nullptr, bytes, /*is_recv=*/false);
 }
 
 StatusOr<Request> ThreadsWorld::irecv(int src, int tag, void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(failure());
+  MOED_RETURN_IF_ERROR(internal::peer_failure(*this, src));
   MOED_RETURN_IF_ERROR(check_args("irecv", "src", src, size_, tag, data, bytes));
   return post(*this, src, rank_, tag, nullptr, data, bytes, /*is_recv=*/true);
 }

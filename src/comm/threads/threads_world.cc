@@ -31,12 +31,17 @@ Context::Context(int size, int ranks_per_node)
       slots(size_t(size)),
       entered(new std::atomic<uint64_t>[size_t(size)]),
       mailboxes(size_t(size)),
-      nodes(size_t(size / ranks_per_node)) {
-  for (int r = 0; r < size; ++r) entered[size_t(r)].store(0, std::memory_order_relaxed);
+      nodes(size_t(size / ranks_per_node)),
+      rank_failed_(new std::atomic<bool>[size_t(size)]) {
+  for (int r = 0; r < size; ++r) {
+    entered[size_t(r)].store(0, std::memory_order_relaxed);
+    rank_failed_[size_t(r)].store(false, std::memory_order_relaxed);
+  }
 }
 
 void Context::fail(int rank, const Status& reason) {
   std::lock_guard<std::mutex> lock(fail_mu_);
+  rank_failed_[size_t(rank)].store(true, std::memory_order_release);
   if (failed_rank_ >= 0) return;
   failed_rank_ = rank;
   failure_ = aborted("rank ", rank, " failed: ",
@@ -67,6 +72,9 @@ Status ThreadsWorld::fail_on_timeout(const Status& s) {
 }
 
 Status ThreadsWorld::internal_barrier(Op op) {
+  // NOTE: a rank that arrives after the world has failed would complete a barrier the others
+  // left on the failure and go on to read their (released) slots; it leaves instead.
+  MOED_RETURN_IF_ERROR(ctx_->failure());
   const uint64_t mine = ++barriers_entered_;
   ctx_->entered[size_t(rank_)].store(mine, std::memory_order_relaxed);
   // NOTE: read the generation before arriving: it cannot move until every rank (this one
@@ -89,6 +97,44 @@ Status ThreadsWorld::internal_barrier(Op op) {
         return str_cat("rank ", rank_, " in ", op_name(op), " waiting for rank(s) ", missing);
       });
   return fail_on_timeout(s);
+}
+
+StatusOr<ShrunkWorld> ThreadsWorld::shrink() {
+  Context& c = *ctx_;
+  std::unique_lock<std::mutex> lock(c.shrink_mu);
+  if (c.shrink_arrived.empty()) c.shrink_arrived.assign(size_t(size_), false);
+  if (!c.shrink_sealed) c.shrink_arrived[size_t(rank_)] = true;
+  c.shrink_cv.notify_all();
+  // Everyone who has not failed comes, or the timeout passes. (Failures need no notify: the
+  // wait wakes every few milliseconds to look.)
+  auto everyone = [&] {
+    for (int r = 0; r < size_; ++r) {
+      if (!c.shrink_arrived[size_t(r)] && !c.rank_failed(r)) return false;
+    }
+    return true;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  while (!c.shrink_sealed && !everyone() && std::chrono::steady_clock::now() < deadline) {
+    c.shrink_cv.wait_for(lock, std::chrono::milliseconds(5));
+  }
+  if (!c.shrink_sealed) {
+    for (int r = 0; r < size_; ++r) {
+      if (c.shrink_arrived[size_t(r)]) c.shrink_members.push_back(r);
+    }
+    c.shrink_next = std::make_shared<Context>(
+        int(c.shrink_members.size()), internal::shrunk_ranks_per_node(*this, c.shrink_members));
+    c.shrink_sealed = true;
+    c.shrink_cv.notify_all();
+  }
+  const auto it = std::find(c.shrink_members.begin(), c.shrink_members.end(), rank_);
+  if (it == c.shrink_members.end()) {
+    return aborted("rank ", rank_, " came to shrink() after the ", c.shrink_members.size(),
+                   " others had made the new world without it (timeout ", timeout_.count(), " ms)");
+  }
+  auto w = std::make_unique<ThreadsWorld>(c.shrink_next.get(), int(it - c.shrink_members.begin()),
+                                          timeout_, pool().num_threads());
+  w->owned_ctx_ = c.shrink_next;
+  return ShrunkWorld{std::move(w), c.shrink_members};
 }
 
 }  // namespace threads

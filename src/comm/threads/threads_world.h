@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -93,9 +94,13 @@ class Context {
  public:
   Context(int size, int ranks_per_node);
 
-  // Records the first failure; later ones are ignored. Every wait sees it.
+  // Records the first failure as the world's (every wait sees it) and every failure as its
+  // rank's (rank_failed).
   void fail(int rank, const Status& reason);
   bool failed() const { return failed_.load(std::memory_order_acquire); }
+  bool rank_failed(int rank) const {
+    return rank_failed_[size_t(rank)].load(std::memory_order_acquire);
+  }
   Status failure() const;  // kAborted "rank r failed: <message>", or OK
   int failed_rank() const;
 
@@ -108,8 +113,16 @@ class Context {
   std::unique_ptr<std::atomic<uint64_t>[]> entered;  // barriers entered per rank (diagnostics)
   std::vector<Mailbox> mailboxes;
   std::vector<NodeShared> nodes;
+  // World::shrink: who has come, and once sealed the members and the next world's context.
+  std::mutex shrink_mu;
+  std::condition_variable shrink_cv;
+  std::vector<bool> shrink_arrived;
+  bool shrink_sealed = false;
+  std::vector<int> shrink_members;
+  std::shared_ptr<Context> shrink_next;
 
  private:
+  std::unique_ptr<std::atomic<bool>[]> rank_failed_;
   std::atomic<bool> failed_{false};
   mutable std::mutex fail_mu_;
   Status failure_;
@@ -139,6 +152,8 @@ class ThreadsWorld final : public World {
   StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
   void abort(const Status& reason) override;
   Status failure() const override { return ctx_->failure(); }
+  bool rank_failed(int r) const override { return ctx_->rank_failed(r); }
+  StatusOr<ShrunkWorld> shrink() override;
 
   Context& context() { return *ctx_; }
   // Counts `bytes` this rank sends to `dst` (backend.h: the rule every backend follows).
@@ -154,6 +169,7 @@ class ThreadsWorld final : public World {
   Status internal_barrier(Op op);
 
   Context* ctx_;
+  std::shared_ptr<Context> owned_ctx_;  // a shrunk world's context, shared by its ranks
   uint64_t barriers_entered_ = 0;
   uint64_t allocs_ = 0;
 };

@@ -102,11 +102,6 @@ Status NormalBuffer::State::check_handle(const NormalHandle* h) const {
   return ok_status();
 }
 
-Status NormalBuffer::State::sync_round() {
-  signals.signal_all(++epoch);
-  return signals.wait_all(epoch);
-}
-
 StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int num_channels) {
   const int64_t mine[2] = {num_channels > 0 ? num_channels : world.pool().num_threads(),
                            int64_t(world.num_nodes() > 1 && world.ranks_per_node() > 64)};

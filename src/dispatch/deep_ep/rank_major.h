@@ -68,7 +68,6 @@ struct NormalBuffer::State {
   Status check_handle(const NormalHandle* h) const;
   // Rows of the largest receive block of this node's ranks (all local ranks agree on it).
   int64_t node_cap_rows(const NormalHandle& h, int64_t worst) const;
-  Status sync_round();  // one signal to and from every local rank
 };
 
 // Phases (rank_major_dispatch.cc / rank_major_combine.cc).

@@ -113,11 +113,13 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
   // Publish this rank's rows to its node (in place in the threads world, else copied into a
   // node-shared region), then learn every local rank's.
   std::vector<Source> src(static_cast<size_t>(G));
+  flex::PublishRound round(w, s.signals, s.epoch, s.in_place, flex::PublishRound::Role::kReads);
   if (s.in_place) {
     const Source me{static_cast<const char*>(in.x.data),
                     size_t(in.x.row_stride) * in.x.element_size(), in.topk_weights};
     std::memcpy(s.signals.board(topo.local_rank), &me, sizeof(me));
-    MOED_RETURN_IF_ERROR(s.sync_round());
+    Status opened = round.open();
+    if (!opened.ok()) return round.close(opened);
     for (int lr = 0; lr < G; ++lr)
       std::memcpy(&src[size_t(lr)], s.signals.board(lr), sizeof(Source));
   } else {
@@ -127,15 +129,16 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
     }
     cap = std::max(cap, h.num_worst_tokens);
     const size_t woff = (size_t(cap) * row_bytes + 63) / 64 * 64;
-    MOED_RETURN_IF_ERROR(
-        s.pull_region.ensure(w, std::max<size_t>(64, woff + size_t(cap) * wbytes)));
+    Status ensured = s.pull_region.ensure(w, std::max<size_t>(64, woff + size_t(cap) * wbytes));
+    if (!ensured.ok()) return round.close(ensured);
     char* seg = s.pull_region.local();
     for (int64_t i = 0; i < in.x.rows; ++i)
       std::memcpy(seg + size_t(i) * row_bytes, in.x.row_ptr(i), row_bytes);
     if (K > 0 && in.x.rows > 0)
       std::memcpy(seg + woff, in.topk_weights, size_t(in.x.rows) * wbytes);
     w.add_shared_bytes(uint64_t(in.x.rows) * row_bytes, uint64_t(in.x.rows));
-    MOED_RETURN_IF_ERROR(s.sync_round());
+    Status opened = round.open();
+    if (!opened.ok()) return round.close(opened);
     for (int lr = 0; lr < G; ++lr) {
       const char* p = s.pull_region.peer(lr);
       src[size_t(lr)] = {p, row_bytes, K > 0 ? reinterpret_cast<const float*>(p + woff) : nullptr};
@@ -280,13 +283,9 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
   uint64_t rows = 0;
   for (uint64_t n : reads) rows += n;
   w.add_shared_bytes(rows * row_bytes, rows);
-  // NOTE: released even after an error, so no local reader waits in vain; the rows stay
-  // untouched until every local rank has read them.
-  s.signals.signal_all(++s.epoch);
+  // NOTE: the rows stay untouched until every local rank has read them (PublishRound).
   const Status sent = wait_all(sends);
-  MOED_RETURN_IF_ERROR(net);
-  MOED_RETURN_IF_ERROR(s.signals.wait_all(s.epoch));
-  MOED_RETURN_IF_ERROR(sent);
+  MOED_RETURN_IF_ERROR(round.close(net.ok() ? sent : net));
   return out;
 }
 

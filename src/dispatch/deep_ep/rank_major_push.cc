@@ -89,6 +89,9 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
   // MPI world it is filled from the node-shared block at the end.
   std::shared_ptr<Tensor> block;
   std::vector<RecvTarget> target(static_cast<size_t>(G));
+  // NOTE: in place, the senders write this rank's block and the caller's recv_x, so the call
+  // returns only once they are done, whichever way it ends (PublishRound).
+  flex::PublishRound round(w, s.signals, s.epoch, s.in_place, flex::PublishRound::Role::kWrites);
   if (s.in_place) {
     block = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(lay.bytes)));
     RecvTarget mine{static_cast<char*>(block->data()), static_cast<char*>(block->data()),
@@ -99,7 +102,8 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
     }
     static_assert(sizeof(RecvTarget) <= 64, "the signal board holds one RecvTarget per rank");
     std::memcpy(s.signals.board(topo.local_rank), &mine, sizeof(mine));
-    MOED_RETURN_IF_ERROR(s.sync_round());
+    Status opened = round.open();
+    if (!opened.ok()) return round.close(opened);
     for (int lr = 0; lr < G; ++lr)
       std::memcpy(&target[size_t(lr)], s.signals.board(lr), sizeof(RecvTarget));
   } else {
@@ -289,7 +293,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
     std::memset(own + lay.topk_idx_off + lo * size_t(K) * 8, 0xff, n * size_t(K) * 8);
     std::memset(own + lay.weights_off + lo * size_t(K) * 4, 0, n * size_t(K) * 4);
   }
-  MOED_RETURN_IF_ERROR(s.sync_round());
+  MOED_RETURN_IF_ERROR(round.close());
 
   NormalDispatchOutput out;
   const int64_t nr = h.num_rows;
@@ -313,8 +317,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
   }
   if (K > 0) {
     out.recv_topk_idx = {reinterpret_cast<const int64_t*>(own + lay.topk_idx_off), size_t(nr) * K};
-    out.recv_topk_weights = {reinterpret_cast<const float*>(own + lay.weights_off),
-                             size_t(nr) * K};
+    out.recv_topk_weights = {reinterpret_cast<const float*>(own + lay.weights_off), size_t(nr) * K};
   }
   out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
   return out;

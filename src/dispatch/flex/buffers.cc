@@ -1,8 +1,10 @@
-// Node-shared memory for Flex: regions that grow collectively, the output ring, and the
-// per-pair epoch signals.
+// Node-shared memory for Flex: regions that grow collectively, the output ring, the per-pair
+// epoch signals and the rounds of a step that publishes memory (PublishRound).
 #include <algorithm>
+#include <atomic>
 #include <bit>
 
+#include "comm/wait.h"
 #include "dispatch/flex/flex_internal.h"
 
 namespace moed::flex {
@@ -91,6 +93,55 @@ Status Signals::wait_all(uint64_t epoch) {
     if (lr != buffer_->local_rank()) MOED_RETURN_IF_ERROR(buffer_->wait_signal(lr, epoch));
   }
   return ok_status();
+}
+
+PublishRound::PublishRound(World& world, Signals& signals, uint64_t& epoch, bool in_place,
+                           Role role)
+    : world_(world),
+      signals_(signals),
+      published_(epoch + 1),
+      released_(epoch + 2),
+      in_place_(in_place),
+      role_(role) {
+  epoch = released_;
+}
+
+PublishRound::~PublishRound() {
+  if (!closed_)
+    close(aborted("rank ", world_.rank(), " left a step with its memory published")).ignore();
+}
+
+Status PublishRound::open() {
+  signals_.signal_all(published_);
+  MOED_RETURN_IF_ERROR(signals_.wait_all(published_));
+  if (!in_place_) return ok_status();
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with close()'s (class comment)
+  return world_.failure();
+}
+
+Status PublishRound::close(const Status& step) {
+  closed_ = true;
+  if (!in_place_) {
+    if (step.ok() || role_ == Role::kReads) signals_.signal_all(released_);
+    MOED_RETURN_IF_ERROR(step);
+    return signals_.wait_all(released_);
+  }
+  if (!step.ok()) world_.abort(step);
+  signals_.signal_all(released_);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with open()'s
+  SharedBuffer& b = *signals_.buffer_;
+  for (int lr = 0; lr < b.local_size(); ++lr) {
+    if (lr == b.local_rank()) continue;
+    if (b.signal_value(lr) < published_) continue;  // never opened
+    MOED_RETURN_IF_ERROR(internal::poll_released(
+        world_, [&] { return b.signal_value(lr) >= released_; },
+        [&] {
+          return str_cat("rank ", world_.rank(), " waiting for local rank ", lr,
+                         " to be done with its memory (epoch ", released_, ")");
+        }));
+  }
+  MOED_RETURN_IF_ERROR(step);
+  return world_.failure();
 }
 
 }  // namespace moed::flex

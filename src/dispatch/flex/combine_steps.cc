@@ -90,8 +90,8 @@ StatusOr<OrderedCombineOutput> FlexDispatcher::ordered_combine(
     if (local.ok() && b->data)
       local = check_float_rows(b == &in.bias_0 ? "bias_0" : "bias_1", *b, T, H);
     if (local.ok() && b->data && b->dtype != in.rows.dtype)
-      local = invalid_argument(b == &in.bias_0 ? "bias_0" : "bias_1", " is ",
-                               dtype_name(b->dtype), " but x is ", dtype_name(in.rows.dtype));
+      local = invalid_argument(b == &in.bias_0 ? "bias_0" : "bias_1", " is ", dtype_name(b->dtype),
+                               " but x is ", dtype_name(in.rows.dtype));
   }
   if (local.ok() && in.out)
     local = moed::internal::check_out_buffer("out", *in.out, T, H, in.rows.dtype, "x");
@@ -255,8 +255,9 @@ Status FlexDispatcher::pull_step(const FlexHandle& h, const TensorView& rows,
       std::memcpy(seg + pull_scalars_off(h, rows.dtype), scalars.data(), scalars.size_bytes());
     }
   }
-  signals_.signal_all(++epoch_);
-  MOED_RETURN_IF_ERROR(signals_.wait_all(epoch_));
+  PublishRound round(*world_, signals_, epoch_, in_place_, PublishRound::Role::kReads);
+  Status opened = round.open();
+  if (!opened.ok()) return round.close(opened);
   spec.sources.resize(size_t(G));
   for (int lr = 0; lr < G; ++lr) {
     if (in_place_) {
@@ -270,11 +271,7 @@ Status FlexDispatcher::pull_step(const FlexHandle& h, const TensorView& rows,
     }
   }
   DispatchContext ctx{world_, &config_, &h, nullptr, net(tag)};
-  Status s = pull(ctx, spec, tag);
-  // NOTE: released even after an error, so no peer waits for this rank's release in vain.
-  signals_.signal_all(++epoch_);
-  MOED_RETURN_IF_ERROR(s);
-  MOED_RETURN_IF_ERROR(signals_.wait_all(epoch_));
+  MOED_RETURN_IF_ERROR(round.close(pull(ctx, spec, tag)));
   // Every local reader is done: a pull region replaced in this step (the rows may have been
   // copied out of it above) is read by nobody now.
   pull_region_.release_retired();

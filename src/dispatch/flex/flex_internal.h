@@ -266,7 +266,45 @@ class Signals {
   void* board(int lr) const { return buffer_->peer(lr); }
 
  private:
+  friend class PublishRound;
   std::shared_ptr<SharedBuffer> buffer_;
+};
+
+// The two rounds of a step in which the local ranks read or write each other's memory where it
+// is (in place: the threads world, addresses on the board), or a node-shared region (else).
+// open() tells the node this rank's memory is published and waits until every local rank's is;
+// close() tells the node this rank is done with theirs and waits until they are done with its
+// own. Takes two epochs whichever way the step ends, so the ranks stay in step.
+//
+// NOTE: in place, the caller may free its memory once the step returns, so close() waits for
+// every local rank that published, through a failed world too (bounded by the timeout); a rank
+// leaving with an error fails the world before it looks, so that a rank which has not opened yet
+// sees the failure at the end of its open() and never touches this rank's memory (a store, a
+// fence and a load on each side: one of the two sees the other). The destructor closes a round
+// left open on an error path.
+//
+// Not in place, a reader (kReads: the peers read its published region) releases even after an
+// error, so no peer waits for it in vain; a writer's release (kWrites) says that its writes
+// into the peers' memory are done, so after an error it sends none and the peers wait until
+// they see the failure.
+class PublishRound {
+ public:
+  enum class Role { kReads, kWrites };
+  PublishRound(World& world, Signals& signals, uint64_t& epoch, bool in_place, Role role);
+  PublishRound(const PublishRound&) = delete;
+  PublishRound& operator=(const PublishRound&) = delete;
+  ~PublishRound();
+  Status open();
+  // `step`: how the step went; an error fails the world first (in place).
+  Status close(const Status& step = Status());
+
+ private:
+  World& world_;
+  Signals& signals_;
+  const uint64_t published_, released_;  // the round's two epochs
+  const bool in_place_;
+  const Role role_;
+  bool closed_ = false;
 };
 
 // ---- row kernels: thin names over core's one table (core/row_kernels.h) ----

@@ -3,6 +3,8 @@
 #include <array>
 #include <atomic>
 
+#include "comm/wait.h"
+#include "dispatch/low_latency/shrink.h"
 #include "dispatch/low_latency/state.h"
 
 namespace moed {
@@ -37,7 +39,8 @@ class ReceiveHook final : public PendingOp {
 
 }  // namespace
 
-SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts) {
+SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
+                                  bool shrink) {
   SegmentLayout l;
   l.max_tokens = max_tokens;
   l.hidden = hidden;
@@ -62,6 +65,14 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
     off += align64(rows * size_t(hidden) * sizeof(bf16));
     l.acks[h] = off;
     off += align64(2 * size_t(num_ranks) * sizeof(uint64_t));  // G <= R
+    if (shrink) {
+      l.shrink_ranges[h] = off;
+      off += align64(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
+    }
+  }
+  if (shrink) {
+    l.shrink_words = off;
+    off += align64((kShrinkWords + size_t(num_ranks)) * sizeof(uint64_t));
   }
   l.total = off;
   return l;
@@ -71,12 +82,31 @@ Request make_hook(std::function<Status()> receive) {
   return std::make_unique<ReceiveHook>(std::move(receive));
 }
 
+Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
+  World& w = *st.world;
+  const int me = w.local_rank();
+  std::atomic<uint64_t>* acks = st.acks(me, half, kind);
+  for (int p = 0; p < w.ranks_per_node(); ++p) {
+    if (p == me) continue;
+    MOED_RETURN_IF_ERROR(internal::poll_released(
+        w, [&] { return acks[p].load(std::memory_order_acquire) >= seq; },
+        [&] {
+          return str_cat("low-latency ", kind == PullKind::kDispatch ? "dispatch" : "combine",
+                         ": waiting for local rank ", p,
+                         " to read this rank's rows (every rank must pass the same "
+                         "return_recv_hook)");
+        }));
+  }
+  return ok_status();
+}
+
 }  // namespace low_latency
 
 size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,
                                  int num_experts) {
   if (max_tokens_per_rank <= 0 || hidden <= 0 || num_ranks <= 0 || num_experts <= 0) return 0;
-  return low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, num_ranks, num_experts)
+  return low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, num_ranks, num_experts,
+                                          /*shrink=*/true)
       .total;
 }
 
@@ -84,31 +114,65 @@ LowLatencyBuffer::LowLatencyBuffer(std::shared_ptr<State> state) : state_(std::m
 
 LowLatencyBuffer::~LowLatencyBuffer() = default;
 
-StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(World& world,
-                                                                     int64_t max_tokens_per_rank,
-                                                                     int hidden, int num_experts) {
+LowLatencyBuffer::State::~State() {
+  // NOTE: a peer that read this rank's own copy of the rows in its last dispatch may still be
+  // reading it when this rank leaves (after an error, say); the halves hold that copy.
+  for (int h = 0; h < 2; ++h) {
+    if (dispatch_half[h].own_rows_seq != 0) {
+      low_latency::wait_pull_acks(*this, h, low_latency::PullKind::kDispatch,
+                                  dispatch_half[h].own_rows_seq)
+          .ignore();
+    }
+  }
+}
+
+StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
+    World& world, int64_t max_tokens_per_rank, int hidden, int num_experts,
+    const LowLatencyOptions& options) {
   const int R = world.size();
   Status local;
+  if (options.enable_shrink && options.shrink_timeout.count() <= 0) {
+    local =
+        invalid_argument("shrink_timeout = ", options.shrink_timeout.count(), " ms must be > 0");
+  }
   if (max_tokens_per_rank <= 0 || max_tokens_per_rank > INT32_MAX / R) {
     local = invalid_argument("max_tokens_per_rank = ", max_tokens_per_rank, " is outside [1, ",
                              INT32_MAX / R, "]");
+  } else if (!local.ok()) {
   } else if (hidden <= 0) {
     local = invalid_argument("hidden = ", hidden, " must be positive");
   } else if (num_experts <= 0 || num_experts % R != 0) {
     local = invalid_argument("num_experts = ", num_experts,
                              " must be a positive multiple of the world size ", R);
   }
+  if (options.segment) {
+    // No collective: this rank's checks are its own (the caller passes the same shape).
+    MOED_RETURN_IF_ERROR(local);
+    const size_t need = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R,
+                                                         num_experts, options.enable_shrink)
+                            .total;
+    if (options.segment->bytes() < need) {
+      return invalid_argument(
+          "the segment has ", options.segment->bytes(),
+          " bytes; the low-latency buffer of (max_tokens_per_rank = ", max_tokens_per_rank,
+          ", hidden = ", hidden, ", num_experts = ", num_experts, ") needs ", need,
+          " (get_low_latency_size_hint)");
+    }
+    return make_state(world, max_tokens_per_rank, hidden, num_experts, options);
+  }
   MOED_RETURN_IF_ERROR(world.agree(local));
 
   // The slots are sized by M, H and E, and a sender writes at the receiver's offsets: all three
   // must be the same everywhere. Every rank sees the same table and names the same culprit.
-  const std::array<int64_t, 3> mine = {max_tokens_per_rank, hidden, num_experts};
+  const std::array<int64_t, 4> mine = {max_tokens_per_rank, hidden, num_experts,
+                                       int64_t(options.enable_shrink)};
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
                         all_gather<int64_t>(world, std::span<const int64_t>(mine)));
-  static const char* const kNames[3] = {"max_tokens_per_rank", "hidden", "num_experts"};
+  static const char* const kNames[4] = {"max_tokens_per_rank", "hidden", "num_experts",
+                                        "enable_shrink"};
   for (int r = 1; r < R; ++r) {
-    for (int i = 0; i < 3; ++i) {
-      const int64_t a = all[size_t(i)], b = all[size_t(r) * 3 + size_t(i)];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t a = all[size_t(i)], b = all[size_t(r) * 4 + size_t(i)];
       if (a != b) {
         return invalid_argument("LowLatencyBuffer: ", kNames[i], " = ", a, " on rank 0 but ", b,
                                 " on rank ", r, "; it must be the same on every rank");
@@ -116,14 +180,33 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(World& worl
     }
   }
 
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<LowLatencyBuffer> buffer,
+                        make_state(world, max_tokens_per_rank, hidden, num_experts, options));
+  // Every rank has zeroed its own counters before any peer reads them.
+  MOED_RETURN_IF_ERROR(world.barrier());
+  return buffer;
+}
+
+StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
+    World& world, int64_t max_tokens_per_rank, int hidden, int num_experts,
+    const LowLatencyOptions& options) {
+  const int R = world.size();
   auto state = std::make_shared<State>();
   state->world = &world;
   static std::atomic<uint64_t> next_id{1};
   // Ids only tell handles of different buffers apart on one rank; they need not agree.
   state->id = next_id.fetch_add(1, std::memory_order_relaxed);
-  state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts);
-  MOED_ASSIGN_OR_RETURN(state->shared, world.alloc_shared(state->layout.total));
-  state->pull = world.shares_address_space();
+  state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts,
+                                                   options.enable_shrink);
+  if (options.segment) {
+    state->shared = options.segment;
+  } else {
+    MOED_ASSIGN_OR_RETURN(state->shared, world.alloc_shared(state->layout.total));
+  }
+  // Shrink mode reads and writes no caller memory across ranks (shrink.cc).
+  state->pull = world.shares_address_space() && !options.enable_shrink;
+  state->shrink = options.enable_shrink;
+  state->shrink_timeout = options.shrink_timeout;
   // Counts start at sequence 0, which no operation uses. The output vectors get their final
   // size once, so the spans handed out never move.
   const int L = num_experts / R;
@@ -133,19 +216,79 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(World& worl
     dh.layout_range.assign(size_t(L) * R, LowLatencyRange{});
     dh.recv_header.assign(size_t(R) * L, 0);
     dh.send_header.assign(size_t(R) * L, 0);
-    std::atomic<uint64_t>* c = state->counts(world.local_rank(), h);
-    for (int e = 0; e < num_experts; ++e) c[e].store(0, std::memory_order_relaxed);
-    for (auto k : {low_latency::PullKind::kDispatch, low_latency::PullKind::kCombine}) {
-      std::atomic<uint64_t>* a = state->acks(world.local_rank(), h, k);
-      for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
+    // A segment given by the caller was zeroed by every rank before: a peer may be writing
+    // its own part already.
+    if (!options.segment) {
+      std::atomic<uint64_t>* c = state->counts(world.local_rank(), h);
+      for (int e = 0; e < num_experts; ++e) c[e].store(0, std::memory_order_relaxed);
+      for (auto k : {low_latency::PullKind::kDispatch, low_latency::PullKind::kCombine}) {
+        std::atomic<uint64_t>* a = state->acks(world.local_rank(), h, k);
+        for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
+      }
     }
     if (state->pull) {
       dh.pull_tokens.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0);
       dh.pull_probs.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0.0f);
     }
+    if (state->shrink) {
+      const size_t rows = size_t(num_experts) * size_t(max_tokens_per_rank);  // L * R * M
+      dh.shrink_rows.resize(rows * size_t(hidden) * sizeof(bf16));
+      dh.shrink_scales.resize(rows * size_t(state->layout.num_scales));
+      dh.shrink_src.resize(rows);
+      dh.shrink_prob.resize(rows);
+      dh.recv_header.assign(size_t(R) * (L + 1), 0);
+      dh.send_header.assign(size_t(R) * (L + 1), 0);
+      dh.header_requests.resize(size_t(R));
+      state->combine_half[h].recvs.resize(size_t(R));
+    }
   }
-  MOED_RETURN_IF_ERROR(world.barrier());
+  if (state->shrink && !options.segment) {
+    for (size_t i = 0; i < low_latency::kShrinkWords + size_t(R); ++i)
+      state->shrink_word(world.local_rank(), i)->store(0, std::memory_order_relaxed);
+  }
   return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(state)));
+}
+
+Status LowLatencyBuffer::clean() {
+  if (state_->shrink) return low_latency::shrink_clean(*state_);
+  return state_->world->barrier();
+}
+
+std::vector<int32_t> LowLatencyBuffer::query_mask() const {
+  const State& st = *state_;
+  std::vector<int32_t> mask(size_t(st.layout.num_ranks), 0);
+  if (!st.shrink) return mask;
+  for (int r = 0; r < st.layout.num_ranks; ++r) {
+    mask[size_t(r)] = int32_t(st.shrink_word(st.world->local_rank(), low_latency::kMask + size_t(r))
+                                  ->load(std::memory_order_acquire));
+  }
+  return mask;
+}
+
+Status LowLatencyBuffer::update_mask(int rank, bool mask) {
+  State& st = *state_;
+  if (!st.shrink) {
+    return failed_precondition("update_mask: the buffer was made without enable_shrink");
+  }
+  if (rank < 0 || rank >= st.layout.num_ranks) {
+    return invalid_argument("update_mask: rank = ", rank, " is outside [0, ", st.layout.num_ranks,
+                            ")");
+  }
+  if (rank == st.world->rank() && mask) {
+    return invalid_argument("update_mask: rank ", rank, " cannot mask itself");
+  }
+  st.shrink_word(st.world->local_rank(), low_latency::kMask + size_t(rank))
+      ->store(mask ? 1 : 0, std::memory_order_release);
+  return ok_status();
+}
+
+Status LowLatencyBuffer::clean_mask() {
+  State& st = *state_;
+  if (!st.shrink) {
+    return failed_precondition("clean_mask: the buffer was made without enable_shrink");
+  }
+  for (int r = 0; r < st.layout.num_ranks; ++r) MOED_RETURN_IF_ERROR(update_mask(r, false));
+  return ok_status();
 }
 
 World& LowLatencyBuffer::world() const { return *state_->world; }

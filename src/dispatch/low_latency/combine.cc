@@ -9,6 +9,7 @@
 
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
+#include "dispatch/low_latency/shrink.h"
 #include "dispatch/out_buffer.h"
 
 namespace moed {
@@ -56,8 +57,15 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
     return invalid_argument("low_latency_combine: topk is [", r.num_tokens, ", ", r.num_topk,
                             "] but the dispatch had [", h.num_tokens, ", ", h.num_topk, "]");
   }
-  if (r.topk_idx != h.topk_idx) {
-    return invalid_argument("low_latency_combine: topk_idx differs from the dispatch's");
+  // As in DeepEP, an entry may be -1 where the dispatch had an expert: that term is dropped
+  // (DeepEP's shrink test masks its failed ranks' experts so).
+  for (size_t i = 0; i < r.topk_idx.size(); ++i) {
+    if (r.topk_idx[i] != h.topk_idx[i] && r.topk_idx[i] != -1) {
+      return invalid_argument("low_latency_combine: topk_idx[", i / size_t(r.num_topk), "][",
+                              i % size_t(r.num_topk), "] = ", r.topk_idx[i],
+                              " differs from the dispatch's ", h.topk_idx[i],
+                              " (only -1 may replace an expert)");
+    }
   }
   if (r.topk_weights.size() != r.topk_idx.size()) {
     return invalid_argument("low_latency_combine: topk_weights has ", r.topk_weights.size(),
@@ -81,18 +89,24 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
     MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer(
         "low_latency_combine: out", *in.out, h.num_tokens, lay.hidden, DType::kBF16, "x"));
   }
+  if (!in.order.empty() && in.order.size() != r.topk_idx.size()) {
+    return invalid_argument("low_latency_combine: order has ", in.order.size(),
+                            " entries, expected ", r.num_tokens, " x ", r.num_topk);
+  }
   return ok_status();
 }
 
 // Receive phase of combine `seq` from `half`: out[t] = sum over t's experts e ascending of
 // w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own.
 Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& handle,
-                       const TopkRouting& routing, int half, uint64_t seq, TensorView out) {
+                       const TopkRouting& routing, std::span<const int32_t> order, int half,
+                       uint64_t seq, TensorView out) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   CombineHalf& ch = st.combine_half[half];
-  const int R = lay.num_ranks, me = w.rank(), H = lay.hidden, K = handle.num_topk;
+  const int R = lay.num_ranks, me = w.rank(), H = lay.hidden;
   ch.pending = false;
+  low_latency::PullRelease release(st, half, low_latency::PullKind::kCombine, seq, ch.sources);
   // Pull mode: where in-node experts' outputs are (the call's collective published them).
   auto pulled_from = [&](int d) { return st.pulls(d) && ch.sources[size_t(d)].pulled; };
   Status status;
@@ -121,29 +135,18 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   // One fold_rows per token (acc = 0, acc + w * y per expert ascending, rounded once: the
   // chain above, the sum kept in registers), one token behind (FoldAhead).
   w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
-    struct Term {
-      int32_t e;
-      int32_t slot;
-      float weight;
-    };
-    std::vector<Term> terms;
+    std::vector<low_latency::Term> terms;
     internal::FoldAhead fold(DType::kBF16, DType::kBF16, size_t(H), /*weighted=*/true,
                              /*stream=*/false);
     for (int64_t t = t0; t < t1; ++t) {
-      terms.clear();
-      for (int k = 0; k < K; ++k) {
-        const int32_t e = handle.topk_idx[size_t(t) * K + k];
-        if (e >= 0) terms.push_back({e, handle.slot[size_t(t) * K + k], routing.weight(t, k)});
-      }
-      std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) { return a.e < b.e; });
-      for (const Term& term : terms) fold.add(row_of(term.e, term.slot), term.weight);
+      low_latency::token_terms(
+          handle, routing, order, t, [](int32_t) { return true; }, terms);
+      for (const low_latency::Term& term : terms) fold.add(row_of(term.e, term.slot), term.weight);
       fold.push(out.row<bf16>(t));
     }
     fold.flush();
   });
-  if (!st.pull) return ok_status();
-  return low_latency::exchange_acks(st, half, low_latency::PullKind::kCombine, seq,
-                                    ch.sources);
+  return release.finish();
 }
 
 // The combine's opening collective: agrees on every rank's inputs (as World::agree, whose
@@ -200,6 +203,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     const LowLatencyCombineInput& in) {
   State& st = *state_;
   World& w = *st.world;
+  if (st.shrink) return low_latency::shrink_combine(state_, in, check_combine(st, in));
   MOED_ASSIGN_OR_RETURN(std::vector<low_latency::PullSource> sources,
                         agree_and_publish(st, in, check_combine(st, in)));
   // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
@@ -305,6 +309,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   }
   if (!status.ok()) {
     ch.pending = false;
+    low_latency::release_pulled(st, half, low_latency::PullKind::kCombine, seq, ch.sources)
+        .ignore();
     return status;
   }
 
@@ -312,9 +318,10 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   if (!in.out) out.combined_x = Tensor::empty(DType::kBF16, handle.num_tokens, H);
   out.out = in.out;
   // The receive reads the weights later (hook mode), so it keeps its own copy of the routing.
-  auto receive = [state = state_, handle = in.handle, routing = *in.topk, half, seq,
+  auto receive = [state = state_, handle = in.handle, routing = *in.topk,
+                  order = std::vector<int32_t>(in.order.begin(), in.order.end()), half, seq,
                   view = out.result()] {
-    return receive_combine(*state, *handle, routing, half, seq, view);
+    return receive_combine(*state, *handle, routing, order, half, seq, view);
   };
   MOED_RETURN_IF_ERROR(
       low_latency::receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));

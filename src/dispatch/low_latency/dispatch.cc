@@ -8,6 +8,7 @@
 
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
+#include "dispatch/low_latency/shrink.h"
 
 namespace moed {
 
@@ -151,8 +152,10 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   const size_t payload = fp8 ? size_t(lay.hidden) : size_t(lay.hidden) * sizeof(bf16);
   const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
   const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
-  // Whatever happens below, this half is no longer in flight.
+  // Whatever happens below, this half is no longer in flight, and the peers whose rows this
+  // rank reads in place learn that it is done with them.
   dh.pending = false;
+  low_latency::PullRelease release(st, half, low_latency::PullKind::kDispatch, seq, dh.sources);
 
   // Counts of every (local expert j, source s): in-node sources published them in this rank's
   // segment before their signal; other nodes sent them as a header.
@@ -349,9 +352,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
 
   handle.layout_range = dh.layout_range;
   handle.received = true;
-  if (!st.pull) return ok_status();
-  return low_latency::exchange_acks(st, half, low_latency::PullKind::kDispatch, seq,
-                                    dh.sources);
+  return release.finish();
 }
 
 }  // namespace
@@ -361,6 +362,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   State& st = *state_;
   World& w = *st.world;
   const Status local = check_dispatch(st, in);
+  if (st.shrink) return low_latency::shrink_dispatch(state_, in, local);
   // Pull mode without a hook: this rank writes only its own memory (the rows and tokens its
   // in-node receivers read, the messages for other nodes), so it does so first and the
   // collective then publishes them with the counts (publish_dispatch): no signal round.
@@ -391,38 +393,12 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   const TopkRouting& routing = *in.topk;
   const int64_t T = in.x.rows;
   const int K = routing.num_topk;
-  auto handle = std::make_shared<LowLatencyHandle>();
-  handle->buffer_id = st.id;
-  handle->num_tokens = T;
-  handle->num_topk = K;
-  handle->topk_idx = routing.topk_idx;
-  handle->slot.assign(size_t(T) * K, -1);
-  handle->send_count.assign(size_t(E), 0);
-  // Each (t, e) gets the next slot of its (this rank, e) chunk in token order, which is what
-  // makes the receiver's rows token-ascending without any sort.
-  for (int64_t t = 0; t < T; ++t) {
-    for (int k = 0; k < K; ++k) {
-      const int32_t e = routing.idx(t, k);
-      if (e >= 0) handle->slot[size_t(t) * K + k] = handle->send_count[size_t(e)]++;
-    }
-  }
+  std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, routing, T);
 
   const size_t payload = fp8 ? size_t(H) : size_t(H) * sizeof(bf16);
   const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
   const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
-  if (fp8) {
-    // Cast each token once; every destination gets a copy of the same bytes.
-    dh.fp8_rows.resize(size_t(T) * (payload + scale_bytes));
-    w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int) {
-      for (int64_t t = t0; t < t1; ++t) {
-        std::byte* row = dh.fp8_rows.data() + size_t(t) * (payload + scale_bytes);
-        quantize_fp8_row(
-            std::span<const bf16>(in.x.row<bf16>(t), size_t(H)), in.round_scale,
-            std::span<fp8_e4m3>(reinterpret_cast<fp8_e4m3*>(row), size_t(H)),
-            std::span<float>(reinterpret_cast<float*>(row + payload), size_t(lay.num_scales)));
-      }
-    });
-  }
+  if (fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
 
   // Network staging: one message per remote destination d, rows ordered by (j, i), laid out
   // as [token index x rows][prob x rows][payload x rows][scales x rows].
@@ -523,6 +499,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   low_latency::add_shared_rows(w, shared_rows, payload + scale_bytes);
   dh.sources = std::move(sources);
   dh.published_count = std::move(published_count);
+  dh.own_rows_seq = early && own_rows ? seq : 0;
 
   // Publish: every (me, expert) count, zero included (there is no notify), after its rows;
   // receivers that read this rank's rows in place have them from the collective.
@@ -559,6 +536,8 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   }
   if (!status.ok()) {
     dh.pending = false;
+    low_latency::release_pulled(st, half, low_latency::PullKind::kDispatch, seq, dh.sources)
+        .ignore();
     return status;
   }
 

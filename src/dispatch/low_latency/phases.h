@@ -2,6 +2,7 @@
 // they post, count their node-shared traffic, and run their receive phase now or as a hook.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -23,6 +24,72 @@ inline constexpr size_t kInlineBytes = size_t(256) << 10;
 // 64 KiB takes a few microseconds, about what one round of acks costs on a 2-core host.
 inline constexpr size_t kStageBytes = size_t(64) << 10;
 
+// A dispatch's handle with its home side filled: each (t, e) gets the next slot of its
+// (this rank, e) chunk in token order, which is what makes the receiver's rows token-ascending
+// without any sort.
+inline std::shared_ptr<LowLatencyHandle> new_dispatch_handle(const LowLatencyBuffer::State& st,
+                                                             const TopkRouting& routing,
+                                                             int64_t num_tokens) {
+  auto handle = std::make_shared<LowLatencyHandle>();
+  const int K = routing.num_topk;
+  handle->buffer_id = st.id;
+  handle->num_tokens = num_tokens;
+  handle->num_topk = K;
+  handle->topk_idx = routing.topk_idx;
+  handle->slot.assign(size_t(num_tokens) * size_t(K), -1);
+  handle->send_count.assign(size_t(st.layout.num_experts), 0);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    for (int k = 0; k < K; ++k) {
+      const int32_t e = routing.idx(t, k);
+      if (e >= 0) handle->slot[size_t(t) * K + k] = handle->send_count[size_t(e)]++;
+    }
+  }
+  return handle;
+}
+
+// Casts every row of x to FP8 once (every destination gets a copy of the same bytes):
+// rows [T] of H fp8 bytes, then their scales.
+inline void cast_fp8_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
+                          std::vector<std::byte>& rows) {
+  const int H = st.layout.hidden, S = st.layout.num_scales;
+  const size_t bytes = size_t(H) + size_t(S) * sizeof(float);
+  rows.resize(size_t(in.x.rows) * bytes);
+  st.world->pool().parallel_for(in.x.rows, [&](int64_t t0, int64_t t1, int) {
+    for (int64_t t = t0; t < t1; ++t) {
+      std::byte* row = rows.data() + size_t(t) * bytes;
+      quantize_fp8_row(std::span<const bf16>(in.x.row<bf16>(t), size_t(H)), in.round_scale,
+                       std::span<fp8_e4m3>(reinterpret_cast<fp8_e4m3*>(row), size_t(H)),
+                       std::span<float>(reinterpret_cast<float*>(row + H), size_t(S)));
+    }
+  });
+}
+
+// One term of a token's combine: expert e's row `slot` of this rank's chunk, weighted.
+struct Term {
+  int32_t key;  // the sum's order: the expert id, or the caller's order key
+  int32_t e, slot;
+  float weight;
+};
+
+// Token t's terms in summation order: its experts (those of the dispatch the combine's routing
+// has not set to -1) that `keep` accepts, ascending by the order key (the expert id when
+// `order` is empty).
+template <typename Keep>
+void token_terms(const LowLatencyHandle& handle, const TopkRouting& routing,
+                 std::span<const int32_t> order, int64_t t, Keep&& keep, std::vector<Term>& terms) {
+  const int K = handle.num_topk;
+  terms.clear();
+  for (int k = 0; k < K; ++k) {
+    const size_t i = size_t(t) * K + k;
+    const int32_t e = handle.topk_idx[i];
+    if (e < 0 || routing.topk_idx[i] < 0 || !keep(e)) continue;
+    terms.push_back({order.empty() ? e : order[i], e, handle.slot[i], routing.weight(t, k)});
+  }
+  std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) {
+    return a.key != b.key ? a.key < b.key : a.e < b.e;
+  });
+}
+
 // Keeps a posted isend / irecv in `requests` (waited on by the receive phase), or returns the
 // error of posting it.
 inline Status keep_request(StatusOr<Request> posted, std::vector<Request>& requests) {
@@ -39,43 +106,59 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// Pull mode, at the end of a receive: acks every in-node peer that left the caller's rows to
-// be read (its PullSource says so), then, if this rank left its caller's rows, waits until
-// every in-node peer has acked (so that the call may return and the caller reuse them). Ranks
-// that used the hook copied their rows, and ranks that read from their own copy (acked =
-// false) wait for nobody, so hooks may run in any order. `published`: every rank's
-// PullSource ([R]) as the call's opening collective gathered it.
-inline Status exchange_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
-                            std::span<const PullSource> published) {
+// Pull mode, on every way out of a call whose opening collective published where every rank's
+// rows are, error or not: acks every in-node peer that left rows to be read, then, if this rank
+// left its caller's rows (its PullSource says acked), waits until every in-node peer has acked,
+// through a failed world too (poll_released), since the caller may free its rows once the call
+// returns. A peer that took part in the collective acks on each of its ways out, so the wait is
+// short even when a third rank has failed. Ranks that used the hook copied their rows and wait
+// for nobody; a rank whose peers read its own copy (acked = false) waits for them only when
+// its buffer goes (State::~State). `published`: every rank's PullSource ([R]) as the opening
+// collective gathered it (empty: nothing was published).
+inline Status release_pulled(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
+                             std::span<const PullSource> published) {
   World& w = *st.world;
+  if (published.empty()) return ok_status();
   const int G = w.ranks_per_node(), me = w.local_rank();
-  MOED_CHECK(published.size() == size_t(w.size()), "exchange_acks: ", published.size(),
+  MOED_CHECK(published.size() == size_t(w.size()), "release_pulled: ", published.size(),
              " published sources for ", w.size(), " ranks");
   auto source = [&](int p) -> const PullSource& {
     return published[size_t(w.node()) * size_t(G) + size_t(p)];
   };
   for (int p = 0; p < G; ++p) {
-    const PullSource& ps = source(p);
-    if (p != me && ps.pulled && ps.acked) {
+    if (p != me && source(p).pulled)
       st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
-    }
   }
   const PullSource& own = source(me);
   if (!own.pulled || !own.acked) return ok_status();
-  std::atomic<uint64_t>* mine = st.acks(me, half, kind);
-  for (int p = 0; p < G; ++p) {
-    if (p == me) continue;
-    MOED_RETURN_IF_ERROR(internal::poll_peer(
-        w, [&] { return mine[p].load(std::memory_order_acquire) >= seq; },
-        [&] {
-          return std::string("low-latency ") +
-                 (kind == PullKind::kDispatch ? "dispatch" : "combine") +
-                 ": waiting for local rank " + std::to_string(p) +
-                 " to read this rank's rows (every rank must pass the same return_recv_hook)";
-        }));
-  }
-  return ok_status();
+  return wait_pull_acks(st, half, kind, seq);
 }
+
+// Runs release_pulled once: by finish() on the way out of a receive that went well, or when
+// dropped on any other way out.
+class PullRelease {
+ public:
+  PullRelease(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
+              std::span<const PullSource> published)
+      : st_(st), half_(half), kind_(kind), seq_(seq), published_(published) {}
+  PullRelease(const PullRelease&) = delete;
+  PullRelease& operator=(const PullRelease&) = delete;
+  ~PullRelease() {
+    if (armed_) finish().ignore();
+  }
+  Status finish() {
+    armed_ = false;
+    return release_pulled(st_, half_, kind_, seq_, published_);
+  }
+
+ private:
+  LowLatencyBuffer::State& st_;
+  int half_;
+  PullKind kind_;
+  uint64_t seq_;
+  std::span<const PullSource> published_;
+  bool armed_ = true;
+};
 
 // The receive phase: run now (hook = an already-completed request), or handed back as `hook`
 // when the caller asked for one (return_recv_hook).

@@ -20,13 +20,16 @@
 // every rank's rows are (PullSource) and, for dispatch, its counts, so no signal round follows,
 // and the receiver copies them once, straight into their packed
 // place (dispatch), or reduces them where they are (combine). Every receive in the threads world
-// then acks its in-node peers and waits for their acks, so the call returns only once nobody
-// reads its rows any more; a dispatch with few rows (phases.h, kStageBytes) copies them into
-// its half first and waits for no acks. With a hook the sender copies as before, so that its rows
-// are free once the send phase returns (DeepEP's contract), whenever the peers run their hooks.
+// then acks its in-node peers, on every way out of the call, error or not, and waits for their
+// acks (even when another rank has failed), so the call returns only once nobody reads its rows
+// any more; a dispatch with few rows (phases.h, kStageBytes) copies them into its half first
+// and waits for no acks, except when its buffer goes (State::~State). With a hook the sender copies
+// as before, so that its rows are free once the send phase returns (DeepEP's contract), whenever
+// the peers run their hooks.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -42,7 +45,12 @@ namespace low_latency {
 
 // Network tags: one per (op sequence mod 16, message kind), so the messages of the (at most
 // four) operations in flight never match each other's receives.
-enum class MessageKind : int { kDispatchHeader = 0, kDispatchData = 1, kCombineData = 2 };
+enum class MessageKind : int {
+  kDispatchHeader = 0,
+  kDispatchData = 1,
+  kCombineData = 2,
+  kClean = 3,  // shrink mode's clean()
+};
 inline int message_tag(uint64_t seq, MessageKind kind) {
   constexpr int kTagBase = 0x5100;
   return kTagBase + int(seq % 16) * 4 + int(kind);
@@ -65,9 +73,14 @@ struct SegmentLayout {
   size_t dispatch_prob[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
   size_t acks[2] = {0, 0};
+  // Shrink mode (shrink.cc): this rank's words (ShrinkWord) and its mask [R], uint64 each;
+  // this rank's dispatch layout [L][R] (LowLatencyRange) for the combine's in-node homes.
+  size_t shrink_words = 0;
+  size_t shrink_ranges[2] = {0, 0};
   size_t total = 0;
 
-  static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts);
+  static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
+                            bool shrink = false);
   int64_t slots() const { return int64_t(num_experts) * max_tokens; }  // rows per region
   int64_t fixed_row(int j, int s, int64_t i) const {
     return (int64_t(j) * num_ranks + s) * max_tokens + i;
@@ -94,9 +107,20 @@ struct PullSource {
 };
 enum class PullKind : int { kDispatch = 0, kCombine = 1 };
 
+// Shrink mode: the words of a rank's shrink_words region (shrink.cc says what each means), per
+// (kind, half) where they have one; the mask [R] follows at kMask.
+enum ShrinkWord : size_t { kSent = 0, kVerdict = 4, kDone = 8, kCleaned = 12, kMask = 13 };
+inline constexpr size_t kShrinkWords = kMask;
+inline size_t shrink_index(ShrinkWord w, PullKind k, int half) {
+  return size_t(w) + size_t(k) * 2 + size_t(half);
+}
+
 // Where a dispatch half's outputs live (the views handed out point here or into the segment).
 struct DispatchHalf {
-  bool pending = false;                       // send phase done, receive not yet
+  bool pending = false;  // send phase done, receive not yet
+  // Pull mode: the dispatch whose in-node receivers read this half's own copy of the rows
+  // (fp8_rows or staged_rows; 0 = none), waited for when the buffer goes.
+  uint64_t own_rows_seq = 0;
   std::vector<int32_t> recv_count;            // [L]
   std::vector<LowLatencyRange> layout_range;  // [L * R]
   // Network: headers from every source (counts per local expert), the rows received from
@@ -105,8 +129,9 @@ struct DispatchHalf {
   std::vector<std::byte> net_recv;
   std::vector<int32_t> send_header;  // [R * L]
   std::vector<std::byte> net_send;
-  std::vector<Request> header_requests;  // header receives of this op
+  std::vector<Request> header_requests;  // header receives of this op (shrink mode: [R])
   std::vector<Request> send_requests;    // this op's sends
+  std::vector<int> send_peers;           // shrink mode: the rank of each send
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
   std::vector<std::byte> staged_rows;    // pull mode, few bf16 rows: [T] copies of x's rows
   std::vector<int32_t> pull_tokens;      // pull mode: [E][M], PullSource::tokens
@@ -115,10 +140,22 @@ struct DispatchHalf {
   // by the call's opening collective (dispatch.cc, publish_dispatch).
   std::vector<PullSource> sources;
   std::vector<int32_t> published_count;
+  // Shrink mode: the packed rows received ([L * R * M] rows, bf16-sized; their scales, source
+  // tokens and probs), this rank's own memory, and the call's verdict (this rank's input check).
+  std::vector<std::byte> shrink_rows;
+  std::vector<float> shrink_scales;
+  std::vector<int32_t> shrink_src;
+  std::vector<float> shrink_prob;
+  Status shrink_local;
 };
 
 struct CombineHalf {
   bool pending = false;
+  std::vector<std::byte> net_recv;  // shrink mode: [R] messages from other nodes' experts
+  std::vector<size_t> net_block;    // shrink mode: [R] where each starts in net_recv
+  Status shrink_local;              // shrink mode: this rank's input check
+  std::vector<Request> recvs;       // shrink mode: [R] receives of net_recv's messages
+  std::vector<int> send_peers;      // shrink mode: the rank of each of `requests` (sends)
   std::vector<std::byte> net_send;  // staged rows when the expert output is strided
   std::vector<Request> requests;
   // Pull mode: every rank's PullSource, gathered by the call's opening collective (combine.cc).
@@ -128,11 +165,24 @@ struct CombineHalf {
 }  // namespace low_latency
 
 struct LowLatencyBuffer::State {
+  State() = default;
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  // Pull mode: first waits until the in-node peers have read this rank's own copies of rows
+  // (DispatchHalf::own_rows_seq), which the halves hold.
+  ~State();
+
   World* world = nullptr;
   uint64_t id = 0;
   low_latency::SegmentLayout layout;
   std::shared_ptr<SharedBuffer> shared;
   bool pull = false;  // in-node peers read each other's memory (World::shares_address_space)
+  // Shrink mode (shrink.cc): no collectives in the calls; a peer that misses a call's deadline
+  // is masked. `removed`: a peer masked this rank; every later call returns it.
+  bool shrink = false;
+  std::chrono::milliseconds shrink_timeout{0};
+  Status removed;
+  uint64_t cleans = 0;
   // Every rank runs the same sequence of calls, so these agree across ranks.
   uint64_t seq = 0;  // operations started (dispatch and combine), 1-based tags
   uint64_t dispatches = 0;
@@ -150,6 +200,11 @@ struct LowLatencyBuffer::State {
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
   // In-node peer `rank` can read this rank's memory directly (the threads world).
   bool pulls(int rank) const { return pull && world->same_node(rank, world->rank()); }
+  // Shrink mode: word `index` of local rank `local_rank`'s shrink words (shrink.cc).
+  std::atomic<uint64_t>* shrink_word(int local_rank, size_t index) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.shrink_words) +
+           index;
+  }
   std::atomic<uint64_t>* acks(int local_rank, int half, low_latency::PullKind k) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]) +
            size_t(k) * size_t(world->ranks_per_node());
@@ -161,6 +216,11 @@ namespace low_latency {
 // A receive phase to run once: by wait() (the hook), or at destruction if never waited on, so
 // the buffer's halves and the peers' signals stay in step.
 Request make_hook(std::function<Status()> receive);
+
+// Pull mode: waits until every in-node peer has acked operation `seq` of `half` in this rank's
+// segment, that is, read its rows; through a failed world too, bounded by the timeout
+// (comm/wait.h, poll_released).
+Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq);
 
 }  // namespace low_latency
 
