@@ -33,7 +33,8 @@ import md_blocks  # noqa: E402
 
 ROOT = md_blocks.ROOT
 BUILD = os.path.abspath(os.environ.get("MOED_BUILD_DIR", os.path.join(ROOT, "build")))
-CPP_DIR = os.path.abspath(os.environ.get("MOED_DOCS_CPP_DIR", os.path.join(BUILD, "tests", "docs", "cpp")))
+CPP_DIR = os.path.abspath(os.environ.get("MOED_DOCS_CPP_DIR",
+                                          os.path.join(BUILD, "tests", "docs", "cpp")))
 TIMEOUT = 120  # seconds a block may take; the whole suite stays well under two minutes
 
 _only = [p.strip() for p in os.environ.get("MOED_DOCS_ONLY", "").split(",") if p.strip()]
@@ -57,7 +58,7 @@ def environment(python=False):
     if python:
         env.update(python_command()[1])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    # As root OpenMPI refuses to start unless told (the README says so; the tests set the same).
+    # As root OpenMPI refuses to start unless told (docs/multihost.md says so; CTest sets the same).
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
     return env
@@ -75,8 +76,8 @@ def make_scratch():
     os.makedirs(os.path.join(d, ".venv", "bin"))
     shim = os.path.join(d, ".venv", "bin", "python")
     with open(shim, "w") as f:
-        f.write("#!/bin/sh\n" + "".join(f"export {k}='{v}'${{{k}:+:${k}}}\n" for k, v in extra.items())
-                + f"exec {' '.join(argv)} \"$@\"\n")
+        exports = "".join(f"export {k}='{v}'${{{k}:+:${k}}}\n" for k, v in extra.items())
+        f.write(f"#!/bin/sh\n{exports}exec {' '.join(argv)} \"$@\"\n")
     os.chmod(shim, 0o755)
     return d
 
@@ -135,7 +136,7 @@ def _blocks(path):
 def test_every_block_has_a_language():
     for path in DOCS:
         for b in _blocks(path):
-            assert b.lang, f"{b.where}: a fence without a language (write ```text for output or prose)"
+            assert b.lang, f"{b.where}: a fence without a language (```text for output or prose)"
             assert b.lang in md_blocks.RUN_LANGS | {"text"} or b.directive == "not run", (
                 f"{b.where}: ```{b.lang} blocks are not run; mark it <!-- not run: why -->")
             if b.directive == "not run":
