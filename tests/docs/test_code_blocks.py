@@ -145,8 +145,15 @@ def test_every_block_has_a_language():
 
 @pytest.fixture(scope="module")
 def scratch():
+    """The scratch directory of a document (made on first use, removed at the end)."""
     dirs = {}
-    yield lambda path: dirs.setdefault(path, make_scratch())
+
+    def get(path):
+        if path not in dirs:
+            dirs[path] = make_scratch()
+        return dirs[path]
+
+    yield get
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
 
