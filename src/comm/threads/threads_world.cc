@@ -41,12 +41,14 @@ Context::Context(int size, int ranks_per_node)
 
 void Context::fail(int rank, const Status& reason) {
   std::lock_guard<std::mutex> lock(fail_mu_);
+  // The first failure before the rank's flag: whoever sees a rank failed finds the cause.
+  if (failed_rank_ < 0) {
+    failed_rank_ = rank;
+    failure_ = aborted("rank ", rank, " failed: ",
+                       reason.ok() ? std::string("abort() with an OK status") : reason.message());
+    failed_.store(true, std::memory_order_release);
+  }
   rank_failed_[size_t(rank)].store(true, std::memory_order_release);
-  if (failed_rank_ >= 0) return;
-  failed_rank_ = rank;
-  failure_ = aborted("rank ", rank, " failed: ",
-                     reason.ok() ? std::string("abort() with an OK status") : reason.message());
-  failed_.store(true, std::memory_order_release);
 }
 
 Status Context::failure() const {
