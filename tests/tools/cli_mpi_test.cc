@@ -141,5 +141,18 @@ TEST(CliDispatchMpi, BadInputFailsEveryRank) {
   }
 }
 
+// moed run --fail-rank under mpiexec: the lost process stops calling, the others mask it after
+// the shrink timeout and go on, each checking its own output against the masked reference.
+TEST(CliRunMpi, ALostRankIsMaskedAndTheOthersGoOn) {
+  const CliResult r = run_mpi(
+      "run --world mpi --dispatcher low-latency --fail-rank 2 --at-step 1 --steps 3 --experts 6 "
+      "--shrink-timeout 0.5");
+  ASSERT_FALSE(timed_out(r)) << r.output;
+  EXPECT_EQ(r.rc, 0) << r.output;
+  EXPECT_NE(r.output.find("verify: every live rank's output of every step is bitwise equal"),
+            std::string::npos)
+      << r.output;
+}
+
 }  // namespace
 }  // namespace moed

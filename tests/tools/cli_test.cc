@@ -386,5 +386,45 @@ TEST(CliErrors, NameTheFileAndTheValue) {
   }
 }
 
+// moed run --fail-rank: the decode loop goes on without the lost rank, every step of every live
+// rank bitwise equal to the masked reference (the program checks; it exits 2 otherwise).
+TEST(CliRun, ALostRankIsMaskedAndTheOthersGoOn) {
+  struct Case {
+    std::string args;
+    std::string first_without;  // the table's first step without the rank
+    std::string masked;         // its masked column
+  };
+  const Case cases[] = {
+      {"--fail-rank 1 --at-step 2 --steps 4 --shrink-timeout 0.3", "    2", "1"},
+      {"--fail-rank 2 --at-step 1 --steps 3 --fail-how raise --ranks 5 --experts 5 --topk 5 "
+       "--hidden 100 --tokens 3",
+       "    1", "2"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const CliResult r = run_cli("run --dispatcher low-latency " + c.args, /*with_stderr=*/false);
+    EXPECT_EQ(r.rc, 0) << r.output;
+    EXPECT_NE(r.output.find("verify: every live rank's output of every step is bitwise equal"),
+              std::string::npos)
+        << r.output;
+    const size_t row = r.output.find("\n" + c.first_without + " ");
+    ASSERT_NE(row, std::string::npos) << r.output;
+    const std::string line = r.output.substr(row + 1, r.output.find('\n', row + 1) - row - 1);
+    EXPECT_NE(line.find("  " + c.masked + "  "), std::string::npos) << line;
+  }
+  const std::pair<std::string, std::string> errors[] = {
+      {"run --fail-rank 1", "--fail-rank runs the low-latency dispatcher in shrink mode"},
+      {"run --dispatcher low-latency --fail-rank 4", "--fail-rank 4 is not a rank of 4"},
+      {"run --dispatcher low-latency --fail-rank 1 --at-step 8", "--at-step 8 is not a step of 8"},
+      {"run --dispatcher low-latency --fail-rank 1 --experts 6", "--experts 6 is not a multiple"},
+  };
+  for (const auto& [args, message] : errors) {
+    SCOPED_TRACE(args);
+    const CliResult r = run_cli(args);
+    EXPECT_EQ(r.rc, 1) << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << r.output;
+  }
+}
+
 }  // namespace
 }  // namespace moed

@@ -26,6 +26,7 @@
 
 #include "cli/registry.h"
 #include "cli/world_choice.h"
+#include "lost_rank.h"
 #include "moed/dtype.h"
 #include "moed/moe_layer.h"
 #include "moed/threads_world.h"
@@ -61,9 +62,13 @@ struct RunArgs {
   std::string drop_policy = "probs";
   bool pad_to_capacity = false;
   bool no_overlap = false;
-  int steps = 3;
+  std::optional<int> steps;  // 3 for the layer, 8 with --fail-rank
   uint64_t seed = 1;
   bool json = false;
+  std::optional<int> fail_rank;  // lose this rank (lost_rank.cc)
+  int at_step = 4;
+  std::string fail_how = "silent";
+  double shrink_timeout = 1.0;
 };
 
 [[noreturn]] void fail(const Status& s) { fail_command("moed run", s.to_string()); }
@@ -376,7 +381,7 @@ void print_json(const RunArgs& a, const Job& job, const Summary& sum, const Figu
   j["shared_expert_ffn"] = c.shared_expert_ffn;
   j["etp_size"] = c.etp_size;
   j["dtype"] = dtype_name(c.dtype);
-  j["steps"] = a.steps;
+  j["steps"] = job.steps;
   j["overlap_shared_expert"] = c.overlap_shared_expert;
   for (int i = 0; i < kNumStages; ++i) {
     j["stages"][kStages[i]]["seconds"] = median_of(sum.stage_s[size_t(i)]);
@@ -411,7 +416,7 @@ void print_tables(const RunArgs& a, const Job& job, const Summary& sum, const Fi
               dtype_name(c.dtype), a.preset.c_str());
   std::printf("  T=%lld per rank  H=%d  F=%d  E=%d  K=%d  shared F=%d  ETP=%d  steps=%d\n",
               (long long)job.tokens, c.hidden, c.ffn_hidden, c.num_experts, c.num_topk,
-              c.shared_expert_ffn, c.etp_size, a.steps);
+              c.shared_expert_ffn, c.etp_size, job.steps);
   std::printf("\n  %-10s %10s %12s   (median over steps of the slowest rank)\n", "stage", "ms",
               "rate");
   for (int i = 0; i < kNumStages; ++i) {
@@ -446,7 +451,34 @@ void print_tables(const RunArgs& a, const Job& job, const Summary& sum, const Fi
   std::printf("%s  [reference layer %.2f s]\n", f.verify.c_str(), job.ref_s);
 }
 
+// --fail-rank: the low-latency decode loop in shrink mode instead of the MoE layer.
+void run_with_a_lost_rank(const RunArgs& a) {
+  if (a.dispatcher != "low-latency" && a.dispatcher != "low_latency")
+    fail_command("moed run",
+                 "--fail-rank runs the low-latency dispatcher in shrink mode; "
+                 "--dispatcher " +
+                     a.dispatcher +
+                     " cannot go on without a rank "
+                     "(its world shrinks instead: World::shrink, moed.Group.shrink)");
+  LostRankArgs l;
+  l.world = a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
+  l.ranks = l.world == "mpi" ? value_or(mpi_world_size()) : a.ranks;
+  l.ranks_per_node = a.ranks_per_node;
+  if (a.experts) l.experts = *a.experts;
+  if (a.topk) l.topk = *a.topk;
+  if (a.hidden) l.hidden = *a.hidden;
+  if (a.tokens) l.tokens = *a.tokens;
+  l.steps = a.steps.value_or(l.steps);
+  l.fail_rank = *a.fail_rank;
+  l.at_step = a.at_step;
+  l.fail_how = a.fail_how;
+  l.shrink_timeout_s = a.shrink_timeout;
+  l.seed = a.seed;
+  run_lost_rank(l);
+}
+
 void run(const RunArgs& a) {
+  if (a.fail_rank) return run_with_a_lost_rank(a);
   Job job;
   job.c = configure(a, &job.tokens);
   job.world = a.world.empty() ? (launched_by_mpirun() ? "mpi" : "threads") : a.world;
@@ -454,7 +486,7 @@ void run(const RunArgs& a) {
     fail(invalid_argument("--world ", job.world, " is not one of threads, mpi"));
   }
   job.ranks = job.world == "mpi" ? value_or(mpi_world_size()) : a.ranks;
-  job.steps = a.steps;
+  job.steps = a.steps.value_or(3);
   job.json = a.json;
   if (Status s = job.c.validate(job.ranks); !s.ok()) fail(s);
   for (int r = 0; r < job.ranks; ++r) {
@@ -537,11 +569,23 @@ void setup(CLI::App& app) {
               "pad every (rank, expert) chunk to capacity");
   c->add_flag("--no-overlap", a->no_overlap,
               "run the shared expert after the dispatch instead of during it");
-  c->add_option("--steps", a->steps, "forward + backward steps")
-      ->capture_default_str()
+  c->add_option("--steps", a->steps, "forward + backward steps (default 3; 8 with --fail-rank)")
       ->check(CLI::PositiveNumber);
   c->add_option("--seed", a->seed, "seed of weights and inputs")->capture_default_str();
   c->add_flag("--json", a->json, "print one JSON object instead of the tables");
+  c->add_option("--fail-rank", a->fail_rank,
+                "lose this rank mid-run: a low-latency decode loop in shrink mode goes on "
+                "without it, each step verified against the masked reference");
+  c->add_option("--at-step", a->at_step, "the step at which --fail-rank is lost")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  c->add_option("--fail-how", a->fail_how, "silent (as a killed process) | raise")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"silent", "raise"}));
+  c->add_option("--shrink-timeout", a->shrink_timeout,
+                "seconds a rank waits for a silent peer before it masks it")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   c->callback([a] { run(*a); });
 }
 
