@@ -203,7 +203,7 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   } else {
     MOED_ASSIGN_OR_RETURN(state->shared, world.alloc_shared(state->layout.total));
   }
-  // Shrink mode reads and writes no caller memory across ranks (shrink.cc).
+  // Shrink mode reads and writes no caller memory across ranks (shrink_peers.h).
   state->pull = world.shares_address_space() && !options.enable_shrink;
   state->shrink = options.enable_shrink;
   state->shrink_timeout = options.shrink_timeout;

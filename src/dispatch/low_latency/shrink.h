@@ -1,5 +1,6 @@
 // Shrink mode of LowLatencyBuffer (moed/low_latency.h; DeepEP's enable_shrink): the calls
-// without collectives, masking a peer that misses a call's deadline (shrink.cc).
+// without collectives, masking a peer that misses a call's deadline (shrink_dispatch.cc,
+// shrink_combine.cc; the protocol in shrink_peers.h).
 #pragma once
 
 #include <memory>

@@ -73,7 +73,7 @@ struct SegmentLayout {
   size_t dispatch_prob[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
   size_t acks[2] = {0, 0};
-  // Shrink mode (shrink.cc): this rank's words (ShrinkWord) and its mask [R], uint64 each;
+  // Shrink mode (shrink_peers.h): this rank's words (ShrinkWord) and its mask [R], uint64 each;
   // this rank's dispatch layout [L][R] (LowLatencyRange) for the combine's in-node homes.
   size_t shrink_words = 0;
   size_t shrink_ranges[2] = {0, 0};
@@ -107,7 +107,7 @@ struct PullSource {
 };
 enum class PullKind : int { kDispatch = 0, kCombine = 1 };
 
-// Shrink mode: the words of a rank's shrink_words region (shrink.cc says what each means), per
+// Shrink mode: the words of a rank's shrink_words region (shrink_peers.h says what each means), per
 // (kind, half) where they have one; the mask [R] follows at kMask.
 enum ShrinkWord : size_t { kSent = 0, kVerdict = 4, kDone = 8, kCleaned = 12, kMask = 13 };
 inline constexpr size_t kShrinkWords = kMask;
@@ -177,7 +177,7 @@ struct LowLatencyBuffer::State {
   low_latency::SegmentLayout layout;
   std::shared_ptr<SharedBuffer> shared;
   bool pull = false;  // in-node peers read each other's memory (World::shares_address_space)
-  // Shrink mode (shrink.cc): no collectives in the calls; a peer that misses a call's deadline
+  // Shrink mode (shrink_peers.h): no collectives in the calls; a peer that misses a call's deadline
   // is masked. `removed`: a peer masked this rank; every later call returns it.
   bool shrink = false;
   std::chrono::milliseconds shrink_timeout{0};
@@ -200,7 +200,7 @@ struct LowLatencyBuffer::State {
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
   // In-node peer `rank` can read this rank's memory directly (the threads world).
   bool pulls(int rank) const { return pull && world->same_node(rank, world->rank()); }
-  // Shrink mode: word `index` of local rank `local_rank`'s shrink words (shrink.cc).
+  // Shrink mode: word `index` of local rank `local_rank`'s shrink words (shrink_peers.h).
   std::atomic<uint64_t>* shrink_word(int local_rank, size_t index) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.shrink_words) +
            index;

@@ -1,0 +1,275 @@
+// Shrink mode's combine and clean (shrink.h; the protocol in shrink_peers.h).
+#include <algorithm>
+#include <cstring>
+
+#include "core/row_kernels.h"
+#include "dispatch/low_latency/shrink.h"
+#include "dispatch/low_latency/shrink_peers.h"
+
+namespace moed::low_latency {
+
+using shrink_protocol::Clock;
+using shrink_protocol::kFp8Flag;
+using shrink_protocol::kHeaderFp8Flag;
+using shrink_protocol::NetRows;
+using shrink_protocol::Peers;
+using shrink_protocol::publish;
+using shrink_protocol::State;
+using shrink_protocol::verdict_error;
+using shrink_protocol::wait_half_free;
+using shrink_protocol::word;
+
+namespace {
+
+Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRouting& routing,
+                       std::span<const int32_t> order, int half, uint64_t n, TensorView out) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  CombineHalf& ch = st.combine_half[half];
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
+  const size_t row_bytes = size_t(H) * sizeof(bf16);
+  ch.pending = false;
+  Peers peers(st, "low_latency_combine");
+  Status bad;
+  // Where each expert's rows for this rank start: in-node experts' ranks publish their layout,
+  // the others' rows come in one message, local experts in order.
+  std::vector<const std::byte*> first_row(size_t(lay.num_experts), nullptr);
+  std::vector<bool> from_segment(size_t(R), false);
+  for (int d = 0; d < R; ++d) {
+    if (peers.masked(d)) continue;
+    uint64_t verdict = 0;
+    if (peers.in_node(d)) {
+      std::atomic<uint64_t>* sent = word(st, d, kSent, PullKind::kCombine, half);
+      MOED_ASSIGN_OR_RETURN(
+          bool ready, peers.wait(d, [&] { return sent->load(std::memory_order_acquire) >= n; }));
+      if (!ready) continue;
+      if (sent->load(std::memory_order_acquire) != n) {
+        MOED_RETURN_IF_ERROR(peers.removed_by(d));
+        return internal_error("low_latency_combine #", n, ": rank ", d, " published call ",
+                              sent->load(), " in this half");
+      }
+      verdict = word(st, d, kVerdict, PullKind::kCombine, half)->load(std::memory_order_relaxed);
+      const std::byte* seg = st.segment(st.local_of(d));
+      const auto* ranges = reinterpret_cast<const LowLatencyRange*>(seg + lay.shrink_ranges[half]);
+      for (int j = 0; j < L && verdict == 0; ++j) {
+        const LowLatencyRange r = ranges[size_t(j) * R + me];
+        if (r.count != handle.send_count[size_t(d) * L + j]) {
+          MOED_RETURN_IF_ERROR(peers.removed_by(d));
+          if (bad.ok()) {
+            bad = internal_error("low_latency_combine #", n, ": rank ", d, " holds ", r.count,
+                                 " rows of expert ", d * L + j, " from this rank, which sent ",
+                                 handle.send_count[size_t(d) * L + j]);
+          }
+        }
+        first_row[size_t(d) * L + j] =
+            seg + lay.combine_y[half] +
+            size_t(int64_t(j) * lay.rows_per_expert() + r.begin) * row_bytes;
+      }
+      from_segment[size_t(d)] = true;
+    } else {
+      if (!peers.wait(d, ch.recvs[size_t(d)])) continue;
+      const std::byte* m = ch.net_recv.data() + ch.net_block[size_t(d)];
+      std::memcpy(&verdict, m, sizeof(verdict));
+      m += 64;
+      for (int j = 0; j < L; ++j) {
+        first_row[size_t(d) * L + j] = m;
+        m += size_t(handle.send_count[size_t(d) * L + j]) * row_bytes;
+      }
+    }
+    Status v = verdict_error("low_latency_combine", n, d, verdict, false);
+    if (!v.ok()) {
+      if (bad.ok()) bad = v;
+      for (int j = 0; j < L; ++j) first_row[size_t(d) * L + j] = nullptr;
+    }
+  }
+  for (size_t i = 0; i < ch.requests.size(); ++i) peers.wait(ch.send_peers[i], ch.requests[i]);
+  ch.requests.clear();
+  ch.send_peers.clear();
+  ch.recvs.clear();  // dropped: cancelled where a masked peer never sent
+  ch.recvs.resize(size_t(R));
+
+  // out[t] = sum over t's experts e of unmasked ranks, ascending, of w * y (as the normal path).
+  w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
+    std::vector<Term> terms;
+    internal::FoldAhead fold(DType::kBF16, DType::kBF16, size_t(H), /*weighted=*/true,
+                             /*stream=*/false);
+    auto live = [&](int32_t e) { return first_row[size_t(e)] != nullptr && !peers.masked(e / L); };
+    for (int64_t t = t0; t < t1; ++t) {
+      token_terms(handle, routing, order, t, live, terms);
+      for (const Term& term : terms) {
+        fold.add(first_row[size_t(term.e)] + size_t(term.slot) * row_bytes, term.weight);
+      }
+      fold.push(out.row<bf16>(t));
+    }
+    fold.flush();
+  });
+  for (int d = 0; d < R; ++d) {
+    if (from_segment[size_t(d)]) MOED_RETURN_IF_ERROR(peers.removed_by(d));
+  }
+  word(st, me, kDone, PullKind::kCombine, half)->store(n, std::memory_order_release);
+  MOED_RETURN_IF_ERROR(ch.shrink_local);
+  return bad;
+}
+
+}  // namespace
+
+StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& sp,
+                                                 const LowLatencyCombineInput& in,
+                                                 const Status& local) {
+  State& st = *sp;
+  World& w = *st.world;
+  if (local.code() == StatusCode::kFailedPrecondition) return local;
+  Peers peers(st, "low_latency_combine");
+  MOED_RETURN_IF_ERROR(peers.check_removed());
+  const SegmentLayout& lay = st.layout;
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
+  const size_t row_bytes = size_t(H) * sizeof(bf16);
+  const int half = int(st.combines % 2);
+  const uint64_t n = ++st.combines;
+  const uint64_t seq = ++st.seq;
+  CombineHalf& ch = st.combine_half[half];
+  ch.pending = true;
+  ch.shrink_local = local;
+  Status freed = wait_half_free(st, peers, PullKind::kCombine, half, n);
+  if (!freed.ok()) {
+    ch.pending = false;
+    return freed;
+  }
+  const bool ok = local.ok();
+  // NOTE: a bad call may carry no usable handle: it then neither sends nor receives messages
+  // (their sizes come from the dispatch), and the ranks of other nodes mask this rank.
+  const LowLatencyHandle* handle =
+      in.handle && in.handle->buffer_id == st.id && in.handle->received ? in.handle.get() : nullptr;
+
+  // Home side: one message from each unmasked expert rank of another node, its size known from
+  // this rank's dispatch.
+  ch.net_block.assign(size_t(R), 0);
+  size_t total = 0;
+  for (int d = 0; d < R && handle != nullptr; ++d) {
+    if (peers.in_node(d) || peers.masked(d)) continue;
+    int64_t rows = 0;
+    for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
+    ch.net_block[size_t(d)] = total;
+    total += 64 + align64(size_t(rows) * row_bytes);
+  }
+  ch.net_recv.resize(total);
+  for (int d = 0; d < R && handle != nullptr; ++d) {
+    if (peers.in_node(d) || peers.masked(d)) continue;
+    int64_t rows = 0;
+    for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
+    peers.post(d,
+               w.irecv(d, message_tag(seq, MessageKind::kCombineData),
+                       ch.net_recv.data() + ch.net_block[size_t(d)], 64 + size_t(rows) * row_bytes),
+               ch.recvs[size_t(d)]);
+  }
+
+  // Expert side: the rows of in-node homes into this rank's segment (the packed layout, as x),
+  // with the layout; one message for each other node's home.
+  std::byte* seg = st.local();
+  if (ok) {
+    const TensorView y(seg + lay.combine_y[half], DType::kBF16, int64_t(L) * lay.rows_per_expert(),
+                       H);
+    for (int j = 0; j < L; ++j) {
+      for (int s = 0; s < R; ++s) {
+        const LowLatencyRange r = handle->layout_range[size_t(j) * R + s];
+        if (r.count == 0 || !peers.in_node(s) || peers.masked(s)) continue;
+        const int64_t at = int64_t(j) * lay.rows_per_expert() + r.begin;
+        internal::copy_rows(y, at, in.x, at, r.count);
+      }
+    }
+    std::memcpy(seg + lay.shrink_ranges[half], handle->layout_range.data(),
+                handle->layout_range.size() * sizeof(LowLatencyRange));
+  }
+  publish(st, PullKind::kCombine, half, n, local, false);
+  size_t staged = 0;
+  for (int s = 0; s < R && handle != nullptr; ++s) {
+    if (!peers.in_node(s)) {
+      for (int j = 0; j < L; ++j) staged += size_t(handle->layout_range[size_t(j) * R + s].count);
+    }
+  }
+  ch.net_send.resize(64 * size_t(R) + staged * row_bytes);
+  size_t at = 0;
+  for (int s = 0; s < R && handle != nullptr; ++s) {
+    if (peers.in_node(s) || peers.masked(s)) continue;
+    std::byte* m = ch.net_send.data() + at;
+    const uint64_t verdict = uint64_t(uint32_t(local.code()));
+    std::memcpy(m, &verdict, sizeof(verdict));
+    size_t rows = 0;
+    for (int j = 0; j < L; ++j) {
+      const LowLatencyRange r = handle->layout_range[size_t(j) * R + s];
+      if (ok) {
+        internal::copy_rows(TensorView(m + 64 + rows * row_bytes, DType::kBF16, r.count, H), 0,
+                            in.x, int64_t(j) * lay.rows_per_expert() + r.begin, r.count);
+      }
+      rows += size_t(r.count);
+    }
+    Request req;
+    peers.post(s, w.isend(s, message_tag(seq, MessageKind::kCombineData), m, 64 + rows * row_bytes),
+               req);
+    if (req) {
+      ch.requests.push_back(std::move(req));
+      ch.send_peers.push_back(s);
+    }
+    at += 64 + rows * row_bytes;
+  }
+
+  LowLatencyCombineOutput out;
+  const int64_t T = handle != nullptr ? handle->num_tokens : 0;
+  if (!in.out) out.combined_x = Tensor::empty(DType::kBF16, T, H);
+  out.out = in.out;
+  if (!ok) {
+    // A rank with bad input still takes its messages (with a handle), then fails.
+    if (handle != nullptr) {
+      TopkRouting routing;  // its sums are thrown away: no weights needed
+      routing.num_tokens = handle->num_tokens;
+      routing.num_topk = handle->num_topk;
+      routing.topk_idx = handle->topk_idx;
+      routing.topk_weights.assign(routing.topk_idx.size(), 0.0f);
+      Tensor scratch = Tensor::empty(DType::kBF16, T, H);
+      receive_combine(st, *handle, routing, {}, half, n, scratch.view()).ignore();
+    } else {
+      ch.pending = false;
+      word(st, me, kDone, PullKind::kCombine, half)->store(n, std::memory_order_release);
+    }
+    return local;
+  }
+  auto receive = [sp, handle = in.handle, routing = *in.topk,
+                  order = std::vector<int32_t>(in.order.begin(), in.order.end()), half, n,
+                  view = out.result()] {
+    return receive_combine(*sp, *handle, routing, order, half, n, view);
+  };
+  MOED_RETURN_IF_ERROR(receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
+  return out;
+}
+
+Status shrink_clean(State& st) {
+  World& w = *st.world;
+  Peers peers(st, "clean_low_latency_buffer");
+  MOED_RETURN_IF_ERROR(peers.check_removed());
+  const int R = w.size(), me = w.rank();
+  const uint64_t k = ++st.cleans;
+  const uint64_t seq = ++st.seq;
+  st.shrink_word(w.local_rank(), kCleaned)->store(k, std::memory_order_release);
+  std::vector<Request> recvs(static_cast<size_t>(R)), sends(static_cast<size_t>(R));
+  std::vector<uint64_t> in(static_cast<size_t>(R), 0);
+  for (int d = 0; d < R; ++d) {
+    if (peers.in_node(d) || peers.masked(d)) continue;
+    peers.post(d, w.isend(d, message_tag(seq, MessageKind::kClean), &k, sizeof(k)),
+               sends[size_t(d)]);
+    peers.post(d, w.irecv(d, message_tag(seq, MessageKind::kClean), &in[size_t(d)], sizeof(k)),
+               recvs[size_t(d)]);
+  }
+  for (int p = 0; p < R; ++p) {
+    if (p == me || !peers.in_node(p)) continue;
+    std::atomic<uint64_t>* cleaned = st.shrink_word(st.local_of(p), kCleaned);
+    MOED_RETURN_IF_ERROR(
+        peers.wait(p, [&] { return cleaned->load(std::memory_order_acquire) >= k; }).status());
+  }
+  for (int d = 0; d < R; ++d) {
+    peers.wait(d, recvs[size_t(d)]);
+    peers.wait(d, sends[size_t(d)]);
+  }
+  return ok_status();
+}
+
+}  // namespace moed::low_latency

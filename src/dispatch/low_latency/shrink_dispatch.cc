@@ -1,0 +1,309 @@
+// Shrink mode's dispatch (shrink.h; the protocol in shrink_peers.h).
+#include <algorithm>
+#include <cstring>
+
+#include "core/row_kernels.h"
+#include "dispatch/low_latency/shrink.h"
+#include "dispatch/low_latency/shrink_peers.h"
+
+namespace moed::low_latency {
+
+using shrink_protocol::Clock;
+using shrink_protocol::kFp8Flag;
+using shrink_protocol::kHeaderFp8Flag;
+using shrink_protocol::NetRows;
+using shrink_protocol::Peers;
+using shrink_protocol::publish;
+using shrink_protocol::State;
+using shrink_protocol::verdict_error;
+using shrink_protocol::wait_half_free;
+using shrink_protocol::word;
+
+namespace {
+
+Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t n, uint64_t seq,
+                        bool fp8) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  DispatchHalf& dh = st.dispatch_half[half];
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank();
+  const int64_t M = lay.max_tokens;
+  const size_t payload = fp8 ? size_t(lay.hidden) : size_t(lay.hidden) * sizeof(bf16);
+  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
+  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
+  dh.pending = false;
+  Peers peers(st, "low_latency_dispatch");
+  Status bad;  // the first source whose verdict is an error
+
+  // Counts of every (local expert j, source s): in-node sources in their segment, the others
+  // in their header; then the rows of other nodes.
+  std::vector<int32_t> count(size_t(L) * R, 0);
+  std::vector<bool> from_segment(size_t(R), false);
+  std::vector<size_t> block(size_t(R), 0);
+  std::vector<Request> data(static_cast<size_t>(R));
+  size_t net_total = 0;
+  for (int s = 0; s < R; ++s) {
+    if (peers.masked(s)) continue;
+    uint64_t verdict = 0;
+    if (peers.in_node(s)) {
+      std::atomic<uint64_t>* sent = word(st, s, kSent, PullKind::kDispatch, half);
+      MOED_ASSIGN_OR_RETURN(
+          bool ready, peers.wait(s, [&] { return sent->load(std::memory_order_acquire) >= n; }));
+      if (!ready) continue;
+      if (sent->load(std::memory_order_acquire) != n) {
+        MOED_RETURN_IF_ERROR(peers.removed_by(s));
+        return internal_error("low_latency_dispatch #", n, ": rank ", s, " published call ",
+                              sent->load(), " in this half");
+      }
+      verdict = word(st, s, kVerdict, PullKind::kDispatch, half)->load(std::memory_order_relaxed);
+      const auto* c = reinterpret_cast<const std::atomic<uint64_t>*>(st.segment(st.local_of(s)) +
+                                                                     lay.counts[half]);
+      for (int j = 0; j < L; ++j) {
+        count[size_t(j) * R + s] = int32_t(c[size_t(me) * L + j].load(std::memory_order_relaxed));
+      }
+      from_segment[size_t(s)] = true;
+    } else {
+      if (!peers.wait(s, dh.header_requests[size_t(s)])) continue;
+      const int32_t* header = dh.recv_header.data() + size_t(s) * (L + 1);
+      verdict = uint64_t(uint32_t(header[0] & ~kHeaderFp8Flag)) |
+                ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
+      int64_t rows = 0;
+      for (int j = 0; j < L; ++j) rows += (count[size_t(j) * R + s] = header[1 + j]);
+      block[size_t(s)] = net_total;
+      net_total += align64(size_t(rows) * row_bytes);
+    }
+    Status v = verdict_error("low_latency_dispatch", n, s, verdict, fp8);
+    if (!v.ok()) {
+      if (bad.ok()) bad = v;
+      for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = 0;
+    }
+  }
+  dh.net_recv.resize(net_total);
+  for (int s = 0; s < R; ++s) {
+    int64_t rows = 0;
+    for (int j = 0; j < L && !peers.in_node(s); ++j) rows += count[size_t(j) * R + s];
+    if (rows == 0 || peers.masked(s)) continue;
+    peers.post(s,
+               w.irecv(s, message_tag(seq, MessageKind::kDispatchData),
+                       dh.net_recv.data() + block[size_t(s)], size_t(rows) * row_bytes),
+               data[size_t(s)]);
+  }
+  for (int s = 0; s < R; ++s) {
+    if (data[size_t(s)] && !peers.wait(s, data[size_t(s)])) {
+      for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = 0;
+    }
+  }
+  for (size_t i = 0; i < dh.send_requests.size(); ++i) {
+    peers.wait(dh.send_peers[i], dh.send_requests[i]);
+  }
+  dh.send_requests.clear();
+  dh.send_peers.clear();
+  dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
+  dh.header_requests.resize(size_t(R));
+
+  // Packed layout: expert j's rows from source s start at begin(j, s) = rows of sources < s;
+  // a source masked above after its counts were read adds none.
+  for (int j = 0; j < L; ++j) {
+    int32_t begin = 0;
+    for (int s = 0; s < R; ++s) {
+      const int32_t c = peers.masked(s) ? 0 : count[size_t(j) * R + s];
+      dh.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
+      begin += c;
+    }
+    dh.recv_count[size_t(j)] = begin;
+  }
+  std::byte* rows_out = dh.shrink_rows.data();
+  w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int j = int(c / R), s = int(c % R);
+      const LowLatencyRange range = dh.layout_range[size_t(c)];
+      if (range.count == 0) continue;
+      const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
+      const size_t k = size_t(range.count);
+      if (from_segment[size_t(s)]) {
+        const std::byte* seg = st.segment(st.local_of(s));
+        const int64_t from = (int64_t(me) * L + j) * M;
+        std::memcpy(rows_out + size_t(to) * payload,
+                    seg + lay.dispatch_x[half] + size_t(from) * payload, k * payload);
+        std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales,
+                    seg + lay.dispatch_scales[half] + size_t(from) * scale_bytes, k * scale_bytes);
+        std::memcpy(dh.shrink_src.data() + to, seg + lay.dispatch_src[half] + size_t(from) * 4,
+                    k * 4);
+        std::memcpy(dh.shrink_prob.data() + to, seg + lay.dispatch_prob[half] + size_t(from) * 4,
+                    k * 4);
+        continue;
+      }
+      int64_t rows = 0, first = 0;
+      for (int j2 = 0; j2 < L; ++j2) {
+        if (j2 < j) first += count[size_t(j2) * R + s];
+        rows += count[size_t(j2) * R + s];
+      }
+      const NetRows m{dh.net_recv.data() + block[size_t(s)], size_t(rows), payload, scale_bytes};
+      std::memcpy(dh.shrink_src.data() + to, m.token(size_t(first)), k * 4);
+      std::memcpy(dh.shrink_prob.data() + to, m.prob(size_t(first)), k * 4);
+      std::memcpy(rows_out + size_t(to) * payload, m.data(size_t(first)), k * payload);
+      std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales, m.scales(size_t(first)),
+                  k * scale_bytes);
+    }
+  });
+  // A source that masked this rank meanwhile may have written the half again: what was read
+  // from it is not to be trusted, and this rank is out.
+  for (int s = 0; s < R; ++s) {
+    if (from_segment[size_t(s)]) MOED_RETURN_IF_ERROR(peers.removed_by(s));
+  }
+  word(st, me, kDone, PullKind::kDispatch, half)->store(n, std::memory_order_release);
+  handle.layout_range = dh.layout_range;
+  handle.received = true;
+  MOED_RETURN_IF_ERROR(dh.shrink_local);
+  return bad;
+}
+
+}  // namespace
+
+StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>& sp,
+                                                   const LowLatencyDispatchInput& in,
+                                                   const Status& local) {
+  State& st = *sp;
+  World& w = *st.world;
+  // A failed precondition (two dispatches in flight): the call does not happen here, and the
+  // peers mask this rank if it never does.
+  if (local.code() == StatusCode::kFailedPrecondition) return local;
+  Peers peers(st, "low_latency_dispatch");
+  MOED_RETURN_IF_ERROR(peers.check_removed());
+  const SegmentLayout& lay = st.layout;
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
+  const int64_t M = lay.max_tokens;
+  const int half = int(st.dispatches % 2);
+  const uint64_t n = ++st.dispatches;
+  const uint64_t seq = ++st.seq;
+  DispatchHalf& dh = st.dispatch_half[half];
+  dh.pending = true;
+  dh.shrink_local = local;
+  Status freed = wait_half_free(st, peers, PullKind::kDispatch, half, n);
+  if (!freed.ok()) {
+    dh.pending = false;
+    return freed;
+  }
+
+  const bool ok = local.ok(), fp8 = in.use_fp8;
+  const int64_t T = ok ? in.x.rows : 0;
+  TopkRouting none;
+  none.num_topk = in.topk ? in.topk->num_topk : 1;
+  std::shared_ptr<LowLatencyHandle> handle = new_dispatch_handle(st, ok ? *in.topk : none, T);
+  const size_t payload = fp8 ? size_t(H) : size_t(H) * sizeof(bf16);
+  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
+  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
+  if (ok && fp8) cast_fp8_rows(st, in, dh.fp8_rows);
+
+  // Counts and rows for in-node ranks in this rank's segment; one message per other node's rank.
+  std::byte* seg = st.local();
+  auto* counts = reinterpret_cast<std::atomic<uint64_t>*>(seg + lay.counts[half]);
+  std::vector<size_t> block(size_t(R), 0);
+  std::vector<int64_t> block_rows(size_t(R), 0), chunk_row(size_t(lay.num_experts), 0);
+  size_t net_total = 0;
+  for (int d = 0; d < R; ++d) {
+    const bool live = !peers.masked(d);
+    for (int j = 0; j < L; ++j) {
+      const int e = d * L + j;
+      const int32_t c = live ? handle->send_count[size_t(e)] : 0;
+      if (peers.in_node(d)) {
+        counts[e].store(uint64_t(c), std::memory_order_relaxed);
+      } else {
+        chunk_row[size_t(e)] = block_rows[size_t(d)];
+        block_rows[size_t(d)] += c;
+      }
+    }
+    if (!peers.in_node(d)) {
+      block[size_t(d)] = net_total;
+      net_total += align64(size_t(block_rows[size_t(d)]) * row_bytes);
+    }
+  }
+  dh.net_send.resize(net_total);
+  const bool has_weights =
+      ok && in.topk->topk_weights.size() == size_t(T) * size_t(in.topk->num_topk);
+  w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int) {
+    const TopkRouting& routing = *in.topk;
+    for (int64_t t = t0; t < t1; ++t) {
+      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * (payload + scale_bytes)
+                                 : static_cast<const std::byte*>(in.x.row_ptr(t));
+      for (int k = 0; k < routing.num_topk; ++k) {
+        const int32_t e = routing.idx(t, k);
+        if (e < 0 || peers.masked(e / L)) continue;
+        const int d = e / L;
+        const int64_t i = handle->slot[size_t(t) * routing.num_topk + k];
+        const float p = has_weights ? routing.weight(t, k) : 0.0f;
+        const int32_t token = int32_t(t);
+        if (peers.in_node(d)) {
+          const size_t r = size_t(int64_t(e) * M + i);
+          std::memcpy(seg + lay.dispatch_x[half] + r * payload, row, payload);
+          std::memcpy(seg + lay.dispatch_scales[half] + r * scale_bytes, row + payload,
+                      scale_bytes);
+          std::memcpy(seg + lay.dispatch_src[half] + r * sizeof(int32_t), &token, sizeof(token));
+          std::memcpy(seg + lay.dispatch_prob[half] + r * sizeof(float), &p, sizeof(p));
+        } else {
+          const NetRows m{dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]),
+                          payload, scale_bytes};
+          const size_t at = size_t(chunk_row[size_t(e)] + i);
+          std::memcpy(m.token(at), &token, sizeof(token));
+          std::memcpy(m.prob(at), &p, sizeof(p));
+          std::memcpy(m.data(at), row, payload);
+          std::memcpy(m.scales(at), row + payload, scale_bytes);
+        }
+      }
+    }
+  });
+  publish(st, PullKind::kDispatch, half, n, local, fp8);
+  for (int d = 0; d < R; ++d) {
+    if (peers.in_node(d) || peers.masked(d)) continue;
+    int32_t* header = dh.send_header.data() + size_t(d) * (L + 1);
+    header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
+    for (int j = 0; j < L; ++j) header[1 + j] = ok ? handle->send_count[size_t(d) * L + j] : 0;
+    auto send = [&](const void* data, size_t bytes, MessageKind kind) {
+      Request r;
+      peers.post(d, w.isend(d, message_tag(seq, kind), data, bytes), r);
+      if (!r) return;
+      dh.send_requests.push_back(std::move(r));
+      dh.send_peers.push_back(d);
+    };
+    send(header, size_t(L + 1) * sizeof(int32_t), MessageKind::kDispatchHeader);
+    if (block_rows[size_t(d)] > 0) {
+      send(dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * row_bytes,
+           MessageKind::kDispatchData);
+    }
+    peers.post(
+        d,
+        w.irecv(d, message_tag(seq, MessageKind::kDispatchHeader),
+                dh.recv_header.data() + size_t(d) * (L + 1), size_t(L + 1) * sizeof(int32_t)),
+        dh.header_requests[size_t(d)]);
+  }
+  uint64_t shared_rows = 0;
+  for (int e = 0; e < lay.num_experts; ++e) {
+    if (peers.in_node(e / L) && !peers.masked(e / L))
+      shared_rows += uint64_t(handle->send_count[size_t(e)]);
+  }
+  w.add_shared_bytes(shared_rows * (payload + scale_bytes), shared_rows);
+
+  LowLatencyDispatchOutput out;
+  out.num_local_experts = L;
+  out.rows_per_expert = lay.rows_per_expert();
+  const int64_t rows = int64_t(L) * lay.rows_per_expert();
+  out.recv.x = TensorView(dh.shrink_rows.data(), fp8 ? DType::kFP8 : DType::kBF16, rows, H);
+  if (fp8) out.recv.scales = TensorView(dh.shrink_scales.data(), DType::kF32, rows, lay.num_scales);
+  out.recv_count = std::span<const int32_t>(dh.recv_count);
+  out.src_info = std::span<const int32_t>(dh.shrink_src);
+  out.recv_probs = std::span<const float>(dh.shrink_prob);
+  out.layout_range = std::span<const LowLatencyRange>(dh.layout_range);
+  out.handle = handle;
+  auto receive = [sp, handle, half, n, seq, fp8] {
+    return receive_dispatch(*sp, *handle, half, n, seq, fp8);
+  };
+  // A rank with bad input receives at once (the peers' messages must not linger) and fails.
+  if (!ok) {
+    Status received = receive();
+    return received.ok() ? local : received;
+  }
+  MOED_RETURN_IF_ERROR(receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
+  return out;
+}
+
+}  // namespace moed::low_latency

@@ -1,0 +1,184 @@
+// Shrink mode's protocol (moed/low_latency.h, shrink.h), shared by shrink_dispatch.cc and
+// shrink_combine.cc. No collective: every rank writes only its own
+// node-shared segment and sends messages; an in-node peer reads what a rank published once
+// the rank's sequence word says the call's part is complete. A rank's shrink words (state.h,
+// ShrinkWord), per kind k (dispatch, combine) and half h:
+//   kSent[k][h]     the call (1-based, per kind) whose rows, counts and verdict half h holds
+//   kVerdict[k][h]  its verdict: the StatusCode of this rank's input check, plus kFp8Flag
+//   kDone[k][h]     the call of half h whose receive this rank has finished: a rank writes
+//                   half h for call n only once every unmasked in-node peer is done with n - 2
+//   kCleaned        clean() calls entered
+//   kMask + r       1 where this rank masked rank r; rank r reading it learns it was removed
+// Dispatch: counts[h][e] = rows this rank sends to expert e; the rows, their scales, source
+// tokens and probs at (chunk e, slot i) of dispatch_x / _scales / _src / _prob[h]. Combine:
+// combine_y[h] holds the expert outputs for in-node homes in the dispatch's packed layout,
+// shrink_ranges[h] that layout [L][R]. Other nodes: per call, to every unmasked remote rank, a
+// header [verdict, L counts] then the rows (dispatch), one message [verdict, rows] (combine:
+// both sides know its size from the dispatch), or one word (clean).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <string>
+
+#include "dispatch/low_latency/phases.h"
+#include "dispatch/low_latency/state.h"
+
+namespace moed::low_latency::shrink_protocol {
+
+using Clock = std::chrono::steady_clock;
+using State = LowLatencyBuffer::State;
+
+constexpr uint64_t kFp8Flag = uint64_t(1) << 32;  // in a verdict: the rows are FP8
+constexpr int32_t kHeaderFp8Flag = 1 << 16;       // the same in a network header's int32
+
+// The peer waits of one call: each for at most the shrink timeout from its start. A peer that
+// misses it, or that the world reports failed, is masked and the call goes on without it.
+// NOTE: a deadline per wait, not per call: a live peer may answer only once its own wait for a
+// lost rank has run out (a message it receives after a header, say).
+class Peers {
+ public:
+  Peers(State& st, const char* call) : st_(st), w_(*st.world), call_(call) {}
+
+  bool masked(int r) const { return word(kMask + size_t(r))->load(std::memory_order_acquire) != 0; }
+  bool in_node(int r) const { return w_.same_node(r, w_.rank()); }
+
+  void mask(int r, const std::string& why) {
+    if (masked(r)) return;
+    word(kMask + size_t(r))->store(1, std::memory_order_release);
+    std::fprintf(stderr, "moed: rank %d masks rank %d in %s: %s\n", w_.rank(), r, call_,
+                 why.c_str());
+  }
+
+  // In-node peer r has masked this rank: the buffer is lost to it (every later call says so).
+  Status removed_by(int r) {
+    if (!in_node(r) || r == w_.rank()) return ok_status();
+    if (st_.shrink_word(st_.local_of(r), kMask + size_t(w_.rank()))
+            ->load(std::memory_order_acquire) == 0) {
+      return ok_status();
+    }
+    st_.removed = aborted("rank ", w_.rank(), " was removed by rank ", r,
+                          " (masked in shrink mode: it missed a call's deadline of ",
+                          st_.shrink_timeout.count(), " ms or was seen failed); its ", call_,
+                          " and every later call fail");
+    return st_.removed;
+  }
+  Status check_removed() {
+    MOED_RETURN_IF_ERROR(st_.removed);
+    for (int r = 0; r < w_.size(); ++r) {
+      if (!masked(r)) MOED_RETURN_IF_ERROR(removed_by(r));
+    }
+    return ok_status();
+  }
+
+  // Waits until ready() holds for in-node peer r: true; false once r is masked.
+  template <typename Ready>
+  StatusOr<bool> wait(int r, Ready&& ready) {
+    const auto deadline = Clock::now() + st_.shrink_timeout;
+    for (int i = 0;; ++i) {
+      if (masked(r)) return false;
+      if (ready()) return true;
+      if (i < 64) {
+        internal::cpu_relax();
+        continue;
+      }
+      MOED_RETURN_IF_ERROR(removed_by(r));
+      if (w_.rank_failed(r)) {
+        mask(r, "the world reports it failed");
+        return false;
+      }
+      if (Clock::now() >= deadline) {
+        mask(r, str_cat("no answer within ", st_.shrink_timeout.count(), " ms"));
+        return false;
+      }
+      internal::backoff(i);
+    }
+  }
+
+  // Waits for a message to or from rank r (another node): true when done; false once r is
+  // masked (failed, or the deadline passed: the message is then cancelled).
+  bool wait(int r, Request& request) {
+    if (masked(r) || !request) return false;
+    Status s = request->wait_for(st_.shrink_timeout);
+    request.reset();
+    if (s.ok()) return true;
+    mask(r, s.message());
+    return false;
+  }
+
+  // Posts a message; a peer that cannot take it is masked (the request stays empty).
+  void post(int r, StatusOr<Request> posted, Request& request) {
+    if (posted.ok()) {
+      request = std::move(posted).value();
+    } else {
+      mask(r, posted.status().message());
+    }
+  }
+
+ private:
+  std::atomic<uint64_t>* word(size_t index) const {
+    return st_.shrink_word(w_.local_rank(), index);
+  }
+  State& st_;
+  World& w_;
+  const char* call_;
+};
+
+inline std::atomic<uint64_t>* word(const State& st, int rank, ShrinkWord w, PullKind k, int half) {
+  return st.shrink_word(st.local_of(rank), shrink_index(w, k, half));
+}
+
+// Before this rank writes half `half` for call n: every unmasked in-node peer is done with
+// call n - 2 of that half.
+inline Status wait_half_free(State& st, Peers& peers, PullKind kind, int half, uint64_t n) {
+  World& w = *st.world;
+  if (n <= 2) return ok_status();
+  for (int p = 0; p < w.size(); ++p) {
+    if (p == w.rank() || !peers.in_node(p)) continue;
+    std::atomic<uint64_t>* done = word(st, p, kDone, kind, half);
+    MOED_RETURN_IF_ERROR(
+        peers.wait(p, [&] { return done->load(std::memory_order_acquire) >= n - 2; }).status());
+  }
+  return ok_status();
+}
+
+// Publishes this rank's part of call n: its verdict, then the sequence word (release: the
+// rows and counts written before it are complete for whoever reads it).
+inline void publish(State& st, PullKind kind, int half, uint64_t n, const Status& local, bool fp8) {
+  const int me = st.world->rank();
+  word(st, me, kVerdict, kind, half)
+      ->store(uint64_t(uint32_t(local.code())) | (fp8 ? kFp8Flag : 0), std::memory_order_relaxed);
+  word(st, me, kSent, kind, half)->store(n, std::memory_order_release);
+}
+
+// A source's verdict as this rank's error (OK when it checked its input fine and used the same
+// FP8 setting).
+inline Status verdict_error(const char* call, uint64_t n, int source, uint64_t verdict, bool fp8) {
+  const auto code = StatusCode(uint32_t(verdict & 0xffffffffu));
+  if (code != StatusCode::kOk) {
+    return Status(code, str_cat("rank ", source, ": its input of ", call, " #", n,
+                                " was rejected there (see that rank's error)"));
+  }
+  if (((verdict & kFp8Flag) != 0) != fp8) {
+    return invalid_argument(call, " #", n, ": use_fp8 = ", (verdict & kFp8Flag) != 0, " on rank ",
+                            source, " but ", fp8, " here; it must be the same on every rank");
+  }
+  return ok_status();
+}
+
+// Rows of the dispatch's network message: [token index x n][prob x n][payload x n][scales x n].
+struct NetRows {
+  std::byte* base;
+  size_t rows, payload, scale_bytes;
+  std::byte* token(size_t i) const { return base + i * sizeof(int32_t); }
+  std::byte* prob(size_t i) const { return base + rows * sizeof(int32_t) + i * sizeof(float); }
+  std::byte* data(size_t i) const {
+    return base + rows * (sizeof(int32_t) + sizeof(float)) + i * payload;
+  }
+  std::byte* scales(size_t i) const {
+    return base + rows * (sizeof(int32_t) + sizeof(float) + payload) + i * scale_bytes;
+  }
+};
+
+}  // namespace moed::low_latency::shrink_protocol
