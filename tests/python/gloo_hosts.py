@@ -22,6 +22,7 @@ def run():
     os.environ["MASTER_ADDR"] = master  # moed listens on the address that routes to it
     # torch's own gloo group: a test host's name resolves nowhere, so name its interface.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
+    os.environ["MOED_SHRINK_DIR"] = out  # the shrink scenarios' files
     size = num_hosts * per_host
     ctx = torch.multiprocessing.spawn(
         gloo_workers.main_on_host, nprocs=per_host, join=False,

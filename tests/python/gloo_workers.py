@@ -3,6 +3,7 @@ a torch.distributed gloo group and runs one scenario over moed's gloo world, the
 got (or the error it raised) to <out>/<rank>.pt for the test to compare. Not a test module."""
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -304,6 +305,23 @@ def scenario_shrink_stop(g, pg, rank):
         open(_fault_file("victim_done"), "w").close()
         return dict(removed_error=f"{type(e).__name__}: {e}")
     return dict(removed_error=None)
+
+
+def scenario_shrink_cut(g, pg, rank):
+    """Across 2 test hosts (test_gloo_hosts.py): before step SHRINK_FAULT_AT rank 1 cuts the
+    link between its host and the other (every packet between the two hosts' addresses
+    dropped, in its host's network namespace; mpirun's own links stay), and each host's ranks
+    go on, masking the other host's."""
+    def cut():
+        other = os.environ["MOED_HOSTS"].split(",")[1].split(":")[0]  # rank 1 is on host 0
+        rules = (f"table inet moedcut {{\n"
+                 f"  chain in {{ type filter hook input priority 0; ip saddr {other} drop; }}\n"
+                 f"  chain out {{ type filter hook output priority 0; ip daddr {other} drop; }}\n"
+                 f"}}\n")
+        subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True)
+        with open(os.path.join(os.environ["MOED_SHRINK_DIR"], "fault_time"), "w") as f:
+            f.write(repr(time.time()))
+    return _shrink_loop(g, pg, rank, cut, replicas=False)
 
 
 # ---- a world that shrinks and grows back (test_shrink.py) ----

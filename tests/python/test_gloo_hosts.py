@@ -1,8 +1,9 @@
 """The gloo world across 2 test hosts x 2 processes (scripts/hosts.sh: network namespaces,
 TCP between hosts, shared memory inside one): one launcher per host (gloo_hosts.py), the master
 address on the test subnet. The same checks as test_gloo.py: results bitwise equal to the
-threads world's with 2 nodes of 2, and a killed or raising rank ends every other rank with an
-error naming it. Needs root and iproute2 (CTest runs it with label `hosts`, exit 77 = skip)."""
+threads world's with 2 nodes of 2, a killed or raising rank ends every other rank with an
+error naming it, and in shrink mode a cut link leaves each host's ranks going on. Needs root,
+iproute2 and nftables (CTest runs it with label `hosts`, exit 77 = skip)."""
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ pytestmark = [
 ]
 
 
-def run_hosts(scenario, hosts=2, per_host=2):
+def run_hosts(scenario, hosts=2, per_host=2, files=()):
     out = tempfile.mkdtemp(prefix="moed-gloo-hosts-")
     os.chmod(out, 0o777)
     cmd = [os.path.join(ROOT, "scripts", "hosts.sh"), str(hosts), "1", "--timeout", "170", "--",
@@ -38,6 +39,9 @@ def run_hosts(scenario, hosts=2, per_host=2):
         codes.append(int(open(path).read()) if os.path.exists(path) else None)
         path = os.path.join(out, f"{r}.pt")
         recs.append(torch.load(path) if os.path.exists(path) else None)
+    for name in files:
+        with open(os.path.join(out, name)) as f:
+            recs.append(f.read())
     shutil.rmtree(out, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return codes, recs
@@ -61,3 +65,28 @@ def test_fault_across_hosts(scenario):
         assert codes[r] == 0 and recs[r] is not None, (r, codes)
         err = recs[r]["error"] if not recs[r]["ok"] else "no error"
         assert err.startswith("AbortedError") and "rank 1" in err and "waited" not in err, (r, err)
+
+
+def test_link_cut_each_host_goes_on():
+    """Shrink mode across hosts: rank 1 cuts the link between the two hosts before step 4 of a
+    decode loop; each host's ranks mask the other host's and finish every step, each step's
+    output bitwise equal to the reference with the masked ranks' experts dropped, the first
+    step without the other host within 2 shrink timeouts + 2 s of the cut (each wait has its
+    own deadline, and a rank waits for the two lost ones in turn)."""
+    import test_shrink
+    import gloo_workers as gw
+    codes, recs = run_hosts("shrink_cut", files=["fault_time"])
+    fault = float(recs.pop())
+    for r, rec in enumerate(recs):
+        assert rec is not None and rec["ok"], (r, codes[r], rec and rec.get("error"))
+        other = {2, 3} if r < 2 else {0, 1}
+        steps = rec["result"]
+        assert [s["step"] for s in steps] == list(range(gw.SHRINK_STEPS)), r
+        for s in steps:
+            masked = {q for q in range(4) if s["mask"][q]}
+            assert masked in (set(), other), (r, s["step"], masked)
+            assert masked == other or s["step"] < gw.SHRINK_FAULT_AT, (r, s["step"])
+            want = test_shrink.reference(s["step"], r, False, masked)
+            assert torch.equal(want.view(torch.int16), s["out"].view(torch.int16)), (r, s["step"])
+        first = min(s["done"] for s in steps if s["mask"].any())
+        assert first - fault <= 2 * test_shrink.SHRINK_TIMEOUT + 2.0, (r, first - fault)
