@@ -73,15 +73,21 @@ def _base(info, generation):
     return f"moed/{info['name']}/elastic/{generation}/"
 
 
-def shrink(group, timeout=None):
+def _arrive(group, timeout):
+    """This rank comes to the next generation: (info, store, base, me, timeout, leads)."""
     info = group._gloo
     store = info["store"]
-    gen = group.generation + 1
-    base = _base(info, gen)
+    base = _base(info, group.generation + 1)
     me = group.members[group.rank()]
     timeout = group.handle.timeout() if timeout is None else float(timeout)
     store.set(base + f"alive/{me}", b"1")
-    if store.add(base + "arrivals", 1) == 1:
+    return info, store, base, me, timeout, store.add(base + "arrivals", 1) == 1
+
+
+def shrink(group, timeout=None):
+    info, store, base, me, timeout, leads = _arrive(group, timeout)
+    gen = group.generation + 1
+    if leads:
         came = []
         deadline = time.monotonic() + timeout
         for r, orig in enumerate(group.members):
@@ -99,14 +105,9 @@ def shrink(group, timeout=None):
 
 
 def grow(group, joiners=1, timeout=None):
-    info = group._gloo
-    store = info["store"]
+    info, store, base, me, timeout, leads = _arrive(group, timeout)
     gen = group.generation + 1
-    base = _base(info, gen)
-    me = group.members[group.rank()]
-    timeout = group.handle.timeout() if timeout is None else float(timeout)
-    store.set(base + f"alive/{me}", b"1")
-    if store.add(base + "arrivals", 1) == 1:
+    if leads:
         deadline = time.monotonic() + timeout
         for orig in group.members:
             if not _has(store, base + f"alive/{orig}", deadline - time.monotonic()):

@@ -323,44 +323,48 @@ StatusOr<Op> GlooWorld::post(bool recv, int peer, uint64_t slot, void* data, siz
   return op;
 }
 
-Status GlooWorld::wait_peer(Op& op, Clock::time_point deadline,
-                            const std::function<std::string()>& what) {
-  if (op.done) return ok_status();
-  if (rank_failed(op.peer)) return internal::peer_failure(*this, op.peer);
+GlooWorld::OpWait GlooWorld::wait_op(Op& op, Clock::time_point deadline, bool peer_scope) {
   {
     std::lock_guard<std::mutex> lock(wait_mu_);
     waiting_ = &op;
     waiting_deadline_ = deadline;
     deadline_hit_ = false;
-    waiting_peer_scope_ = true;
+    waiting_peer_scope_ = peer_scope;
   }
-  const auto start = Clock::now();
-  bool completed = false;
-  std::string error;
+  OpWait r;
+  r.start = Clock::now();
   try {
     const auto backstop =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - start) + kBackstop;
-    completed = op.recv ? op.buf->waitRecv(nullptr, backstop) : op.buf->waitSend(nullptr, backstop);
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - r.start) + kBackstop;
+    r.completed =
+        op.recv ? op.buf->waitRecv(nullptr, backstop) : op.buf->waitSend(nullptr, backstop);
   } catch (const std::exception& e) {
-    error = gloo_what(e);
+    r.error = gloo_what(e);
   }
-  {
-    std::lock_guard<std::mutex> lock(wait_mu_);
-    waiting_ = nullptr;
-    waiting_peer_scope_ = false;
-  }
-  if (completed && error.empty()) {
+  std::lock_guard<std::mutex> lock(wait_mu_);
+  waiting_ = nullptr;
+  waiting_peer_scope_ = false;
+  r.deadline_hit = deadline_hit_;
+  return r;
+}
+
+Status GlooWorld::wait_peer(Op& op, Clock::time_point deadline,
+                            const std::function<std::string()>& what) {
+  if (op.done) return ok_status();
+  if (rank_failed(op.peer)) return internal::peer_failure(*this, op.peer);
+  const OpWait r = wait_op(op, deadline, /*peer_scope=*/true);
+  if (r.completed && r.error.empty()) {
     op.done = true;
     return ok_status();
   }
   if (rank_failed(op.peer)) return internal::peer_failure(*this, op.peer);
-  if (!error.empty()) {
+  if (!r.error.empty()) {
     Status s = aborted("rank ", op.peer, " failed: its connection to rank ", rank_,
-                       " closed while ", what(), " (gloo: ", error, ")");
+                       " closed while ", what(), " (gloo: ", r.error, ")");
     record_failure(op.peer, s);
     return s;
   }
-  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - r.start);
   return deadline_exceeded(what(), ": waited ", waited.count(), " ms");
 }
 
@@ -368,28 +372,8 @@ Status GlooWorld::wait(Op& op, Clock::time_point deadline,
                        const std::function<std::string()>& what) {
   if (op.done) return ok_status();
   MOED_RETURN_IF_ERROR(failure());
-  {
-    std::lock_guard<std::mutex> lock(wait_mu_);
-    waiting_ = &op;
-    waiting_deadline_ = deadline;
-    deadline_hit_ = false;
-  }
-  const auto start = Clock::now();
-  bool completed = false;
-  std::string error;
-  try {
-    const auto backstop =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - start) + kBackstop;
-    completed = op.recv ? op.buf->waitRecv(nullptr, backstop) : op.buf->waitSend(nullptr, backstop);
-  } catch (const std::exception& e) {
-    error = gloo_what(e);
-  }
-  bool hit = false;
-  {
-    std::lock_guard<std::mutex> lock(wait_mu_);
-    waiting_ = nullptr;
-    hit = deadline_hit_;
-  }
+  const OpWait r = wait_op(op, deadline, /*peer_scope=*/false);
+  const auto& [completed, hit, error, start] = r;
   if (completed && error.empty()) {
     op.done = true;
     return ok_status();

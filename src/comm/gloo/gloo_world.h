@@ -164,6 +164,15 @@ class GlooWorld final : public World {
   // PendingOp::wait_for's wait: ended early only by op.peer's failure; a timeout returns
   // kDeadlineExceeded and leaves the world as it is; a closed connection fails op.peer.
   Status wait_peer(Op& op, Clock::time_point deadline, const std::function<std::string()>& what);
+  // What wait() and wait_peer() share: gloo's wait for `op`, registered as this rank's wait
+  // (so a failure seen meanwhile can end it: any one, or op.peer's only with peer_scope).
+  struct OpWait {
+    bool completed = false;
+    bool deadline_hit = false;
+    std::string error;  // gloo's, when the connection closed
+    Clock::time_point start;
+  };
+  OpWait wait_op(Op& op, Clock::time_point deadline, bool peer_scope);
   // Posts every receive and send, then waits for all. Self transfers are the caller's.
   Status exchange(uint64_t slot, std::span<const Transfer> sends, std::span<const Transfer> recvs,
                   const std::function<std::string()>& what);
