@@ -125,8 +125,10 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
         const int64_t from = (int64_t(me) * L + j) * M;
         std::memcpy(rows_out + size_t(to) * payload,
                     seg + lay.dispatch_x[half] + size_t(from) * payload, k * payload);
-        std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales,
-                    seg + lay.dispatch_scales[half] + size_t(from) * scale_bytes, k * scale_bytes);
+        if (scale_bytes != 0)  // bf16: no scales (shrink_scales is empty)
+          std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales,
+                      seg + lay.dispatch_scales[half] + size_t(from) * scale_bytes,
+                      k * scale_bytes);
         std::memcpy(dh.shrink_src.data() + to, seg + lay.dispatch_src[half] + size_t(from) * 4,
                     k * 4);
         std::memcpy(dh.shrink_prob.data() + to, seg + lay.dispatch_prob[half] + size_t(from) * 4,
@@ -142,8 +144,9 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       std::memcpy(dh.shrink_src.data() + to, m.token(size_t(first)), k * 4);
       std::memcpy(dh.shrink_prob.data() + to, m.prob(size_t(first)), k * 4);
       std::memcpy(rows_out + size_t(to) * payload, m.data(size_t(first)), k * payload);
-      std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales, m.scales(size_t(first)),
-                  k * scale_bytes);
+      if (scale_bytes != 0)
+        std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales, m.scales(size_t(first)),
+                    k * scale_bytes);
     }
   });
   // A source that masked this rank meanwhile may have written the half again: what was read
