@@ -1,5 +1,5 @@
 // The plan model (moed/plan.h): per-rank counts from the routing, then bytes per link and time
-// for each algorithm. Formulas: README "Planning clusters: moed plan".
+// for each algorithm. Formulas: docs/planner.md, "The model".
 #include <algorithm>
 #include <numeric>
 

@@ -28,7 +28,8 @@
 // all-gather does. The bytes copied are those of reading every block from its writer, but
 // nothing is read out of the caller's send buffer: reading another process's memory pins it
 // page by page, which for a 4 KiB-paged torch tensor read by 3 ranks cost 11% of a mixtral
-// AllGather dispatch's CPU (perf, README), where moed's own receive buffers are on huge pages.
+// AllGather dispatch's CPU (perf; docs/gloo.md), where moed's own receive buffers are on huge
+// pages.
 //
 // Segments are cached and grown (doubling, from 1 MiB): every rank knows every rank's bytes
 // (the size exchange that precedes the data phase), so every rank decides the same growth and
@@ -51,7 +52,7 @@ namespace {
 constexpr size_t kMinStage = size_t(1) << 20;
 // Writers of at least this many bytes are read in place (single copy); smaller streams are
 // staged: two copies that stay in cache cost less than the readers' syscalls and the extra
-// wait for the slowest reader (measured at 1.84 MB a rank, README).
+// wait for the slowest reader (measured at 1.84 MB a rank).
 constexpr uint64_t kSingleCopyMin = uint64_t(4) << 20;
 
 size_t grown_capacity(size_t had, size_t need) {
