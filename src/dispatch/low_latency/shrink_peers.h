@@ -137,6 +137,13 @@ inline Status wait_half_free(State& st, Peers& peers, PullKind kind, int half, u
   for (int p = 0; p < w.size(); ++p) {
     if (p == w.rank() || !peers.in_node(p)) continue;
     std::atomic<uint64_t>* done = word(st, p, kDone, kind, half);
+    // A masked peer is not waited for, but what it finished reading before it was masked is
+    // acquired (its kDone), so this rank's writes are ordered after those reads; one masked
+    // while still reading finds itself removed and discards what it read.
+    if (peers.masked(p)) {
+      (void)done->load(std::memory_order_acquire);
+      continue;
+    }
     MOED_RETURN_IF_ERROR(
         peers.wait(p, [&] { return done->load(std::memory_order_acquire) >= n - 2; }).status());
   }
