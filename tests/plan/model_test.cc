@@ -9,6 +9,7 @@
 #include <set>
 
 #include "moed/plan.h"
+#include "support/sanitizers.h"
 
 namespace moed {
 namespace {
@@ -174,6 +175,7 @@ TEST(PlanModel, PplxOneWritePerPeer) {
 }
 
 TEST(PlanValidate, EverySourceAndEveryMissHasItsReason) {
+  if (testing::kUnderTsan) GTEST_SKIP() << "no threads of its own (support/sanitizers.h)";
   const std::vector<ValidationRow> rows = validate_plan().value();
   std::set<std::string> seen;
   int within = 0;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "moed/plan.h"
+#include "support/sanitizers.h"
 #include "tools/cli_support.h"
 
 namespace moed {
@@ -58,6 +59,7 @@ TEST(CliPlan, LowLatencyAndOverrides) {
 }
 
 TEST(CliPlan, ValidatePrintsEveryPublishedRow) {
+  if (testing::kUnderTsan) GTEST_SKIP() << "no threads of its own (support/sanitizers.h)";
   const CliResult r = run_cli("plan --validate", false);
   ASSERT_EQ(r.rc, 0) << r.output;
   StatusOr<std::vector<ValidationRow>> rows = validate_plan();
