@@ -1,0 +1,2 @@
+// The program the command line's precompiled headers are built with (cmake/pch.cmake).
+int main() { return 0; }
