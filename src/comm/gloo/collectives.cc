@@ -14,13 +14,20 @@
 namespace moed::gloo_comm {
 namespace {
 
-// Every rank's `n` words (rank r's at [r * n]), so every rank can name a disagreement.
-StatusOr<std::vector<uint64_t>> gather_words(GlooWorld& w, std::span<const int> ranks,
-                                             uint64_t slot, const uint64_t* words, size_t n,
-                                             const char* op) {
-  std::vector<uint64_t> all(n * size_t(w.size()));
-  MOED_RETURN_IF_ERROR(w.gather(ranks, slot, words, n * sizeof(uint64_t), all.data(), op));
-  return all;
+// How every collective but the barrier starts: the world's failure check and count, the
+// call's slot, and every rank's `n` words (its sizes; rank r's at words[r * n]), so every rank
+// can name a disagreement.
+struct Call {
+  uint64_t slot;
+  std::vector<int> ranks;
+  std::vector<uint64_t> words;
+};
+StatusOr<Call> start_call(GlooWorld& w, const uint64_t* mine, size_t n, const char* op) {
+  MOED_RETURN_IF_ERROR(internal::start_collective(w));
+  Call call{w.next_slot(), w.all_ranks(), std::vector<uint64_t>(n * size_t(w.size()))};
+  MOED_RETURN_IF_ERROR(
+      w.gather(call.ranks, call.slot, mine, n * sizeof(uint64_t), call.words.data(), op));
+  return call;
 }
 
 }  // namespace
@@ -34,13 +41,10 @@ Status GlooWorld::barrier() {
 }
 
 Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
-  const uint64_t slot = next_slot();
-  const std::vector<int> ranks = all_ranks();
   // Everyone's (root, bytes), so every rank can name the disagreement.
   const uint64_t mine[2] = {uint64_t(int64_t(root)), bytes};
-  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
-                        gather_words(*this, ranks, slot, mine, 2, "broadcast"));
+  MOED_ASSIGN_OR_RETURN(const Call call, start_call(*this, mine, 2, "broadcast"));
+  const std::vector<uint64_t>& all = call.words;
   MOED_RETURN_IF_ERROR(internal::check_broadcast(
       size_, root, [&](int r) { return int64_t(all[2 * size_t(r)]); },
       [&](int r) { return all[2 * size_t(r) + 1]; }));
@@ -65,20 +69,18 @@ Status GlooWorld::broadcast_bytes(void* data, size_t bytes, int root) {
   } else {
     recvs.push_back({root, data, bytes});
   }
-  return exchange(slot, sends, recvs, [&] { return str_cat("rank ", rank_, " in broadcast"); });
+  return exchange(call.slot, sends, recvs,
+                  [&] { return str_cat("rank ", rank_, " in broadcast"); });
 }
 
 Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
                                      std::span<const size_t> recv_bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
-  const uint64_t slot = next_slot();
-  const std::vector<int> ranks = all_ranks();
   const uint64_t mine = send_bytes;
-  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> sizes,
-                        gather_words(*this, ranks, slot, &mine, 1, "all_gather_v"));
+  MOED_ASSIGN_OR_RETURN(const Call call, start_call(*this, &mine, 1, "all_gather_v"));
+  const std::vector<uint64_t>& sizes = call.words;
   Status local = internal::check_all_gather_v(rank_, size_, recv_bytes,
                                               [&](int s) { return sizes[size_t(s)]; });
-  MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "all_gather_v"));
+  MOED_RETURN_IF_ERROR(agree_among(call.ranks, call.slot, local, "all_gather_v"));
   char* out = static_cast<char*>(recv);
   std::vector<size_t> offsets(size_t(size_) + 1, 0);
   for (int s = 0; s < size_; ++s) offsets[size_t(s) + 1] = offsets[size_t(s)] + sizes[size_t(s)];
@@ -104,8 +106,8 @@ Status GlooWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* 
       if (sizes[size_t(s)] > 0) recvs.push_back({s, out + offsets[size_t(s)], sizes[size_t(s)]});
       if (send_bytes > 0) sends.push_back({s, const_cast<void*>(send), send_bytes});
     }
-    MOED_RETURN_IF_ERROR(
-        exchange(slot, sends, recvs, [&] { return str_cat("rank ", rank_, " in all_gather_v"); }));
+    MOED_RETURN_IF_ERROR(exchange(call.slot, sends, recvs,
+                                  [&] { return str_cat("rank ", rank_, " in all_gather_v"); }));
   }
   // After the others have read `send` (it may overlap this rank's part of recv).
   if (send_bytes > 0) std::memmove(out + offsets[size_t(rank_)], send, send_bytes);
@@ -117,9 +119,6 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
                                      std::span<const size_t> send_offsets, void* recv,
                                      std::span<const size_t> recv_bytes,
                                      std::span<const size_t> recv_offsets) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
-  const uint64_t slot = next_slot();
-  const std::vector<int> ranks = all_ranks();
   const size_t n = size_t(size_);
   Status local = internal::check_exchange_lengths("all_to_all_v", rank_, n, send_bytes,
                                                   send_offsets, recv_bytes, recv_offsets);
@@ -127,14 +126,14 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
   // carries that error): rank s's row says what it sends to each rank.
   std::vector<uint64_t> mine(n, 0);
   if (local.ok()) std::copy(send_bytes.begin(), send_bytes.end(), mine.begin());
-  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
-                        gather_words(*this, ranks, slot, mine.data(), n, "all_to_all_v"));
+  MOED_ASSIGN_OR_RETURN(const Call call, start_call(*this, mine.data(), n, "all_to_all_v"));
+  const std::vector<uint64_t>& all = call.words;
   if (local.ok()) {
     local = internal::check_recv_sizes(
         "all_to_all_v", rank_, size_, [&](int s) { return recv_bytes[size_t(s)]; },
         [&](int s) { return all[size_t(s) * n + size_t(rank_)]; });
   }
-  MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "all_to_all_v"));
+  MOED_RETURN_IF_ERROR(agree_among(call.ranks, call.slot, local, "all_to_all_v"));
   const char* in = static_cast<const char*>(send);
   char* out = static_cast<char*>(recv);
   const size_t me = size_t(rank_);
@@ -168,24 +167,21 @@ Status GlooWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> s
     if (send_bytes[p] > 0)
       sends.push_back({int(p), const_cast<char*>(in + send_offsets[p]), send_bytes[p]});
   }
-  MOED_RETURN_IF_ERROR(
-      exchange(slot, sends, recvs, [&] { return str_cat("rank ", rank_, " in all_to_all_v"); }));
+  MOED_RETURN_IF_ERROR(exchange(call.slot, sends, recvs,
+                                [&] { return str_cat("rank ", rank_, " in all_to_all_v"); }));
   for (int d = 0; d < size_; ++d) count_send(d, send_bytes[size_t(d)]);
   return ok_status();
 }
 
 Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
                                        float* recv) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
-  const uint64_t slot = next_slot();
-  const std::vector<int> ranks = all_ranks();
   const size_t n = size_t(size_);
   Status local = internal::check_counts_length(rank_, counts.size(), n);
   std::vector<uint64_t> mine(n, 0);
   if (local.ok()) std::copy(counts.begin(), counts.end(), mine.begin());
-  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> all,
-                        gather_words(*this, ranks, slot, mine.data(), n, "reduce_scatter_v_f32"));
-  MOED_RETURN_IF_ERROR(agree_among(ranks, slot, local, "reduce_scatter_v_f32"));
+  MOED_ASSIGN_OR_RETURN(const Call call, start_call(*this, mine.data(), n, "reduce_scatter_v_f32"));
+  const std::vector<uint64_t>& all = call.words;
+  MOED_RETURN_IF_ERROR(agree_among(call.ranks, call.slot, local, "reduce_scatter_v_f32"));
   for (size_t r = 0; r < n; ++r) {
     MOED_RETURN_IF_ERROR(internal::check_counts_match(r, all.data() + r * n, all.data(), n));
   }
@@ -230,20 +226,18 @@ Status GlooWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t
   for (size_t s = 0; s < n && mine_count > 0; ++s) {
     if (int(s) != rank_) recvs.push_back({int(s), blocks.data() + s * mine_count, mine_count * 4});
   }
-  MOED_RETURN_IF_ERROR(exchange(
-      slot, sends, recvs, [&] { return str_cat("rank ", rank_, " in reduce_scatter_v_f32"); }));
+  MOED_RETURN_IF_ERROR(exchange(call.slot, sends, recvs, [&] {
+    return str_cat("rank ", rank_, " in reduce_scatter_v_f32");
+  }));
   internal::sum_rows(pool(), blocks.data(), size_, mine_count, recv);
   for (int d = 0; d < size_; ++d) count_send(d, counts[size_t(d)] * sizeof(float));
   return ok_status();
 }
 
 Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
-  const uint64_t slot = next_slot();
-  const std::vector<int> ranks = all_ranks();
   const uint64_t mine = count;
-  MOED_ASSIGN_OR_RETURN(const std::vector<uint64_t> counts,
-                        gather_words(*this, ranks, slot, &mine, 1, "all_reduce_f32"));
+  MOED_ASSIGN_OR_RETURN(const Call call, start_call(*this, &mine, 1, "all_reduce_f32"));
+  const std::vector<uint64_t>& counts = call.words;
   MOED_RETURN_IF_ERROR(internal::check_same_as_rank0("all_reduce_f32", "count", size_,
                                                      [&](int r) { return counts[size_t(r)]; }));
   if (count == 0) return ok_status();
@@ -259,7 +253,7 @@ Status GlooWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
         "all_reduce_f32"));
   } else {
     MOED_RETURN_IF_ERROR(
-        gather(ranks, slot, send, count * sizeof(float), rows.data(), "all_reduce_f32"));
+        gather(call.ranks, call.slot, send, count * sizeof(float), rows.data(), "all_reduce_f32"));
   }
   internal::sum_rows(pool(), rows.data(), size_, count, recv);
   internal::count_send_to_all(*this, count * sizeof(float));
