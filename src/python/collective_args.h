@@ -44,6 +44,36 @@ Status parse_collectively(Parse&& parse, std::exception_ptr* error,
   }
 }
 
+// The argument and result objects of DeepEP's combine: the same keywords for the legacy
+// Buffer and for ElasticBuffer. Tag gives each buffer its own Python classes (pybind11 binds
+// a C++ type once).
+template <typename Tag>
+struct CombineArgs {
+  py::object x, handle, topk_weights, bias_0, bias_1, out;
+};
+
+template <typename Tag>
+struct CombineResult {
+  py::object combined_x, combined_topk_weights;
+};
+
+template <typename Tag>
+void bind_combine_args(py::module_& m, const char* args_name, const char* result_name) {
+  using Args = CombineArgs<Tag>;
+  using Result = CombineResult<Tag>;
+  py::class_<Args>(m, args_name)
+      .def(py::init([](py::object x, py::object handle, py::object topk_weights, py::object bias_0,
+                       py::object bias_1, py::object out) {
+             return Args{x, handle, topk_weights, bias_0, bias_1, out};
+           }),
+           py::kw_only(), py::arg("x"), py::arg("handle"), py::arg("topk_weights") = py::none(),
+           py::arg("bias_0") = py::none(), py::arg("bias_1") = py::none(),
+           py::arg("out") = py::none());
+  py::class_<Result>(m, result_name)
+      .def_readonly("combined_x", &Result::combined_x)
+      .def_readonly("combined_topk_weights", &Result::combined_topk_weights);
+}
+
 // Raises this rank's own exception if its parsing failed, else the call's error (if any).
 template <typename T>
 T finish(StatusOr<T>&& r, const std::exception_ptr& error) {

@@ -8,6 +8,19 @@
 #include "python/interop.h"
 
 namespace moed::python {
+namespace {
+
+// The float32 rows of tensor argument `t` converted row by row to `to` with moed's rounding.
+Tensor convert_f32_rows(py::handle t, DType to) {
+  TensorView v = rows_arg(t, "t", {DType::kF32});
+  Tensor out = Tensor::empty(to, v.rows, v.cols);
+  py::gil_scoped_release nogil;
+  for (int64_t r = 0; r < v.rows; ++r)
+    convert_row(v.row_ptr(r), DType::kF32, out.view().row_ptr(r), to, size_t(v.cols));
+  return out;
+}
+
+}  // namespace
 
 void bind_core(py::module_& m) {
   py::object err = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
@@ -60,26 +73,11 @@ void bind_core(py::module_& m) {
     return v.rows;
   });
   // Bit conversions with moed's rounding (the definition of the formats, spec §6).
-  m.def("_to_bf16", [](py::handle t) {
-    TensorView v = rows_arg(t, "t", {DType::kF32});
-    Tensor out = Tensor::empty(DType::kBF16, v.rows, v.cols);
-    {
-      py::gil_scoped_release nogil;
-      for (int64_t r = 0; r < v.rows; ++r)
-        convert_row(v.row_ptr(r), DType::kF32, out.view().row_ptr(r), DType::kBF16, size_t(v.cols));
-    }
-    return to_torch(std::move(out));
-  });
+  m.def("_to_bf16", [](py::handle t) { return to_torch(convert_f32_rows(t, DType::kBF16)); });
   // float32 -> E4M3FN (nearest even, saturating at 448) as uint8 bits, rows of any width.
   m.def("_to_fp8", [](py::handle t) {
-    TensorView v = rows_arg(t, "t", {DType::kF32});
-    Tensor out = Tensor::empty(DType::kFP8, v.rows, v.cols);
-    {
-      py::gil_scoped_release nogil;
-      for (int64_t r = 0; r < v.rows; ++r)
-        convert_row(v.row_ptr(r), DType::kF32, out.view().row_ptr(r), DType::kFP8, size_t(v.cols));
-    }
-    return to_torch(std::move(out)).attr("view")(py::module_::import("torch").attr("uint8"));
+    return to_torch(convert_f32_rows(t, DType::kFP8))
+        .attr("view")(py::module_::import("torch").attr("uint8"));
   });
 }
 

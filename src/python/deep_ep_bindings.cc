@@ -15,6 +15,7 @@
 #include <chrono>
 
 #include "python/bindings.h"
+#include "python/collective_args.h"
 #include "python/deep_ep_box.h"
 #include "python/interop.h"
 
@@ -45,13 +46,9 @@ struct NormalDispatchResult {
   py::object handle_arrays;
 };
 
-struct NormalCombineArgs {
-  py::object x, handle, topk_weights, bias_0, bias_1, out;
-};
-
-struct NormalCombineResult {
-  py::object combined_x, combined_topk_weights;
-};
+struct NormalCombineTag;
+using NormalCombineArgs = CombineArgs<NormalCombineTag>;
+using NormalCombineResult = CombineResult<NormalCombineTag>;
 
 py::object int_matrix(const std::vector<int32_t>& v, int64_t rows, int64_t cols) {
   return vector_to_torch<int32_t>(std::vector<int32_t>(v), {rows, cols});
@@ -248,17 +245,7 @@ void bind_deep_ep_normal(py::module_& m, DeepEpClass& buffer) {
                     &NormalDispatchResult::num_recv_tokens_per_expert_list)
       .def_readonly("handle", &NormalDispatchResult::handle)
       .def_readonly("handle_arrays", &NormalDispatchResult::handle_arrays);
-  py::class_<NormalCombineArgs>(m, "NormalCombineArgs")
-      .def(py::init([](py::object x, py::object handle, py::object topk_weights, py::object bias_0,
-                       py::object bias_1, py::object out) {
-             return NormalCombineArgs{x, handle, topk_weights, bias_0, bias_1, out};
-           }),
-           py::kw_only(), py::arg("x"), py::arg("handle"), py::arg("topk_weights") = py::none(),
-           py::arg("bias_0") = py::none(), py::arg("bias_1") = py::none(),
-           py::arg("out") = py::none());
-  py::class_<NormalCombineResult>(m, "NormalCombineResult")
-      .def_readonly("combined_x", &NormalCombineResult::combined_x)
-      .def_readonly("combined_topk_weights", &NormalCombineResult::combined_topk_weights);
+  bind_combine_args<NormalCombineTag>(m, "NormalCombineArgs", "NormalCombineResult");
 
   buffer.def("get_dispatch_layout", &dispatch_layout, py::arg("topk_idx"), py::arg("num_experts"))
       .def("dispatch", &normal_dispatch, py::arg("args"))

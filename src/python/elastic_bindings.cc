@@ -82,13 +82,9 @@ struct ElasticDispatchResult {
   py::object recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights, handle;
 };
 
-struct ElasticCombineArgs {
-  py::object x, handle, topk_weights, bias_0, bias_1, out;
-};
-
-struct ElasticCombineResult {
-  py::object combined_x, combined_topk_weights;
-};
+struct ElasticCombineTag;
+using ElasticCombineArgs = CombineArgs<ElasticCombineTag>;
+using ElasticCombineResult = CombineResult<ElasticCombineTag>;
 
 // DeepEP's packed UE8M0 scales -> the float32 powers of two they stand for.
 Tensor unpack_ue8m0(py::handle sf, int64_t rows, int64_t blocks) {
@@ -320,17 +316,7 @@ void bind_elastic(py::module_& m) {
       .def_readonly("recv_topk_idx", &ElasticDispatchResult::recv_topk_idx)
       .def_readonly("recv_topk_weights", &ElasticDispatchResult::recv_topk_weights)
       .def_readonly("handle", &ElasticDispatchResult::handle);
-  py::class_<ElasticCombineArgs>(m, "ElasticCombineArgs")
-      .def(py::init([](py::object x, py::object handle, py::object topk_weights, py::object bias_0,
-                       py::object bias_1, py::object out) {
-             return ElasticCombineArgs{x, handle, topk_weights, bias_0, bias_1, out};
-           }),
-           py::kw_only(), py::arg("x"), py::arg("handle"), py::arg("topk_weights") = py::none(),
-           py::arg("bias_0") = py::none(), py::arg("bias_1") = py::none(),
-           py::arg("out") = py::none());
-  py::class_<ElasticCombineResult>(m, "ElasticCombineResult")
-      .def_readonly("combined_x", &ElasticCombineResult::combined_x)
-      .def_readonly("combined_topk_weights", &ElasticCombineResult::combined_topk_weights);
+  bind_combine_args<ElasticCombineTag>(m, "ElasticCombineArgs", "ElasticCombineResult");
 
   py::class_<ElasticBox, std::shared_ptr<ElasticBox>>(m, "ElasticBuffer")
       .def(py::init([](std::shared_ptr<WorldHandle> world, int64_t num_max_tokens_per_rank,

@@ -13,6 +13,7 @@
 #include "moed/deep_ep.h"
 #include "moed/dispatcher.h"
 #include "moed/low_latency.h"
+#include "support/low_latency_test.h"
 
 namespace moed {
 namespace {
@@ -269,16 +270,9 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
       // Low-latency, with and without the hook.
       MOED_ASSIGN_OR_RETURN(auto ll, LowLatencyBuffer::create(w, 16, int(H), c.num_experts));
       for (bool hook : {false, true}) {
-        MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput ld,
-                              ll->low_latency_dispatch(
-                                  {.x = x, .topk = &in.topk[size_t(r)], .return_recv_hook = hook}));
-        MOED_RETURN_IF_ERROR(ld.hook->wait());
-        MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput l1,
-                              ll->low_latency_combine({.x = ld.recv.x,
-                                                       .topk = &in.topk[size_t(r)],
-                                                       .handle = ld.handle,
-                                                       .return_recv_hook = hook}));
-        MOED_RETURN_IF_ERROR(l1.hook->wait());
+        MOED_ASSIGN_OR_RETURN(testing::LowLatencyRoundTrip l1,
+                              testing::low_latency_round_trip(*ll, x, in.topk[size_t(r)], hook));
+        const LowLatencyDispatchOutput& ld = l1.dispatch;
         Sentinel lbuf(DType::kBF16, T, H);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput l2,
                               ll->low_latency_combine({.x = ld.recv.x,
@@ -289,7 +283,7 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
         MOED_RETURN_IF_ERROR(l2.hook->wait());
         if (l2.combined_x.rows() != 0 || l2.result().data != lbuf.view.data)
           return internal_error("rank ", r, ": low-latency result is not the caller's buffer");
-        MOED_RETURN_IF_ERROR(same_result(l1.combined_x.view(), lbuf,
+        MOED_RETURN_IF_ERROR(same_result(l1.combine.combined_x.view(), lbuf,
                                          str_cat("low-latency rank ", r, " hook ", hook)));
         Sentinel lwrong(bad ? DType::kF32 : DType::kBF16, T, H);
         MOED_RETURN_IF_ERROR(expect_error(

@@ -16,12 +16,15 @@
 #include "moed/low_latency.h"
 #include "moed/reference.h"
 #include "moed/routing.h"
+#include "support/low_latency_test.h"
 #include "support/world_test.h"
 
 namespace moed {
 namespace {
 
 using ::moed::testing::Backend;
+using ::moed::testing::low_latency_round_trip;
+using ::moed::testing::LowLatencyRoundTrip;
 using ::moed::testing::run_world;
 
 constexpr int kHidden = 256;
@@ -131,20 +134,12 @@ Status run_silent_rank(Backend b, const ShrinkCase& c) {
       if (me == c.victim && i == c.stop_at) return ok_status();  // silent from here on
       const Step& s = steps[size_t(i)];
       const bool hook = i % 2 == 1;
-      MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
-                            buf->low_latency_dispatch({.x = s.x[size_t(me)].view(),
-                                                       .topk = &s.topk[size_t(me)],
-                                                       .return_recv_hook = hook}));
-      MOED_RETURN_IF_ERROR(d.hook->wait());
-      MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput o,
-                            buf->low_latency_combine({.x = d.recv.x,
-                                                      .topk = &s.topk[size_t(me)],
-                                                      .handle = d.handle,
-                                                      .return_recv_hook = hook}));
-      MOED_RETURN_IF_ERROR(o.hook->wait());
+      MOED_ASSIGN_OR_RETURN(
+          LowLatencyRoundTrip o,
+          low_latency_round_trip(*buf, s.x[size_t(me)].view(), s.topk[size_t(me)], hook));
       const bool gone = i >= c.stop_at;
       const Tensor& want = (gone ? masked : full)[size_t(i)][size_t(me)];
-      if (!bitwise_equal(o.result(), want.view())) {
+      if (!bitwise_equal(o.combine.result(), want.view())) {
         return internal_error("rank ", me, ", step ", i, ": combine differs from the ",
                               gone ? "masked" : "full", " reference");
       }

@@ -5,6 +5,7 @@ compared bitwise with the threads world's (or the reference the threads world ma
 rank with an error naming rank 1, through moed's failure channel rather than its timeout; and
 no shared-memory segment may be left in /dev/shm."""
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -35,34 +36,42 @@ def segments():
             if f.startswith("moed-") and not f.startswith("moed-mpi-")}
 
 
-def spawn(scenario, nprocs, ranks_per_node=0, budget=240.0, timeout=TIMEOUT, stalled=None):
-    """Runs gloo_workers.main in nprocs spawned processes; returns (exit codes, records by
-    rank: None where a process saved nothing). Waits at most `budget` seconds, then kills.
-    Rank `stalled` is expected to be stopped: it is killed once the others have ended."""
-    out = tempfile.mkdtemp(prefix="moed-gloo-test-")
+def run_workers(scenario, nprocs, out, budget, ranks_per_node=0, timeout=TIMEOUT, stalled=None,
+                meanwhile=None):
+    """Runs gloo_workers.main(scenario) in nprocs spawned processes saving into `out`; returns
+    (exit codes, records by rank: None where a process saved nothing). Waits at most `budget`
+    seconds, then kills. Rank `stalled` is expected to be stopped: it is killed once the others
+    have ended. meanwhile(processes, deadline), if given, runs once they are started."""
     ctx = torch.multiprocessing.spawn(
         gloo_workers.main, nprocs=nprocs, join=False,
         args=(nprocs, "127.0.0.1", free_port(), scenario, ranks_per_node, timeout, out))
     deadline = time.monotonic() + budget
+    if meanwhile is not None:
+        meanwhile(ctx.processes, deadline)
     for r, p in enumerate(ctx.processes):
         if r != stalled:
             p.join(max(0.0, deadline - time.monotonic()))
     if stalled is not None:
         ctx.processes[stalled].kill()
-    left = [p for r, p in enumerate(ctx.processes) if p.is_alive() and r != stalled]
+    left = [r for r, p in enumerate(ctx.processes) if p.is_alive() and r != stalled]
     for p in ctx.processes:
         if p.is_alive():
             p.kill()
         p.join()
-    assert not left, f"{len(left)} process(es) still running after {budget} s"
+    assert not left, f"ranks {left} still running after {budget} s"
     recs = []
     for r in range(nprocs):
         path = os.path.join(out, f"{r}.pt")
         recs.append(torch.load(path) if os.path.exists(path) else None)
-        if os.path.exists(path):
-            os.remove(path)
-    os.rmdir(out)
     return [p.exitcode for p in ctx.processes], recs
+
+
+def spawn(scenario, nprocs, ranks_per_node=0, budget=240.0, timeout=TIMEOUT, stalled=None):
+    """run_workers in a temporary directory of its own."""
+    out = tempfile.mkdtemp(prefix="moed-gloo-test-")
+    codes, recs = run_workers(scenario, nprocs, out, budget, ranks_per_node, timeout, stalled)
+    shutil.rmtree(out)
+    return codes, recs
 
 
 def threads_dispatchers(R, G):

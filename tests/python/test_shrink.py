@@ -7,6 +7,7 @@ another rank). A stopped rank, continued, is told it was removed and leaves the 
 steps right. In the threads world a rank that raises is masked the same way. Also the mask
 API and the replica map's errors. No shared-memory segment is left behind."""
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -17,7 +18,7 @@ import torch
 import moed
 import moed.deep_ep as deep_ep
 import gloo_workers as gw
-from test_gloo import free_port, segments
+from test_gloo import free_port, run_workers, segments
 
 pytestmark = pytest.mark.skipif(not moed._C.has_gloo(), reason="moed built without gloo")
 
@@ -56,33 +57,19 @@ def spawn_shrink(scenario, continue_stopped=False, budget=180.0):
     finished their steps."""
     out = tempfile.mkdtemp(prefix="moed-shrink-test-")
     os.environ["MOED_SHRINK_DIR"] = out
-    ctx = torch.multiprocessing.spawn(
-        gw.main, nprocs=R, join=False,
-        args=(R, "127.0.0.1", free_port(), scenario, 0, 60.0, out))
-    deadline = time.monotonic() + budget
-    if continue_stopped:
+
+    def continue_rank_1(processes, deadline):
         while time.monotonic() < deadline and not all(
                 os.path.exists(os.path.join(out, f"steps_done_{r}")) for r in (0, 2, 3)):
             time.sleep(0.05)
-        os.kill(ctx.processes[1].pid, signal.SIGCONT)
-    for p in ctx.processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    left = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-        p.join()
-    assert not left, f"ranks {left} still running after {budget} s"
-    recs = []
-    for r in range(R):
-        path = os.path.join(out, f"{r}.pt")
-        recs.append(torch.load(path) if os.path.exists(path) else None)
+        os.kill(processes[1].pid, signal.SIGCONT)
+
+    codes, recs = run_workers(scenario, R, out, budget, timeout=60.0,
+                              meanwhile=continue_rank_1 if continue_stopped else None)
     with open(os.path.join(out, "fault_time")) as f:
         fault = float(f.read())
-    for name in os.listdir(out):
-        os.remove(os.path.join(out, name))
-    os.rmdir(out)
-    return [p.exitcode for p in ctx.processes], recs, fault
+    shutil.rmtree(out)
+    return codes, recs, fault
 
 
 def check_survivors(recs, replicas, fault, steps):
@@ -283,9 +270,7 @@ def test_world_shrinks_and_grows_back():
     joined = torch.load(os.path.join(out, "join.pt"))
     with open(os.path.join(out, "fault_time")) as f:
         fault = float(f.read())
-    for name in os.listdir(out):
-        os.remove(os.path.join(out, name))
-    os.rmdir(out)
+    shutil.rmtree(out)
     four, three = threads_steps(4), threads_steps(3)
     for r, rec in recs.items():
         assert rec["ok"], (r, rec)
