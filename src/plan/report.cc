@@ -9,6 +9,13 @@
 
 namespace moed {
 
+namespace {
+
+// PlanRouting's names, as --routing spells them, in the enum's order.
+constexpr const char* kRoutingNames[] = {"uniform", "zipf", "group", "trace"};
+
+}  // namespace
+
 std::string plan_table(const PlanResult& r) {
   const PlanOptions& o = r.options;
   const Cluster& c = o.cluster;
@@ -17,12 +24,11 @@ std::string plan_table(const PlanResult& r) {
       "nvl {:.1f} us, net {:.1f} us  fixed {:.0f} us per call\n",
       c.name, c.description, c.nvl_gbps, c.net_gbps, c.hbm_gbps, c.nvl_latency_us, c.net_latency_us,
       c.fixed_us);
-  const char* routing[] = {"uniform", "zipf", "group", "trace"};
   s += fmt::format(
       "  EP={} ({} node{} of {})  T={} per rank  H={}  K={}  E={}  routing {}  dispatch {}, "
       "combine bf16\n\n",
       o.ep, r.num_nodes, r.num_nodes == 1 ? "" : "s", o.ranks_per_node, o.tokens, o.hidden, o.topk,
-      o.experts, routing[int(o.routing)], o.fp8_dispatch ? "fp8" : "bf16");
+      o.experts, kRoutingNames[int(o.routing)], o.fp8_dispatch ? "fp8" : "bf16");
   s += fmt::format("  {:<12} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}\n", "algorithm", "disp us",
                    "NVL MB", "RDMA MB", "comb us", "NVL MB", "RDMA MB");
   for (const AlgorithmCost& a : r.algorithms) {
@@ -69,8 +75,7 @@ std::string plan_json(const PlanResult& r) {
   j["mode"] = o.low_latency ? "low-latency" : "normal";
   j["algorithm"] = r.reported;
   j["cpu_proxy"] = o.cpu_proxy;
-  const char* routing[] = {"uniform", "zipf", "group", "trace"};
-  j["routing"] = routing[int(o.routing)];
+  j["routing"] = kRoutingNames[int(o.routing)];
   j["dispatch_dtype"] = o.fp8_dispatch ? "fp8" : "bf16";
   j["dispatch_seconds"] = r.dispatch_seconds;
   j["combine_seconds"] = r.combine_seconds;

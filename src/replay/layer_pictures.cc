@@ -13,12 +13,7 @@ namespace moed {
 namespace {
 
 using svg::Canvas;
-
-std::string format(const char* fmt, auto... args) {
-  char buf[512];
-  std::snprintf(buf, sizeof(buf), fmt, args...);
-  return buf;
-}
+using svg::format;
 
 struct Heatmap {
   std::string title, subtitle, column_axis, legend_title, note_title;

@@ -18,13 +18,8 @@ namespace moed {
 namespace {
 
 using svg::Canvas;
+using svg::format;
 using svg::TextStyle;
-
-std::string format(const char* fmt, auto... args) {
-  char buf[512];
-  std::snprintf(buf, sizeof(buf), fmt, args...);
-  return buf;
-}
 
 std::string steps_phrase(const ReplayResult& r) {
   return r.num_steps == 1 ? std::string("1 step")

@@ -6,16 +6,13 @@
 #include <string>
 
 #include "moed/replay.h"
+#include "replay/svg.h"
 
 namespace moed {
 
 namespace {
 
-std::string format(const char* fmt, auto... args) {
-  char buf[512];
-  std::snprintf(buf, sizeof(buf), fmt, args...);
-  return buf;
-}
+using svg::format;
 
 // 1234567 -> "1.23 MB" (decimal units, as bandwidths in GB/s are).
 std::string bytes_string(int64_t b) {

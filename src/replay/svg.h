@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +25,13 @@ std::string cat(const Parts&... parts) {
   std::string s;
   (s.append(parts), ...);
   return s;
+}
+
+// printf into a string (at most 511 characters): the labels and report lines of replay.
+std::string format(const char* fmt, auto... args) {
+  char buf[512];
+  std::snprintf(buf, sizeof(buf), fmt, args...);
+  return buf;
 }
 
 // Escapes &, <, >, " and ' for text and attribute values.

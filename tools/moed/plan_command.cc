@@ -96,14 +96,10 @@ void run(PlanArgs a) {
     o.routing = *r;
   }
   // A trace with several steps (a Megatron step's layer calls): each planned, then summed.
-  const int64_t calls = trace ? trace->routing.num_steps : 1;
-  std::vector<PlanResult> results;
-  for (int64_t st = 0; st < calls; ++st) {
-    o.trace_step = st;
-    StatusOr<PlanResult> r = plan(o);
-    if (!r.ok()) fail(r.status());
-    results.push_back(std::move(*r));
-  }
+  StatusOr<TracePlans> plans = plan_trace_steps(o);
+  if (!plans.ok()) fail(plans.status());
+  const std::vector<PlanResult>& results = plans->steps;
+  const int64_t calls = int64_t(results.size());
   auto label = [&](int64_t st) {
     return trace && trace->megatron ? trace->megatron->calls[size_t(st)].label()
                                     : "step " + std::to_string(st);
@@ -114,16 +110,13 @@ void run(PlanArgs a) {
       return;
     }
     nlohmann::json j;
-    double d = 0, c = 0;
     for (int64_t st = 0; st < calls; ++st) {
       nlohmann::json one = nlohmann::json::parse(plan_json(results[size_t(st)]));
       one["label"] = label(st);
       j["calls"].push_back(one);
-      d += results[size_t(st)].dispatch_seconds;
-      c += results[size_t(st)].combine_seconds;
     }
-    j["dispatch_seconds"] = d;
-    j["combine_seconds"] = c;
+    j["dispatch_seconds"] = plans->dispatch_s;
+    j["combine_seconds"] = plans->combine_s;
     std::printf("%s\n", j.dump(2).c_str());
     return;
   }
@@ -131,15 +124,12 @@ void run(PlanArgs a) {
   if (calls > 1) {
     std::printf("\n%zu router calls (%s):\n  %-28s %12s %12s\n", size_t(calls), a.trace.c_str(),
                 "call", "disp us", "comb us");
-    double d = 0, c = 0;
     for (int64_t st = 0; st < calls; ++st) {
       const PlanResult& r = results[size_t(st)];
       std::printf("  %-28s %12.1f %12.1f\n", label(st).c_str(), r.dispatch_seconds * 1e6,
                   r.combine_seconds * 1e6);
-      d += r.dispatch_seconds;
-      c += r.combine_seconds;
     }
-    std::printf("  %-28s %12.1f %12.1f\n", "sum", d * 1e6, c * 1e6);
+    std::printf("  %-28s %12.1f %12.1f\n", "sum", plans->dispatch_s * 1e6, plans->combine_s * 1e6);
   }
 }
 

@@ -63,31 +63,19 @@ std::vector<LayerReplay> replay_layers(const LoadedTrace& loaded, const ReplayOp
 
 // The cluster model on the same trace, every step (a capacity factor is not applied: the
 // model sees the routing as the router chose it).
-struct ClusterPlans {
-  std::vector<PlanResult> steps;
-  double dispatch_s = 0.0, combine_s = 0.0;  // summed over the steps
-};
-
-ClusterPlans plan_steps(const Cluster& cluster, const RoutingTrace& trace, const ReplayResult& r) {
-  ClusterPlans plans;
-  for (int64_t st = 0; st < trace.num_steps; ++st) {
-    PlanOptions o;
-    o.cluster = cluster;
-    o.ep = r.num_ranks;
-    o.ranks_per_node = r.ranks_per_node;
-    o.hidden = r.hidden;
-    o.experts = r.num_experts;
-    o.fp8_dispatch = r.dtype_bytes == 1;
-    o.routing = PlanRouting::kTrace;
-    o.trace = &trace;
-    o.trace_step = st;
-    StatusOr<PlanResult> p = plan(o);
-    if (!p.ok()) fail(p.status());
-    plans.dispatch_s += p->dispatch_seconds;
-    plans.combine_s += p->combine_seconds;
-    plans.steps.push_back(std::move(*p));
-  }
-  return plans;
+TracePlans plan_steps(const Cluster& cluster, const RoutingTrace& trace, const ReplayResult& r) {
+  PlanOptions o;
+  o.cluster = cluster;
+  o.ep = r.num_ranks;
+  o.ranks_per_node = r.ranks_per_node;
+  o.hidden = r.hidden;
+  o.experts = r.num_experts;
+  o.fp8_dispatch = r.dtype_bytes == 1;
+  o.routing = PlanRouting::kTrace;
+  o.trace = &trace;
+  StatusOr<TracePlans> plans = plan_trace_steps(o);
+  if (!plans.ok()) fail(plans.status());
+  return std::move(*plans);
 }
 
 // The replay's pictures and, for a Megatron step, the per-layer ones: SVGs first, then PNGs,
@@ -113,7 +101,7 @@ ReplayPictures write_pictures(const ReplayResult& r, const std::vector<LayerRepl
 }
 
 void print_json(const ReplayResult& r, const LoadedTrace& loaded,
-                const std::vector<LayerReplay>& layers, const std::optional<ClusterPlans>& plans) {
+                const std::vector<LayerReplay>& layers, const std::optional<TracePlans>& plans) {
   nlohmann::json j = nlohmann::json::parse(replay_json(r));
   if (loaded.megatron) {
     j["megatron"]["step"] = loaded.megatron->step;
@@ -137,7 +125,7 @@ void print_json(const ReplayResult& r, const LoadedTrace& loaded,
 }
 
 void print_tables(const ReplayResult& r, const LoadedTrace& loaded,
-                  const std::vector<LayerReplay>& layers, const std::optional<ClusterPlans>& plans,
+                  const std::vector<LayerReplay>& layers, const std::optional<TracePlans>& plans,
                   const ReplayPictures& pictures) {
   std::fputs(replay_table(r).c_str(), stdout);
   if (!layers.empty()) {
@@ -191,7 +179,7 @@ void run(ReplayArgs a) {
   StatusOr<ReplayResult> r = replay_trace(loaded->routing, a.options);
   if (!r.ok()) fail(r.status());
   const std::vector<LayerReplay> layers = replay_layers(*loaded, a.options, r->num_experts);
-  std::optional<ClusterPlans> plans;
+  std::optional<TracePlans> plans;
   if (cluster) plans = plan_steps(*cluster, loaded->routing, *r);
   const ReplayPictures pictures = write_pictures(*r, layers, a.out);
   if (a.json) {

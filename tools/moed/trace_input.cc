@@ -1,4 +1,5 @@
-// The routing-trace input of `moed replay`, `moed plan` and `moed dispatch` (trace_input.h).
+// The routing-trace input of `moed replay`, `moed plan` and `moed dispatch`, and the plan model
+// on its steps (trace_input.h).
 #include "tools/moed/trace_input.h"
 
 #include <filesystem>
@@ -42,6 +43,19 @@ StatusOr<LoadedTrace> TraceArgs::load(const std::string& path, int num_experts,
   MOED_ASSIGN_OR_RETURN(out.routing, megatron_routing_trace(t));
   out.megatron = std::move(t);
   return out;
+}
+
+StatusOr<TracePlans> plan_trace_steps(PlanOptions o) {
+  TracePlans plans;
+  const int64_t steps = o.trace ? o.trace->num_steps : 1;
+  for (int64_t st = 0; st < steps; ++st) {
+    o.trace_step = st;
+    MOED_ASSIGN_OR_RETURN(PlanResult p, plan(o));
+    plans.dispatch_s += p.dispatch_seconds;
+    plans.combine_s += p.combine_seconds;
+    plans.steps.push_back(std::move(p));
+  }
+  return plans;
 }
 
 }  // namespace moed::cli

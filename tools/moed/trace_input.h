@@ -1,6 +1,7 @@
 // The routing-trace input shared by `moed replay`, `moed plan` and `moed dispatch`: a .npy of
 // top-k indices, or a directory of Megatron-Core's per-rank JSONL traces (moed/megatron_trace.h)
-// with the options that choose its step, block and layer.
+// with the options that choose its step, block and layer; and the plan model on each of its
+// steps (`moed plan --trace`, `moed replay --cluster`).
 //
 //   TraceArgs t;
 //   t.add_options(cmd);                 // --step --block --mtp --layer --microbatch
@@ -11,8 +12,10 @@
 #include <CLI/CLI.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "moed/megatron_trace.h"
+#include "moed/plan.h"
 #include "moed/replay.h"
 
 namespace moed::cli {
@@ -31,5 +34,13 @@ struct TraceArgs {
   // The selection options with a .npy are an error naming them.
   StatusOr<LoadedTrace> load(const std::string& path, int num_experts, bool hidden_states) const;
 };
+
+// The plan model on each step of `o.trace` (a .npy's steps, a Megatron step's layer calls),
+// each planned alone, or once on o's generated routing when it has no trace.
+struct TracePlans {
+  std::vector<PlanResult> steps;
+  double dispatch_s = 0.0, combine_s = 0.0;  // summed over the steps, in order
+};
+StatusOr<TracePlans> plan_trace_steps(PlanOptions o);
 
 }  // namespace moed::cli
