@@ -75,9 +75,7 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
       for (int j = 0; j < L; ++j) first_row[size_t(d) * L + j] = nullptr;
     }
   }
-  for (size_t i = 0; i < ch.requests.size(); ++i) peers.wait(ch.send_peers[i], ch.requests[i]);
-  ch.requests.clear();
-  ch.send_peers.clear();
+  peers.wait_sends(ch.requests, ch.send_peers);
   ch.recvs.clear();  // dropped: cancelled where a masked peer never sent
   ch.recvs.resize(size_t(R));
 
@@ -185,13 +183,9 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
       }
       rows += size_t(r.count);
     }
-    Request req;
-    peers.post(s, w.isend(s, message_tag(seq, MessageKind::kCombineData), m, 64 + rows * row_bytes),
-               req);
-    if (req) {
-      ch.requests.push_back(std::move(req));
-      ch.send_peers.push_back(s);
-    }
+    peers.post_send(
+        s, w.isend(s, message_tag(seq, MessageKind::kCombineData), m, 64 + rows * row_bytes),
+        ch.requests, ch.send_peers);
     at += 64 + rows * row_bytes;
   }
 

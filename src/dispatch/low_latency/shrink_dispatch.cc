@@ -88,11 +88,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = 0;
     }
   }
-  for (size_t i = 0; i < dh.send_requests.size(); ++i) {
-    peers.wait(dh.send_peers[i], dh.send_requests[i]);
-  }
-  dh.send_requests.clear();
-  dh.send_peers.clear();
+  peers.wait_sends(dh.send_requests, dh.send_peers);
   dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
   dh.header_requests.resize(size_t(R));
 
@@ -242,11 +238,8 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
     header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
     for (int j = 0; j < L; ++j) header[1 + j] = ok ? handle->send_count[size_t(d) * L + j] : 0;
     auto send = [&](const void* data, size_t bytes, MessageKind kind) {
-      Request r;
-      peers.post(d, w.isend(d, message_tag(seq, kind), data, bytes), r);
-      if (!r) return;
-      dh.send_requests.push_back(std::move(r));
-      dh.send_peers.push_back(d);
+      peers.post_send(d, w.isend(d, message_tag(seq, kind), data, bytes), dh.send_requests,
+                      dh.send_peers);
     };
     send(header, size_t(L + 1) * sizeof(int32_t), MessageKind::kDispatchHeader);
     if (block_rows[size_t(d)] > 0) {

@@ -119,6 +119,22 @@ class Peers {
     }
   }
 
+  // A call's sends: each posted one kept in `requests`, its rank in `ranks`, until wait_sends
+  // waits for them all (each as wait(r, request)) and forgets them.
+  void post_send(int r, StatusOr<Request> posted, std::vector<Request>& requests,
+                 std::vector<int>& ranks) {
+    Request request;
+    post(r, std::move(posted), request);
+    if (!request) return;
+    requests.push_back(std::move(request));
+    ranks.push_back(r);
+  }
+  void wait_sends(std::vector<Request>& requests, std::vector<int>& ranks) {
+    for (size_t i = 0; i < requests.size(); ++i) wait(ranks[i], requests[i]);
+    requests.clear();
+    ranks.clear();
+  }
+
  private:
   std::atomic<uint64_t>* word(size_t index) const {
     return st_.shrink_word(w_.local_rank(), index);
