@@ -150,6 +150,15 @@ Status exchange_to_home(World& world, const RowExchangePlan& plan, const void* s
 
 // ---- dispatch glue ----
 
+StatusOr<GlobalCounts> RowExchangeDispatcher::prepare_exchange(const DispatchInput& input,
+                                                               ExchangeHandle& h) {
+  MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
+  MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, in));
+  MOED_RETURN_IF_ERROR(check_dispatch_out(counts, in.hidden, input.out));
+  MOED_RETURN_IF_ERROR(init_handle(h, counts, in));
+  return counts;
+}
+
 Status RowExchangeDispatcher::init_handle(ExchangeHandle& h, const GlobalCounts& counts,
                                           PreparedInput& in) const {
   MOED_ASSIGN_OR_RETURN(h.plan, make_row_exchange_plan(config_, *world_, counts, in.effective));
@@ -419,11 +428,8 @@ StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
 }
 
 StatusOr<CombineOutput> RowExchangeDispatcher::combine_postprocess() {
-  if (combine_step_.stage != Stage::kExchanged)
-    return failed_precondition("combine_postprocess before token_combine");
-  CombineOutput out = std::move(*combine_step_.result);
-  combine_step_ = CombineStep{};
-  return out;
+  return take_result(combine_step_, combine_step_.result,
+                     "combine_postprocess before token_combine");
 }
 
 // ---- dispatch backward: an unweighted combine of the row gradients ----

@@ -46,6 +46,16 @@ namespace moed {
 // the communicating step has moved the rows (received / gathered).
 enum class Stage : uint8_t { kIdle, kPrepared, kHomeReady, kExchanged };
 
+// The last call of a dispatch or combine: the `result` of `state` that its communicating step
+// made (stage kExchanged), `state` reset for the next call; else the error `too_early`.
+template <typename State, typename Result>
+StatusOr<Result> take_result(State& state, std::optional<Result>& result, const char* too_early) {
+  if (state.stage != Stage::kExchanged) return failed_precondition(too_early);
+  Result out = std::move(*result);
+  state = State{};
+  return out;
+}
+
 // What every rank learns about every other in one all_gather.
 struct GlobalCounts {
   std::vector<int64_t> counts;      // [R * E] rows source s sends to global expert e
@@ -145,9 +155,13 @@ class RowExchangeDispatcher : public TokenDispatcher {
   RowExchangeDispatcher(World& world, const DispatchConfig& config)
       : TokenDispatcher(world, config) {}
 
-  // Dispatch glue: the plan (from the agreed counts) and the public handle fields, taking
-  // in.effective as the handle's routing; and the output over a finished handle (its
-  // permuted_probs and tokens_per_expert back the output's spans).
+  // Dispatch glue: a dispatch's preprocess up to its handle (collective): the input prepared,
+  // the counts exchanged (returned), DispatchInput::out checked against them (check_dispatch_out)
+  // and `h` initialised (init_handle).
+  StatusOr<GlobalCounts> prepare_exchange(const DispatchInput& input, ExchangeHandle& h);
+  // The plan (from the agreed counts) and the public handle fields, taking in.effective as the
+  // handle's routing; and the output over a finished handle (its permuted_probs and
+  // tokens_per_expert back the output's spans).
   Status init_handle(ExchangeHandle& h, const GlobalCounts& counts, PreparedInput& in) const;
   static DispatchOutput dispatch_output(std::shared_ptr<const ExchangeHandle> h,
                                         const TokenRows& expert_input,

@@ -118,11 +118,8 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
 
 Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
   d_ = DispatchState{};
-  MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
-  MOED_ASSIGN_OR_RETURN(d_.counts, exchange_counts(*world_, config_, in));
-  MOED_RETURN_IF_ERROR(check_dispatch_out(d_.counts, in.hidden, input.out));
   auto h = std::make_shared<AllGatherHandle>();
-  MOED_RETURN_IF_ERROR(init_handle(*h, d_.counts, in));
+  MOED_ASSIGN_OR_RETURN(d_.counts, prepare_exchange(input, *h));
   h->source_offsets.assign(1, 0);
   for (int64_t t : d_.counts.num_tokens) h->source_offsets.push_back(h->source_offsets.back() + t);
   d_.hidden = input.hidden;
@@ -153,11 +150,7 @@ StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
 }
 
 StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
-  if (d_.stage != Stage::kExchanged)
-    return failed_precondition("dispatch_postprocess before token_dispatch");
-  DispatchOutput out = std::move(*d_.output);
-  d_ = DispatchState{};
-  return out;
+  return take_result(d_, d_.output, "dispatch_postprocess before token_dispatch");
 }
 
 StatusOr<DispatchOutput> AllGatherDispatcher::permute_gathered() {

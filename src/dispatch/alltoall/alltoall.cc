@@ -51,15 +51,12 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
 
 Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   d_ = DispatchState{};
-  MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
   // NOTE: the counts travel even with pad_to_capacity, where Megatron's fixed C_s splits need
   // none: only real rows cross the wire here (the padding is made on arrival) and the
   // receiver needs every chunk's token count to place them; it is one all_gather of E + 2
   // integers per rank, done in preprocess as Megatron does.
-  MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, in));
-  MOED_RETURN_IF_ERROR(check_dispatch_out(counts, in.hidden, input.out));
   auto h = std::make_shared<ExchangeHandle>();
-  MOED_RETURN_IF_ERROR(init_handle(*h, counts, in));
+  MOED_RETURN_IF_ERROR(prepare_exchange(input, *h).status());
   d_.hidden = input.hidden;
   d_.handle = std::move(h);
   d_.stage = Stage::kPrepared;
@@ -106,11 +103,7 @@ StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
 }
 
 StatusOr<DispatchOutput> AlltoAllDispatcher::dispatch_postprocess() {
-  if (d_.stage != Stage::kExchanged)
-    return failed_precondition("dispatch_postprocess before token_dispatch");
-  DispatchOutput out = std::move(*d_.output);
-  d_ = DispatchState{};
-  return out;
+  return take_result(d_, d_.output, "dispatch_postprocess before token_dispatch");
 }
 
 StatusOr<DispatchOutput> AlltoAllDispatcher::place_received() {

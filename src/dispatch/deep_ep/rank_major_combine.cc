@@ -117,11 +117,7 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
   if (s.in_place) {
     const Source me{static_cast<const char*>(in.x.data),
                     size_t(in.x.row_stride) * in.x.element_size(), in.topk_weights};
-    std::memcpy(s.signals.board(topo.local_rank), &me, sizeof(me));
-    Status opened = round.open();
-    if (!opened.ok()) return round.close(opened);
-    for (int lr = 0; lr < G; ++lr)
-      std::memcpy(&src[size_t(lr)], s.signals.board(lr), sizeof(Source));
+    MOED_RETURN_IF_ERROR(flex::open_with_board(round, s.signals, topo.local_rank, me, src));
   } else {
     int64_t cap = 0;
     for (int lr = 0; lr < G; ++lr) {

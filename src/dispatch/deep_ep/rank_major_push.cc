@@ -100,12 +100,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
       mine.rows = static_cast<char*>(out_rows->data);
       mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(dt);
     }
-    static_assert(sizeof(RecvTarget) <= 64, "the signal board holds one RecvTarget per rank");
-    std::memcpy(s.signals.board(topo.local_rank), &mine, sizeof(mine));
-    Status opened = round.open();
-    if (!opened.ok()) return round.close(opened);
-    for (int lr = 0; lr < G; ++lr)
-      std::memcpy(&target[size_t(lr)], s.signals.board(lr), sizeof(RecvTarget));
+    MOED_RETURN_IF_ERROR(flex::open_with_board(round, s.signals, topo.local_rank, mine, target));
   } else {
     flex::Region& recv = s.recv_ring.region(s.recv_slot);
     MOED_RETURN_IF_ERROR(recv.ensure(w, lay.bytes));

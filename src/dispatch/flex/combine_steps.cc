@@ -12,6 +12,23 @@ namespace moed::flex {
 
 using moed::internal::check_float_rows;
 
+namespace {
+
+// Per-row scalars flow when any rank gives them (agreement field `field` nonzero there): then
+// a rank that gives none passes zeros for its `rows` rows, kept in `zeros`. Whether they flow.
+bool scalars_of_any_rank(const AgreedTable& t, int world_size, int field, int64_t rows,
+                         std::span<const float>& scalars, std::vector<float>& zeros) {
+  bool with_scalars = false;
+  for (int r = 0; r < world_size; ++r) with_scalars = with_scalars || t.row(r)[field] != 0;
+  if (with_scalars && scalars.empty()) {
+    zeros.assign(size_t(rows), 0.0f);
+    scalars = zeros;
+  }
+  return with_scalars;
+}
+
+}  // namespace
+
 template <class Step>
 void FlexDispatcher::start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle,
                                 const char* name, const TensorView& rows, bool expert_side) {
@@ -100,14 +117,9 @@ StatusOr<OrderedCombineOutput> FlexDispatcher::ordered_combine(
       {"hidden", H, AgreedField::kAgree},
       {"topk_weights given", in.row_weights.empty() ? 0 : 1, AgreedField::kFree}};
   MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, local, fields));
-  bool with_scalars = false;
-  for (int r = 0; r < world_->size(); ++r) with_scalars = with_scalars || t.row(r)[3] != 0;
   std::vector<float> zeros;
   std::span<const float> scalars = in.row_weights;
-  if (with_scalars && scalars.empty()) {
-    zeros.assign(size_t(h->num_rows), 0.0f);
-    scalars = zeros;
-  }
+  const bool with_scalars = scalars_of_any_rank(t, world_->size(), 3, h->num_rows, scalars, zeros);
   OrderedCombineOutput out;
   if (!in.out) out.combined = Tensor::empty(in.rows.dtype, T, H);
   if (with_scalars) out.slot_weights.assign(size_t(T) * size_t(in.num_topk), 0.0f);
@@ -153,15 +165,10 @@ Status FlexDispatcher::dispatch_backward_body() {
       {"grad_expert_input dtype", int64_t(g.rows.dtype), AgreedField::kAgreeDType},
       {"grad_permuted_probs given", g.grad_permuted_probs.empty() ? 0 : 1, AgreedField::kFree}};
   MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, g.local, fields));
-  bool with_scalars = false;
-  for (int r = 0; r < world_->size(); ++r) with_scalars = with_scalars || t.row(r)[2] != 0;
   const FlexHandle& h = *g.handle;
   std::vector<float> zeros;
   std::span<const float> scalars = g.grad_permuted_probs;
-  if (with_scalars && scalars.empty()) {
-    zeros.assign(size_t(h.num_rows), 0.0f);
-    scalars = zeros;
-  }
+  const bool with_scalars = scalars_of_any_rank(t, world_->size(), 2, h.num_rows, scalars, zeros);
   g.out = Tensor::empty(g.rows.dtype, h.routing.num_tokens(), h.hidden);
   g.probs.assign(size_t(h.routing.num_tokens()) * topo_.num_experts, 0.0f);
   PullSpec spec;

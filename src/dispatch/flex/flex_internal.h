@@ -9,9 +9,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include "core/row_kernels.h"
@@ -306,6 +308,22 @@ class PublishRound {
   const Role role_;
   bool closed_ = false;
 };
+
+// In place: opens `round` with this rank's `mine` posted on its board (local rank `local_rank`),
+// then reads every local rank's into `all` [ranks per node]. A failed open closes the round.
+template <typename T>
+Status open_with_board(PublishRound& round, Signals& signals, int local_rank, const T& mine,
+                       std::vector<T>& all) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 64,
+                "the signal board holds one T per rank");
+  std::memcpy(signals.board(local_rank), &mine, sizeof(T));
+  Status opened = round.open();
+  if (!opened.ok()) return round.close(opened);
+  for (size_t lr = 0; lr < all.size(); ++lr) {
+    std::memcpy(&all[lr], signals.board(int(lr)), sizeof(T));
+  }
+  return ok_status();
+}
 
 // ---- row kernels: thin names over core's one table (core/row_kernels.h) ----
 // acc[i] = acc[i] + (0 + float(src[i]))     (weighted: acc[i] + w * (0 + float(src[i])))

@@ -100,6 +100,29 @@ Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint
   return ok_status();
 }
 
+StatusOr<std::vector<int64_t>> gather_pull_rows(World& w, std::span<const int64_t> row,
+                                                const Status& local, const char* call) {
+  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table, all_gather<int64_t>(w, row));
+  const int R = w.size();
+  const size_t width = row.size();
+  for (int r = 0; r < R; ++r) {
+    if (table[size_t(r) * width] != 0) {
+      // Every rank saw the failure in the table, so every rank calls agree.
+      Status agreed = w.agree(local);
+      if (agreed.ok()) return internal_error("rank ", r, " reported an error that agree() lost");
+      return agreed;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t hook = table[size_t(r) * width + 1];
+    if (hook != table[1]) {
+      return invalid_argument(call, ": return_recv_hook = ", table[1] != 0, " on rank 0 but ",
+                              hook != 0, " on rank ", r, "; it must be the same on every rank");
+    }
+  }
+  return table;
+}
+
 }  // namespace low_latency
 
 size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,

@@ -169,24 +169,12 @@ StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffe
     mine[4] = int64_t(reinterpret_cast<intptr_t>(in.handle->layout_range.data()));
   }
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table,
-                        all_gather<int64_t>(w, std::span<const int64_t>(mine)));
+                        low_latency::gather_pull_rows(w, std::span<const int64_t>(mine), local,
+                                                      "low_latency_combine"));
   const int R = w.size();
-  for (int r = 0; r < R; ++r) {
-    if (table[size_t(r) * mine.size()] != 0) {
-      // Every rank saw the failure in the table, so every rank calls agree.
-      Status agreed = w.agree(local);
-      if (agreed.ok()) return internal_error("rank ", r, " reported an error that agree() lost");
-      return agreed;
-    }
-  }
   std::vector<low_latency::PullSource> sources(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) {
     const int64_t* row = table.data() + size_t(r) * mine.size();
-    if (row[1] != table[1]) {
-      return invalid_argument("low_latency_combine: return_recv_hook = ", table[1] != 0,
-                              " on rank 0 but ", row[1] != 0, " on rank ", r,
-                              "; it must be the same on every rank");
-    }
     low_latency::PullSource& ps = sources[size_t(r)];
     ps.pulled = pulled;
     ps.acked = pulled;

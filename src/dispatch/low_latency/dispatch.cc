@@ -110,24 +110,12 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
     for (int e = 0; e < E; ++e) row[kFields + size_t(e)] = send_count[size_t(e)];
   }
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table,
-                        all_gather<int64_t>(w, std::span<const int64_t>(row)));
-  for (int r = 0; r < R; ++r) {
-    if (table[size_t(r) * width] != 0) {
-      // Every rank saw the failure in the table, so every rank calls agree.
-      Status agreed = w.agree(local);
-      if (agreed.ok()) return internal_error("rank ", r, " reported an error that agree() lost");
-      return agreed;
-    }
-  }
+                        low_latency::gather_pull_rows(w, std::span<const int64_t>(row), local,
+                                                      "low_latency_dispatch"));
   sources.assign(size_t(R), low_latency::PullSource{});
   count.assign(size_t(R) * size_t(L), 0);
   for (int r = 0; r < R; ++r) {
     const int64_t* t = table.data() + size_t(r) * width;
-    if (t[1] != table[1]) {
-      return invalid_argument("low_latency_dispatch: return_recv_hook = ", table[1] != 0,
-                              " on rank 0 but ", t[1] != 0, " on rank ", r,
-                              "; it must be the same on every rank");
-    }
     low_latency::PullSource& ps = sources[size_t(r)];
     ps.pulled = t[2] != 0;
     ps.acked = t[3] != 0;

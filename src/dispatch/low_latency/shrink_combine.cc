@@ -8,15 +8,14 @@
 
 namespace moed::low_latency {
 
-using shrink_protocol::Clock;
-using shrink_protocol::kFp8Flag;
-using shrink_protocol::kHeaderFp8Flag;
-using shrink_protocol::NetRows;
+using shrink_protocol::Call;
+using shrink_protocol::finish_receive;
+using shrink_protocol::open_call;
 using shrink_protocol::Peers;
 using shrink_protocol::publish;
 using shrink_protocol::State;
 using shrink_protocol::verdict_error;
-using shrink_protocol::wait_half_free;
+using shrink_protocol::wait_published;
 using shrink_protocol::word;
 
 namespace {
@@ -39,16 +38,10 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
     if (peers.masked(d)) continue;
     uint64_t verdict = 0;
     if (peers.in_node(d)) {
-      std::atomic<uint64_t>* sent = word(st, d, kSent, PullKind::kCombine, half);
-      MOED_ASSIGN_OR_RETURN(
-          bool ready, peers.wait(d, [&] { return sent->load(std::memory_order_acquire) >= n; }));
-      if (!ready) continue;
-      if (sent->load(std::memory_order_acquire) != n) {
-        MOED_RETURN_IF_ERROR(peers.removed_by(d));
-        return internal_error("low_latency_combine #", n, ": rank ", d, " published call ",
-                              sent->load(), " in this half");
-      }
-      verdict = word(st, d, kVerdict, PullKind::kCombine, half)->load(std::memory_order_relaxed);
+      MOED_ASSIGN_OR_RETURN(std::optional<uint64_t> published,
+                            wait_published(st, peers, PullKind::kCombine, half, n, d));
+      if (!published) continue;
+      verdict = *published;
       const std::byte* seg = st.segment(st.local_of(d));
       const auto* ranges = reinterpret_cast<const LowLatencyRange*>(seg + lay.shrink_ranges[half]);
       for (int j = 0; j < L && verdict == 0; ++j) {
@@ -82,9 +75,7 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
       for (int j = 0; j < L; ++j) first_row[size_t(d) * L + j] = nullptr;
     }
   }
-  for (size_t i = 0; i < ch.requests.size(); ++i) peers.wait(ch.send_peers[i], ch.requests[i]);
-  ch.requests.clear();
-  ch.send_peers.clear();
+  peers.wait_sends(ch.requests, ch.send_peers);
   ch.recvs.clear();  // dropped: cancelled where a masked peer never sent
   ch.recvs.resize(size_t(R));
 
@@ -103,10 +94,7 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
     }
     fold.flush();
   });
-  for (int d = 0; d < R; ++d) {
-    if (from_segment[size_t(d)]) MOED_RETURN_IF_ERROR(peers.removed_by(d));
-  }
-  word(st, me, kDone, PullKind::kCombine, half)->store(n, std::memory_order_release);
+  MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kCombine, half, n, from_segment));
   MOED_RETURN_IF_ERROR(ch.shrink_local);
   return bad;
 }
@@ -118,23 +106,15 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
                                                  const Status& local) {
   State& st = *sp;
   World& w = *st.world;
-  if (local.code() == StatusCode::kFailedPrecondition) return local;
   Peers peers(st, "low_latency_combine");
-  MOED_RETURN_IF_ERROR(peers.check_removed());
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
   const size_t row_bytes = size_t(H) * sizeof(bf16);
-  const int half = int(st.combines % 2);
-  const uint64_t n = ++st.combines;
-  const uint64_t seq = ++st.seq;
+  MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, PullKind::kCombine, st.combines,
+                                                   st.combine_half, local));
+  const int half = call.half;
+  const uint64_t n = call.n, seq = call.seq;
   CombineHalf& ch = st.combine_half[half];
-  ch.pending = true;
-  ch.shrink_local = local;
-  Status freed = wait_half_free(st, peers, PullKind::kCombine, half, n);
-  if (!freed.ok()) {
-    ch.pending = false;
-    return freed;
-  }
   const bool ok = local.ok();
   // NOTE: a bad call may carry no usable handle: it then neither sends nor receives messages
   // (their sizes come from the dispatch), and the ranks of other nodes mask this rank.
@@ -203,13 +183,9 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
       }
       rows += size_t(r.count);
     }
-    Request req;
-    peers.post(s, w.isend(s, message_tag(seq, MessageKind::kCombineData), m, 64 + rows * row_bytes),
-               req);
-    if (req) {
-      ch.requests.push_back(std::move(req));
-      ch.send_peers.push_back(s);
-    }
+    peers.post_send(
+        s, w.isend(s, message_tag(seq, MessageKind::kCombineData), m, 64 + rows * row_bytes),
+        ch.requests, ch.send_peers);
     at += 64 + rows * row_bytes;
   }
 

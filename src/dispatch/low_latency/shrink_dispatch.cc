@@ -8,16 +8,17 @@
 
 namespace moed::low_latency {
 
-using shrink_protocol::Clock;
+using shrink_protocol::Call;
+using shrink_protocol::finish_receive;
 using shrink_protocol::kFp8Flag;
 using shrink_protocol::kHeaderFp8Flag;
 using shrink_protocol::NetRows;
+using shrink_protocol::open_call;
 using shrink_protocol::Peers;
 using shrink_protocol::publish;
 using shrink_protocol::State;
 using shrink_protocol::verdict_error;
-using shrink_protocol::wait_half_free;
-using shrink_protocol::word;
+using shrink_protocol::wait_published;
 
 namespace {
 
@@ -46,16 +47,10 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     if (peers.masked(s)) continue;
     uint64_t verdict = 0;
     if (peers.in_node(s)) {
-      std::atomic<uint64_t>* sent = word(st, s, kSent, PullKind::kDispatch, half);
-      MOED_ASSIGN_OR_RETURN(
-          bool ready, peers.wait(s, [&] { return sent->load(std::memory_order_acquire) >= n; }));
-      if (!ready) continue;
-      if (sent->load(std::memory_order_acquire) != n) {
-        MOED_RETURN_IF_ERROR(peers.removed_by(s));
-        return internal_error("low_latency_dispatch #", n, ": rank ", s, " published call ",
-                              sent->load(), " in this half");
-      }
-      verdict = word(st, s, kVerdict, PullKind::kDispatch, half)->load(std::memory_order_relaxed);
+      MOED_ASSIGN_OR_RETURN(std::optional<uint64_t> published,
+                            wait_published(st, peers, PullKind::kDispatch, half, n, s));
+      if (!published) continue;
+      verdict = *published;
       const auto* c = reinterpret_cast<const std::atomic<uint64_t>*>(st.segment(st.local_of(s)) +
                                                                      lay.counts[half]);
       for (int j = 0; j < L; ++j) {
@@ -93,11 +88,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = 0;
     }
   }
-  for (size_t i = 0; i < dh.send_requests.size(); ++i) {
-    peers.wait(dh.send_peers[i], dh.send_requests[i]);
-  }
-  dh.send_requests.clear();
-  dh.send_peers.clear();
+  peers.wait_sends(dh.send_requests, dh.send_peers);
   dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
   dh.header_requests.resize(size_t(R));
 
@@ -149,12 +140,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
                     k * scale_bytes);
     }
   });
-  // A source that masked this rank meanwhile may have written the half again: what was read
-  // from it is not to be trusted, and this rank is out.
-  for (int s = 0; s < R; ++s) {
-    if (from_segment[size_t(s)]) MOED_RETURN_IF_ERROR(peers.removed_by(s));
-  }
-  word(st, me, kDone, PullKind::kDispatch, half)->store(n, std::memory_order_release);
+  MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kDispatch, half, n, from_segment));
   handle.layout_range = dh.layout_range;
   handle.received = true;
   MOED_RETURN_IF_ERROR(dh.shrink_local);
@@ -168,25 +154,15 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
                                                    const Status& local) {
   State& st = *sp;
   World& w = *st.world;
-  // A failed precondition (two dispatches in flight): the call does not happen here, and the
-  // peers mask this rank if it never does.
-  if (local.code() == StatusCode::kFailedPrecondition) return local;
   Peers peers(st, "low_latency_dispatch");
-  MOED_RETURN_IF_ERROR(peers.check_removed());
   const SegmentLayout& lay = st.layout;
-  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
+  const int R = lay.num_ranks, L = lay.num_local_experts, H = lay.hidden;
   const int64_t M = lay.max_tokens;
-  const int half = int(st.dispatches % 2);
-  const uint64_t n = ++st.dispatches;
-  const uint64_t seq = ++st.seq;
+  MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, PullKind::kDispatch, st.dispatches,
+                                                   st.dispatch_half, local));
+  const int half = call.half;
+  const uint64_t n = call.n, seq = call.seq;
   DispatchHalf& dh = st.dispatch_half[half];
-  dh.pending = true;
-  dh.shrink_local = local;
-  Status freed = wait_half_free(st, peers, PullKind::kDispatch, half, n);
-  if (!freed.ok()) {
-    dh.pending = false;
-    return freed;
-  }
 
   const bool ok = local.ok(), fp8 = in.use_fp8;
   const int64_t T = ok ? in.x.rows : 0;
@@ -262,11 +238,8 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
     header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
     for (int j = 0; j < L; ++j) header[1 + j] = ok ? handle->send_count[size_t(d) * L + j] : 0;
     auto send = [&](const void* data, size_t bytes, MessageKind kind) {
-      Request r;
-      peers.post(d, w.isend(d, message_tag(seq, kind), data, bytes), r);
-      if (!r) return;
-      dh.send_requests.push_back(std::move(r));
-      dh.send_peers.push_back(d);
+      peers.post_send(d, w.isend(d, message_tag(seq, kind), data, bytes), dh.send_requests,
+                      dh.send_peers);
     };
     send(header, size_t(L + 1) * sizeof(int32_t), MessageKind::kDispatchHeader);
     if (block_rows[size_t(d)] > 0) {

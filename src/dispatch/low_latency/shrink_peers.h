@@ -20,7 +20,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/low_latency/state.h"
@@ -43,6 +45,7 @@ class Peers {
 
   bool masked(int r) const { return word(kMask + size_t(r))->load(std::memory_order_acquire) != 0; }
   bool in_node(int r) const { return w_.same_node(r, w_.rank()); }
+  const char* call() const { return call_; }
 
   void mask(int r, const std::string& why) {
     if (masked(r)) return;
@@ -116,6 +119,22 @@ class Peers {
     }
   }
 
+  // A call's sends: each posted one kept in `requests`, its rank in `ranks`, until wait_sends
+  // waits for them all (each as wait(r, request)) and forgets them.
+  void post_send(int r, StatusOr<Request> posted, std::vector<Request>& requests,
+                 std::vector<int>& ranks) {
+    Request request;
+    post(r, std::move(posted), request);
+    if (!request) return;
+    requests.push_back(std::move(request));
+    ranks.push_back(r);
+  }
+  void wait_sends(std::vector<Request>& requests, std::vector<int>& ranks) {
+    for (size_t i = 0; i < requests.size(); ++i) wait(ranks[i], requests[i]);
+    requests.clear();
+    ranks.clear();
+  }
+
  private:
   std::atomic<uint64_t>* word(size_t index) const {
     return st_.shrink_word(w_.local_rank(), index);
@@ -147,6 +166,64 @@ inline Status wait_half_free(State& st, Peers& peers, PullKind kind, int half, u
     MOED_RETURN_IF_ERROR(
         peers.wait(p, [&] { return done->load(std::memory_order_acquire) >= n - 2; }).status());
   }
+  return ok_status();
+}
+
+// The numbers of one shrink-mode call.
+struct Call {
+  int half;
+  uint64_t n;    // the call of its kind, 1-based
+  uint64_t seq;  // the operation (message tags)
+};
+
+// Opens the next call of `kind` (`calls` and `halves`: that kind's count and halves): its half
+// is pending, with this rank's input check `local`, once it is free (wait_half_free).
+// A failed precondition (two calls in flight): the call does not happen here, and the peers
+// mask this rank if it never does.
+template <typename Half>
+StatusOr<Call> open_call(State& st, Peers& peers, PullKind kind, uint64_t& calls, Half (&halves)[2],
+                         const Status& local) {
+  if (local.code() == StatusCode::kFailedPrecondition) return local;
+  MOED_RETURN_IF_ERROR(peers.check_removed());
+  const int half = int(calls % 2);
+  const Call call{half, ++calls, ++st.seq};
+  Half& h = halves[half];
+  h.pending = true;
+  h.shrink_local = local;
+  Status freed = wait_half_free(st, peers, kind, half, call.n);
+  if (!freed.ok()) {
+    h.pending = false;
+    return freed;
+  }
+  return call;
+}
+
+// Waits until in-node peer r has published its part of call n in half `half`: its verdict;
+// none once r is masked.
+inline StatusOr<std::optional<uint64_t>> wait_published(State& st, Peers& peers, PullKind kind,
+                                                        int half, uint64_t n, int r) {
+  std::atomic<uint64_t>* sent = word(st, r, kSent, kind, half);
+  MOED_ASSIGN_OR_RETURN(bool ready,
+                        peers.wait(r, [&] { return sent->load(std::memory_order_acquire) >= n; }));
+  if (!ready) return std::optional<uint64_t>();
+  if (sent->load(std::memory_order_acquire) != n) {
+    MOED_RETURN_IF_ERROR(peers.removed_by(r));
+    return internal_error(peers.call(), " #", n, ": rank ", r, " published call ", sent->load(),
+                          " in this half");
+  }
+  return std::optional<uint64_t>(
+      word(st, r, kVerdict, kind, half)->load(std::memory_order_relaxed));
+}
+
+// Ends this rank's receive of call n: done with half `half`. A peer it read from (from_segment)
+// that masked this rank meanwhile may have written the half again: what was read from it is
+// not to be trusted, and this rank is out.
+inline Status finish_receive(State& st, Peers& peers, PullKind kind, int half, uint64_t n,
+                             const std::vector<bool>& from_segment) {
+  for (size_t r = 0; r < from_segment.size(); ++r) {
+    if (from_segment[r]) MOED_RETURN_IF_ERROR(peers.removed_by(int(r)));
+  }
+  word(st, st.world->rank(), kDone, kind, half)->store(n, std::memory_order_release);
   return ok_status();
 }
 
