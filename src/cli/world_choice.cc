@@ -9,6 +9,7 @@
 #include "cli/registry.h"
 #include "moed/threads_world.h"
 #ifdef MOED_WITH_MPI
+#include "comm/mpi/process.h"
 #include "moed/mpi_world.h"
 #endif
 
@@ -57,8 +58,7 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& wor
     if (!initialized) {
       // MPI_THREAD_MULTIPLE lets an async dispatch run on its own thread (World::
       // calls_from_any_thread); with less, moed runs async steps eagerly.
-      int provided = 0;
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      mpi::init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE);
       // NOTE: every World is dropped before exit, so finalising at exit is safe, unless a
       // world failed: then a peer may never reach MPI_Finalize, so exit without it.
       std::atexit([] {
@@ -66,7 +66,7 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& wor
           std::fflush(nullptr);
           std::_Exit(1);
         }
-        MPI_Finalize();
+        mpi::finalize();
       });
     }
     MOED_ASSIGN_OR_RETURN(std::unique_ptr<World> w, make_mpi_world(MPI_COMM_WORLD, options));

@@ -13,6 +13,7 @@
 #include "python/interop.h"
 #include "python/world_handle.h"
 #if MOED_WITH_MPI
+#include "comm/mpi/process.h"
 #include "moed/mpi_world.h"
 #endif
 
@@ -200,9 +201,8 @@ std::shared_ptr<WorldHandle> mpi_world(int ranks_per_node, double timeout_s, int
     int inited = 0;
     MPI_Initialized(&inited);
     if (!inited) {
-      int provided = 0;
       // MULTIPLE: async steps then run on their own thread (World::calls_from_any_thread).
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      mpi::init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE);
       g_mpi_we_initialized = true;
     }
     w = make_mpi_world(MPI_COMM_WORLD, opts);
@@ -313,7 +313,7 @@ void bind_world(py::module_& m) {
     // leave without it, and mpirun ends the job.
     if (g_mpi_we_initialized && !fin && !mpi_peer_may_be_gone()) {
       py::gil_scoped_release nogil;
-      MPI_Finalize();
+      mpi::finalize();
     }
 #endif
   });

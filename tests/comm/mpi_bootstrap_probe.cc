@@ -9,11 +9,11 @@
 #include <cstdio>
 #include <thread>
 
+#include "comm/mpi/process.h"
 #include "moed/mpi_world.h"
 
 int main(int argc, char** argv) {
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  moed::mpi::init_thread(&argc, &argv, MPI_THREAD_FUNNELED);
   int rank = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -28,6 +28,6 @@ int main(int argc, char** argv) {
   // without MPI_Finalize and ends the job.
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
   if (moed::mpi_peer_may_be_gone()) _exit(0);
-  MPI_Finalize();
+  moed::mpi::finalize();
   return 0;
 }

@@ -10,6 +10,8 @@
 #include "support/world_test.h"
 #ifdef MOED_WITH_MPI
 #include <mpi.h>
+
+#include "comm/mpi/process.h"
 #endif
 
 namespace {
@@ -35,9 +37,8 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 };
 
 int run_on_mpi(int argc, char** argv) {
-  int provided = 0;
   // MULTIPLE, as moed's tools ask for: async steps then really run on their own thread.
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  moed::mpi::init_thread(&argc, &argv, MPI_THREAD_MULTIPLE);
   ::testing::InitGoogleTest(&argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -47,7 +48,7 @@ int run_on_mpi(int argc, char** argv) {
     listeners.Append(new RankFailurePrinter(rank));
   }
   const int result = RUN_ALL_TESTS();
-  MPI_Finalize();
+  moed::mpi::finalize();
   return result;
 }
 #endif
