@@ -131,6 +131,8 @@ struct ReplayResult {
 // Errors name the trace and the value: an index >= E, E not a multiple of R, T not a multiple
 // of R, G not dividing R, kProbs asked for.
 StatusOr<ReplayResult> replay_trace(const RoutingTrace& trace, const ReplayOptions& options);
+// max / mean of counts (0 when empty or all zero): ReplayResult's imbalances.
+double imbalance(const std::vector<int64_t>& counts);
 
 // A fixed-width text report (what `moed replay` prints).
 std::string replay_table(const ReplayResult& r);

@@ -25,13 +25,6 @@ struct Heatmap {
 };
 
 
-double imbalance(const std::vector<int64_t>& v) {
-  if (v.empty()) return 0.0;
-  const double sum = double(std::accumulate(v.begin(), v.end(), int64_t(0)));
-  const int64_t max = *std::max_element(v.begin(), v.end());
-  return sum > 0 ? double(max) * double(v.size()) / sum : 0.0;
-}
-
 std::string draw(const Heatmap& h) {
   const int rows = int(h.values.size()), cols = std::max(h.columns, 1);
   const double left = 150, top = 84, pw = 720, note_w = 150, legend_w = 130, bottom = 64;

@@ -115,13 +115,6 @@ Status check_options(const RoutingTrace& trace, const ReplayOptions& o, int num_
   return ok_status();
 }
 
-double imbalance(const std::vector<int64_t>& v) {
-  const int64_t sum = std::accumulate(v.begin(), v.end(), int64_t(0));
-  if (sum == 0 || v.empty()) return 0.0;
-  const double mean = double(sum) / double(v.size());
-  return double(*std::max_element(v.begin(), v.end())) / mean;
-}
-
 // Per-step bytes of each rank for both schemes (the model in moed/replay.h).
 struct StepBytes {
   std::vector<int64_t> flat_shared, flat_network, flex_shared, flex_network;
@@ -147,6 +140,13 @@ void add_into(std::vector<int64_t>& acc, const std::vector<int64_t>& v) {
 }
 
 }  // namespace
+
+double imbalance(const std::vector<int64_t>& v) {
+  const int64_t sum = std::accumulate(v.begin(), v.end(), int64_t(0));
+  if (sum == 0 || v.empty()) return 0.0;
+  const double mean = double(sum) / double(v.size());
+  return double(*std::max_element(v.begin(), v.end())) / mean;
+}
 
 StatusOr<ReplayResult> replay_trace(const RoutingTrace& trace, const ReplayOptions& o) {
   const int E = o.num_experts > 0 ? o.num_experts : trace.max_index() + 1;
