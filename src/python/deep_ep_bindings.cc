@@ -22,9 +22,6 @@
 namespace moed::python {
 namespace {
 
-constexpr std::initializer_list<DType> kPayload = {DType::kF32, DType::kBF16, DType::kFP8};
-constexpr std::initializer_list<DType> kFloatRows = {DType::kF32, DType::kBF16};
-
 struct NormalHandleBox {
   std::shared_ptr<const deep_ep::NormalHandle> h;
 };
@@ -176,8 +173,9 @@ py::tuple dispatch_layout(DeepEpBox& b, py::handle topk_idx, int num_experts) {
 // The C++ API's own loop, for the benchmark beside moed.deep_ep (same process, same run): per
 // iteration get_dispatch_layout, dispatch, then combine(recv_x with recv_topk_weights);
 // returns each iteration's seconds.
-std::vector<double> bench_cpp(DeepEpBox& b, py::handle x, py::handle topk_idx,
-                              py::handle topk_weights, int num_experts, int iters, int warmup) {
+std::vector<double> bench_deep_ep_cpp(DeepEpBox& b, py::handle x, py::handle topk_idx,
+                                      py::handle topk_weights, int num_experts, int iters,
+                                      int warmup) {
   deep_ep::NormalDispatchInput in;
   py::object keep_scales, keep_idx, keep_weights;
   in.x = token_rows_arg(x, py::none(), "x", kFloatRows, keep_scales);
@@ -250,8 +248,8 @@ void bind_deep_ep_normal(py::module_& m, DeepEpClass& buffer) {
   buffer.def("get_dispatch_layout", &dispatch_layout, py::arg("topk_idx"), py::arg("num_experts"))
       .def("dispatch", &normal_dispatch, py::arg("args"))
       .def("combine", &normal_combine, py::arg("args"))
-      .def("_bench_cpp", &bench_cpp, py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"),
-           py::arg("num_experts"), py::arg("iters"), py::arg("warmup"));
+      .def("_bench_cpp", &bench_deep_ep_cpp, py::arg("x"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("num_experts"), py::arg("iters"), py::arg("warmup"));
 }
 
 void bind_deep_ep(py::module_& m) {

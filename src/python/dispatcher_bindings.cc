@@ -14,14 +14,12 @@
 
 #include "moed/dispatcher.h"
 #include "python/bindings.h"
+#include "python/collective_args.h"
 #include "python/interop.h"
 #include "python/world_handle.h"
 
 namespace moed::python {
 namespace {
-
-constexpr std::initializer_list<DType> kPayload = {DType::kF32, DType::kBF16, DType::kFP8};
-constexpr std::initializer_list<DType> kFloatRows = {DType::kF32, DType::kBF16};
 
 struct HandleBox {
   std::shared_ptr<const DispatchHandle> h;
@@ -52,13 +50,6 @@ class DispatcherBox : public Closable {
   TopkView topk;
   Request d_req, c_req;
 };
-
-// Runs a C++ call without the GIL and raises its error.
-template <typename F>
-auto nogil(F&& f) {
-  py::gil_scoped_release release;
-  return f();
-}
 
 void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
                       py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk,
@@ -183,8 +174,9 @@ std::shared_ptr<DispatcherBox> make_dispatcher(
   return box;
 }
 
-std::vector<double> bench_cpp(DispatcherBox& b, py::handle x, py::handle routing_map,
-                              py::handle probs, int num_topk, int iters, int warmup, int between) {
+std::vector<double> bench_dispatcher_cpp(DispatcherBox& b, py::handle x, py::handle routing_map,
+                                         py::handle probs, int num_topk, int iters, int warmup,
+                                         int between) {
   if (between < 0 || between > 3) {
     throw py::value_error("between = " + std::to_string(between) + " is not 0, 1, 2 or 3");
   }
@@ -403,7 +395,7 @@ void bind_dispatcher(py::module_& m) {
       // returns each iteration's seconds. `between` splits the Python path's extra (bench_python
       // --split): 0, the two calls; 1, the six steps; 2, the six steps with the GIL taken
       // between them; 3, the same with one trivial Python call (time.perf_counter) there.
-      .def("_bench_cpp", &bench_cpp, py::arg("hidden_states"), py::arg("routing_map"),
+      .def("_bench_cpp", &bench_dispatcher_cpp, py::arg("hidden_states"), py::arg("routing_map"),
            py::arg("probs"), py::arg("num_topk"), py::arg("iters"), py::arg("warmup"),
            py::arg("between") = 0)
       // ---- backward ----

@@ -75,6 +75,9 @@ TensorInfo tensor_info(py::handle t, const char* name);
 // A 1-D tensor is not accepted (ValueError naming the shape).
 TensorView rows_arg(py::handle t, const char* name, std::initializer_list<DType> allowed,
                     int64_t rows = -1, int64_t cols = -1);
+// The row formats the dispatchers take: any payload, and rows they sum (float formats).
+inline constexpr std::initializer_list<DType> kPayload = {DType::kF32, DType::kBF16, DType::kFP8};
+inline constexpr std::initializer_list<DType> kFloatRows = {DType::kF32, DType::kBF16};
 // Token rows: x (f32, bf16, or fp8 when `scales` is a float32 [rows, cols / 128] tensor, in
 // either major order: column-major scales are copied row-major into keep_scales, which must
 // live as long as the view).

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "moed/dtype.h"
+#include "support/bits.h"
 
 namespace moed {
 namespace {
@@ -20,11 +21,7 @@ namespace {
 // The float constant DeepEP's kernel multiplies by (kFinfoAmaxInvE4M3).
 constexpr float kInv448 = 1.0f / 448.0f;
 
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
+using testing::same_bits;
 
 // Spec §6 by hand: amax = max(|x|, 1e-4), scale_inv = amax * (1 / 448), value x * (448 / amax)
 // rounded to nearest even; round_scale: scale_inv rounded up to a power of two.

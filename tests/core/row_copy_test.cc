@@ -18,9 +18,9 @@ struct Case {
 };
 
 void check(const Case& c, ThreadPool* pool) {
-  SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " pads "
-                                  << c.src_pad << "/" << c.dst_pad << " count " << c.count
-                                  << (pool ? " pooled" : ""));
+  SCOPED_TRACE(::testing::Message()
+               << "rows " << c.rows << " cols " << c.cols << " pads " << c.src_pad << "/"
+               << c.dst_pad << " count " << c.count << (pool ? " pooled" : ""));
   const int64_t ss = c.cols + c.src_pad, ds = c.cols + c.dst_pad;
   std::vector<float> src(size_t(c.rows * ss)), dst(size_t(c.rows * ds));
   std::mt19937 rng(uint32_t(c.rows * 31 + c.cols));

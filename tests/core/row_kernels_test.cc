@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "moed/dtype.h"
+#include "support/bits.h"
 
 namespace moed {
 namespace internal {
@@ -106,11 +107,7 @@ std::string fmt(const A&... a) {
   return o.str();
 }
 
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
+using testing::same_bits;
 
 template <typename T>
 std::vector<uint8_t> bytes_of(const std::vector<T>& v) {

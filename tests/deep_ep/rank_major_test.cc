@@ -139,7 +139,7 @@ bf16 y_value(const Problem& p, int r, int s, int64_t t, int h) {
   return float_to_bf16(x_value(p, s, t, h) * float(r + 1) + 0.5f);
 }
 
-Status expect(bool ok, const std::string& what) { return ok ? ok_status() : internal_error(what); }
+using testing::expect;
 
 // Checks one dispatch output against the reference (rows [0, n) real, the rest padding).
 Status check_recv(const Problem& p, int r, const deep_ep::NormalDispatchOutput& d, bool topk) {

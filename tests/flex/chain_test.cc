@@ -19,8 +19,7 @@ namespace moed {
 namespace {
 
 using testing::Backend;
-
-Status expect(bool ok, const std::string& what) { return ok ? ok_status() : internal_error(what); }
+using testing::expect;
 
 // Experts of every token on several nodes: E = 4 per rank, K from 1 to E.
 std::vector<testing::DispatchCase> chain_cases() {

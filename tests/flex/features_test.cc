@@ -95,7 +95,7 @@ Problem make_problem(DType dtype, int ranks, int ranks_per_node, int num_experts
   return p;
 }
 
-Status expect(bool ok, const std::string& what) { return ok ? ok_status() : internal_error(what); }
+using testing::expect;
 
 class FlexFeatures : public ::testing::TestWithParam<Backend> {};
 

@@ -101,7 +101,7 @@ TEST(Permute, MatchesBruteForceEveryOptionDtypeAndThreadCount) {
       const int ee = c.ee < 0 ? c.E : c.ee;
       const BruteLayout want = brute_layout(m, c.eb, ee, c.cap, c.align);
       for (int threads : {1, 2, 3}) {
-        SCOPED_TRACE(testing::Message()
+        SCOPED_TRACE(::testing::Message()
                      << "T=" << c.T << " E=" << c.E << " K=" << c.K << " [" << c.eb << "," << ee
                      << ") cap=" << c.cap.value_or(-1) << " align=" << c.align << " "
                      << dtype_name(dtype) << " threads=" << threads);
@@ -154,7 +154,7 @@ TEST(Unpermute, MatchesBruteForceWeightedAndUnweighted) {
       for (bool weighted : {false, true}) {
         const std::vector<float> want = brute_unpermute_f32(y.x.view(), l, c.T, c.E, weighted);
         for (int threads : {1, 2, 3}) {
-          SCOPED_TRACE(testing::Message()
+          SCOPED_TRACE(::testing::Message()
                        << "T=" << c.T << " E=" << c.E << " K=" << c.K << " " << dtype_name(dtype)
                        << " weighted=" << weighted << " threads=" << threads);
           StatusOr<Tensor> out =
@@ -229,8 +229,8 @@ TEST(UnpermuteBackward, DispatchesGradOutAndDotsProbGrads) {
       const TokenTensor y = random_tokens(yd, N, H, 23);
       for (bool weighted : {false, true}) {
         for (int threads : {1, 2, 3}) {
-          SCOPED_TRACE(testing::Message() << dtype_name(gd) << "/" << dtype_name(yd)
-                                          << " weighted=" << weighted << " threads=" << threads);
+          SCOPED_TRACE(::testing::Message() << dtype_name(gd) << "/" << dtype_name(yd)
+                                            << " weighted=" << weighted << " threads=" << threads);
           StatusOr<UnpermuteGrad> grad = unpermute_backward(
               g.x.view(), l.sorted_indices,
               weighted ? std::span<const float>(l.probs) : std::span<const float>(), y.x.view(),

@@ -80,12 +80,12 @@ TEST(PermuteVsReference, DispatchCombineAndBothBackwardsBitForBit) {
       for (int64_t r = 0; r < N; ++r) grad_pprobs[size_t(r)] = float(r % 7) * 0.375f - 1.0f;
 
       for (int threads : {1, 2, 3}) {
-        SCOPED_TRACE(testing::Message() << "T=" << c.T << " E=" << c.E << " K=" << c.K
-                                        << " align=" << c.layout.expert_alignment
-                                        << " cf=" << c.layout.capacity_factor.value_or(0)
-                                        << " pad=" << c.layout.pad_to_capacity
-                                        << " m=" << c.layout.router_padding_multiple << " "
-                                        << dtype_name(dtype) << " threads=" << threads);
+        SCOPED_TRACE(::testing::Message() << "T=" << c.T << " E=" << c.E << " K=" << c.K
+                                          << " align=" << c.layout.expert_alignment
+                                          << " cf=" << c.layout.capacity_factor.value_or(0)
+                                          << " pad=" << c.layout.pad_to_capacity
+                                          << " m=" << c.layout.router_padding_multiple << " "
+                                          << dtype_name(dtype) << " threads=" << threads);
         ThreadPool& pool = pool_of(threads);
         StatusOr<PermuteOutput> got = permute(x.rows(), (*eff)[0], o, pool);
         ASSERT_TRUE(got.ok()) << got.status().to_string();

@@ -66,8 +66,8 @@ TEST(SortChunks, MatchesBruteForceWithAndWithoutGaps) {
         const TokenTensor x = random_tokens(dtype, in_rows, H, 3);
         const std::vector<int64_t> src = brute_sources(p);
         for (int threads : {1, 2, 3}) {
-          SCOPED_TRACE(testing::Message() << dtype_name(dtype) << " gaps=" << gaps
-                                          << " ranks=" << ranks << " threads=" << threads);
+          SCOPED_TRACE(::testing::Message() << dtype_name(dtype) << " gaps=" << gaps
+                                            << " ranks=" << ranks << " threads=" << threads);
           TokenTensor out;
           out.x = Tensor::empty(dtype, p.output_rows, H);
           std::memset(out.x.data(), 0xab, out.x.bytes());  // gaps must be zeroed

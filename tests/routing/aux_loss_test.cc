@@ -253,8 +253,8 @@ TEST(RouterBackward, MatchesFiniteDifferences) {
 
           std::vector<double> x(logits.begin(), logits.end());
           const std::vector<int> map = aux_map(d_aux_scores(x, T, 6, K, f), T, 6, K);
-          SCOPED_TRACE(testing::Message() << score_function_name(f) << " pre=" << pre << " K=" << K
-                                          << " lb=" << load_balancing_name(lb));
+          SCOPED_TRACE(::testing::Message() << score_function_name(f) << " pre=" << pre
+                                            << " K=" << K << " lb=" << load_balancing_name(lb));
           expect_gradient(logits, *grad, [&](const std::vector<double>& y) {
             const std::vector<double> p = d_router_probs(c, out, y);
             double j = 0.0;

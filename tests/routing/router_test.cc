@@ -137,7 +137,7 @@ TEST(Router, ForwardMatchesBruteForce) {
                   std::vector<int32_t> idx;
                   std::vector<float> probs;
                   brute_force(c, logits, T, bias, idx, probs);
-                  SCOPED_TRACE(testing::Message()
+                  SCOPED_TRACE(::testing::Message()
                                << score_function_name(f) << " pre=" << pre << " E=" << E
                                << " K=" << K << " groups=" << groups << " bias=" << use_bias
                                << " ties=" << ties << " T=" << T);

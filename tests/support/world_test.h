@@ -74,6 +74,11 @@ std::string backend_param_name(const ParamInfo& info) {
 Status run_world(Backend b, int ranks, int ranks_per_node,
                  const std::function<Status(World&)>& body, WorldOptions opts = {});
 
+// A check inside a world body: OK, or an internal error saying `what`.
+inline Status expect(bool ok, const std::string& what) {
+  return ok ? ok_status() : internal_error(what);
+}
+
 // Collective: OK when `value` has the same bytes on every rank, else an error naming the
 // first rank that differs from rank 0 and the first differing element.
 template <typename T>

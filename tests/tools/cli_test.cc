@@ -193,7 +193,7 @@ TEST(CliDispatch, EqualsReferenceForEachDispatcher) {
   const int64_t T = 6, H = 16;
   uint32_t seed = 11;
   for (const DispatchCase& c : dispatch_cases()) {
-    SCOPED_TRACE(testing::Message()
+    SCOPED_TRACE(::testing::Message()
                  << c.dispatcher << " R=" << c.ranks << " G=" << c.ranks_per_node
                  << " etp=" << c.etp << " " << dtype_name(c.dtype) << " " << c.flags);
     const int R = c.ranks;

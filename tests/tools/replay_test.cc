@@ -187,7 +187,7 @@ TEST(Replay, MatchesDirectCount) {
                         {1, 35, 7, 7, 7, 7, 2.0, false}};
   uint32_t seed = 1;
   for (const Case& c : cases) {
-    SCOPED_TRACE(testing::Message()
+    SCOPED_TRACE(::testing::Message()
                  << "T=" << c.T << " K=" << c.K << " E=" << c.E << " R=" << c.R << " G=" << c.G);
     const RoutingTrace tr = random_trace(c.steps, c.T, c.K, c.E, seed++, c.skewed);
     const ReplayOptions o{.num_experts = c.E,
