@@ -22,7 +22,7 @@
 #include <mpi.h>
 #endif
 
-namespace moed::bench {
+namespace moed::bench::alltoallv_bench {
 namespace {
 
 struct Args : WorldArgs, ReportArgs {
@@ -192,4 +192,4 @@ void setup(CLI::App& bench) {
 MOED_CLI_COMMAND("bench", setup);
 
 }  // namespace
-}  // namespace moed::bench
+}  // namespace moed::bench::alltoallv_bench

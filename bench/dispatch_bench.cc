@@ -42,7 +42,7 @@
 #include "moed/flex.h"
 #include "moed/reference.h"
 
-namespace moed::bench {
+namespace moed::bench::dispatch_bench {
 namespace {
 
 struct Args : WorldArgs, ReportArgs {
@@ -393,4 +393,4 @@ void setup(CLI::App& bench) {
 
 MOED_CLI_COMMAND("bench", setup);
 
-}  // namespace moed::bench
+}  // namespace moed::bench::dispatch_bench

@@ -30,7 +30,7 @@
 #include "moed/dispatcher.h"
 #include "moed/low_latency.h"
 
-namespace moed::bench {
+namespace moed::bench::low_latency_bench {
 namespace {
 
 struct Args : WorldArgs, ReportArgs {
@@ -444,4 +444,4 @@ void setup(CLI::App& bench) {
 
 MOED_CLI_COMMAND("bench", setup);
 
-}  // namespace moed::bench
+}  // namespace moed::bench::low_latency_bench

@@ -14,7 +14,7 @@
 #include "moed/permute.h"
 #include "moed/reference.h"
 
-namespace moed::bench {
+namespace moed::bench::permute_bench {
 namespace {
 
 struct Args : ReportArgs {
@@ -117,4 +117,4 @@ void setup(CLI::App& bench) {
 
 MOED_CLI_COMMAND("bench", setup);
 
-}  // namespace moed::bench
+}  // namespace moed::bench::permute_bench

@@ -25,7 +25,7 @@
 #include "moed/low_latency.h"
 #include "moed/reference.h"
 
-namespace moed::bench {
+namespace moed::bench::sweep_bench {
 namespace {
 
 struct SweepArgs : ReportArgs {
@@ -385,6 +385,6 @@ void setup(CLI::App& bench) {
 }
 
 }  // namespace
-}  // namespace moed::bench
+}  // namespace moed::bench::sweep_bench
 
-MOED_CLI_COMMAND("bench", moed::bench::setup);
+MOED_CLI_COMMAND("bench", moed::bench::sweep_bench::setup);

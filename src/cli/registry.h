@@ -43,4 +43,4 @@ struct Registrar {
 #define MOED_CLI_CONCAT_INNER(a, b) a##b
 #define MOED_CLI_CONCAT(a, b) MOED_CLI_CONCAT_INNER(a, b)
 #define MOED_CLI_COMMAND(parent, fn) \
-  static ::moed::cli::Registrar MOED_CLI_CONCAT(moed_cli_registrar_, __LINE__)(parent, fn)
+  static ::moed::cli::Registrar MOED_CLI_CONCAT(moed_cli_registrar_, __COUNTER__)(parent, fn)

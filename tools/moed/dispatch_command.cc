@@ -40,7 +40,7 @@
 #include "moed/world.h"
 #include "tools/moed/trace_input.h"
 
-namespace moed::cli {
+namespace moed::cli::dispatch_command {
 namespace {
 
 struct DispatchArgs {
@@ -453,4 +453,4 @@ void setup(CLI::App& app) {
 
 MOED_CLI_COMMAND("", setup);
 
-}  // namespace moed::cli
+}  // namespace moed::cli::dispatch_command

@@ -16,7 +16,7 @@
 #include "replay/svg.h"
 #include "tools/moed/trace_input.h"
 
-namespace moed::cli {
+namespace moed::cli::plan_command {
 namespace {
 
 struct PlanArgs {
@@ -196,4 +196,4 @@ void setup(CLI::App& app) {
 
 MOED_CLI_COMMAND("", setup);
 
-}  // namespace moed::cli
+}  // namespace moed::cli::plan_command

@@ -22,7 +22,7 @@
 #include "moed/replay.h"
 #include "tools/moed/trace_input.h"
 
-namespace moed::cli {
+namespace moed::cli::replay_command {
 namespace {
 
 struct ReplayArgs {
@@ -227,4 +227,4 @@ void setup(CLI::App& app) {
 
 MOED_CLI_COMMAND("", setup);
 
-}  // namespace moed::cli
+}  // namespace moed::cli::replay_command

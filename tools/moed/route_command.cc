@@ -26,7 +26,7 @@
 #include "moed/npy.h"
 #include "moed/router.h"
 
-namespace moed::cli {
+namespace moed::cli::route_command {
 namespace {
 
 struct RouteArgs {
@@ -194,4 +194,4 @@ void setup(CLI::App& app) {
 
 MOED_CLI_COMMAND("", setup);
 
-}  // namespace moed::cli
+}  // namespace moed::cli::route_command

@@ -31,7 +31,7 @@
 #include "moed/moe_layer.h"
 #include "moed/threads_world.h"
 
-namespace moed::cli {
+namespace moed::cli::run_command {
 namespace {
 
 struct Preset {
@@ -590,6 +590,6 @@ void setup(CLI::App& app) {
 }
 
 }  // namespace
-}  // namespace moed::cli
+}  // namespace moed::cli::run_command
 
-MOED_CLI_COMMAND("", moed::cli::setup);
+MOED_CLI_COMMAND("", moed::cli::run_command::setup);
