@@ -99,9 +99,9 @@ struct LowLatencyDispatchInput {
   Status caller_error = Status();
 };
 
-// Views into the buffer's current dispatch half: valid until the dispatch after next (the one
-// that reuses this half) is called. With return_recv_hook their contents are valid only after
-// hook->wait().
+// Views of memory the output owns: valid and unchanged while any copy of `storage` is held,
+// whatever later calls do (the lifetime rule of moed/dispatcher.h), also after the buffer and
+// its world are gone. With return_recv_hook their contents are valid only after hook->wait().
 struct LowLatencyDispatchOutput {
   int num_local_experts = 0;    // L
   int64_t rows_per_expert = 0;  // R * max_tokens_per_rank
@@ -118,6 +118,7 @@ struct LowLatencyDispatchOutput {
   // Never null: with return_recv_hook the receive half (wait() runs it; ready() is false
   // until then), else an already-completed request.
   Request hook;
+  std::shared_ptr<void> storage;  // holds every view above
 
   TensorView expert_x(int j) const {
     return recv.x.slice_rows(j * rows_per_expert, rows_per_expert);

@@ -25,12 +25,33 @@ class DeepEpBox : public Closable {
  public:
   // (num_max_dispatch_tokens_per_rank, hidden, num_experts): one low-latency buffer each.
   using Shape = std::tuple<int64_t, int, int>;
-  // DeepEP's zero-copy combine buffers of one shape: two bf16 [L, R * M, H] tensors (moed's
-  // memory, alternating as DeepEP's two halves do) and which one the next combine reads.
+  // DeepEP's zero-copy combine buffers of one shape: two bf16 [L * R * M, H] tensors (alternating
+  // as DeepEP's two halves do) and which one the next combine reads. C++ memory, so that the
+  // torch views handed out may be freed on any thread (a DLPack owner holds no Python object).
   struct NextCombine {
-    std::array<py::object, 2> buffers;
+    std::array<std::shared_ptr<Tensor>, 2> buffers;
     int next = 0;
     bool pending = false;  // get_next_low_latency_combine_buffer was called for the next combine
+  };
+  // A receive handed out as a hook. close() runs the ones still pending, so that none runs later
+  // on a world that has gone; the hook then finds it done.
+  class PendingReceive {
+   public:
+    explicit PendingReceive(Request r) : request_(std::move(r)) {}
+    // Runs the receive once (without the GIL); every later call returns its status.
+    Status run() {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (request_) {
+        status_ = request_->wait();
+        request_.reset();
+      }
+      return status_;
+    }
+
+   private:
+    std::mutex mu_;
+    Request request_;
+    Status status_;
   };
 
   // Shrink mode: the low-latency segment (num_rdma_bytes) is made here, while every rank is
@@ -53,9 +74,30 @@ class DeepEpBox : public Closable {
     }));
   }
   void close() override {
+    std::vector<std::weak_ptr<PendingReceive>> pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending.swap(pending_);
+    }
+    for (auto& p : pending)
+      if (auto r = p.lock()) r->run().ignore();
     std::lock_guard<std::mutex> lock(mu_);
     normal_.reset();
     ll_.clear();
+    next_combine_.clear();
+    closed_ = true;
+  }
+  // Registers a hook's receive with close() (called with the GIL, by the rank's own thread).
+  std::shared_ptr<PendingReceive> pending_receive(Request r) {
+    auto p = std::make_shared<PendingReceive>(std::move(r));
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(pending_, [](const std::weak_ptr<PendingReceive>& w) { return w.expired(); });
+    pending_.push_back(p);
+    return p;
+  }
+  void check_open() const {
+    if (closed_)
+      throw std::runtime_error("moed.deep_ep: this Buffer was destroyed or its world has ended");
   }
   World& world() { return world_->get(); }
   deep_ep::NormalBuffer& normal() {
@@ -124,7 +166,10 @@ class DeepEpBox : public Closable {
     ll_.erase(s);
     next_combine_.erase(s);
   }
-  NextCombine& next_combine(const Shape& s) { return next_combine_[s]; }
+  NextCombine& next_combine(const Shape& s) {
+    check_open();
+    return next_combine_[s];
+  }
 
  private:
   std::shared_ptr<WorldHandle> world_;
@@ -134,6 +179,8 @@ class DeepEpBox : public Closable {
   std::unique_ptr<deep_ep::NormalBuffer> normal_;
   std::map<Shape, std::unique_ptr<LowLatencyBuffer>> ll_;
   std::map<Shape, NextCombine> next_combine_;
+  std::vector<std::weak_ptr<PendingReceive>> pending_;
+  bool closed_ = false;
 };
 
 using DeepEpClass = py::class_<DeepEpBox, std::shared_ptr<DeepEpBox>>;

@@ -126,7 +126,9 @@ void set_dispatch_fields(Config& c, int num_experts, int ep_size, int etp_size,
 // ---- moed memory to torch, no copy ----
 
 // DLPack capsule over `v` (packed or row-strided), keeping `owner` alive until torch frees
-// the tensor. The result is a torch.Tensor of v.dtype (fp8 as above).
+// the tensor. The result is a torch.Tensor of v.dtype (fp8 as above). NOTE: torch may free a
+// tensor on a thread that does not hold the GIL (inside an op), so `owner` must hold no Python
+// object, directly or through what it keeps alive.
 py::object to_torch(const TensorView& v, std::shared_ptr<void> owner);
 py::object to_torch(Tensor&& t);
 py::object to_torch(TokenTensor&& t);  // x only; see token_to_torch for (x, scales)

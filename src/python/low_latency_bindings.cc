@@ -4,9 +4,10 @@
 // out; everything DeepEP does after the receive (UE8M0 packing of the scales, the packed
 // layout_range, the cumulative expert counts) happens here, at once or when the hook runs.
 //
-// Lifetime: the returned views alias the buffer's current half, valid until the dispatch after
-// next, exactly DeepEP's rule ("at most 2 low-latency results at a time"); the capsules keep
-// the buffer object alive.
+// Lifetime: every returned tensor owns its memory (the dispatch's LowLatencyDispatchOutput::
+// storage, or a fresh vector) for as long as torch holds it, as DeepEP's freshly allocated
+// results do; the one exception is DeepEP's own: get_next_low_latency_combine_buffer is the
+// buffer's memory, rewritten by the combine two after the one that reads it.
 #include <pybind11/stl.h>
 
 #include <functional>
@@ -92,13 +93,16 @@ int hidden_of(py::handle x) {
   return 0;
 }
 
-// A hook that runs the receive once, without the GIL, then `after` (the rest of the call).
-py::object make_hook(Request&& r, std::function<void()> after) {
-  auto req = std::make_shared<Request>(std::move(r));
-  return py::cpp_function([req, after]() {
-    if (!*req) return;
-    Request mine = std::move(*req);
-    check(nogil([&] { return mine->wait(); }));
+// A hook that runs the receive once, without the GIL, then `after` (the rest of the call); later
+// calls do nothing. Its receive is registered with the box, whose close() runs it if the hook
+// has not (the world may be gone by the time the hook is called or dropped).
+py::object make_hook(DeepEpBox& b, Request&& r, std::function<void()> after) {
+  auto pending = b.pending_receive(std::move(r));
+  auto called = std::make_shared<bool>(false);
+  return py::cpp_function([pending, called, after]() {
+    if (*called) return;
+    *called = true;
+    check(nogil([&] { return pending->run(); }));
     after();
   });
 }
@@ -138,7 +142,7 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
   LowLatencyDispatchOutput out = check(nogil([&] { return ll.low_latency_dispatch(in); }));
   const int L = out.num_local_experts;
   const int64_t RM = out.rows_per_expert, H = hidden;
-  std::shared_ptr<void> owner = bp;
+  std::shared_ptr<void> owner = out.storage;
   LowLatencyDispatchResult r;
   r.recv_x = to_torch(out.recv.x, owner).attr("view")(L, RM, H);
   r.recv_count = array_to_torch(out.recv_count.data(), L, -1, owner);
@@ -161,7 +165,7 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
   const std::span<const LowLatencyRange> layout = out.layout_range;
   const std::span<const int32_t> counts = out.recv_count;
   const TensorView scales = out.recv.scales;
-  auto after = [layout, counts, scales, ranges, packed, stats, keep_stats, L, RM]() {
+  auto after = [layout, counts, scales, ranges, packed, stats, keep_stats, owner, L, RM]() {
     for (size_t i = 0; i < ranges->size(); ++i)
       (*ranges)[i] = (int64_t(layout[i].begin) << 32) | int64_t(uint32_t(layout[i].count));
     for (int j = 0; j < L && stats; ++j) stats[j] += counts[size_t(j)];
@@ -175,7 +179,7 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
   };
   r.handle = py::cast(LowLatencyHandleBox{out.handle, shape, L, RM});
   if (a.return_recv_hook) {
-    r.hook = make_hook(std::move(out.hook), after);
+    r.hook = make_hook(b, std::move(out.hook), after);
   } else {
     after();
     r.hook = py::none();
@@ -209,6 +213,7 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
   TensorView xv;
   std::optional<TensorView> outv;
   py::object keep_x = a.x;
+  std::shared_ptr<Tensor> zero_copy_x;  // the buffer's memory the combine reads
   // NOTE: the combine's hook reads the routing later; it lives as long as the hook.
   auto topk = std::make_shared<TopkRouting>();
   std::vector<int32_t> order;
@@ -219,11 +224,13 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
         throw py::value_error(
             "zero_copy = True but get_next_low_latency_combine_buffer(handle) was not called "
             "before this combine");
-      keep_x = next.buffers[size_t(next.next)];
+      zero_copy_x = next.buffers[size_t(next.next)];
       next.pending = false;
       next.next ^= 1;
+      xv = zero_copy_x->view();
+    } else {
+      xv = expert_rows_arg(keep_x, hb);
     }
-    xv = expert_rows_arg(keep_x, hb);
     *topk = topk_copy(a.topk_idx, a.topk_weights);
     if (!a.out.is_none()) outv = rows_arg(a.out, "out", {DType::kF32, DType::kBF16});
     if (!a.order.is_none()) order = topk_copy(a.order, py::none()).topk_idx;
@@ -246,25 +253,29 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
   }
   // With a hook the receive writes `out` later: the hook keeps the routing and x (DeepEP's
   // rule: the caller keeps `out`).
-  r.hook = a.return_recv_hook ? make_hook(std::move(out.hook), [topk, keep_x] {}) : py::none();
+  r.hook = a.return_recv_hook
+               ? make_hook(b, std::move(out.hook), [topk, keep_x, zero_copy_x] {})
+               : py::none();
   return r;
 }
 
 // DeepEP's zero-copy combine buffer: moed-owned bf16 [L, R * M, H] memory the experts write
-// into; the next low_latency_combine(zero_copy=True) reads it. Two alternate, as DeepEP's do.
+// into; the next low_latency_combine(zero_copy=True) reads it. Two alternate, as DeepEP's do, so
+// a view is rewritten by the experts of the combine two later (DeepEP's rule); it stays valid
+// memory as long as torch holds it, after the Buffer too.
 py::object next_combine_buffer(DeepEpBox& b, py::handle handle) {
   if (!py::isinstance<LowLatencyHandleBox>(handle))
     throw py::type_error("handle must be the one returned by this Buffer's low_latency_dispatch");
   const auto& hb = handle.cast<LowLatencyHandleBox&>();
   DeepEpBox::NextCombine& next = b.next_combine(hb.shape);
-  py::object& buf = next.buffers[size_t(next.next)];
+  std::shared_ptr<Tensor>& buf = next.buffers[size_t(next.next)];
+  const int H = std::get<1>(hb.shape);
   if (!buf) {
-    const int H = std::get<1>(hb.shape);
-    buf = to_torch(Tensor::empty(DType::kBF16, hb.num_local_experts * hb.rows_per_expert, H))
-              .attr("view")(hb.num_local_experts, hb.rows_per_expert, H);
+    buf = std::make_shared<Tensor>(
+        Tensor::empty(DType::kBF16, hb.num_local_experts * hb.rows_per_expert, H));
   }
   next.pending = true;
-  return buf;
+  return to_torch(buf->view(), buf).attr("view")(hb.num_local_experts, hb.rows_per_expert, H);
 }
 
 }  // namespace

@@ -72,6 +72,18 @@ def _dist(g, pg):
     return dict(sum=t, parts=parts, bcast=b)
 
 
+def scenario_ownership(g, pg, rank):
+    """test_ownership.py's reproductions in gloo processes, 50 runs each."""
+    import test_ownership as cases
+    runs = cases.RUNS
+    assert cases.case_held_low_latency(g, runs, False, False)
+    assert cases.case_held_low_latency(g, 5, True, True)
+    for destroy in (True, False):
+        assert cases.case_outlive_buffer(g, runs, destroy) == [True] * runs
+    assert cases.case_zero_copy_outlives_buffer(g, runs)
+    return True
+
+
 def scenario_all(g, pg, rank):
     return dict(dist=_dist(g, pg), deep_ep=_deep_ep(g, pg), dispatchers=_dispatchers(g, pg))
 

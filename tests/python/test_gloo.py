@@ -124,6 +124,19 @@ def test_matches_threads_world(world):
     assert segments() == before
 
 
+@pytest.mark.parametrize("world", [(2, 0), (4, 2)], ids=["P2", "P4_G2"])
+def test_results_are_the_callers(world):
+    """test_ownership.py's reproductions (held low-latency results, results read after their
+    Buffer is gone, a zero-copy buffer outliving its Buffer) in gloo processes, 50 runs each."""
+    R, G = world
+    before = segments()
+    codes, recs = spawn("ownership", R, G)
+    assert codes == [0] * R, (codes, [r and r.get("error") for r in recs])
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec['error']}"
+    assert segments() == before
+
+
 @pytest.mark.parametrize("single_copy", [None, "1"], ids=["default", "in_place"])
 def test_large_payloads_through_shared_memory(single_copy, monkeypatch):
     """3 processes on one host: the data phases go through the staging segments (grown twice),

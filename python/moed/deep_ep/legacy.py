@@ -401,8 +401,9 @@ class Buffer:
                              async_finish: bool = False, return_recv_hook: bool = False) -> \
             Tuple[Tuple[torch.Tensor, torch.Tensor], torch.Tensor, Tuple, EventOverlap, Callable]:
         """Low-latency dispatch into fixed per-expert slots (no count exchange).
-        As in DeepEP, the results reuse one of two halves of the buffer: hold at most two
-        low-latency results at a time.
+        As in DeepEP, the returned tensors are the caller's: no later call writes into them and
+        they stay valid after the Buffer is destroyed (moed receives into memory it reuses only
+        once nothing holds it any more).
 
         Arguments:
             x: `[num_tokens, hidden]` torch.bfloat16, num_tokens <= num_max_dispatch_tokens_per_rank.
@@ -480,7 +481,12 @@ class Buffer:
         """A bf16 `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]`
         tensor for the experts to write into; the next low_latency_combine(zero_copy=True)
         reads it. moed's combine writes every row once from wherever it is, so this buffer is
-        moed-owned memory that saves the caller an intermediate tensor, as in DeepEP."""
+        moed-owned memory that saves the caller an intermediate tensor, as in DeepEP.
+
+        The one low-latency tensor that is a view of the Buffer, as in DeepEP: two such buffers
+        alternate, so this one is handed out again (and rewritten by its experts) for the
+        zero-copy combine two after the one that reads it. It stays valid memory while held,
+        also after the Buffer is destroyed."""
         return self._rt().get_next_low_latency_combine_buffer(_impl(handle))
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False):

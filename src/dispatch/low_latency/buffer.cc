@@ -82,6 +82,42 @@ Request make_hook(std::function<Status()> receive) {
   return std::make_unique<ReceiveHook>(std::move(receive));
 }
 
+std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, int half,
+                                                 bool fp8) {
+  std::shared_ptr<ReceiveBlock>& b = st.dispatch_half[half].received;
+  const DType type = fp8 ? DType::kFP8 : DType::kBF16;
+  // NOTE: use_count() == 1 means no output holds the block and none can take it any more (only
+  // this half hands it out); a count read high while an output is being dropped elsewhere only
+  // costs a fresh block.
+  if (b && b.use_count() == 1 && b->x.dtype() == type) return b;
+  const SegmentLayout& lay = st.layout;
+  const int64_t rows = int64_t(lay.num_local_experts) * lay.rows_per_expert();
+  auto fresh = std::make_shared<ReceiveBlock>();
+  fresh->x = Tensor::empty(type, rows, lay.hidden);
+  if (fp8) fresh->scales = Tensor::empty(DType::kF32, rows, lay.num_scales);
+  fresh->src.assign(size_t(rows), 0);
+  fresh->prob.assign(size_t(rows), 0.0f);
+  fresh->recv_count.assign(size_t(lay.num_local_experts), 0);
+  fresh->layout_range.assign(size_t(lay.num_local_experts) * size_t(lay.num_ranks),
+                             LowLatencyRange{});
+  b = std::move(fresh);
+  return b;
+}
+
+void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<ReceiveBlock> block,
+                        LowLatencyDispatchOutput& out) {
+  const SegmentLayout& lay = st.layout;
+  out.num_local_experts = lay.num_local_experts;
+  out.rows_per_expert = lay.rows_per_expert();
+  out.recv.x = block->x.view();
+  out.recv.scales = block->scales.view();
+  out.recv_count = std::span<const int32_t>(block->recv_count);
+  out.src_info = std::span<const int32_t>(block->src);
+  out.recv_probs = std::span<const float>(block->prob);
+  out.layout_range = std::span<const LowLatencyRange>(block->layout_range);
+  out.storage = std::move(block);
+}
+
 Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
   World& w = *st.world;
   const int me = w.local_rank();
@@ -230,13 +266,10 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   state->pull = world.shares_address_space() && !options.enable_shrink;
   state->shrink = options.enable_shrink;
   state->shrink_timeout = options.shrink_timeout;
-  // Counts start at sequence 0, which no operation uses. The output vectors get their final
-  // size once, so the spans handed out never move.
+  // Counts start at sequence 0, which no operation uses.
   const int L = num_experts / R;
   for (int h = 0; h < 2; ++h) {
     low_latency::DispatchHalf& dh = state->dispatch_half[h];
-    dh.recv_count.assign(size_t(L), 0);
-    dh.layout_range.assign(size_t(L) * R, LowLatencyRange{});
     dh.recv_header.assign(size_t(R) * L, 0);
     dh.send_header.assign(size_t(R) * L, 0);
     // A segment given by the caller was zeroed by every rank before: a peer may be writing
@@ -254,11 +287,6 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
       dh.pull_probs.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0.0f);
     }
     if (state->shrink) {
-      const size_t rows = size_t(num_experts) * size_t(max_tokens_per_rank);  // L * R * M
-      dh.shrink_rows.resize(rows * size_t(hidden) * sizeof(bf16));
-      dh.shrink_scales.resize(rows * size_t(state->layout.num_scales));
-      dh.shrink_src.resize(rows);
-      dh.shrink_prob.resize(rows);
       dh.recv_header.assign(size_t(R) * (L + 1), 0);
       dh.send_header.assign(size_t(R) * (L + 1), 0);
       dh.header_requests.resize(size_t(R));

@@ -1,8 +1,9 @@
 // low_latency_dispatch: the send phase writes every (token, expert) row straight into the
 // receiver's fixed slot (j, s, i) in node-shared memory, or stages it for one network message
 // per (source, destination) pair; then publishes each (source, expert) count with release
-// ordering and signals the receiver. The receive phase waits for every source, packs each
-// expert's rows (source ascending, token ascending) and fills recv_count and layout_range.
+// ordering and signals the receiver. The receive phase waits for every source and packs each
+// expert's rows (source ascending, token ascending) into memory the output owns
+// (ReceiveBlock), with recv_count and layout_range.
 #include <algorithm>
 #include <cstring>
 
@@ -130,9 +131,9 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
   return ok_status();
 }
 
-// Receive phase of dispatch `seq` into `half`.
+// Receive phase of dispatch `seq` of `half`, into `rb`.
 Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, int half,
-                        uint64_t seq, bool fp8) {
+                        uint64_t seq, bool fp8, low_latency::ReceiveBlock& rb) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   DispatchHalf& dh = st.dispatch_half[half];
@@ -211,23 +212,26 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
     int32_t begin = 0;
     for (int s = 0; s < R; ++s) {
       const int32_t c = count[size_t(j) * R + s];
-      dh.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
+      rb.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
       begin += c;
     }
-    dh.recv_count[size_t(j)] = begin;
+    rb.recv_count[size_t(j)] = begin;
   }
 
-  // NOTE: packing in place is safe in ascending s: chunk s moves down to begin(j, s) <= s * M,
-  // and ends at or below (s + 1) * M, where the unmoved chunks of higher sources begin.
-  std::byte* seg = st.local();
-  std::byte* xs = seg + lay.dispatch_x[half];
-  std::byte* scales = seg + lay.dispatch_scales[half];
-  auto* src = reinterpret_cast<int32_t*>(seg + lay.dispatch_src[half]);
-  auto* prob = reinterpret_cast<float*>(seg + lay.dispatch_prob[half]);
+  // This rank's slots (in-node senders wrote there) and the output's memory.
+  const std::byte* seg = st.local();
+  const std::byte* slot_x = seg + lay.dispatch_x[half];
+  const std::byte* slot_scales = seg + lay.dispatch_scales[half];
+  const auto* slot_src = reinterpret_cast<const int32_t*>(seg + lay.dispatch_src[half]);
+  const auto* slot_prob = reinterpret_cast<const float*>(seg + lay.dispatch_prob[half]);
+  auto* xs = static_cast<std::byte*>(rb.x.data());
+  auto* scales = static_cast<std::byte*>(rb.scales.data());
+  int32_t* src = rb.src.data();
+  float* prob = rb.prob.data();
   // As Flex's dispatch (flex/layout.cc): a large receive is written with non-temporal stores,
   // which skip reading the destination lines first.
   int64_t received = 0;
-  for (int j = 0; j < L; ++j) received += dh.recv_count[size_t(j)];
+  for (int j = 0; j < L; ++j) received += rb.recv_count[size_t(j)];
   const bool stream = size_t(received) * payload >= internal::kStreamThresholdBytes;
   auto pulled_from = [&](int s) -> const low_latency::PullSource* {
     if (!st.pulls(s) || dh.sources.empty() || !dh.sources[size_t(s)].pulled) return nullptr;
@@ -252,18 +256,19 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
         for (int j2 = 0; j2 < j; ++j2) net_row[size_t(s)] += count[size_t(j2) * R + s];
       }
       for (int s = 0; s < R; ++s) {
-        const LowLatencyRange range = dh.layout_range[size_t(j) * R + s];
+        const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
         if (range.count == 0 || pulled[size_t(s)] != nullptr) continue;
         const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
         const size_t n = size_t(range.count);
         if (w.same_node(s, me)) {
           const int64_t from = lay.fixed_row(j, s, 0);
-          if (from == to) continue;
-          std::memmove(xs + size_t(to) * payload, xs + size_t(from) * payload, n * payload);
-          std::memmove(scales + size_t(to) * scale_bytes, scales + size_t(from) * scale_bytes,
-                       n * scale_bytes);
-          std::memmove(src + to, src + from, n * sizeof(int32_t));
-          std::memmove(prob + to, prob + from, n * sizeof(float));
+          std::memcpy(xs + size_t(to) * payload, slot_x + size_t(from) * payload, n * payload);
+          if (scale_bytes != 0) {
+            std::memcpy(scales + size_t(to) * scale_bytes, slot_scales + size_t(from) * scale_bytes,
+                        n * scale_bytes);
+          }
+          std::memcpy(src + to, slot_src + from, n * sizeof(int32_t));
+          std::memcpy(prob + to, slot_prob + from, n * sizeof(float));
         } else {
           // Message of source s: [token index x rows][prob x rows][payload x rows][scales x rows].
           int64_t rows = 0;
@@ -276,7 +281,10 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
           m += size_t(rows) * sizeof(float);
           std::memcpy(xs + size_t(to) * payload, m + first * payload, n * payload);
           m += size_t(rows) * payload;
-          std::memcpy(scales + size_t(to) * scale_bytes, m + first * scale_bytes, n * scale_bytes);
+          if (scale_bytes != 0) {
+            std::memcpy(scales + size_t(to) * scale_bytes, m + first * scale_bytes,
+                        n * scale_bytes);
+          }
         }
       }
     }
@@ -301,7 +309,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
     std::fill(first.begin(), first.end(), 0);
     for (int j = 0; j < L; ++j) {
       const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
-      for (int32_t i = 0; i < dh.layout_range[size_t(j) * R + s].count; ++i) {
+      for (int32_t i = 0; i < rb.layout_range[size_t(j) * R + s].count; ++i) {
         ++first[size_t(ps->tokens[chunk + size_t(i)]) + 1];
       }
     }
@@ -310,7 +318,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
     rows.resize(base + size_t(first.back()));
     for (int j = 0; j < L; ++j) {
       const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
-      const LowLatencyRange range = dh.layout_range[size_t(j) * R + s];
+      const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
       for (int32_t i = 0; i < range.count; ++i) {
         const int32_t t = ps->tokens[chunk + size_t(i)];
         rows[base + size_t(first[size_t(t)]++)] =
@@ -329,7 +337,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
       } else {
         std::memcpy(to, row, payload);
       }
-      std::memcpy(scales + size_t(pr.to) * scale_bytes, row + payload, scale_bytes);
+      if (scale_bytes != 0) std::memcpy(scales + size_t(pr.to) * scale_bytes, row + payload, scale_bytes);
       src[pr.to] = pr.token;
       prob[pr.to] = ps.probs[pr.from];
     }
@@ -338,7 +346,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   w.pool().parallel_for(int64_t(rows.size()), pull,
                         inline_copy ? std::max<int64_t>(1, int64_t(rows.size())) : 1);
 
-  handle.layout_range = dh.layout_range;
+  handle.layout_range = rb.layout_range;
   handle.received = true;
   return release.finish();
 }
@@ -529,26 +537,13 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
     return status;
   }
 
+  std::shared_ptr<low_latency::ReceiveBlock> rb = low_latency::take_receive_block(st, half, fp8);
   LowLatencyDispatchOutput out;
-  out.num_local_experts = L;
-  out.rows_per_expert = lay.rows_per_expert();
-  std::byte* seg = st.local();
-  const int64_t rows = int64_t(L) * lay.rows_per_expert();
-  out.recv.x = TensorView(seg + lay.dispatch_x[half], fp8 ? DType::kFP8 : DType::kBF16, rows, H);
-  if (fp8) {
-    out.recv.scales =
-        TensorView(seg + lay.dispatch_scales[half], DType::kF32, rows, lay.num_scales);
-  }
-  out.recv_count = std::span<const int32_t>(dh.recv_count);
-  out.src_info = std::span<const int32_t>(
-      reinterpret_cast<const int32_t*>(seg + lay.dispatch_src[half]), size_t(rows));
-  out.recv_probs = std::span<const float>(
-      reinterpret_cast<const float*>(seg + lay.dispatch_prob[half]), size_t(rows));
-  out.layout_range = std::span<const LowLatencyRange>(dh.layout_range);
+  low_latency::view_receive_block(st, rb, out);
   out.handle = handle;
 
-  auto receive = [state = state_, handle, half, seq, fp8] {
-    return receive_dispatch(*state, *handle, half, seq, fp8);
+  auto receive = [state = state_, handle, half, seq, fp8, rb] {
+    return receive_dispatch(*state, *handle, half, seq, fp8, *rb);
   };
   MOED_RETURN_IF_ERROR(
       low_latency::receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));

@@ -23,7 +23,7 @@ using shrink_protocol::wait_published;
 namespace {
 
 Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t n, uint64_t seq,
-                        bool fp8) {
+                        bool fp8, ReceiveBlock& rb) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   DispatchHalf& dh = st.dispatch_half[half];
@@ -98,16 +98,17 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     int32_t begin = 0;
     for (int s = 0; s < R; ++s) {
       const int32_t c = peers.masked(s) ? 0 : count[size_t(j) * R + s];
-      dh.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
+      rb.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
       begin += c;
     }
-    dh.recv_count[size_t(j)] = begin;
+    rb.recv_count[size_t(j)] = begin;
   }
-  std::byte* rows_out = dh.shrink_rows.data();
+  auto* rows_out = static_cast<std::byte*>(rb.x.data());
+  auto* scales_out = static_cast<float*>(rb.scales.data());
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
-      const LowLatencyRange range = dh.layout_range[size_t(c)];
+      const LowLatencyRange range = rb.layout_range[size_t(c)];
       if (range.count == 0) continue;
       const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
       const size_t k = size_t(range.count);
@@ -116,13 +117,13 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
         const int64_t from = (int64_t(me) * L + j) * M;
         std::memcpy(rows_out + size_t(to) * payload,
                     seg + lay.dispatch_x[half] + size_t(from) * payload, k * payload);
-        if (scale_bytes != 0)  // bf16: no scales (shrink_scales is empty)
-          std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales,
+        if (scale_bytes != 0)  // bf16: no scales
+          std::memcpy(scales_out + size_t(to) * lay.num_scales,
                       seg + lay.dispatch_scales[half] + size_t(from) * scale_bytes,
                       k * scale_bytes);
-        std::memcpy(dh.shrink_src.data() + to, seg + lay.dispatch_src[half] + size_t(from) * 4,
+        std::memcpy(rb.src.data() + to, seg + lay.dispatch_src[half] + size_t(from) * 4,
                     k * 4);
-        std::memcpy(dh.shrink_prob.data() + to, seg + lay.dispatch_prob[half] + size_t(from) * 4,
+        std::memcpy(rb.prob.data() + to, seg + lay.dispatch_prob[half] + size_t(from) * 4,
                     k * 4);
         continue;
       }
@@ -132,16 +133,16 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
         rows += count[size_t(j2) * R + s];
       }
       const NetRows m{dh.net_recv.data() + block[size_t(s)], size_t(rows), payload, scale_bytes};
-      std::memcpy(dh.shrink_src.data() + to, m.token(size_t(first)), k * 4);
-      std::memcpy(dh.shrink_prob.data() + to, m.prob(size_t(first)), k * 4);
+      std::memcpy(rb.src.data() + to, m.token(size_t(first)), k * 4);
+      std::memcpy(rb.prob.data() + to, m.prob(size_t(first)), k * 4);
       std::memcpy(rows_out + size_t(to) * payload, m.data(size_t(first)), k * payload);
       if (scale_bytes != 0)
-        std::memcpy(dh.shrink_scales.data() + size_t(to) * lay.num_scales, m.scales(size_t(first)),
+        std::memcpy(scales_out + size_t(to) * lay.num_scales, m.scales(size_t(first)),
                     k * scale_bytes);
     }
   });
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kDispatch, half, n, from_segment));
-  handle.layout_range = dh.layout_range;
+  handle.layout_range = rb.layout_range;
   handle.received = true;
   MOED_RETURN_IF_ERROR(dh.shrink_local);
   return bad;
@@ -259,19 +260,12 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   }
   w.add_shared_bytes(shared_rows * (payload + scale_bytes), shared_rows);
 
+  std::shared_ptr<ReceiveBlock> rb = take_receive_block(st, half, fp8);
   LowLatencyDispatchOutput out;
-  out.num_local_experts = L;
-  out.rows_per_expert = lay.rows_per_expert();
-  const int64_t rows = int64_t(L) * lay.rows_per_expert();
-  out.recv.x = TensorView(dh.shrink_rows.data(), fp8 ? DType::kFP8 : DType::kBF16, rows, H);
-  if (fp8) out.recv.scales = TensorView(dh.shrink_scales.data(), DType::kF32, rows, lay.num_scales);
-  out.recv_count = std::span<const int32_t>(dh.recv_count);
-  out.src_info = std::span<const int32_t>(dh.shrink_src);
-  out.recv_probs = std::span<const float>(dh.shrink_prob);
-  out.layout_range = std::span<const LowLatencyRange>(dh.layout_range);
+  view_receive_block(st, rb, out);
   out.handle = handle;
-  auto receive = [sp, handle, half, n, seq, fp8] {
-    return receive_dispatch(*sp, *handle, half, n, seq, fp8);
+  auto receive = [sp, handle, half, n, seq, fp8, rb] {
+    return receive_dispatch(*sp, *handle, half, n, seq, fp8, *rb);
   };
   // A rank with bad input receives at once (the peers' messages must not linger) and fails.
   if (!ok) {

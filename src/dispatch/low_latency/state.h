@@ -7,7 +7,8 @@
 //   counts[h][j][s]  uint64, (op sequence << 32) | rows, release-stored by source s after its
 //                    rows for local expert j
 //   dispatch_x[h]    [L][R][M] fixed slots (j, s, i) of H bf16 (or H fp8 bytes); the receive
-//                    phase packs expert j's rows in place to j * R * M + begin(j, s) + i
+//                    phase packs expert j's rows to row j * R * M + begin(j, s) + i of the
+//                    output's own memory (ReceiveBlock), never into the segment
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "moed/low_latency.h"
+#include "moed/tensor.h"
 #include "moed/world.h"
 
 namespace moed {
@@ -116,14 +118,25 @@ inline size_t shrink_index(ShrinkWord w, PullKind k, int half) {
   return size_t(w) + size_t(k) * 2 + size_t(half);
 }
 
-// Where a dispatch half's outputs live (the views handed out point here or into the segment).
+// Memory a dispatch receives into and its output views (LowLatencyDispatchOutput::storage):
+// the caller's while any copy of the output's storage is held. Its half takes it again for the
+// dispatch two later only when nobody else holds it (take_receive_block), else a fresh one.
+struct ReceiveBlock {
+  Tensor x;                                   // [L * R * M, H] bf16 or fp8
+  Tensor scales;                              // [L * R * M, H / 128] f32 (fp8 only)
+  std::vector<int32_t> src;                   // [L * R * M] source token of each row
+  std::vector<float> prob;                    // [L * R * M] its prob
+  std::vector<int32_t> recv_count;            // [L]
+  std::vector<LowLatencyRange> layout_range;  // [L * R]
+};
+
+// What a dispatch half keeps between its send and receive phases.
 struct DispatchHalf {
   bool pending = false;  // send phase done, receive not yet
   // Pull mode: the dispatch whose in-node receivers read this half's own copy of the rows
   // (fp8_rows or staged_rows; 0 = none), waited for when the buffer goes.
   uint64_t own_rows_seq = 0;
-  std::vector<int32_t> recv_count;            // [L]
-  std::vector<LowLatencyRange> layout_range;  // [L * R]
+  std::shared_ptr<ReceiveBlock> received;  // this half's last receive (take_receive_block)
   // Network: headers from every source (counts per local expert), the rows received from
   // other nodes, and what this rank sends to other nodes (kept until the receive completes).
   std::vector<int32_t> recv_header;  // [R * L]
@@ -141,13 +154,7 @@ struct DispatchHalf {
   // by the call's opening collective (dispatch.cc, publish_dispatch).
   std::vector<PullSource> sources;
   std::vector<int32_t> published_count;
-  // Shrink mode: the packed rows received ([L * R * M] rows, bf16-sized; their scales, source
-  // tokens and probs), this rank's own memory, and the call's verdict (this rank's input check).
-  std::vector<std::byte> shrink_rows;
-  std::vector<float> shrink_scales;
-  std::vector<int32_t> shrink_src;
-  std::vector<float> shrink_prob;
-  Status shrink_local;
+  Status shrink_local;  // shrink mode: the call's verdict (this rank's input check)
 };
 
 struct CombineHalf {
@@ -213,6 +220,14 @@ struct LowLatencyBuffer::State {
 };
 
 namespace low_latency {
+
+// The block a dispatch of `half` receives into: the half's last one when no output holds it
+// any more and its payload type matches, else a fresh one (Tensor's block cache makes that
+// cheap in a steady loop). Its views are handed out at once; the receive fills them.
+std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, int half, bool fp8);
+// The output's views of `block` and the storage that holds them.
+void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<ReceiveBlock> block,
+                        LowLatencyDispatchOutput& out);
 
 // A receive phase to run once: by wait() (the hook), or at destruction if never waited on, so
 // the buffer's halves and the peers' signals stay in step.
