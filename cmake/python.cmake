@@ -1,11 +1,11 @@
 # The Python package: decides MOED_PYTHON before any library target exists.
 #
-# Off under the sanitizers (an instrumented extension needs an instrumented interpreter) and
-# when pybind11 (Debian pybind11-dev) or the Python 3 headers are missing. The interpreter is
-# Debian's /usr/bin/python3 (the one python3-torch installs into), not whatever python3 comes
-# first on PATH, unless Python3_EXECUTABLE says otherwise.
-if(MOED_PYTHON AND (MOED_SANITIZE OR MOED_TSAN))
-  message(STATUS "moed: Python package off in sanitizer builds")
+# Off under ThreadSanitizer (an uninstrumented interpreter's threads would be invisible to it)
+# and when pybind11 (Debian pybind11-dev) or the Python 3 headers are missing. The interpreter
+# is Debian's /usr/bin/python3 (the one python3-torch installs into), not whatever python3
+# comes first on PATH, unless Python3_EXECUTABLE says otherwise.
+if(MOED_PYTHON AND MOED_TSAN)
+  message(STATUS "moed: Python package off under ThreadSanitizer")
   set(MOED_PYTHON OFF)
 endif()
 if(MOED_PYTHON)
@@ -23,4 +23,12 @@ if(MOED_PYTHON)
 endif()
 if(MOED_PYTHON)
   set(CMAKE_POSITION_INDEPENDENT_CODE ON)
+endif()
+# Under AddressSanitizer + UBSan the extension is instrumented and the interpreter is not: the
+# Python tests load the ASan runtime first (LD_PRELOAD), as a sanitized executable would.
+set(MOED_PYTHON_TEST_ENV "")
+if(MOED_PYTHON AND MOED_SANITIZE)
+  execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libasan.so
+                  OUTPUT_VARIABLE MOED_ASAN_RUNTIME OUTPUT_STRIP_TRAILING_WHITESPACE)
+  set(MOED_PYTHON_TEST_ENV "LD_PRELOAD=${MOED_ASAN_RUNTIME}")
 endif()

@@ -29,10 +29,11 @@ build_dir=${MOED_BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
 cmake --build "$build_dir" -j "$(nproc)" ${MOED_BUILD_TARGET:+--target "$MOED_BUILD_TARGET"}
 
-# The Python package (when this build has it): pip builds it from this build directory
-# (setup.py), so nothing is compiled twice. NOTE: Debian's own python3 refuses pip installs
-# (PEP 668), hence the virtual environment; --system-site-packages lets it import Debian's torch.
-if ls "$build_dir"/python/moed/_C*.so >/dev/null 2>&1; then
+# The Python package (when this build has it; only the Release build in build/, not a
+# sanitizer build's): pip builds it from this build directory (setup.py), so nothing is
+# compiled twice. NOTE: Debian's own python3 refuses pip installs (PEP 668), hence the virtual
+# environment; --system-site-packages lets it import Debian's torch.
+if [ "$build_dir" = build ] && ls "$build_dir"/python/moed/_C*.so >/dev/null 2>&1; then
   [ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
   MOED_BUILD_DIR="$(cd "$build_dir" && pwd)" .venv/bin/pip install --quiet --no-build-isolation .
 fi
