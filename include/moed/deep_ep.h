@@ -1,5 +1,5 @@
 // DeepEP's normal (high-throughput) mode with its rank-major receive: a new receive layout of
-// the Flex dispatcher (spec §5, §8), the C++ half of moed.deep_ep.
+// the Flex dispatcher (docs/design.md §8.1), the C++ half of moed.deep_ep.
 //
 // DeepEP's intranode dispatch hands every receiving rank each token once (not once per local
 // expert), ordered by source rank ascending, then source token ascending, with the token's

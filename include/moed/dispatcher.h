@@ -1,5 +1,5 @@
-// TokenDispatcher: Megatron-Core's six-step dispatch / combine interface (spec §1), with one
-// implementation per dispatcher (AllGather, AlltoAll, Flex; low-latency has its own API in
+// TokenDispatcher: Megatron-Core's six-step dispatch / combine interface (docs/design.md §1.1),
+// with one implementation per dispatcher (AllGather, AlltoAll, Flex; low-latency has its own API in
 // moed/low_latency.h because its layout differs) and the backward of each step.
 //
 //   MOED_ASSIGN_OR_RETURN(auto d, moed::TokenDispatcher::create(world, config));
@@ -8,7 +8,7 @@
 //   MOED_ASSIGN_OR_RETURN(moed::CombineOutput y, d->combine({.expert_output = ey, .handle =
 //   out.handle}));
 //
-// Results are bitwise identical across dispatchers, backends and EP sizes (spec §3-§4).
+// Results are bitwise identical across dispatchers, backends and EP sizes (design.md §4.2).
 // Every call is collective over the world: all ranks call it, each with its own tokens.
 // Bad input on any rank is an error on every rank (World::agree), never a hang.
 //
@@ -90,7 +90,7 @@ class DispatchHandle {
   // Home side (this rank's tokens), after capacity dropping and router padding, sparse (what
   // combine and the backward passes walk; to_map(routing) gives the dense map on request).
   SparseRouting routing;
-  // Expert side (rows this rank received), canonical layout of spec §3.
+  // Expert side (rows this rank received), canonical layout of design.md §3.1.
   int64_t num_rows = 0;
   std::vector<int64_t> tokens_per_expert;           // [L], padded lengths
   std::vector<int64_t> tokens_per_expert_unpadded;  // [L]
@@ -189,7 +189,7 @@ class TokenDispatcher {
   const DispatchConfig& config() const { return config_; }
   World& world() const { return *world_; }
 
-  // ---- the six steps (spec §1). State flows from step to step inside the dispatcher, as in
+  // ---- the six steps (design.md §1.1). State flows from step to step inside the dispatcher, as in
   // Megatron; one dispatch and one combine may be in progress at a time.
   virtual Status dispatch_preprocess(const DispatchInput& input) = 0;  // local only
   // Communicates. async = true may return before the data has moved: wait on the request

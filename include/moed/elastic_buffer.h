@@ -1,9 +1,10 @@
 // DeepEP V2's ElasticBuffer (deep_ep/buffers/elastic.py) on moed's engines, the C++ half of
-// moed.deep_ep.ElasticBuffer. One engine underneath, two layouts (spec §8):
+// moed.deep_ep.ElasticBuffer. One engine underneath, two layouts (docs/design.md §8.2):
 //   - do_expand = false: DeepEP's rank-major receive, each token once per receiving rank
 //     (source rank ascending, then source token ascending), on moed::deep_ep::NormalBuffer;
 //   - do_expand = true: one row per (token, local expert), expert-major with each expert's
-//     segment padded to expert_alignment, on the Flex dispatcher's canonical layout (spec §3).
+//     segment padded to expert_alignment, on the Flex dispatcher's canonical layout (design.md
+//     §3.1).
 // Across nodes both take moed's two hops (one network copy per destination node, forwarded
 // inside it). Every call is collective; bad input on any rank is an error on every rank.
 //

@@ -1,4 +1,4 @@
-// Low-latency dispatch and combine for decoding (spec §6; DeepEP's low_latency_dispatch /
+// Low-latency dispatch and combine for decoding (docs/design.md §6; DeepEP's low_latency_dispatch /
 // low_latency_combine).
 //
 // A LowLatencyBuffer holds, on every rank, fixed receive slots [L][R][max_tokens_per_rank]

@@ -1,6 +1,6 @@
-// The MoE layer end to end (spec §1): router -> dispatch -> grouped expert MLP -> combine, plus
-// an optional shared expert that runs while token_dispatch moves the tokens, forward and
-// backward, in f32 or bf16 (bf16 storage, fp32 accumulation).
+// The MoE layer end to end (docs/design.md §1.5): router -> dispatch -> grouped expert MLP ->
+// combine, plus an optional shared expert that runs while token_dispatch moves the tokens, forward
+// and backward, in f32 or bf16 (bf16 storage, fp32 accumulation).
 //
 // Experts are SwiGLU MLPs as in Megatron-Core: fc1 [H, 2F] gives gate and up, the activation is
 // silu(gate) * up, the routing prob multiplies the activation before fc2 [F, H]

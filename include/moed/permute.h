@@ -3,10 +3,10 @@
 //
 // permute turns tokens [T, H] and an *effective* RoutingMap [T, E] (after capacity dropping
 // and router padding: run apply_layout_options first) into expert-major rows in the canonical
-// order of spec §3 (expert ascending, then source ascending, then token ascending), with
+// order of design.md §3.1 (expert ascending, then source ascending, then token ascending), with
 // Megatron's drop_and_pad (pad_to_capacity) and DeepEP's expert_alignment. unpermute sums the
-// rows back per token in spec §4's fixed order (fp32 from 0, experts ascending, rounded once),
-// bit for bit equal to the reference for any thread count.
+// rows back per token in design.md §4.1's fixed order (fp32 from 0, experts ascending, rounded
+// once), bit for bit equal to the reference for any thread count.
 //
 //   MOED_ASSIGN_OR_RETURN(moed::PermuteOutput p, moed::permute(tokens, effective_map));
 //   ... experts read p.rows; segment j has p.layout.tokens_per_expert[j] rows ...
@@ -103,7 +103,7 @@ StatusOr<PermuteOutput> permute(const TokenRows& tokens, const RoutingMap& routi
 
 // out[t] = fp32 0 + sum over the rows i with sorted_indices[i] == t, in row order, of
 // (probs.empty() ? float(rows[i]) : probs[i] * float(rows[i])), rounded once to the rows'
-// dtype; 0 for tokens without rows. With expert-major rows, row order is spec §4's expert
+// dtype; 0 for tokens without rows. With expert-major rows, row order is design.md §4.1's expert
 // order. rows: [N, H] f32 or bf16; sorted_indices [N] in [-1, T); probs [N] or empty.
 Status unpermute_into(const TensorView& rows, std::span<const int32_t> sorted_indices,
                       std::span<const float> probs, const TensorView& out,

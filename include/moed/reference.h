@@ -1,10 +1,10 @@
-// The reference: a plain, single-process implementation of spec §3-§4 on the *global* input
-// (every rank's tokens at once). It returns what each rank must receive from dispatch and
+// The reference: a plain, single-process implementation of docs/design.md §3-§4 on the *global*
+// input (every rank's tokens at once). It returns what each rank must receive from dispatch and
 // what combine (and both backward passes) must return. Written for clarity, not speed, and it
 // shares no code with the fast paths it checks (it has its own dropping, padding, layout and
 // summation loops). Every dispatcher test compares against it bit for bit.
 //
-// Summation order (spec §4), used by combine and the dispatch backward:
+// Summation order (design.md §4.1), used by combine and the dispatch backward:
 //   term_e  = fp32: 0 + sum over p = 0..P-1 (ascending) of float(y_{e,p}[row])
 //   acc     = fp32: 0 + sum over experts e ascending of (weighted ? prob_e * term_e : term_e)
 //   out[t]  = acc rounded once to the output dtype
@@ -53,7 +53,7 @@ struct ReferenceProblem {
   int world_size() const { return ep_size * etp_size; }
 };
 
-// What rank r must receive (spec §3).
+// What rank r must receive (design.md §3.1).
 struct ReferenceRankDispatch {
   TokenTensor expert_input;                         // [num_rows, H], payload dtype (+ scales)
   std::vector<float> permuted_probs;                // [num_rows]

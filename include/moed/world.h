@@ -1,4 +1,4 @@
-// World: a group of ranks that dispatchers talk across (spec §1, §5).
+// World: a group of ranks that dispatchers talk across (docs/design.md §9).
 //
 // One small virtual byte-level interface, three backends with the same contract:
 //   - threads (the embedded default): R ranks are R threads in one process (moed/threads_world.h);

@@ -116,7 +116,7 @@ std::string fmt_err(double e) {
 }
 
 // PASS means every bit of the output and of every gradient equals the reference layer's (the
-// layer promises that, spec §4); the relative errors only say how far a FAIL is.
+// layer promises that, design.md §4.2); the relative errors only say how far a FAIL is.
 struct Verdict {
   bool output_bitwise = true, grads_bitwise = true;
   double output_err = 0, grads_err = 0;
