@@ -1,16 +1,10 @@
-// Routing in its forms (docs/design.md §2), converters between them, their validation, and the
-// layout options that change what dispatch produces (§3): capacity dropping, router
-// padding for quantisation, pad_to_capacity and expert_alignment.
+// Routing in its forms, converters between them, their validation, and the layout options that
+// change what dispatch produces (docs/design.md §2, §3).
 //
-// Four forms (two of them also borrowed), one currency:
-//   - TopkRouting: topk_idx / topk_weights [T, K], owned (-1 = no expert);
-//   - TopkView: the same [T, K] borrowed (int32 or int64 indices), e.g. a caller's tensors;
-//   - RoutingMap: Megatron's dense routing_map / probs [T, E]; MapView: the same borrowed;
-//   - SparseRouting: per token its experts (ascending) and probs, CSR. This is what moed works
-//     on inside: a dispatch converts its input to it once on entry (O(T*K) from top-k, one
-//     O(T*E) scan from a map), drops, pads, counts and lays out on it, and its handle keeps it.
-//     Router padding can give a token more than K experts and dropping fewer, which a fixed-K
-//     form cannot say; CSR can, and costs O(entries) where the map costs O(T*E).
+// TopkRouting owns topk_idx / topk_weights [T, K] (-1 = no expert); TopkView borrows them
+// (int32 or int64 indices); RoutingMap is Megatron's dense routing_map / probs [T, E], MapView
+// borrows one; SparseRouting (CSR: per token its experts ascending and their probs) is what moed
+// works on inside (design.md §2.2).
 //
 //   moed::TopkRouting topk = ...;
 //   MOED_RETURN_IF_ERROR(moed::validate(topk, num_experts));
