@@ -239,8 +239,8 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
   // Flex's normal mode at the same shape, one call each (dispatch includes its notify), timed
   // in the bf16 loops beside the low-latency calls. Its combine is weighted, as the
   // low-latency combine always is (DeepEP's low_latency_combine takes topk_weights), so both
-  // compute the same sum of w * y: unweighted, Flex would skip K multiplies per element, which
-  // is 10-15% of the combine where the fold is arithmetic-bound (AVX2, 4 ranks on 2 cores).
+  // compute the same sum of w * y: unweighted, Flex would skip K multiplies per element, a
+  // visible share of the combine where the fold is arithmetic-bound.
   DispatchConfig config;
   config.kind = DispatcherKind::kFlex;
   config.num_experts = E;

@@ -14,8 +14,8 @@
 // NOTE: the forward's row work (permute, sort_chunks, unpermute) runs in the communicating
 // steps (token_dispatch, token_combine), as Flex's does; the local steps check, count and hand
 // out the results. A step that moves rows returns with the caches full of them, and at decode
-// a Python caller pays some 15 us of misses on each such return (bench_python.py --split), so
-// two such returns per layer instead of six. The results are the same bits.
+// a Python caller pays cache misses on each such return (docs/benchmarks.md, "Measurements
+// behind design choices"), so two such returns per layer instead of six. The same bits.
 //
 // NOTE: the combine sends each rank's per-(token, expert) rows to the token's home rank (one
 // all_to_all_v; with ETP every p sends its partial) and sums there: the P partials first

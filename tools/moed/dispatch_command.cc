@@ -130,7 +130,7 @@ Status run_rank(World& w, const DispatchConfig& config, const Tensor& x, const T
                 int64_t tokens_per_rank, RankResult& out) {
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, config));
   Status s = run_steps(w, d.get(), x, all, tokens_per_rank, out);
-  // NOTE: announced while d still holds its shared buffers (their free is collective under MPI).
+  // NOTE: announced before d is torn down, so the other ranks hear kAborted at once.
   if (!s.ok()) w.abort(s);
   return s;
 }

@@ -504,8 +504,7 @@ void run(const RunArgs& a) {
     RankResult mine;
     Status st = run_steps(w, job, layer, &mine);
     if (st.ok()) st = summarize(w, job, mine, &sum);
-    // NOTE: announced while the layer still holds its shared buffers: dropping them is a
-    // collective free under MPI, which would keep the other ranks waiting for the timeout.
+    // NOTE: announced before the layer is torn down, so the other ranks hear kAborted at once.
     if (!st.ok()) w.abort(st);
     return st;
   };

@@ -208,9 +208,8 @@ struct PushLayout {
 // from the same global counts, so growth needs no extra agreement.
 //
 // NOTE: a replaced buffer is kept (retired) until release_retired(), which the owner calls
-// once nothing can read it, at the same point of the same step on every local rank. (That
-// order was needed while the MPI world freed shared windows collectively; every backend now
-// frees locally, so it is kept only as the simplest rule.)
+// once nothing can read it, at the same point of the same step on every local rank: freeing is
+// local, and one fixed point is the simplest rule that no peer is still reading.
 class Region {
  public:
   Status ensure(World& world, size_t bytes);
