@@ -4,7 +4,7 @@
 //
 // Each rank routes its T tokens to K distinct experts, uniform at random (fixed seed per
 // rank), and sends one row of H bf16 per (token, expert) to the expert's rank (E adjusted so
-// that R divides it). bytes = sum over ranks of received rows * H * 2 (aggregate, spec §7);
+// that R divides it). bytes = sum over ranks of received rows * H * 2 (aggregate, design.md §7.1);
 // a multi-rank time is the maximum over ranks, the figure the median over iterations, each
 // paired with a copy of the same bytes just before it (bench/common.h).
 //

@@ -1,6 +1,6 @@
 // `moed bench dispatch`: the TokenDispatcher implementations (allgather, alltoall, flex) on a
 // world of R ranks, dispatch and combine timed separately, beside a plain copy of the same
-// bytes with the same total threads in the same run (spec §7), interleaved with the kernel's
+// bytes with the same total threads in the same run (design.md §7.2), interleaved with the kernel's
 // iterations (bench/common.h: paired ratios, their spread, `noisy`).
 //
 //   moed bench dispatch --dispatcher allgather,alltoall --world threads --ranks 4 --shape mixtral
@@ -114,7 +114,7 @@ bool dispatch_ok(const DispatchOutput& d, const ReferenceRankDispatch& want) {
 
 // Median over iterations of the slowest rank's time of a bare MPI_Alltoallv (MPI_COMM_WORLD)
 // sending each destination the rows this rank's tokens contribute to its experts: the same
-// rows per destination as the dispatchers' output (spec §3, one row per routed (token,
+// rows per destination as the dispatchers' output (design.md §3.1, one row per routed (token,
 // expert)). 0 outside the MPI world. One warm-up call first, as the dispatchers have had.
 StatusOr<double> time_bare_alltoallv(World& w, const Shape& s, const TopkRouting& topk, int iters) {
   double seconds = 0;
@@ -243,7 +243,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
   return ok_status();
 }
 
-// Rows the routing sends between nodes, counted from it (spec §5.5). `flat`: what a flat
+// Rows the routing sends between nodes, counted from it (design.md §5.5). `flat`: what a flat
 // all-to-all sends, one bf16 row per (token, destination rank on another node). Flex's two
 // hops cut dispatch to one row per (token, remote node) (`dispatch`); combine (per-expert
 // terms) sends one per (token, expert on a remote node) (`combine`). In the threads world the

@@ -1,4 +1,4 @@
-// moed bench low-latency: low-latency dispatch and combine (spec §6) at one shape, bf16 and
+// moed bench low-latency: low-latency dispatch and combine (design.md §6) at one shape, bf16 and
 // FP8, one call and the send / receive halves (through the hook) timed separately, beside
 // Flex's normal mode at the same shape and the memory-copy bound, all in one run.
 //
@@ -11,7 +11,7 @@
 //
 // A multi-rank time is the maximum over ranks of one iteration (every rank starts after a
 // barrier); figures are medians over iterations. Bandwidth counts the rows every rank received
-// (aggregate) times their payload bytes (spec §7).
+// (aggregate) times their payload bytes (design.md §7.1).
 //
 //   mpirun -np 4 moed bench low-latency --world mpi --shape decode
 //
@@ -239,8 +239,8 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
   // Flex's normal mode at the same shape, one call each (dispatch includes its notify), timed
   // in the bf16 loops beside the low-latency calls. Its combine is weighted, as the
   // low-latency combine always is (DeepEP's low_latency_combine takes topk_weights), so both
-  // compute the same sum of w * y: unweighted, Flex would skip K multiplies per element, which
-  // is 10-15% of the combine where the fold is arithmetic-bound (AVX2, 4 ranks on 2 cores).
+  // compute the same sum of w * y: unweighted, Flex would skip K multiplies per element, a
+  // visible share of the combine where the fold is arithmetic-bound.
   DispatchConfig config;
   config.kind = DispatcherKind::kFlex;
   config.num_experts = E;

@@ -1,6 +1,6 @@
 // `moed bench permute` and `moed bench unpermute`: the single-rank token path on bf16, beside
-// a plain copy of the same bytes with the same threads in the same run (spec §7), interleaved
-// with the kernel's iterations (bench/common.h).
+// a plain copy of the same bytes with the same threads in the same run (design.md §7.2),
+// interleaved with the kernel's iterations (bench/common.h).
 //
 // permute is timed as make_permute_layout + permute_rows_into a preallocated buffer (the copy
 // bound copies into a preallocated buffer too); bytes = output rows * H * 2. unpermute is

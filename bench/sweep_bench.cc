@@ -1,7 +1,7 @@
 // moed bench (no subcommand): the one sweep, nccl-tests style. Every dispatcher x world x
 // rank count x shape, dispatch and combine timed separately (low-latency too), each verified
 // bit for bit against moed's reference and printed beside the memory-copy bound measured in
-// the same run (spec §7), then a one-screen summary.
+// the same run (design.md §7.2), then a one-screen summary.
 //
 //   moed bench                                  # threads world, ranks 2 and 4, tiny and mixtral
 //   moed bench --shapes tiny,dsv3 --ranks 2,4,8 --dispatchers flex,low-latency --json

@@ -8,8 +8,7 @@
 # tests spend much of their time waiting (on peers, timeouts, processes starting, the test
 # hosts' network), and the build takes only the cores they leave idle. Not beside the MPI
 # tests (label mpi), which run alone: eight ranks on two cores hand the cores to each other
-# at every wait, and a build beside them, even at the lowest priority, takes each handover
-# (they ran 3-10x as long).
+# at every wait, and a build beside them, even at the lowest priority, takes each handover.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)

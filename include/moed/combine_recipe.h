@@ -1,6 +1,6 @@
 // DeepEP V2's combine orders (its reference, deep_ep/utils/refs.py, fixes them bit for bit),
 // which ElasticBuffer's combines follow (moed/elastic_buffer.h). moed's own combine order
-// (spec §4: experts ascending) is not this one; these are DeepEP's recipes, kept exactly so
+// (design.md §4.1: experts ascending) is not this one; these are DeepEP's recipes, kept exactly so
 // that DeepEP's tests and users get DeepEP's bits.
 //
 // One token's sum: acc = bias_0 + bias_1 (fp32, or 0), then its terms, each a row in the

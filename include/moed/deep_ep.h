@@ -1,14 +1,8 @@
-// DeepEP's normal (high-throughput) mode with its rank-major receive: a new receive layout of
-// the Flex dispatcher (spec §5, §8), the C++ half of moed.deep_ep.
-//
-// DeepEP's intranode dispatch hands every receiving rank each token once (not once per local
-// expert), ordered by source rank ascending, then source token ascending, with the token's
-// top-k rewritten as local expert ids (-1 where the expert lives elsewhere). Combine is the
-// reverse: each home token is the sum of the rows the ranks that received it send back.
-// moed writes each row once, straight into its final place on the receiving rank (node-shared
-// memory inside a node; across nodes it crosses the network once per destination node, to
-// the rank with the sender's local index, which forwards it inside its node), and sums in a
-// fixed order, so the results are bitwise deterministic.
+// DeepEP's normal (high-throughput) mode with its rank-major receive, the C++ half of
+// moed.deep_ep (docs/design.md §8.1): every receiving rank gets each token once, source rank
+// ascending then source token ascending, its top-k rewritten as local expert ids (-1 elsewhere);
+// combine sums, in a fixed order, the rows the receiving ranks send back. Every call is
+// collective over the world; bad input on any rank is an error on every rank.
 //
 //   MOED_ASSIGN_OR_RETURN(auto buffer, moed::deep_ep::NormalBuffer::create(world));
 //   MOED_ASSIGN_OR_RETURN(moed::DispatchLayout layout, buffer->get_dispatch_layout(topk, 256));
@@ -18,8 +12,6 @@
 //   MOED_ASSIGN_OR_RETURN(moed::deep_ep::NormalCombineOutput c,
 //                         buffer->combine({.x = y, .handle = d.handle}));
 //   // c.combined_x[t] = bias_0[t] + bias_1[t] + sum over ranks r ascending that got t of y_r
-//
-// Every call is collective over the world; bad input on any rank is an error on every rank.
 #pragma once
 
 #include <cstdint>

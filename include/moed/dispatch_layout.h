@@ -17,7 +17,7 @@
 
 namespace moed {
 
-// Flex's wire format across nodes (spec §5.5), for every figure that counts its bytes: per
+// Flex's wire format across nodes (design.md §5.5), for every figure that counts its bytes: per
 // token sent to a remote node, its token index, its number of entries, the bitmask of the
 // node's ranks that need it and the node's place in the token's combine chain; per (token,
 // expert on that node), the expert id, its prob and its top-k slot. src/dispatch/flex's

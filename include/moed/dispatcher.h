@@ -1,37 +1,17 @@
-// TokenDispatcher: Megatron-Core's six-step dispatch / combine interface (spec §1), with one
-// implementation per dispatcher (AllGather, AlltoAll, Flex; low-latency has its own API in
-// moed/low_latency.h because its layout differs) and the backward of each step.
+// TokenDispatcher: Megatron-Core's six-step dispatch / combine interface (docs/design.md §1.1),
+// with one implementation per dispatcher (AllGather, AlltoAll, Flex; low-latency has its own API
+// in moed/low_latency.h because its layout differs) and the backward of each step.
 //
 //   MOED_ASSIGN_OR_RETURN(auto d, moed::TokenDispatcher::create(world, config));
 //   MOED_ASSIGN_OR_RETURN(moed::DispatchOutput out, d->dispatch({.hidden = x, .topk = &routing}));
 //   ... experts read out.expert_input, segment j has out.tokens_per_expert[j] rows ...
-//   MOED_ASSIGN_OR_RETURN(moed::CombineOutput y, d->combine({.expert_output = ey, .handle =
-//   out.handle}));
+//   MOED_ASSIGN_OR_RETURN(moed::CombineOutput y,
+//                         d->combine({.expert_output = ey, .handle = out.handle}));
 //
-// Results are bitwise identical across dispatchers, backends and EP sizes (spec §3-§4).
-// Every call is collective over the world: all ranks call it, each with its own tokens.
-// Bad input on any rank is an error on every rank (World::agree), never a hang.
-//
-// Lifetime rule (every dispatcher, both worlds): an output stays valid and unchanged while the
-// caller holds it, whatever later calls on the dispatcher do.
-//   - DispatchOutput: holding it means holding any copy of its `storage` (the whole output, or
-//     just the shared_ptr). expert_input lives there; permuted_probs and tokens_per_expert live
-//     in `handle`, which is immutable once returned. A later dispatch writes elsewhere when
-//     the storage is still held (AllGather / AlltoAll: a fresh buffer from their pool; Flex: the
-//     next region of its ring) and reuses the memory once every copy is dropped, so a caller
-//     that drops each output before the next dispatch allocates nothing in the steady state.
-//     The storage holds the memory too (Flex: its node-shared region), so an output may
-//     outlive its dispatcher and its world.
-//   - CombineOutput, DispatchGrad, CombineGrad: owning Tensors and vectors; the caller's.
-//   - CombineInput::out (optional): the caller's own [T, H] buffer; combine writes the result
-//     there and nowhere else, and CombineOutput::hidden stays empty (result() views `out`).
-//     DispatchInput::out likewise: expert_input views it, and `storage` holds only what stays
-//     the dispatcher's (Flex's fp8 scales) or nothing.
-//   - Inputs are read, never kept: views passed to a step must stay valid until the step that
-//     communicates (token_*) has completed (its request waited on).
-//   - flex_expert_output_buffer (moed/flex.h) is the one buffer the caller writes into that the
-//     dispatcher owns; its own rule is documented there.
-// Requests (moed/world.h) are never null: a step that ran synchronously returns a completed one.
+// Results are bitwise identical across dispatchers, worlds and EP sizes (design.md §4.2). Every
+// call is collective over the world; bad input on any rank is an error on every rank. An output
+// stays valid and unchanged while the caller holds it (any copy of its `storage`), whatever
+// later calls do (design.md §10.1). Requests (moed/world.h) are never null.
 #pragma once
 
 #include <cstdint>
@@ -90,7 +70,7 @@ class DispatchHandle {
   // Home side (this rank's tokens), after capacity dropping and router padding, sparse (what
   // combine and the backward passes walk; to_map(routing) gives the dense map on request).
   SparseRouting routing;
-  // Expert side (rows this rank received), canonical layout of spec §3.
+  // Expert side (rows this rank received), canonical layout of design.md §3.1.
   int64_t num_rows = 0;
   std::vector<int64_t> tokens_per_expert;           // [L], padded lengths
   std::vector<int64_t> tokens_per_expert_unpadded;  // [L]
@@ -189,7 +169,7 @@ class TokenDispatcher {
   const DispatchConfig& config() const { return config_; }
   World& world() const { return *world_; }
 
-  // ---- the six steps (spec §1). State flows from step to step inside the dispatcher, as in
+  // ---- the six steps (design.md §1.1). State flows from step to step inside the dispatcher, as in
   // Megatron; one dispatch and one combine may be in progress at a time.
   virtual Status dispatch_preprocess(const DispatchInput& input) = 0;  // local only
   // Communicates. async = true may return before the data has moved: wait on the request

@@ -21,7 +21,7 @@ namespace moed {
 
 enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kFP8 = 2 };
 
-// FP8 block scaling: one scale per this many channels of a row (spec §6).
+// FP8 block scaling: one scale per this many channels of a row (design.md §6.2).
 inline constexpr int kFp8BlockSize = 128;
 // Largest finite E4M3FN value.
 inline constexpr float kFp8Max = 448.0f;
@@ -104,12 +104,12 @@ inline fp8_e4m3 float_to_fp8_e4m3(float f) {
 void convert_f32_to_bf16(std::span<const float> src, std::span<bf16> dst);
 void convert_bf16_to_f32(std::span<const bf16> src, std::span<float> dst);
 
-// FP8 block quantisation of one row of `hidden` channels (hidden % 128 == 0), spec §6, DeepEP's
-// low-latency cast to the bit: per block amax = max(max|x|, 1e-4f), scale_inv = amax * (1 / 448)
-// (a multiply by the float constant, as DeepEP's kernel does, not a division; rounded up to a
-// power of two when round_scale), value = float_to_fp8_e4m3(x * scale) with scale = 448 / amax,
-// or 1 / scale_inv (exact, a power of two) when round_scale. All in float32.
-// scales_inv has hidden / 128 entries.
+// FP8 block quantisation of one row of `hidden` channels (hidden % 128 == 0), design.md §6.2,
+// DeepEP's low-latency cast to the bit: per block amax = max(max|x|, 1e-4f),
+// scale_inv = amax * (1 / 448) (a multiply by the float constant, as DeepEP's kernel does, not a
+// division; rounded up to a power of two when round_scale), value = float_to_fp8_e4m3(x * scale)
+// with scale = 448 / amax, or 1 / scale_inv (exact, a power of two) when round_scale. All in
+// float32. scales_inv has hidden / 128 entries.
 void quantize_fp8_row(std::span<const float> x, bool round_scale, std::span<fp8_e4m3> out,
                       std::span<float> scales_inv);
 void quantize_fp8_row(std::span<const bf16> x, bool round_scale, std::span<fp8_e4m3> out,

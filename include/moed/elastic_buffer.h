@@ -1,11 +1,9 @@
 // DeepEP V2's ElasticBuffer (deep_ep/buffers/elastic.py) on moed's engines, the C++ half of
-// moed.deep_ep.ElasticBuffer. One engine underneath, two layouts (spec §8):
-//   - do_expand = false: DeepEP's rank-major receive, each token once per receiving rank
-//     (source rank ascending, then source token ascending), on moed::deep_ep::NormalBuffer;
-//   - do_expand = true: one row per (token, local expert), expert-major with each expert's
-//     segment padded to expert_alignment, on the Flex dispatcher's canonical layout (spec §3).
-// Across nodes both take moed's two hops (one network copy per destination node, forwarded
-// inside it). Every call is collective; bad input on any rank is an error on every rank.
+// moed.deep_ep.ElasticBuffer (docs/design.md §8.2). do_expand = false is DeepEP's rank-major
+// receive (NormalBuffer's); do_expand = true one row per (token, local expert), expert-major with
+// each segment padded to expert_alignment (Flex's canonical layout). Combine sums in DeepEP V2's
+// order for the buffer's recipe (moed/combine_recipe.h). Every call is collective; bad input on
+// any rank is an error on every rank.
 //
 //   MOED_ASSIGN_OR_RETURN(auto buffer, moed::deep_ep::ElasticBuffer::create(world, {}));
 //   MOED_ASSIGN_OR_RETURN(moed::deep_ep::ElasticDispatchOutput d, buffer->dispatch(
@@ -13,12 +11,6 @@
 //   ... experts read d.recv_x and d.recv_topk_idx (local expert ids, -1 elsewhere) ...
 //   MOED_ASSIGN_OR_RETURN(moed::deep_ep::ElasticCombineOutput c,
 //                         buffer->combine({.x = y, .handle = d.handle}));
-//
-// Combine sums in DeepEP V2's order for the buffer's recipe (moed/combine_recipe.h; its
-// reference deep_ep/utils/refs.py, bit for bit): with allow_multiple_reduction each rank's
-// terms (and across nodes each node's) are first summed and rounded; without it (expanded
-// layout) every term is added to the token's sum in top-k slot order, the same bits at every EP
-// size and node split. Dispatch outputs are deterministic (DeepEP's deterministic = True order).
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,6 @@
-// Flex dispatcher extras (DeepEP's design, spec §5): the shared combine buffer that lets experts
-// write their outputs where peers can read them without a copy. (DeepEP's get_dispatch_layout
-// is moed/dispatch_layout.h's.)
+// Flex dispatcher extras (DeepEP's design, docs/design.md §5): the shared combine buffer that lets
+// experts write their outputs where peers can read them without a copy. (DeepEP's
+// get_dispatch_layout is moed/dispatch_layout.h's.)
 //
 // The Flex dispatcher itself is made by TokenDispatcher::create with kind = kFlex.
 #pragma once

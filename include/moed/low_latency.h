@@ -1,48 +1,17 @@
-// Low-latency dispatch and combine for decoding (spec §6; DeepEP's low_latency_dispatch /
-// low_latency_combine).
-//
-// A LowLatencyBuffer holds, on every rank, fixed receive slots [L][R][max_tokens_per_rank]
-// for dispatch and [E][max_tokens_per_rank] for combine, in node-shared memory, twice (two
-// halves, so two dispatches and two combines can be in flight). There is no count exchange:
-// every sender writes its rows straight into the receiver's slots (or sends them over the
-// network to another node) and then publishes each (source, expert) count with release
-// ordering. The receiver packs the rows of each expert by source rank ascending, then token
-// ascending, so the result is deterministic (DeepEP's atomic slot order is not).
+// Low-latency dispatch and combine for decoding (docs/design.md §6; DeepEP's
+// low_latency_dispatch / low_latency_combine): fixed receive slots per (expert, source rank),
+// no count exchange, each expert's rows packed source rank ascending then token ascending, and
+// two halves, so two dispatches and two combines may be in flight. Every call is collective over
+// the world (all ranks, same order); bad input on any rank is an error on every rank. Shrink mode
+// (LowLatencyOptions::enable_shrink) masks a rank that misses its deadline (design.md §6.6).
 //
 //   MOED_ASSIGN_OR_RETURN(auto buffer, moed::LowLatencyBuffer::create(world, 128, 7168, 256));
 //   MOED_ASSIGN_OR_RETURN(moed::LowLatencyDispatchOutput d, buffer->low_latency_dispatch(
 //       {.x = x, .topk = &routing, .use_fp8 = true, .return_recv_hook = true}));
-//   ... overlap other work: the send phase has returned ...
 //   MOED_RETURN_IF_ERROR(d.hook->wait());  // receive; d's views are now valid
-//   ... experts read d.recv_x rows [j * d.rows_per_expert, + d.recv_count[j]) ...
 //   MOED_ASSIGN_OR_RETURN(moed::LowLatencyCombineOutput c, buffer->low_latency_combine(
 //       {.x = expert_out, .topk = &routing, .handle = d.handle}));
 //   // c.combined_x [T, H] bf16 = sum over the token's experts e ascending of w_e * y_e
-//
-// Every call is collective over the world (all ranks call it, in the same order); bad input on
-// any rank is an error on every rank (World::agree), never a hang.
-//
-// Shrink mode (LowLatencyOptions::enable_shrink; DeepEP's enable_shrink): a rank that does not
-// take part in a dispatch, combine or clean within options.shrink_timeout (or that this rank
-// sees fail) is masked, and the call completes for the others: no rows go to or come from a
-// masked rank, and combine sums only the experts of unmasked ranks (the reference with those
-// experts' terms dropped, in the same order). Each rank masks on its own; query_mask() says
-// whom. The calls then use no collective of the world: every rank writes only its own
-// node-shared memory (its rows, counts and a sequence word per half; in-node peers read them)
-// or sends messages, and waits for each peer with its own deadline. A rank that comes back
-// after the others masked it (stopped, say) finds its bit set in their masks and gets an error
-// saying it was removed; it wrote nothing into their memory. Bad input is an error on its rank
-// and, through the verdict it publishes instead of its rows, on every rank that receives from
-// it. Buffers are made (collectively) before a rank is lost.
-//
-// In the threads world a call without return_recv_hook lets its in-node peers read its rows
-// where they are: the send phase only publishes where they are, each receiver copies them once,
-// straight into their packed place (dispatch), or reduces the expert outputs where they are
-// (combine), and the call returns only once every in-node peer has finished reading. With a
-// hook (and in the MPI world) the send phase copies the rows into the receivers' node-shared
-// slots, so that dispatch's x is free once the send phase returns, as in DeepEP, and hooks may
-// run in any order. Every rank passes the same return_recv_hook to a call: a rank without one
-// waits in the call until its in-node peers have received (or the world's timeout).
 #pragma once
 
 #include <chrono>

@@ -1,19 +1,7 @@
-// Megatron-Core's routing traces as input to replay, plan and dispatch.
-//
-// Megatron-Core's RouterTracer (megatron/core/transformer/moe/router_trace.py, enabled with
-// --moe-routing-trace-path) writes one JSONL file per rank, `router_trace_rank{r}.jsonl`, one
-// record per router call:
-//   {"step": 0, "stage": "pre_dispatch", "block": "decoder", "layer": 3, "rank": 0,
-//    "num_tokens": 128, "topk": 8, "top_indices": [[12, 45, ...], ...]}
-// MTP layers carry "mtp_idx" too ("block": "mtp"). With capture_hidden_states the router's input
-// rows go to `hidden_states_rank{r}.bin`, bf16 [num_tokens, hidden] row-major, as the raw
-// little-endian int16 bit patterns torch writes (`hs.view(torch.int16).numpy().tobytes()`), and
-// the record gains "hs_offset", "hs_bytes" (num_tokens * hidden * 2) and "hs_shape" ([T, H]).
-//
-// A step's routing is every rank's record for the same (step, block, mtp_idx, layer) joined in
-// rank order: rank 0's tokens first. A rank that called the same router more than once in a step
-// (micro-batches of one training iteration, or a recomputed forward) has several such records;
-// the n-th of each rank form call n (`microbatch` n).
+// Megatron-Core's routing traces (RouterTracer's router_trace_rank{r}.jsonl and the optional
+// hidden_states_rank{r}.bin) as input to replay, plan and dispatch. docs/planner.md describes
+// the format and how a step's records are joined over ranks; errors name the file, the line and
+// the value.
 //
 //   moed::MegatronTraceSelection sel;
 //   sel.step = 3;                       // default: the lowest step in rank 0's file
@@ -21,11 +9,6 @@
 //   sel.num_experts = 256;              // indices are checked against it
 //   MOED_ASSIGN_OR_RETURN(moed::MegatronTrace t, moed::read_megatron_trace("traces/", sel));
 //   MOED_ASSIGN_OR_RETURN(moed::RoutingTrace r, moed::megatron_routing_trace(t));  // replay_trace
-//
-// Errors name the file, the line and the value: a rank's file missing, a line that is not a
-// complete JSON record (a file cut short), a field of the wrong type, top_indices whose shape
-// disagrees with num_tokens / topk or whose value is outside [-1, E), a selected layer absent
-// from one rank, ranks that disagree on num_tokens, a sidecar shorter than its records say.
 #pragma once
 
 #include <cstdint>

@@ -1,13 +1,8 @@
-// The MoE layer end to end (spec §1): router -> dispatch -> grouped expert MLP -> combine, plus
-// an optional shared expert that runs while token_dispatch moves the tokens, forward and
-// backward, in f32 or bf16 (bf16 storage, fp32 accumulation).
-//
-// Experts are SwiGLU MLPs as in Megatron-Core: fc1 [H, 2F] gives gate and up, the activation is
-// silu(gate) * up, the routing prob multiplies the activation before fc2 [F, H]
-// (moe_apply_probs_on_input = false), so combine is unweighted. With expert tensor parallelism
-// (etp_size P > 1) rank (ep, p) holds columns [p F/P, (p+1) F/P) of gate and of up, and the
-// same rows of fc2; combine sums the P partial outputs. Weights are generated from
-// (seed, global expert id) element by element, so every world size and ETP builds the same model.
+// The MoE layer end to end (docs/design.md §1.5): router -> dispatch -> grouped expert MLP
+// (Megatron's SwiGLU) -> combine, plus an optional shared expert that runs while token_dispatch
+// moves the tokens, forward and backward, in f32 or bf16 (bf16 storage, fp32 accumulation).
+// reference_moe_layer computes the same model in one process; tests and `moed run` compare
+// against it.
 //
 //   moed::MoEConfig config;
 //   config.hidden = 256; config.ffn_hidden = 512; config.num_experts = 8; config.num_topk = 2;
@@ -15,10 +10,6 @@
 //   MOED_ASSIGN_OR_RETURN(auto layer, moed::MoELayer::create(world, config));  // collective
 //   MOED_ASSIGN_OR_RETURN(moed::Tensor y, layer->forward(x));                  // [T, H]
 //   MOED_ASSIGN_OR_RETURN(moed::MoEGrads g, layer->backward(grad_y));
-//
-// reference_moe_layer computes the same model in one process on every rank's tokens, moving
-// tokens with moed's reference dispatch / combine; tests and `moed run` compare against it.
-// Expert GEMMs run on OpenBLAS in fixed row blocks, so for the same rows they give the same bits.
 #pragma once
 
 #include <cstdint>

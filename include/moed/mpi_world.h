@@ -1,13 +1,7 @@
-// The MPI world: ranks are MPI processes (OpenMPI), with the same contract as the threads
-// world (moed/world.h).
-//
-// Nodes: by default the ranks of one host (MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)); set
-// options.ranks_per_node (G) to split a host into several emulated nodes. Node-shared
-// memory is POSIX shared-memory segments, one per local rank, mapped by every local rank
-// (src/comm/mpi/shared_memory.cc says why not MPI shared windows); the network is MPI
-// point-to-point; collectives are MPI non-blocking collectives polled against the timeout,
-// with fp32 sums done locally in ascending rank order (never MPI_SUM, whose order MPI does
-// not fix).
+// The MPI world: ranks are MPI processes (OpenMPI), with the same contract as the threads world
+// (moed/world.h; docs/multihost.md says how it is built and what its limits are). MPI calls come
+// from the thread that made the world, or from any one thread at a time under
+// MPI_THREAD_MULTIPLE; after a failure or a timeout the world is unusable.
 //
 //   MPI_Init(&argc, &argv);
 //   {
@@ -16,14 +10,6 @@
 //     ... w->all_reduce_f32(...) ...
 //   }  // drop the world (and its shared buffers) before MPI_Finalize
 //   MPI_Finalize();
-//
-// Limits: one message, or one rank's part of a collective, is at most INT_MAX bytes (an
-// error otherwise). MPI calls come only from the thread that made the world; other threads
-// (pool workers) may wait on shared-memory signals, which need no MPI. After a failure or a
-// timeout the world is unusable: pending MPI operations are abandoned.
-// A timeout names the ranks that did not answer a census (every other rank is asked "are you
-// there?" and given a grace of timeout / 4, clamped to [0.5 s, 5 s]), so a stopped, dead or
-// cut-off rank is named in the error of every rank that waited for it.
 #pragma once
 
 #include <mpi.h>

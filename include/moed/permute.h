@@ -1,27 +1,15 @@
-// Permute / unpermute / sort_chunks_by_idxs and their backward: the single-rank token path of
-// every dispatcher (Megatron-Core's moe_utils.permute, unpermute, sort_chunks_by_idxs).
-//
-// permute turns tokens [T, H] and an *effective* RoutingMap [T, E] (after capacity dropping
-// and router padding: run apply_layout_options first) into expert-major rows in the canonical
-// order of spec §3 (expert ascending, then source ascending, then token ascending), with
-// Megatron's drop_and_pad (pad_to_capacity) and DeepEP's expert_alignment. unpermute sums the
-// rows back per token in spec §4's fixed order (fp32 from 0, experts ascending, rounded once),
-// bit for bit equal to the reference for any thread count.
+// Permute / unpermute / sort_chunks_by_idxs and their backward (Megatron-Core's moe_utils): the
+// single-rank token path of every dispatcher (docs/design.md §1.4). permute turns tokens [T, H]
+// and an *effective* RoutingMap [T, E] (run apply_layout_options first) into expert-major rows
+// in the canonical order (design.md §3.1), with Megatron's drop_and_pad (pad_to_capacity) and
+// DeepEP's expert_alignment; unpermute sums the rows back per token in design.md §4.1's order.
+// Padding rows are zero bytes (prob 0, sorted index -1). All deterministic, the same bits for
+// any thread count.
 //
 //   MOED_ASSIGN_OR_RETURN(moed::PermuteOutput p, moed::permute(tokens, effective_map));
 //   ... experts read p.rows; segment j has p.layout.tokens_per_expert[j] rows ...
 //   MOED_ASSIGN_OR_RETURN(moed::Tensor out,
 //                         moed::unpermute(y, p.layout.sorted_indices, num_tokens));
-//
-// The AlltoAll dispatcher permutes by global expert (so destination rank d's rows, experts
-// [d*L, (d+1)*L), are contiguous), runs all-to-all-v, then sort_chunks_by_idxs with
-// output_offsets to place each (expert, source) chunk at its final, alignment-padded position.
-// The AllGather dispatcher permutes the gathered tokens of all sources at once with
-// source_offsets and an expert range.
-//
-// Padding rows (pad_to_capacity, expert_alignment) are zero bytes (fp8 scales 0.0f), prob 0
-// and sorted index -1. All functions are deterministic and bitwise identical for any thread
-// count.
 #pragma once
 
 #include <cstdint>
@@ -103,7 +91,7 @@ StatusOr<PermuteOutput> permute(const TokenRows& tokens, const RoutingMap& routi
 
 // out[t] = fp32 0 + sum over the rows i with sorted_indices[i] == t, in row order, of
 // (probs.empty() ? float(rows[i]) : probs[i] * float(rows[i])), rounded once to the rows'
-// dtype; 0 for tokens without rows. With expert-major rows, row order is spec §4's expert
+// dtype; 0 for tokens without rows. With expert-major rows, row order is design.md §4.1's expert
 // order. rows: [N, H] f32 or bf16; sorted_indices [N] in [-1, T); probs [N] or empty.
 Status unpermute_into(const TensorView& rows, std::span<const int32_t> sorted_indices,
                       std::span<const float> probs, const TensorView& out,

@@ -1,15 +1,10 @@
-// Planning clusters: an explicit cost model of dispatch and combine on GPU clusters
-// (`moed plan`, README "Planning clusters: moed plan").
+// Planning clusters: an explicit cost model of dispatch and combine on GPU clusters (`moed plan`;
+// docs/planner.md).
 //
 // From a routing (a trace, or generated: uniform, Zipf-skewed, group-limited) it counts, per
-// rank, the bytes each algorithm moves over the intra-node fabric (NVLink; node-shared memory
-// here) and over the network (RDMA), and turns the maximum over ranks into a time with a few
-// public numbers per system (Cluster). Two views of the same counts:
-//   - moed's counters (PlanResult::moed): what moed's own dispatchers add to
-//     World::counters() on the threads world, for the data path (tests/plan checks equality);
-//   - link time (PlanResult::algorithms): bytes over each link the way the GPU kernels move
-//     them (DeepEP's one row per (token, rank)), max over ranks of max(NVL, RDMA) time, plus a
-//     per-message latency per hop and a fixed per-call cost.
+// rank, the bytes each algorithm moves over the intra-node fabric and the network, and turns the
+// busiest rank's into a time with a few public numbers per system (Cluster). PlanResult::moed
+// holds what moed's own dispatchers count; PlanResult::algorithms the GPU kernels' link times.
 //
 //   moed::PlanOptions o;
 //   o.cluster = *moed::cluster_preset("h800");

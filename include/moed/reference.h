@@ -1,30 +1,9 @@
-// The reference: a plain, single-process implementation of spec §3-§4 on the *global* input
-// (every rank's tokens at once). It returns what each rank must receive from dispatch and
-// what combine (and both backward passes) must return. Written for clarity, not speed, and it
-// shares no code with the fast paths it checks (it has its own dropping, padding, layout and
-// summation loops). Every dispatcher test compares against it bit for bit.
-//
-// Summation order (spec §4), used by combine and the dispatch backward:
-//   term_e  = fp32: 0 + sum over p = 0..P-1 (ascending) of float(y_{e,p}[row])
-//   acc     = fp32: 0 + sum over experts e ascending of (weighted ? prob_e * term_e : term_e)
-//   out[t]  = acc rounded once to the output dtype
-// each + and * a single fp32 operation (no fused multiply-add; moed builds with
-// -ffp-contract=off). The weighted combine backward's grad_prob(s,t,e) = dot(grad_out_s[t],
-// term_e) with term_e as above and the dot accumulated in fp32 over h ascending.
-//
-// Readings the reference settles (where the shared semantics leave a choice):
-// - The effective map routes 0/1 and has prob 0 on every unrouted cell (a raw map's probs on
-//   unrouted cells are ignored); its num_topk is the raw map's.
-// - K for the capacity formula: `num_topk` if > 0, else the (equal) nonzero num_topk the maps
-//   carry; with a capacity_factor it must end up > 0. Without one, K is not used.
-// - Router padding runs after dropping and picks the lowest unrouted tokens, so a token just
-//   dropped from e can be routed to e again, with prob 0. pad_to_capacity with router padding
-//   is an error (a chunk could then exceed C_s).
-// - Router-padded (t, e) are routed like any other: their rows carry x_s[t] with prob 0, they
-//   take part in combine (adding prob 0 * term, or term when unweighted) and get grad_probs.
-// - Expert outputs and gradients are f32 or bf16, the same dtype on every rank, with H columns
-//   (H of the hidden states). grad_pprobs may be empty, and an empty entry reads as zeros for
-//   that rank. expert_output is not read by the unweighted combine backward.
+// The reference: a plain, single-process implementation of docs/design.md §3-§4 on the *global*
+// input (every rank's tokens at once). It returns what each rank must receive from dispatch and
+// what combine (and both backward passes) must return, in the summation order of design.md §4.1.
+// Written for clarity, not speed, it shares no code with the fast paths it checks; every
+// dispatcher test compares against it bit for bit. Where the shared semantics leave a choice, it
+// settles it (design.md §3.3, §4.5).
 //
 //   moed::ReferenceProblem p{.num_experts = 8, .ep_size = 2, ...};
 //   p.routing = {map_rank0, map_rank1}; p.num_topk = 2; p.hidden = {x0, x1};
@@ -53,7 +32,7 @@ struct ReferenceProblem {
   int world_size() const { return ep_size * etp_size; }
 };
 
-// What rank r must receive (spec §3).
+// What rank r must receive (design.md §3.1).
 struct ReferenceRankDispatch {
   TokenTensor expert_input;                         // [num_rows, H], payload dtype (+ scales)
   std::vector<float> permuted_probs;                // [num_rows]

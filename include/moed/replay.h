@@ -1,20 +1,9 @@
-// Replaying a routing trace: what dispatch would move, without moving a token.
-//
-// A trace is the top-k expert indices a router chose, [T, K] or [steps, T, K] (int32 or int64,
-// -1 = no expert), saved as .npy. Each step's T tokens are split evenly over R source ranks
-// (rank s holds tokens [s * T / R, (s + 1) * T / R)), as in `moed dispatch`. From it replay
-// counts, per step and summed over steps:
-//   - tokens per expert (token-expert pairs), per rank (rows its experts receive, and tokens
-//     it receives once each), imbalance = max / mean;
-//   - tokens dropped under a capacity factor (policy `position`: a trace has no probs);
-//   - the rank-to-rank traffic matrix: tokens source s sends to destination d, a token counted
-//     once per destination rank (DeepEP's is_token_in_rank, from moed::get_dispatch_layout);
-//   - network bytes of a flat all-to-all (every (token, remote-node rank) pair crosses the
-//     network) against Flex's two hops (one transfer per (token, remote node) plus its header,
-//     then forwarded inside the node over shared memory);
-//   - a predicted dispatch time for both: per step, the maximum over ranks of
-//     shared bytes / shared GB/s + network bytes / network GB/s, summed over steps.
-// and draws two pictures (SVG): the traffic matrix as a heatmap and the load per expert.
+// Replaying a routing trace: what dispatch would move, without moving a token (docs/planner.md).
+// A trace is the top-k indices a router chose, [T, K] or [steps, T, K] (.npy, int32 or int64,
+// -1 = no expert); each step's tokens are split evenly over R source ranks. Replay counts tokens
+// per expert and per rank, tokens dropped under a capacity factor, the rank-to-rank traffic
+// matrix, the network bytes of a flat all-to-all against Flex's two hops, and a predicted
+// dispatch time, and draws the traffic matrix and the load per expert as SVG.
 //
 //   MOED_ASSIGN_OR_RETURN(moed::RoutingTrace trace, moed::read_routing_trace("topk_idx.npy"));
 //   moed::ReplayOptions o;
@@ -23,19 +12,6 @@
 //   MOED_ASSIGN_OR_RETURN(moed::ReplayResult r, moed::replay_trace(trace, o));
 //   std::fputs(moed::replay_table(r).c_str(), stdout);
 //   MOED_ASSIGN_OR_RETURN(moed::ReplayPictures p, moed::write_replay_pictures(r, "out/"));
-//
-// How bytes are charged (the model behind the prediction):
-//   - a row is hidden * dtype_bytes bytes of payload;
-//   - flat all-to-all: source s writes one row per (token, destination rank); rows for ranks
-//     of its own node (itself included) are shared-memory bytes, rows for other nodes network
-//     bytes. Only the payload is counted (probs and indices are left out), so the flat figure
-//     is a lower bound and Flex's saving is not overstated;
-//   - Flex: source s sends one row per (token, remote node) to the rank of that node with its
-//     own local index (the forwarder), plus kFlexTokenHeaderBytes per token and
-//     kFlexEntryBytes per (token, expert on that node) of header: network bytes of s. The
-//     forwarder then writes one row per destination rank of its node: shared bytes of the
-//     forwarder. Rows for s's own node are written directly: shared bytes of s;
-//   - each rank's time is charged for the bytes it writes (the sender's side).
 #pragma once
 
 #include <cstdint>

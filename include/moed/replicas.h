@@ -1,18 +1,10 @@
 // Redundant experts (EPLB-style placement, as DeepSeek's EPLB, vLLM and SGLang use them): each
-// logical expert has one or more physical replicas, given by the caller, on the ranks that
-// hold those physical experts (physical expert p lives on rank p / num_local_experts). route()
-// turns a token's logical top-k into physical expert ids, skipping replicas on masked ranks.
-//
-// The choice is deterministic: slot (t, k) of logical expert e with replicas r_0..r_{n-1}
-// (the caller's order) takes r_{(t + k) mod n}, or, when that replica's rank is masked, the
-// next one in cyclic order whose rank is not. A token keeps its replica unless that replica's
-// rank is lost, and the same inputs give the same choice on every run and world. With no live
-// replica the slot is -1 and counted as lost (never dropped silently).
-//
-// Combine then sums each token's terms in the order of the logical ids (moed/low_latency.h,
-// LowLatencyCombineInput::order), so with the experts' weights the same on every replica the
-// output does not depend on which replica served a token: with one replica left of each
-// expert, a lost rank changes no bit.
+// logical expert has one or more physical replicas, given by the caller (physical expert p lives
+// on rank p / num_local_experts). route() turns a token's logical top-k into physical expert ids,
+// skipping replicas on masked ranks, by a fixed rule (docs/design.md §12.4): the same choice on
+// every run and world, and a slot with no live replica is -1 and counted as lost. Combining in
+// the order of the logical ids (LowLatencyCombineInput::order) makes the output independent of
+// which replica served a token.
 //
 //   MOED_ASSIGN_OR_RETURN(moed::ExpertReplicas map,
 //                         moed::ExpertReplicas::create({{0, 5}, {1, 6}, ...}, 8, 4));

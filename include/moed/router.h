@@ -1,8 +1,8 @@
-// The MoE router: Megatron-Core's TopKRouter on the CPU, forward and backward.
-//
-// From router logits [T, E] (float32) it chooses K experts per token and their probs, applies
-// the layout options that belong to routing (capacity dropping, router padding), and computes
-// the load-balancing losses with their gradients. The output comes in both routing forms.
+// The MoE router: Megatron-Core's TopKRouter on the CPU, forward and backward, every float32
+// operation fixed (docs/design.md §1.6 gives the score functions, ties and orders). From router
+// logits [T, E] (float32) it chooses K experts per token and their probs, applies the layout
+// options that belong to routing (capacity dropping, router padding), and computes the
+// load-balancing losses with their gradients. The output comes in both routing forms.
 //
 //   moed::RouterConfig config;
 //   config.num_experts = 64;
@@ -11,30 +11,7 @@
 //   config.aux_loss_coeff = 1e-2;
 //   MOED_ASSIGN_OR_RETURN(moed::Router router, moed::Router::create(config));
 //   MOED_ASSIGN_OR_RETURN(moed::RouterOutput out, router.forward(logits, num_tokens));
-//   // ... dispatch out.routing (or out.topk), experts, combine, get d loss / d probs ...
-//   MOED_ASSIGN_OR_RETURN(std::vector<float> grad_logits,
-//                         router.backward(logits, out, grad_probs));
-//
-// Semantics (Megatron's topk_routing_with_score_function, group_limited_topk,
-// switch_load_balancing_loss_func, sequence_load_balancing_loss_func, z_loss_func,
-// get_updated_expert_bias), with every float32 operation fixed so results are reproducible:
-// - softmax: top-k on the logits, then probs = softmax over the k chosen (in choice order);
-//   with pre_softmax, probs = softmax over all E (ascending expert), then top-k of those.
-// - sigmoid / sqrtsoftplus: scores = sigmoid(x) = 1 / (1 + exp(-x)), or
-//   sqrt(softplus(x)) with softplus(x) = x > 20 ? x : log1p(exp(x)); top-k on the scores;
-//   probs = score / (sum of the k chosen scores, in choice order, + 1e-20f) when K > 1.
-// - softmax(v) = exp(v_i - max v) / (sum of those in order), all float32.
-// - expert bias: added to the selection scores (the logits for plain softmax, the scores
-//   otherwise) to choose the experts only; probs use the unbiased values. Megatron allows it
-//   with sigmoid only; here it is allowed with every score function.
-// - group-limited top-k: E experts in num_groups groups; a group's score is the sum (descending
-//   order) of its top (K / group_topk) selection scores; the group_topk best groups are kept,
-//   then top-k runs over their experts only.
-// - ties: an equal score goes to the lower expert (or group) index, so the choice is
-//   deterministic; the chosen experts are listed best first.
-// - topk_scaling_factor multiplies the probs last (float32).
-// Losses see Megatron's scores for aux loss: softmax over E, or sigmoid / sqrtsoftplus scores
-// normalised over E (+ 1e-20) when K > 1, with their own plain top-k map (no bias, no groups).
+//   MOED_ASSIGN_OR_RETURN(auto grad_logits, router.backward(logits, out, grad_probs));
 #pragma once
 
 #include <cstdint>

@@ -1,16 +1,10 @@
-// Routing in its forms (spec §2), converters between them, their validation, and the
-// layout options that change what dispatch produces (spec §3): capacity dropping, router
-// padding for quantisation, pad_to_capacity and expert_alignment.
+// Routing in its forms, converters between them, their validation, and the layout options that
+// change what dispatch produces (docs/design.md §2, §3).
 //
-// Four forms (two of them also borrowed), one currency:
-//   - TopkRouting: topk_idx / topk_weights [T, K], owned (-1 = no expert);
-//   - TopkView: the same [T, K] borrowed (int32 or int64 indices), e.g. a caller's tensors;
-//   - RoutingMap: Megatron's dense routing_map / probs [T, E]; MapView: the same borrowed;
-//   - SparseRouting: per token its experts (ascending) and probs, CSR. This is what moed works
-//     on inside: a dispatch converts its input to it once on entry (O(T*K) from top-k, one
-//     O(T*E) scan from a map), drops, pads, counts and lays out on it, and its handle keeps it.
-//     Router padding can give a token more than K experts and dropping fewer, which a fixed-K
-//     form cannot say; CSR can, and costs O(entries) where the map costs O(T*E).
+// TopkRouting owns topk_idx / topk_weights [T, K] (-1 = no expert); TopkView borrows them
+// (int32 or int64 indices); RoutingMap is Megatron's dense routing_map / probs [T, E], MapView
+// borrows one; SparseRouting (CSR: per token its experts ascending and their probs) is what moed
+// works on inside (design.md §2.2).
 //
 //   moed::TopkRouting topk = ...;
 //   MOED_RETURN_IF_ERROR(moed::validate(topk, num_experts));
@@ -92,7 +86,7 @@ struct MapView {
 
 // Sparse form (CSR), the internal currency: token t routes to expert[i] with prob[i] for i in
 // [begin[t], begin[t + 1]), experts strictly ascending within a token (the order in which the
-// map form lists them, so every sum over a token's experts runs in spec §4's order).
+// map form lists them, so every sum over a token's experts runs in design.md §4.1's order).
 struct SparseRouting {
   int num_experts = 0;
   int num_topk = 0;               // K of the router that made it (the capacity formula needs it)
@@ -112,7 +106,7 @@ struct SparseRouting {
   std::vector<float> prob_sums() const;
 };
 
-// Checks spec §2's rules: sizes match num_tokens x num_topk, indices in [-1, E), no expert
+// Checks design.md §2.3's rules: sizes match num_tokens x num_topk, indices in [-1, E), no expert
 // repeated within a token, weights not NaN and not negative. Message names the value, e.g.
 // "topk_idx[17][3] = 300 is outside [-1, 256)".
 Status validate(const TopkRouting& routing, int num_experts);
@@ -146,7 +140,7 @@ enum class DropPolicy : uint8_t { kProbs = 0, kPosition = 1 };
 const char* drop_policy_name(DropPolicy p);
 StatusOr<DropPolicy> parse_drop_policy(std::string_view name);  // "probs" | "position"
 
-// Layout options (spec §3); identical meaning in every dispatcher and in the reference.
+// Layout options (design.md §3.2); identical meaning in every dispatcher and in the reference.
 struct LayoutOptions {
   // Token dropping: capacity C_s = ceil(T_s * K / E * capacity_factor) per source rank s and
   // expert, where K is the routing's top-k (num_topk). Unset = dropless.
@@ -168,7 +162,7 @@ struct LayoutOptions {
 // Capacity for one source rank: ceil(num_tokens * num_topk / num_experts * capacity_factor).
 int64_t expert_capacity(int64_t num_tokens, int num_topk, int num_experts, double capacity_factor);
 
-// Applies capacity dropping then router padding to one source rank's routing (spec §3),
+// Applies capacity dropping then router padding to one source rank's routing (design.md §3.3),
 // on the sparse form: O(entries + E * padding multiple). The capacity formula takes K from
 // routing.num_topk. Each expert is dropped and padded on its own; with a pool and many
 // entries the experts are split over its workers (the result does not depend on the split).

@@ -1,12 +1,9 @@
-// The threads world: R ranks as R threads of this process (moed's embedded default).
+// The threads world: R ranks as R threads of this process (moed's embedded default;
+// docs/design.md §9).
 //
 // run_threads starts one thread per rank, hands each its own World, and returns the first
-// error. A rank fails by returning an error, throwing, or calling World::abort(); the other
-// ranks' pending and later calls then return kAborted ("rank 2 failed: <message>").
-//
-// Ranks are grouped into nodes of options.ranks_per_node (G): ranks of one node share memory
-// (World::alloc_shared); traffic between nodes goes through World::isend/irecv, which copy
-// once from the sender's buffer into the receiver's (like RDMA) and count network bytes.
+// error. Ranks form nodes of options.ranks_per_node (G): a node's ranks share memory
+// (World::alloc_shared); messages between nodes copy once, sender to receiver, like RDMA.
 //
 //   moed::WorldOptions opts;
 //   opts.ranks_per_node = 2;  // 4 ranks = 2 nodes of 2

@@ -1,21 +1,10 @@
-// World: a group of ranks that dispatchers talk across (spec §1, §5).
-//
-// One small virtual byte-level interface, three backends with the same contract:
-//   - threads (the embedded default): R ranks are R threads in one process (moed/threads_world.h);
-//   - MPI: ranks are MPI processes (moed/mpi_world.h);
-//   - gloo: ranks are the processes of a torch.distributed gloo group (moed/gloo_world.h).
-// Typed templates at the bottom (all_to_all_v<T>, all_gather<T>, ...) wrap the byte calls.
-//
-// The node structure mirrors a GPU cluster: a node is G ranks that share memory (NVLink on a
-// GPU box); nodes talk over the network (RDMA). G is settable, so one process or one host can
-// emulate several nodes; cross-node traffic then never goes through a shared pointer.
-//
-// Faults: if a rank fails (its function returns an error, throws, or calls abort()), every
-// other rank's pending and later calls return StatusCode::kAborted naming that rank. A call
-// that waits longer than the world's timeout returns kDeadlineExceeded. Nothing waits forever.
-//
-// Sums are deterministic: float32 accumulation from 0 in ascending rank order, so a result
-// never depends on timing or backend.
+// World: a group of ranks that dispatchers talk across (docs/design.md §9): one small virtual
+// byte-level interface with three backends (threads, MPI, gloo: moed/threads_world.h,
+// mpi_world.h, gloo_world.h) and typed templates over it (all_to_all_v<T>, all_gather<T>, ...).
+// A node is G ranks that share memory (NVLink on a GPU box); nodes talk over the network (RDMA).
+// fp32 sums add from 0 in ascending rank order. No wait is unbounded: a failed rank makes every
+// other rank's calls return kAborted naming it, and a wait past the world's timeout returns
+// kDeadlineExceeded (design.md §12.2).
 //
 //   Status body(moed::World& w) {
 //     std::vector<int> mine = {w.rank()};
@@ -130,7 +119,7 @@ class SharedBuffer {
 };
 
 struct WorldOptions {
-  // Ranks per node (G). 0 = backend default: all ranks (threads), the host (MPI).
+  // Ranks per node (G). 0 = backend default: all ranks (threads), the host (MPI, gloo).
   int ranks_per_node = 0;
   // How long any call waits for a peer before returning kDeadlineExceeded.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
@@ -168,16 +157,17 @@ class World {
   int node_of(int rank) const { return rank / ranks_per_node_; }
   bool same_node(int a, int b) const { return node_of(a) == node_of(b); }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  // "threads" or "mpi". For display only: ask capabilities below, not names.
+  // "threads", "mpi" or "gloo". For display only: ask capabilities below, not names.
   virtual const char* backend_name() const = 0;
   // True when every rank of the world lives in this process's address space (the threads
   // world): a pointer from one rank's memory is readable by every other rank, so node-shared
-  // staging copies can be skipped. False for separate processes (MPI), where only memory from
-  // alloc_shared is shared within a node.
+  // staging copies can be skipped. False for separate processes (MPI, gloo), where only memory
+  // from alloc_shared is shared within a node.
   virtual bool shares_address_space() const = 0;
   // True when this rank's World calls may be made from a thread other than the one that made
-  // the world (one at a time). The threads world allows it; MPI calls belong to the owning
-  // thread, so there an "async" step runs eagerly and returns a completed request.
+  // the world (one at a time). The threads world allows it, and the MPI world where MPI was
+  // initialised with MPI_THREAD_MULTIPLE; elsewhere calls belong to the owning thread, so an
+  // "async" step runs eagerly and returns a completed request.
   virtual bool calls_from_any_thread() const { return false; }
 
   // This rank's worker pool for hot loops.
@@ -219,9 +209,8 @@ class World {
   // Marks this rank failed with `reason` and tells every other rank: their pending and later
   // calls return kAborted "rank r failed: <message>". Returns (the caller ends its own work);
   // every backend alike, the MPI world included (through its failure channel; the job goes
-  // on). A failure already seen (this rank's or another's) stays the cause. A body that fails
-  // while holding shared buffers calls it before they drop, since freeing them is collective
-  // under MPI and would keep the others waiting on this rank until the timeout.
+  // on). A failure already seen (this rank's or another's) stays the cause. Calling it before a
+  // failing body returns tells the others at once, before the body's locals are torn down.
   virtual void abort(const Status& reason) = 0;
   // The first failure seen (ok() while nobody has failed). Checked by every wait.
   virtual Status failure() const = 0;

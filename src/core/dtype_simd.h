@@ -286,7 +286,7 @@ struct Simd {
 
   // ---- fold_rows: the sum of a token's rows in registers, four vectors at a time ----
   // fold_rows asks for each row this many bytes ahead, one line per line read (a burst per
-  // block, as prefetch_ahead does, came late: measured 1.5x slower on 8 KiB bf16 rows).
+  // block, as prefetch_ahead does, comes too late for rows that stream past once).
   static constexpr size_t kFoldAheadBytes = 2048;
 
   // The first kFoldAheadBytes of rows (those the loop's own prefetches never ask for).

@@ -39,7 +39,7 @@ struct RowKernels {
   void (*start)(float* acc, const void* x, DType t, size_t n);
   // acc[i] = 0 + w * x[i]
   void (*start_weighted)(float* acc, const void* x, DType t, float w, size_t n);
-  // acc[i] = acc[i] + (0 + x[i])      (spec §4 literally: a one-partial term summed from 0)
+  // acc[i] = acc[i] + (0 + x[i])      (design.md §4.1 literally: a one-partial term summed from 0)
   void (*add_term)(float* acc, const void* x, DType t, size_t n);
   // acc[i] = acc[i] + w * (0 + x[i])
   void (*add_term_weighted)(float* acc, const void* x, DType t, float w, size_t n);
@@ -81,7 +81,7 @@ void dot_chains(const void* const* a, DType at, const void* const* b, DType bt, 
 void fold_rows_range(const void* const* rows, DType t, const float* w, int count, void* dst,
                      DType dt, size_t begin, size_t end);
 
-// Per block: scale_inv as stored, and the factor the values are multiplied by (spec §6).
+// Per block: scale_inv as stored, and the factor the values are multiplied by (design.md §6.2).
 // Shared by every table so the scale arithmetic is written once.
 inline float fp8_block_scale(float amax, bool round_scale, float* scale_inv) {
   *scale_inv = fp8_scale_inv(amax, round_scale);

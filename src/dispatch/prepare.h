@@ -1,8 +1,8 @@
 // What every dispatcher does first, in one place: check the DispatchInput against the config
 // on every rank (World::agree, so a bad input is everyone's error), turn the routing, whatever
 // its form, into the sparse form once (moed/routing.h), apply capacity dropping and router
-// padding on it (the effective routing), count it, and compute the canonical layout of spec
-// §3 from everybody's per-expert counts.
+// padding on it (the effective routing), count it, and compute the canonical layout
+// (design.md §3.1) from everybody's per-expert counts.
 //
 //   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(world, config, input));
 //   ... exchange in.tokens_per_expert ([E]) so each rank has counts[s][e] ...
@@ -52,8 +52,8 @@ Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t o
 // are known only after the count exchange, where each dispatcher checks them).
 Status check_dispatch_out_columns(const DispatchInput& input);
 
-// The canonical layout of rank `rank` (spec §3), from counts[s * E + e] (rows source s sends to
-// global expert e) and capacity[s] (C_s; used only with pad_to_capacity).
+// The canonical layout of rank `rank` (design.md §3.1), from counts[s * E + e] (rows source s sends
+// to global expert e) and capacity[s] (C_s; used only with pad_to_capacity).
 struct ExpertLayout {
   int num_local_experts = 0;  // L
   int world_size = 0;         // R

@@ -298,7 +298,7 @@ Status RowExchangeDispatcher::send_return(ReturnState& st) {
 
 // NOTE: rows arrive rank-major, [g][j][t] with g = ep * P + p; home order is [ep][j][t]. With
 // P = 1 the two are the same and the received rows are already the terms: unpermute's
-// `acc += prob * float(y)` equals spec §4's `acc += prob * (0 + float(y))` bit for bit (the
+// `acc += prob * float(y)` equals design.md §4.1's `acc += prob * (0 + float(y))` bit for bit (the
 // two differ only for y = -0, where acc, which starts at +0, is unchanged either way).
 Tensor RowExchangeDispatcher::sum_partials(const ReturnState& st) const {
   const RowExchangePlan& plan = st.handle->plan;
@@ -353,7 +353,7 @@ TensorView RowExchangeDispatcher::terms(const ReturnState& st, const Tensor& sum
 
 namespace {
 
-// Home-side reduction of the terms in spec §4's order, rounded once to `dtype`, into `out`
+// Home-side reduction of the terms in design.md §4.1's order, rounded once to `dtype`, into `out`
 // (the caller's buffer) when given, else into a new Tensor (returned).
 StatusOr<Tensor> reduce_home(const PermuteLayout& home, const TensorView& terms,
                              std::span<const float> probs, DType dtype, ThreadPool& pool,

@@ -2,8 +2,8 @@
 //
 // Both learn the per-(source, expert) counts once per dispatch (exchange_counts) and describe,
 // in a RowExchangePlan, how rows move between two orders:
-//   - the expert side: this rank's canonical layout (spec §3), chunks (local expert j, source s)
-//     expert-major with padding;
+//   - the expert side: this rank's canonical layout (design.md §3.1), chunks (local expert j,
+//     source s) expert-major with padding;
 //   - the home side: this rank's own tokens permuted expert-major over all E experts, no
 //     padding (Megatron's permute of the effective map), so the rows for the experts of one
 //     ep index are contiguous.
@@ -14,14 +14,14 @@
 // NOTE: the forward's row work (permute, sort_chunks, unpermute) runs in the communicating
 // steps (token_dispatch, token_combine), as Flex's does; the local steps check, count and hand
 // out the results. A step that moves rows returns with the caches full of them, and at decode
-// a Python caller pays some 15 us of misses on each such return (bench_python.py --split), so
-// two such returns per layer instead of six. The results are the same bits.
+// a Python caller pays cache misses on each such return (docs/benchmarks.md, "Measurements
+// behind design choices"), so two such returns per layer instead of six. The same bits.
 //
 // NOTE: the combine sends each rank's per-(token, expert) rows to the token's home rank (one
 // all_to_all_v; with ETP every p sends its partial) and sums there: the P partials first
 // (fp32 from 0, p ascending), then the experts ascending (unpermute). A reduce-scatter of
 // per-rank partial sums would group the terms differently (((a+b)+(c+d)) != (((a+b)+c)+d))
-// and break spec §4's bitwise promise, so neither dispatcher uses one.
+// and break design.md §4.2's bitwise promise, so neither dispatcher uses one.
 //
 //   MOED_ASSIGN_OR_RETURN(GlobalCounts c, exchange_counts(world, config, prepared));
 //   MOED_ASSIGN_OR_RETURN(RowExchangePlan plan,
@@ -204,7 +204,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
   Status pack_return(ReturnState& st, std::shared_ptr<const ExchangeHandle> handle,
                      const TensorView& rows, std::span<const float> values);
   Status send_return(ReturnState& st);
-  // fp32 terms of spec §4 in home order (0 + partials in p order): [home.num_rows, H] f32.
+  // fp32 terms of design.md §4.1 in home order (0 + partials in p order): [home.num_rows, H] f32.
   // With P = 1 returns an empty tensor: the received rows are the terms (see .cc).
   Tensor sum_partials(const ReturnState& st) const;
   std::vector<float> sum_partial_values(const ReturnState& st) const;
@@ -221,8 +221,8 @@ class RowExchangeDispatcher : public TokenDispatcher {
   // Combine backward, shared half. start_combine_backward checks the input (agreed on every
   // rank), keeps the views, and when weighted packs the expert outputs for their trip home.
   // home_combine_backward (collective when weighted: the expert outputs go home so the fp32
-  // terms of spec §4 can be dotted with grad_out there) returns, in home order, the rows every
-  // expert rank must receive (grad_out, or round(prob * grad_out) when weighted) and, when
+  // terms of design.md §4.1 can be dotted with grad_out there) returns, in home order, the rows
+  // every expert rank must receive (grad_out, or round(prob * grad_out) when weighted) and, when
   // weighted, grad_row_probs.
   struct CombineGradState {
     std::shared_ptr<const ExchangeHandle> handle;

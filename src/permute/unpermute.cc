@@ -1,10 +1,10 @@
 // unpermute and the two backward passes.
 //
 // unpermute parallelises over tokens: each worker owns a token range, finds its tokens' rows
-// with one scan of sorted_indices (kept in row order, which for expert-major rows is spec §4's
-// expert order) and sums them per token in fp32, blocked over H so the accumulator stays in
-// L1. Every output element is the same chain of single fp32 operations whatever the split, so
-// the result is bitwise identical for any thread count.
+// with one scan of sorted_indices (kept in row order, which for expert-major rows is the expert
+// order of design.md §4.1) and sums them per token in fp32, blocked over H so the accumulator stays
+// in L1. Every output element is the same chain of single fp32 operations whatever the split, so the
+// result is bitwise identical for any thread count.
 #include <algorithm>
 #include <cstring>
 #include <vector>

@@ -205,7 +205,7 @@ struct SourceCounts {
   int64_t selections = 0;
 };
 
-// moed Flex's combine across nodes (spec §5.5), on the network, for one token of source s
+// moed Flex's combine across nodes (design.md §5.6), on the network, for one token of source s
 // whose experts are on `nodes`: per-expert terms from each remote node's forwarder, or, where
 // fewer bytes, the chain over the token's nodes ascending (an fp32 row per hop between them,
 // then the rounded row home), each hop sent by the rank of its node on the home's rail.

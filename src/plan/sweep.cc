@@ -61,7 +61,7 @@ StatusOr<SweepResult> plan_sweep(const PlanOptions& base, const std::string& spe
                                 " does not divide EP ", v);
       }
       // NOTE: E must be a multiple of EP; past E (or off its multiples) the sweep takes the
-      // next multiple of EP, one expert per rank and more, as spec §7 does for odd EP.
+      // next multiple of EP, one expert per rank and more, as design.md §7.4 does for odd EP.
       if (o.experts % o.ep != 0) o.experts = (o.experts / o.ep + 1) * o.ep;
     } else {
       o.tokens = v;

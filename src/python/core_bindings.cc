@@ -72,7 +72,7 @@ void bind_core(py::module_& m) {
     py::gil_scoped_release nogil;
     return v.rows;
   });
-  // Bit conversions with moed's rounding (the definition of the formats, spec §6).
+  // Bit conversions with moed's rounding (the definition of the formats, design.md §6.2).
   m.def("_to_bf16", [](py::handle t) { return to_torch(convert_f32_rows(t, DType::kBF16)); });
   // float32 -> E4M3FN (nearest even, saturating at 448) as uint8 bits, rows of any width.
   m.def("_to_fp8", [](py::handle t) {

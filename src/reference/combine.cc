@@ -1,4 +1,4 @@
-// reference_combine and both backward passes (spec §4), in the fixed summation order:
+// reference_combine and both backward passes (design.md §4.1, §4.3), in the fixed summation order:
 //   term_e = fp32 0 + sum over p ascending of float(y on rank (ep(e), p) at row(s, t, e))
 //   acc    = fp32 0 + sum over effective-routed e ascending of (weighted ? prob * term_e : term_e)
 // rounded once to the output dtype.

@@ -1,4 +1,4 @@
-// reference_effective_routing and reference_dispatch: what every rank must receive (spec §3).
+// reference_effective_routing and reference_dispatch: what every rank must receive (design.md §3).
 #include <cstring>
 
 #include "moed/reference.h"

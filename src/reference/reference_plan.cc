@@ -1,6 +1,6 @@
 // Validation of the global problem, the effective routing of every source rank (capacity
 // dropping, then router padding) and the canonical layout of every expert-parallel group:
-// the brief's "Semantics everybody shares", written out as plain loops.
+// design.md §3, written out as plain loops.
 #include "reference/reference_plan.h"
 
 #include <algorithm>
@@ -143,7 +143,7 @@ int64_t capacity_of(int64_t num_tokens, int num_topk, int num_experts, double cf
   return int64_t(std::ceil(double(num_tokens) * double(num_topk) / double(num_experts) * cf));
 }
 
-// Capacity dropping then router padding on one source rank's map (brief: effective routing).
+// Capacity dropping then router padding on one source rank's map (design.md §3.3).
 RoutingMap effective_routing_of(const RoutingMap& raw, int64_t capacity, const LayoutOptions& o) {
   const int64_t T = raw.num_tokens;
   const int E = raw.num_experts;
@@ -207,8 +207,8 @@ void push_padding_row(EpLayout& l, int e) {
   l.row_expert.push_back(e);
 }
 
-// Spec §3 on the ranks of group `ep`: segments j ascending; in each, source ranks s ascending,
-// tokens t ascending; chunk padding to C_s, then segment padding to the alignment.
+// design.md §3.1 on the ranks of group `ep`: segments j ascending; in each, source ranks s
+// ascending, tokens t ascending; chunk padding to C_s, then segment padding to the alignment.
 EpLayout build_layout(Plan& plan, int ep, const LayoutOptions& o) {
   EpLayout l;
   const int E = plan.num_experts;

@@ -19,7 +19,8 @@
 
 namespace moed::reference_internal {
 
-// The canonical layout (spec §3) of the ranks of one ep index; all P of them hold the same rows.
+// The canonical layout (design.md §3.1) of the ranks of one ep index; all P of them hold the same
+// rows.
 struct EpLayout {
   std::vector<int32_t> row_src_rank;       // -1 on padding rows
   std::vector<int32_t> row_src_token;      // -1 on padding rows

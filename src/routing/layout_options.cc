@@ -1,5 +1,6 @@
-// Layout options (spec §3): their validation, the capacity formula, and the effective routing
-// of one source rank (capacity dropping, then router padding), worked out on the sparse form.
+// Layout options (design.md §3.2): their validation, the capacity formula, and the effective
+// routing of one source rank (capacity dropping, then router padding), worked out on the sparse
+// form.
 #include <algorithm>
 #include <cmath>
 #include <utility>

@@ -1,4 +1,4 @@
-// Routing forms (spec §2): validation and the converters between top-k, map and sparse form.
+// Routing forms (design.md §2.2): validation and the converters between top-k, map and sparse form.
 #include "moed/routing.h"
 
 #include <algorithm>
@@ -195,8 +195,8 @@ SparseRouting sparse_cells(const MapView& routing, int64_t* bad_cell) {
   return s;
 }
 
-// Spec §2 on the cells: each byte 0 or 1, each routed prob valid; the first bad cell (row-major)
-// is named.
+// design.md §2.3 on the cells: each byte 0 or 1, each routed prob valid; the first bad cell
+// (row-major) is named.
 Status check_map_cells(const MapView& routing) {
   const int E = routing.num_experts;
   int64_t bad = -1;

@@ -66,7 +66,7 @@ TEST_P(SharedMemoryTest, PeersSeeSegmentsAfterSignals) {
         return internal_error("second allocation content");
       }
       MOED_RETURN_IF_ERROR(w.barrier());
-      // Dropped in the same order on every rank (the MPI backend frees collectively).
+      // Freed locally on every world, in any order.
       other.reset();
       buf.reset();
       return ok_status();

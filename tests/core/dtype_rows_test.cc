@@ -1,5 +1,5 @@
-// The public row functions: FP8 block quantisation follows spec §6 on hand-worked blocks, and
-// the accumulate / store helpers follow the summation rules. (Every vector table against the
+// The public row functions: FP8 block quantisation follows design.md §6.2 on hand-worked blocks,
+// and the accumulate / store helpers follow the summation rules. (Every vector table against the
 // scalar one: row_kernels_test.cc.)
 #include <gtest/gtest.h>
 
@@ -23,8 +23,9 @@ constexpr float kInv448 = 1.0f / 448.0f;
 
 using testing::same_bits;
 
-// Spec §6 by hand: amax = max(|x|, 1e-4), scale_inv = amax * (1 / 448), value x * (448 / amax)
-// rounded to nearest even; round_scale: scale_inv rounded up to a power of two.
+// design.md §6.2 by hand: amax = max(|x|, 1e-4), scale_inv = amax * (1 / 448),
+// value x * (448 / amax) rounded to nearest even; round_scale: scale_inv rounded up to a power
+// of two.
 TEST(Fp8Quantize, HandWorkedBlocks) {
   std::vector<float> x(4 * 128);
   for (int i = 0; i < 128; ++i) x[i] = float(i - 64) * 0.5f;  // block 0: amax 32

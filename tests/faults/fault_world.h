@@ -56,9 +56,8 @@ class FaultWorld final : public World {
   StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
   // Marks this rank failed now, as a crash would: abort() of the real world, so the other
   // ranks are told (the armed fault calls it too).
-  // NOTE: under MPI a rank that merely returns its error is announced by run_world only after
-  // the body's locals are gone, and dropping a shared buffer is a collective MPI_Win_free: the
-  // others would wait out the timeout (kDeadlineExceeded) instead of hearing kAborted.
+  // NOTE: a rank that merely returns its error is announced by run_world only after the body's
+  // locals are gone; calling abort() first tells the others at once, as a crash would be seen.
   void abort(const Status& reason) override { inner_.abort(reason); }
   Status failure() const override { return inner_.failure(); }
   bool rank_failed(int r) const override { return inner_.rank_failed(r); }

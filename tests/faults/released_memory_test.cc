@@ -54,7 +54,7 @@ Input make_input(int rank, int it, int64_t tokens, int hidden) {
 }
 
 // The leaving rank fails the world, then drops everything it holds at once (the caller of each
-// *_loop below) and returns. (Failing first keeps the MPI world's collective frees short.)
+// *_loop below) and returns.
 Status leave(World& w) {
   Status reason = internal_error("rank ", w.rank(), " leaves");
   w.abort(reason);

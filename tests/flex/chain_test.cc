@@ -1,4 +1,4 @@
-// Flex's node-reduced combine (spec §5.5): tokens whose experts span several nodes combine
+// Flex's node-reduced combine (design.md §5.6): tokens whose experts span several nodes combine
 // along a chain of fp32 partials, nodes ascending, and must still equal the reference bit for
 // bit (the harness checks combine, both backward passes and the round trip). Here: 2, 3, 4 and
 // 5 nodes, tokens spanning 1..4 nodes, skewed routing, empty ranks, k = 1 and k = E, H not a

@@ -1,4 +1,4 @@
-// Low-latency dispatch and combine on both worlds, against the reference (spec §3, §4, §6):
+// Low-latency dispatch and combine on both worlds, against the reference (design.md §3, §6):
 // rows, counts, layout ranges and source indices of every expert equal the reference's
 // canonical layout; FP8 rows and scales equal quantize_fp8_row of the source row; combine
 // equals the reference's weighted combine bit for bit; the hook mode equals the one-call mode.

@@ -1,5 +1,5 @@
 // Shared by the low-latency tests: a global problem built on every rank from a seed, its
-// reference (spec §3, §4, §6), the checks of one rank's dispatch and combine against it, and
+// reference (design.md §3, §6), the checks of one rank's dispatch and combine against it, and
 // the fixture over both worlds (instantiated once, in low_latency_test_util.cc).
 #pragma once
 

@@ -1,4 +1,4 @@
-// permute / unpermute and their backward against a brute force written from spec §3-§4, for
+// permute / unpermute and their backward against a brute force written from design.md §3-§4, for
 // every option, dtype and thread count (1, 2, 3), bit for bit.
 #include "moed/permute.h"
 

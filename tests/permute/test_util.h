@@ -1,5 +1,5 @@
 // Shared by the permute tests: random inputs from fixed seeds and a brute-force layout,
-// unpermute and backward written straight from spec §3-§4, sharing no code with src/permute.
+// unpermute and backward written straight from design.md §3-§4, sharing no code with src/permute.
 #pragma once
 
 #include <cstdint>
@@ -82,8 +82,8 @@ struct BruteLayout {
   std::vector<int> row_expert;  // -1 on padding rows
 };
 
-// Spec §3 for one rank: experts ascending, sources ascending, tokens ascending, chunk padding
-// to capacity, segment padding to the alignment.
+// design.md §3.1 for one rank: experts ascending, sources ascending, tokens ascending, chunk
+// padding to capacity, segment padding to the alignment.
 inline BruteLayout brute_layout(const RoutingMap& m, int eb, int ee, std::optional<int64_t> cap,
                                 int align, std::vector<int64_t> sources = {},
                                 std::vector<int64_t> caps = {}) {
@@ -120,7 +120,8 @@ inline BruteLayout brute_layout(const RoutingMap& m, int eb, int ee, std::option
   return l;
 }
 
-// Spec §4 with one rank: for each expert ascending, the token's row in that expert's segment.
+// design.md §4.1 with one rank: for each expert ascending, the token's row in that expert's
+// segment.
 inline std::vector<float> brute_unpermute_f32(const TensorView& rows, const BruteLayout& l,
                                               int64_t T, int E, bool weighted) {
   std::vector<float> out(size_t(T * rows.cols), 0.0f);

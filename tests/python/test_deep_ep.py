@@ -249,7 +249,7 @@ def test_held_recv_x_is_never_overwritten(world):
 # ---- low-latency mode ----
 
 def quantize_ref(x, round_scale):
-    """spec §6's FP8 rule in torch: per 128 channels, E4M3FN bits (uint8) and scale_inv."""
+    """design.md §6.2's FP8 rule in torch: per 128 channels, E4M3FN bits (uint8) and scale_inv."""
     T, H = x.shape
     xf = x.float().view(T, H // 128, 128)
     amax = xf.abs().amax(2).clamp_min(1e-4)

@@ -11,7 +11,7 @@ from conftest import WORLDS, WORLD_IDS, make_routing, run
 
 E = 24  # divisible by every world size tested (1, 2, 3, 4, 8)
 KINDS = ["allgather", "alltoall", "flex"]
-# Layout options (spec §3) as MoEConfig fields, with the reference's names beside them.
+# Layout options (design.md §3.2) as MoEConfig fields, with the reference's names beside them.
 LAYOUTS = {
     "dropless": {},
     "cap1_probs": dict(moe_expert_capacity_factor=1.0),

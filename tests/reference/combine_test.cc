@@ -1,5 +1,5 @@
 // reference_combine: hand-computed sums (unweighted, weighted, ETP partials, dropped tokens),
-// the fixed summation order and single rounding, and spec §4's round-trip identity on random
+// the fixed summation order and single rounding, and design.md §4.3's round-trip identity on random
 // data with the expectation computed straight from the formula.
 #include <gtest/gtest.h>
 
@@ -130,7 +130,7 @@ TEST(ReferenceCombine, DroppedTokensContributeNothing) {
   EXPECT_EQ((*out)[0].row<float>(1)[0], 4.0f);
 }
 
-// ---- spec §4 round trip on random data ----
+// ---- design.md §4.3 round trip on random data ----
 
 struct RoundTripCase {
   const char* name;
@@ -170,7 +170,7 @@ TEST_P(ReferenceRoundTrip, CombineOfDispatchIsXTimesSumOfProbs) {
   p.layout.expert_alignment = c.expert_alignment;
   p.layout.router_padding_multiple = c.router_padding_multiple;
 
-  // Expected, straight from spec §4 on the raw map. Router padding adds (t, e) with prob 0,
+  // Expected, straight from design.md §4.3 on the raw map. Router padding adds (t, e) with prob 0,
   // whose terms are +-0 and leave an fp32 sum that started at +0 unchanged bit for bit.
   auto expected = [&](int s, int64_t t, int64_t h) {
     float acc = 0.0f;

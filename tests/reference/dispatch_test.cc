@@ -10,7 +10,7 @@
 namespace moed::testing {
 namespace {
 
-// Spec §3's worked example; probs chosen so every permuted prob says where it came from.
+// design.md §3.1's worked example; probs chosen so every permuted prob says where it came from.
 RoutingMap worked_example_map() {
   return make_map({{1, 1, 0}, {0, 1, 1}, {1, 0, 1}, {0, 1, 0}},
                   {{0.6f, 0.4f, 0.0f}, {0.0f, 0.7f, 0.3f}, {0.2f, 0.0f, 0.8f}, {0.0f, 1.0f, 0.0f}});

@@ -1,6 +1,6 @@
-// Layout options (spec §3): validation, the capacity formula, and apply_layout_options against
-// a brute-force version written from the brief's wording (sort each expert's tokens, keep a
-// prefix, then pad with the lowest unrouted tokens).
+// Layout options (design.md §3.2): validation, the capacity formula, and apply_layout_options
+// against a brute-force version written from design.md §3.2-§3.3 (sort each expert's tokens, keep
+// a prefix, then pad with the lowest unrouted tokens).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -51,12 +51,12 @@ TEST(LayoutOptions, ExpertCapacity) {
   EXPECT_EQ(expert_capacity(64, 2, 8, 1.01), 17);
   EXPECT_EQ(expert_capacity(0, 8, 256, 2.0), 0);
   EXPECT_EQ(expert_capacity(10, 1, 4, 0.1), 1);
-  // Evaluated exactly as the brief's double expression.
+  // Evaluated exactly as design.md §3.2's formula, in double.
   EXPECT_EQ(expert_capacity(4096, 8, 256, 1.1),
             int64_t(std::ceil(double(4096) * double(8) / double(256) * 1.1)));
 }
 
-// The brief's effective routing, written the slow, obvious way.
+// The effective routing (design.md §3.3), written the slow, obvious way.
 RoutingMap brute_force(const RoutingMap& in, int num_topk, const LayoutOptions& o) {
   RoutingMap out = in;
   const int64_t T = in.num_tokens;

@@ -1,4 +1,4 @@
-// Validation and conversion of the two routing forms (spec §2).
+// Validation and conversion of the two routing forms (design.md §2.2-§2.3).
 #include "moed/routing.h"
 
 #include <gtest/gtest.h>

@@ -1,4 +1,5 @@
-// Bitwise comparison for the tests: the contract promises bits (spec §4), so tests compare bits.
+// Bitwise comparison for the tests: the contract promises bits (design.md §4.2), so tests compare
+// bits.
 #pragma once
 
 #include <cstring>

@@ -31,8 +31,8 @@ std::vector<Backend> backends() { return {g_backend}; }
 namespace {
 
 // Waits for `req` without spinning. In CI 8 MPI processes share 2 cores, and a blocking MPI
-// call spins (sched_yield): the ranks that left a test early (or sit it out) took the cores
-// from the ranks still in it, which made moed_comm_tests_mpi run 600 s instead of 20 s.
+// call spins (sched_yield): the ranks that left a test early (or sit it out) would take the
+// cores from the ranks still in it.
 // Bounded: a harness wait longer than the longest test is a hang, reported and aborted.
 void wait_gently(MPI_Request* req, const char* what) {
   using Clock = std::chrono::steady_clock;

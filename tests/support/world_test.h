@@ -36,10 +36,8 @@
 //     divide ranks (0 = all ranks on one node).
 //   - Inside `namespace moed`, write gtest's namespace as ::testing (moed::testing is this).
 //   - MPI: run_world announces a body's error after the body returns, i.e. after its locals
-//     (dispatchers, buffers) are dropped, and dropping a shared buffer is a collective free
-//     that waits for the other local ranks. A body that fails on purpose while holding them
-//     calls World::abort first (tests/faults/fault_world.h does), or the others see
-//     kDeadlineExceeded after the timeout instead of kAborted naming it.
+//     (dispatchers, buffers) are dropped. A body that fails on purpose calls World::abort first
+//     (tests/faults/fault_world.h does), so the others hear kAborted naming it at once.
 #pragma once
 
 #include <cstring>

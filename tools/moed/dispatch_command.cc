@@ -16,7 +16,7 @@
 // trace records no probs, prob 1 for every routed slot (so combined = x times the number of
 // experts each token routed to).
 // DIR receives, per rank r, expert_input_rank{r}.npy [rows_r, H] (x's dtype, the canonical
-// layout of spec §3) and permuted_probs_rank{r}.npy [rows_r]; tokens_per_expert.npy int64
+// layout of design.md §3.1) and permuted_probs_rank{r}.npy [rows_r]; tokens_per_expert.npy int64
 // [R, L]; and combined.npy [R*T, H]: the unweighted combine of identity experts whose output
 // row is its input row times its permuted prob (fp32 product rounded to x's dtype), which is
 // x times the sum of the token's kept probs (Megatron's round-trip check). Each rank writes its
@@ -130,7 +130,7 @@ Status run_rank(World& w, const DispatchConfig& config, const Tensor& x, const T
                 int64_t tokens_per_rank, RankResult& out) {
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, config));
   Status s = run_steps(w, d.get(), x, all, tokens_per_rank, out);
-  // NOTE: announced while d still holds its shared buffers (their free is collective under MPI).
+  // NOTE: announced before d is torn down, so the other ranks hear kAborted at once.
   if (!s.ok()) w.abort(s);
   return s;
 }

@@ -116,7 +116,7 @@ std::string fmt_err(double e) {
 }
 
 // PASS means every bit of the output and of every gradient equals the reference layer's (the
-// layer promises that, spec §4); the relative errors only say how far a FAIL is.
+// layer promises that, design.md §4.2); the relative errors only say how far a FAIL is.
 struct Verdict {
   bool output_bitwise = true, grads_bitwise = true;
   double output_err = 0, grads_err = 0;
@@ -504,8 +504,7 @@ void run(const RunArgs& a) {
     RankResult mine;
     Status st = run_steps(w, job, layer, &mine);
     if (st.ok()) st = summarize(w, job, mine, &sum);
-    // NOTE: announced while the layer still holds its shared buffers: dropping them is a
-    // collective free under MPI, which would keep the other ranks waiting for the timeout.
+    // NOTE: announced before the layer is torn down, so the other ranks hear kAborted at once.
     if (!st.ok()) w.abort(st);
     return st;
   };

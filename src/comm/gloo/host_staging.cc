@@ -11,8 +11,8 @@
 // writer's buffers with
 // process_vm_readv (the kernel copies once, like OpenMPI's vader with cma), then publishes
 // stage_done = k; the writer returns only once every rank is done, as its buffers are the
-// caller's. At mixtral sizes (16 MiB a rank) the staging copy below is ~4 ms of a rank's CPU
-// per AllGather iteration (40 MiB a rank written to DRAM and read back) that this saves.
+// caller's. At large sizes this saves the staging copy's second pass through DRAM (each byte
+// written to the segment and read back).
 //
 // Staging (smaller writers, or no single copy): each rank owns one staging segment, mapped by
 // every rank of the host. The writer copies its stream into its own segment and publishes
@@ -27,9 +27,8 @@
 // rank r-1's receive buffer once rank r-1 holds them (its ring_step), as OpenMPI's ring
 // all-gather does. The bytes copied are those of reading every block from its writer, but
 // nothing is read out of the caller's send buffer: reading another process's memory pins it
-// page by page, which for a 4 KiB-paged torch tensor read by 3 ranks cost 11% of a mixtral
-// AllGather dispatch's CPU (perf; docs/gloo.md), where moed's own receive buffers are on huge
-// pages.
+// page by page, which is costly for a 4 KiB-paged torch tensor read by several ranks
+// (docs/benchmarks.md), where moed's own receive buffers are on huge pages.
 //
 // Segments are cached and grown (doubling, from 1 MiB): every rank knows every rank's bytes
 // (the size exchange that precedes the data phase), so every rank decides the same growth and
@@ -52,7 +51,7 @@ namespace {
 constexpr size_t kMinStage = size_t(1) << 20;
 // Writers of at least this many bytes are read in place (single copy); smaller streams are
 // staged: two copies that stay in cache cost less than the readers' syscalls and the extra
-// wait for the slowest reader (measured at 1.84 MB a rank).
+// wait for the slowest reader (docs/benchmarks.md).
 constexpr uint64_t kSingleCopyMin = uint64_t(4) << 20;
 
 size_t grown_capacity(size_t had, size_t need) {

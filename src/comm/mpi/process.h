@@ -5,7 +5,7 @@
 // thread's allocations inside MPI_Init_thread are not counted as leaks, and finalize() checks
 // for leaks before MPI_Finalize instead of at exit: what OpenMPI holds is still reachable
 // then, and whatever MPI_Finalize drops is not moed's. Exact, where suppressions by frame
-// name need full stacks on every malloc (the MPI tests under ASan ran several times slower).
+// name need full stacks on every malloc, which slows every MPI test under ASan.
 #pragma once
 
 namespace moed::mpi {

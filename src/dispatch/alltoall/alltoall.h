@@ -1,9 +1,9 @@
-// The AlltoAll dispatcher (Megatron-Core's MoEAlltoAllTokenDispatcher), spec §1:
+// The AlltoAll dispatcher (Megatron-Core's MoEAlltoAllTokenDispatcher), design.md §1.4:
 //   dispatch_preprocess   effective routing, one count exchange, permute by global expert
 //                         (the rows for destination rank d, experts [ep(d)*L, (ep(d)+1)*L),
 //                         are contiguous)
 //   token_dispatch        all_to_all_v of rows, scales (fp8), probs and source token ids
-//   dispatch_postprocess  sort_chunks_by_idxs into the canonical layout (spec §3), with the
+//   dispatch_postprocess  sort_chunks_by_idxs into the canonical layout (design.md §3.1), with the
 //                         pad_to_capacity and expert_alignment padding as gaps
 //   combine               sort back, all_to_all_v home, ETP partials summed in p order,
 //                         unpermute in the fixed order (RowExchangeDispatcher)

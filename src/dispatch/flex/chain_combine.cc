@@ -1,15 +1,14 @@
-// Flex's node-reduced combine across nodes (spec §5.5): a token's fp32 running sum travels
+// Flex's node-reduced combine across nodes (design.md §5.6): a token's fp32 running sum travels
 // along the nodes that hold its experts, ascending, and reaches its home finished.
 //
-// NOTE (why this is bitwise): spec §4 folds acc = 0; acc = acc + w_e * term_e over the experts
-// ascending and rounds once. Experts ascending are nodes ascending (expert e on rank e / L,
+// NOTE (why this is bitwise): design.md §4.1 folds acc = 0; acc = acc + w_e * term_e over the
+// experts ascending and rounds once. Experts ascending are nodes ascending (expert e on rank e / L,
 // rank r on node r / G), so the node holding the lowest experts starts acc from 0 and adds its
-// terms, the next node continues the same acc with its own (the row crosses the network as
-// fp32, unrounded), and so on: every element sees the same additions in the same order as the
-// home's fold would, with the same row kernels (add_term_raw, or the fp32 term of P partials).
-// The last node rounds once (store_row, as the home would) and sends the rounded row home, so
-// the last hop is an output row, not an fp32 one. Adding per-node partials at home instead
-// would re-associate the sum.
+// terms, the next node continues the same acc with its own (the row crosses the network as fp32,
+// unrounded), and so on: every element sees the same additions in the same order as the home's fold
+// would, with the same row kernels (add_term_raw, or the fp32 term of P partials). The last node
+// rounds once (store_row, as the home would) and sends the rounded row home, so the last hop is an
+// output row, not an fp32 one. Adding per-node partials at home instead would re-associate the sum.
 //
 // NOTE (who does what): all of a token's chain traffic runs on one rail, the ranks with its
 // home's local index (the forwarders of its dispatch, Topology::forwarder_on), so a rank's

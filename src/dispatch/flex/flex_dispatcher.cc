@@ -1,4 +1,4 @@
-// The Flex dispatcher (spec §5): the six steps and their backward on top of the phases
+// The Flex dispatcher (design.md §5): the six steps and their backward on top of the phases
 // (layout.cc, notify.cc, intranode_* / internode_*). The class and its per-step state are in
 // steps.h; this file has the dispatch steps, combine_steps.cc the combine and the backward.
 //

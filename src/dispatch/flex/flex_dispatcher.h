@@ -1,6 +1,6 @@
 // Internal: the Flex dispatcher's entry points for the rest of the library (its class and
 // phases stay in this folder): the factory TokenDispatcher::create calls (DeepEP's design,
-// spec §5) and DeepEP V2's ordered combine, which ElasticBuffer calls.
+// design.md §5) and DeepEP V2's ordered combine, which ElasticBuffer calls.
 #pragma once
 
 #include <memory>

@@ -4,7 +4,7 @@
 //   - push (dispatch, and the backward of combine): home rows written straight into their
 //     canonical rows on the expert ranks; remote nodes through one forwarder each;
 //   - pull (combine, and the backward of dispatch): each home token's expert terms read back
-//     and folded in the fixed order of spec §4; remote nodes send per-expert terms.
+//     and folded in the fixed order of design.md §4.1; remote nodes send per-expert terms.
 #pragma once
 
 #include <cstddef>
@@ -49,7 +49,7 @@ struct Topology {
   int forwarder_on(int n) const { return n * ranks_per_node + local_rank; }
 };
 
-// ---- the node-reduced combine (spec §5.5): a chain per token over its nodes ascending ----
+// ---- the node-reduced combine (design.md §5.6): a chain per token over its nodes ascending ----
 // A token's combine either ships per-expert terms to its home (the pull below), or chains: the
 // lowest node holding its experts starts the fp32 running sum over them (ascending), sends the
 // fp32 partial to the next such node, which continues the same sum, and the last one rounds it
@@ -208,9 +208,8 @@ struct PushLayout {
 // from the same global counts, so growth needs no extra agreement.
 //
 // NOTE: a replaced buffer is kept (retired) until release_retired(), which the owner calls
-// once nothing can read it, at the same point of the same step on every local rank. (That
-// order was needed while the MPI world freed shared windows collectively; every backend now
-// frees locally, so it is kept only as the simplest rule.)
+// once nothing can read it, at the same point of the same step on every local rank: freeing is
+// local, and one fixed point is the simplest rule that no peer is still reading.
 class Region {
  public:
   Status ensure(World& world, size_t bytes);
@@ -443,8 +442,8 @@ struct PullSpec {
   TensorView out;                   // kCombine / kDispatchBackward: [T, H] in dtype
   TensorView grad_out;              // kProbGrad: home gradient [T, H]
   float* out_probs = nullptr;       // [T, E] (kDispatchBackward, kProbGrad)
-  // kCombine in DeepEP V2's order instead of spec §4's (ElasticBuffer; P = 1, no chain): each
-  // token's sum starts from bias_0 + bias_1 (when given) and folds its terms by *recipe at
+  // kCombine in DeepEP V2's order instead of design.md §4.1's (ElasticBuffer; P = 1, no chain):
+  // each token's sum starts from bias_0 + bias_1 (when given) and folds its terms by *recipe at
   // their top-k slots (routing.slot); with_scalars: each term's row scalar lands in
   // out_slot_weights[t * num_topk + slot] ([T, K], zeros elsewhere).
   const CombineRecipe* recipe = nullptr;

@@ -1,8 +1,8 @@
-// Flex combine across nodes (spec §5.5, the reverse of the two hops): the forwarder of node
+// Flex combine across nodes (design.md §5.5, the reverse of the two hops): the forwarder of node
 // m for home rank s reads, over shared memory, the terms of s's tokens from the ranks of m
 // and sends them to s in one message (one network transfer per (token, node)).
 //
-// NOTE: fp32 addition is not associative, and spec §4 folds acc = 0; acc += w_e * term_e
+// NOTE: fp32 addition is not associative, and design.md §4.1 folds acc = 0; acc += w_e * term_e
 // over the experts in ascending order at the home rank. A node's partial sum over its own
 // experts would change that order (it starts from 0, not from the home's running sum), so
 // the forwarder ships per-expert terms instead: with ETP (P > 1) it reduces the P partial

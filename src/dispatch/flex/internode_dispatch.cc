@@ -1,4 +1,4 @@
-// Flex phase 3 across nodes (spec §5.5): a token needed on a remote node crosses the network
+// Flex phase 3 across nodes (design.md §5.5): a token needed on a remote node crosses the network
 // once, to the rank of that node with the sender's local index (the forwarder), with a header
 // (source token, mask of the node's ranks that need it, its experts there and their probs).
 // The forwarder places it over shared memory into each needed rank's canonical row.

@@ -1,7 +1,7 @@
-// Flex combine (spec §5.4) and the backward of dispatch: each home rank reads its tokens'
+// Flex combine (design.md §5.4) and the backward of dispatch: each home rank reads its tokens'
 // contributions from the expert ranks' rows (node-shared memory inside the node, the
-// forwarders' per-expert terms from other nodes) and folds them in the fixed order of spec
-// §4: one read per contribution, one write per token, fp32 accumulation from 0.
+// forwarders' per-expert terms from other nodes) and folds them in the fixed order of
+// design.md §4.1: one read per contribution, one write per token, fp32 accumulation from 0.
 #include <algorithm>
 #include <cstring>
 

@@ -1,8 +1,8 @@
-// Flex phase 3, dispatch inside a node (spec §5.3): every channel (a worker owning a
+// Flex phase 3, dispatch inside a node (design.md §5.3): every channel (a worker owning a
 // contiguous token range) copies its tokens straight into their canonical rows in the
 // receiving ranks' node-shared segments. The row of (token t, expert e) is the chunk offset
 // from the rank prefix matrix plus the channel's prefix plus a running count, so channels
-// never collide and the expert-major order of spec §3 needs no sort and no staging copy.
+// never collide and the expert-major order of design.md §3.1 needs no sort and no staging copy.
 #include <cstring>
 
 #include "dispatch/flex/flex_internal.h"

@@ -1,4 +1,4 @@
-// Flex phase 2, notify (spec §5.2): one all-gather of every rank's counts. From it every
+// Flex phase 2, notify (design.md §5.2): one all-gather of every rank's counts. From it every
 // rank computes the canonical layout of every rank (rank prefix matrix: where each source's
 // chunk starts inside each expert segment), its own channel prefix matrices (where each of
 // its channels starts inside each chunk and inside each node's message), and the size of
