@@ -129,7 +129,9 @@ def _worker(rank, args, port, workdir):
         rec["dp"], t = generate(model, mine, args.new_tokens)
         rec["t_dp"] = _slowest(t)
 
+        rec["params"] = sum(p.numel() for p in model.parameters())
         expert_parallel(model, group, dispatcher=args.dispatcher)
+        rec["ep_params"] = sum(p.numel() for p in model.parameters())
         generate(model, mine, 2)  # warm-up: moed's buffers and worker threads
         dist.barrier()
         rec["moed"], t = generate(model, mine, args.new_tokens)
@@ -193,6 +195,8 @@ def main(argv=None):
     print(f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.experts} experts "
           f"top-{args.topk}, {args.dtype}, random weights (seed {args.seed}); {R} ranks x {B} "
           f"prompts of {args.prompt_len} tokens, {n} new tokens each, greedy")
+    print(f"parameters per rank: {recs[0]['params']:,} with all experts, "
+          f"{recs[0]['ep_params']:,} expert-parallel")
     for r, rec in enumerate(recs):
         for b, row in enumerate(rec["moed"].tolist()):
             print(f"rank {r} prompt {b}: {row}")
