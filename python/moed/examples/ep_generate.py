@@ -13,10 +13,11 @@ its own ``--batch`` prompts:
    keeps E / R experts and moed's dispatch and combine move the tokens.
 
 Rank 0 also runs the single-process model on every rank's prompts at once, and with
-``--hf-ep`` transformers' own expert parallelism (``DistributedConfig(ep_size=R)``, loaded
-from a checkpoint of the same weights in a temporary directory) runs all the prompts on every
-rank. It prints the generated ids, whether each run equals the single-process one, and the
-generate times (the slowest rank's).
+``--hf-ep`` (the default; ``--no-hf-ep`` skips it) transformers' own expert parallelism
+(``DistributedConfig(ep_size=R)``, needs ``accelerate``; loaded from a checkpoint of the same
+weights in a temporary directory) runs all the prompts on every rank. It prints the generated
+ids, whether each run equals the single-process one, and the generate times (the slowest
+rank's, the fastest of ``--repeat`` runs).
 """
 import argparse
 import os
