@@ -5,7 +5,8 @@ Each process builds the model from a small configuration (hidden 64, 2 layers, 8
 top-2) with random weights under a fixed seed (nothing downloaded), runs it on its own prompts
 (2 prompts of 5 + rank tokens, so ranks send different numbers of tokens) with all its experts,
 then again after expert_parallel: the logits of one forward pass, and 32 greedily generated
-tokens, which must be the same ids.
+tokens, which must be the same ids. Also: one experts module with no tokens on rank 0, and a
+loss's gradients (experts' and embedding's) through the expert-parallel model.
 
 The logits bound. float32: 1e-5 absolute (logits of magnitude < 5; observed at most 1.5e-6).
 Every weighted expert output is computed as in one process (transformers' experts forward, or
@@ -72,6 +73,7 @@ def _worker(rank, size, port, out, cases):
                                     ep_tokens=ep_tokens, num_local=first.num_experts,
                                     local_shape=tuple(first.down_proj.shape))
         rec["uneven"] = _uneven(rank, expert_parallel)
+        rec["backward"] = _backward(rank, size, expert_parallel)
     torch.save(rec, os.path.join(out, f"{rank}.pt"))
     moed.dist.destroy_process_group(dist.group.WORLD)
     dist.destroy_process_group()
@@ -92,6 +94,30 @@ def _uneven(rank, expert_parallel):
     w = torch.rand(3 * rank, 2, generator=g)
     with torch.no_grad():
         return model.get_submodule(name)(x, idx, w), whole(x, idx, w)
+
+
+def _backward(rank, size, expert_parallel):
+    """A loss's gradients, Mixtral in float32: those of this rank's experts against the sum
+    over ranks of the whole model's (each rank's tokens reach them), and the embedding's
+    against the whole model's; the largest differences relative to the largest gradient."""
+    import torch.distributed as dist
+    from moed.examples.ep_generate import make_model
+    model = make_model("mixtral", seed=9)
+    ids = _prompts(rank)
+    model(ids).logits.square().mean().backward()
+    name = moed.integrations.transformers.expert_module_names(model)[0]
+    whole = {n: p.grad.clone() for n, p in model.get_submodule(name).named_parameters()}
+    for grad in whole.values():
+        dist.all_reduce(grad)
+    embedding = model.get_input_embeddings().weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    expert_parallel(model, None)
+    model(ids).logits.square().mean().backward()
+    mine = slice(rank * 8 // size, (rank + 1) * 8 // size)
+    experts = max((p.grad - whole[n][mine]).abs().max() / whole[n].abs().max()
+                  for n, p in model.get_submodule(name).named_parameters())
+    got = model.get_input_embeddings().weight.grad
+    return experts.item(), ((got - embedding).abs().max() / embedding.abs().max()).item()
 
 
 def _free_port():
@@ -137,6 +163,14 @@ def test_uneven_tokens(runs):
         assert got.shape == want.shape == (3 * r, 64)
         if r:
             assert (got - want).abs().max().item() <= BOUNDS["float32"], r
+
+
+def test_backward(runs):
+    # Training works through the same path (moed's dispatch and combine are autograd
+    # Functions); same bound as the logits', relative.
+    for r, rec in enumerate(runs[1]):
+        experts, embedding = rec["backward"]
+        assert experts <= BOUNDS["float32"] and embedding <= BOUNDS["float32"], (r, experts, embedding)
 
 
 def test_errors():
