@@ -109,7 +109,7 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
   auto exchange = [&] {
     return w.all_to_all_v_bytes(plan.send.data(), sb, so, plan.recv.data(), rb, ro);
   };
-  // One counted call (the warm-up), then copy, exchange, copy, exchange, ...
+  // One counted call (the warm-up), then STREAM, exchange, STREAM, exchange, ...
   MOED_ASSIGN_OR_RETURN(const Traffic per_call, traffic_of(w, exchange, "alltoallv"));
   MOED_ASSIGN_OR_RETURN(const bool verified, all_ranks_ok(w, verify(w, plan)));
   MOED_ASSIGN_OR_RETURN(const int64_t recv_bytes, sum_ranks(w, int64_t(plan.recv.size())));

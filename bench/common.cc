@@ -422,9 +422,8 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& opt
         MOED_ASSIGN_OR_RETURN(const int here, ranks_per_host(w));
         if (w.rank() == 0 && here > host_threads()) {
           std::fprintf(json ? stderr : stdout,
-                       "note: %d ranks on %d cores: the ranks take turns on the cores, so the "
-                       "copy bound is timed over all ranks (first start to last end), as the "
-                       "kernel is\n",
+                       "note: %d ranks on %d cores: the ranks take turns on the cores, so STREAM "
+                       "is timed over all ranks (first start to last end), as the kernel is\n",
                        here, host_threads());
           std::fflush(json ? stderr : stdout);
         }

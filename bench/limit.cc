@@ -333,13 +333,7 @@ TrafficModel combine_model(const std::vector<TopkRouting>& topk, int num_experts
 
 StreamRates rates_of(const Paired& p) {
   StreamRates r = p.calibration;
-  for (StreamOp op : {StreamOp::kRead, StreamOp::kWrite, StreamOp::kCopy}) {
-    std::vector<double> v;
-    for (const StreamSample& s : p.stream) {
-      if (s.op == op) v.push_back(s.gbps);
-    }
-    if (!v.empty()) r.gbps(op) = median(std::move(v));
-  }
+  for (const StreamSample& s : p.stream) r.gbps(s.op) = std::max(r.gbps(s.op), s.gbps);
   return r;
 }
 
@@ -350,7 +344,7 @@ void add_limit(nlohmann::json& record, const Paired& p, const TrafficModel& m) {
   std::vector<double> fractions;
   for (size_t i = 0; i < p.kernel.size() && i < p.stream.size(); ++i) {
     StreamRates ri = r;
-    ri.gbps(p.stream[i].op) = p.stream[i].gbps;
+    ri.gbps(p.stream[i].op) = p.stream[i].gbps;  // the iteration's own load
     if (p.kernel[i] > 0) fractions.push_back(limit_seconds(m, ri) / p.kernel[i]);
   }
   const double fraction = seconds > 0 ? limit / seconds : 0.0;

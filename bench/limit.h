@@ -65,8 +65,7 @@ class Stream {
   Status calibrate();
   // The next operation of the rotation read, write, copy, ...: one per kernel iteration.
   StatusOr<StreamSample> next();
-  // The calibration's figures (what a figure falls back to for an operation it has no
-  // sample of).
+  // The calibration's figures (the best of two passes of each).
   const StreamRates& calibration() const { return calibration_; }
   size_t allocated_bytes() const { return 2 * share_; }  // this rank's src + dst
 
@@ -112,14 +111,16 @@ TrafficModel combine_model(const std::vector<TopkRouting>& topk, int num_experts
 struct Paired {
   std::vector<double> kernel;
   std::vector<StreamSample> stream;  // stream[i] measured just before kernel[i]
-  StreamRates calibration;           // for operations with no sample here
+  StreamRates calibration;           // the run's calibration, counted with the samples
   void add(double kernel_seconds, const StreamSample& s) {
     kernel.push_back(kernel_seconds);
     stream.push_back(s);
   }
 };
-// The figure's bandwidths: the median of its samples of each operation (the calibration's
-// where it has none).
+// The figure's bandwidths: of each operation, the best of its samples and the calibration's.
+// NOTE: the best, not the median: the limit is what the machine showed it can do in this run;
+// a median of a few samples taken while another job held the cores would put the limit above
+// what the kernel, timed in a quieter moment, did.
 StreamRates rates_of(const Paired& p);
 // Spread of the per-iteration fractions wider than this (of the median) makes a record noisy.
 constexpr double kNoisySpread = 0.2;
@@ -127,12 +128,12 @@ constexpr double kNoisySpread = 0.2;
 // model_read_bytes, model_write_bytes, model_network_bytes, stream_{read,write,copy}_gbps,
 // stream_nt_write, stream_nt_copy, stream_array_bytes, limit_seconds, fraction_of_limit,
 // fraction_min and fraction_max (each iteration's limit from its own sample, the other two
-// rates the median, over its kernel time), noisy, and cache_resident (the model's bytes fit in
+// rates the figure's, over its kernel time), noisy, and cache_resident (the model's bytes fit in
 // the last-level cache: a fraction above 1 is then cache reuse, not a faster machine).
 void add_limit(nlohmann::json& record, const Paired& p, const TrafficModel& m);
 
 // ---- instructions per byte: callgrind ----
-// Brackets one call of a kernel for scripts/callgrind_bench.sh: outside valgrind nothing;
+// Brackets one call of a kernel for scripts/callgrind_bench.py: outside valgrind nothing;
 // under callgrind, the counters are zeroed when every rank has arrived and dumped, named
 // `name`, when every rank is done. Collective.
 Status callgrind_call(World& w, const std::string& name, const std::function<Status()>& fn);
