@@ -57,7 +57,7 @@ def svg(points, a):
            f'font-family="sans-serif" font-size="11">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="22" font-size="15" text-anchor="middle" font-weight="bold">'
-           f'{a.dispatcher}, {a.shape} (H, E, K fixed), threads world: how cost grows with R and T'
+           f'{a.dispatcher}, {a.shape} (H and K fixed, E moved up to R), threads world: how cost grows with R and T'
            f'</text>']
     ranks = sorted({p["ranks"] for p in points})
     tokens = sorted({p["tokens"] for p in points})
