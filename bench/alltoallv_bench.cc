@@ -1,12 +1,13 @@
 // `moed bench alltoallv`: the world's all-to-all-v of bf16 token rows (the AlltoAll
-// dispatcher's exchange), beside the memory-copy bound and, in the MPI world, beside a bare
-// MPI_Alltoallv of the same bytes in the same run.
+// dispatcher's exchange), against its physical limit (bench/limit.h: every byte read once
+// where it is sent and written once where it is received, over STREAM bandwidths measured in
+// the same run) and, in the MPI world, beside a bare MPI_Alltoallv of the same bytes.
 //
 // Each rank routes its T tokens to K distinct experts, uniform at random (fixed seed per
 // rank), and sends one row of H bf16 per (token, expert) to the expert's rank (E adjusted so
 // that R divides it). bytes = sum over ranks of received rows * H * 2 (aggregate, design.md §7.1);
 // a multi-rank time is the maximum over ranks, the figure the median over iterations, each
-// paired with a copy of the same bytes just before it (bench/common.h).
+// paired with the STREAM operation just before it.
 //
 //   moed bench alltoallv --world threads --ranks 8 --shape mixtral --json
 //   mpirun --oversubscribe -np 8 moed bench alltoallv --world mpi --shape mixtral --json
@@ -108,14 +109,13 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
   auto exchange = [&] {
     return w.all_to_all_v_bytes(plan.send.data(), sb, so, plan.recv.data(), rb, ro);
   };
-  // One counted call (the warm-up), then copy, exchange, copy, exchange, ...
-  MOED_ASSIGN_OR_RETURN(const Traffic per_call, traffic_of(w, exchange));
+  // One counted call (the warm-up), then STREAM, exchange, STREAM, exchange, ...
+  MOED_ASSIGN_OR_RETURN(const Traffic per_call, traffic_of(w, exchange, "alltoallv"));
   MOED_ASSIGN_OR_RETURN(const bool verified, all_ranks_ok(w, verify(w, plan)));
   MOED_ASSIGN_OR_RETURN(const int64_t recv_bytes, sum_ranks(w, int64_t(plan.recv.size())));
   const uint64_t bytes = uint64_t(recv_bytes);
-  CopyBuffers copy;
-  MOED_ASSIGN_OR_RETURN(const Paired times,
-                        paired_time_max(w, args.iters, size_t(bytes), copy, exchange));
+  Stream stream(w);
+  MOED_ASSIGN_OR_RETURN(const Paired times, paired_time_max(w, args.iters, stream, exchange));
 
   double mpi_seconds = 0;
 #ifdef MOED_WITH_MPI
@@ -136,8 +136,6 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
                           }));
   }
 #endif
-  // The copy bound: each rank copies its share of the aggregate bytes with its own pool, in both
-  // worlds, interleaved with the exchange above.
   if (w.rank() == 0) {
     nlohmann::json rec = {{"suite", "alltoallv"},
                           {"shape", shape.name},
@@ -150,7 +148,9 @@ Status bench_body(World& w, const Args& args, const Shape& shape, Report* report
                           {"shared_bytes", per_call.shared_bytes},
                           {"network_bytes", per_call.network_bytes},
                           {"verified", verified}};
-    add_paired(rec, times);
+    TrafficModel m;
+    m.read_bytes = m.write_bytes = double(bytes);
+    add_limit(rec, times, m);
     add_mpi_baseline(rec, mpi_seconds);
     report->add(rec);
   }
@@ -170,19 +170,20 @@ void run(const Args& args) {
   }
   WorldOptions opts;
   opts.ranks_per_node = args.ranks_per_node;
-  Report report(args.json);
+  Report report(args);
   int my_rank = 0;
   Status s = run_in_world(
       args.world, ranks, opts, args.json,
       [&](World& w) { return bench_body(w, args, *shape, &report); }, &my_rank);
   if (!s.ok()) fail("alltoallv", s);
-  if (my_rank == 0) report.finish();
+  if (my_rank != 0) return;
+  if (Status st = report.finish(); !st.ok()) fail("alltoallv", st);
 }
 
 void setup(CLI::App& bench) {
   auto args = std::make_shared<Args>();
   CLI::App* c = bench.add_subcommand(
-      "alltoallv", "the world's all-to-all-v of bf16 token rows vs the copy bound (and MPI)");
+      "alltoallv", "the world's all-to-all-v of bf16 token rows vs its limit (and MPI)");
   add_world_options(*c, *args);
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
   add_report_options(*c, *args);

@@ -15,6 +15,8 @@
 #include <random>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "cli/registry.h"
 #include "cli/world_choice.h"
 #include "moed/dtype.h"
@@ -97,39 +99,6 @@ void add_comparison(nlohmann::json& record, const std::string& name, std::span<c
                                    {"verdict", verdict}});
 }
 
-CopyBuffers::CopyBuffers() = default;
-
-CopyBuffers::~CopyBuffers() {
-  std::free(src_);
-  std::free(dst_);
-}
-
-void CopyBuffers::reserve(size_t bytes) {
-  bytes = std::min(bytes, kCopyChunkBytes);
-  if (bytes <= capacity_) return;
-  std::free(src_);
-  std::free(dst_);
-  const size_t rounded = (bytes + 63) / 64 * 64;
-  src_ = static_cast<char*>(std::aligned_alloc(64, rounded));
-  dst_ = static_cast<char*>(std::aligned_alloc(64, rounded));
-  if (src_ == nullptr || dst_ == nullptr) throw std::bad_alloc();
-  // Touch every page now, so that no timed copy takes page faults.
-  std::memset(src_, 1, rounded);
-  std::memset(dst_, 0, rounded);
-  capacity_ = rounded;
-}
-
-void CopyBuffers::copy(size_t bytes, ThreadPool& pool) {
-  reserve(bytes);
-  for (size_t done = 0; done < bytes; done += capacity_) {
-    const size_t n = std::min(capacity_, bytes - done);
-    pool.parallel_for(
-        int64_t(n),
-        [&](int64_t b, int64_t e, int) { std::memcpy(dst_ + b, src_ + b, size_t(e - b)); },
-        1 << 16);
-  }
-}
-
 namespace {
 double seconds_of(const std::function<void()>& fn) {
   const auto a = std::chrono::steady_clock::now();
@@ -138,54 +107,28 @@ double seconds_of(const std::function<void()>& fn) {
 }
 }  // namespace
 
-void add_paired(nlohmann::json& record, const Paired& p) {
-  const double bytes = record.value("bytes", 0.0);
-  std::vector<double> ratios;
-  for (size_t i = 0; i < p.kernel.size() && i < p.copy.size(); ++i) {
-    if (p.kernel[i] > 0) ratios.push_back(p.copy[i] / p.kernel[i]);
-  }
-  const double copy_seconds = median(p.copy);
-  const double ratio = median(ratios);
-  const double lo = ratios.empty() ? 0 : *std::min_element(ratios.begin(), ratios.end());
-  const double hi = ratios.empty() ? 0 : *std::max_element(ratios.begin(), ratios.end());
-  record["seconds"] = median(p.kernel);
-  record["copy_seconds"] = copy_seconds;
-  record["copy_gbps"] = copy_seconds > 0 ? bytes / copy_seconds / 1e9 : 0.0;
-  // The GB/s ratio of the same bytes is the inverse ratio of the times.
-  record["ratio_to_copy"] = ratio;
-  record["ratio_min"] = lo;
-  record["ratio_max"] = hi;
-  record["noisy"] = ratio > 0 && (hi - lo) / ratio > kNoisySpread;
-}
-
-Paired paired_seconds(const std::function<void()>& fn, size_t bytes, ThreadPool& pool, int iters,
-                      int warmup) {
-  CopyBuffers buffers;
+StatusOr<Paired> paired_seconds(const std::function<void()>& fn, Stream& stream, int iters,
+                                int warmup) {
+  MOED_RETURN_IF_ERROR(stream.calibrate());
   Paired p;
+  p.calibration = stream.calibration();
   for (int i = -warmup; i < std::max(1, iters); ++i) {
-    const double c = seconds_of([&] { buffers.copy(bytes, pool); });
+    MOED_ASSIGN_OR_RETURN(const StreamSample s, stream.next());
     const double k = seconds_of(fn);
-    if (i >= 0) p.add(k, c);
+    if (i >= 0) p.add(k, s);
   }
   return p;
 }
 
-StatusOr<double> time_copy(World& w, CopyBuffers& buffers, size_t total_bytes) {
-  const size_t R = size_t(w.size()), me = size_t(w.rank());
-  const size_t share = total_bytes / R + (me < total_bytes % R ? 1 : 0);
-  return time_span(w, [&] {
-    buffers.copy(share, w.pool());
-    return ok_status();
-  });
-}
-
-StatusOr<Paired> paired_time_max(World& w, int iters, size_t total_bytes, CopyBuffers& buffers,
+StatusOr<Paired> paired_time_max(World& w, int iters, Stream& stream,
                                  const std::function<Status()>& fn, int warmup) {
+  MOED_RETURN_IF_ERROR(stream.calibrate());
   Paired p;
+  p.calibration = stream.calibration();
   for (int i = -warmup; i < iters; ++i) {
-    MOED_ASSIGN_OR_RETURN(const double c, time_copy(w, buffers, total_bytes));
+    MOED_ASSIGN_OR_RETURN(const StreamSample s, stream.next());
     MOED_ASSIGN_OR_RETURN(const double k, time_max(w, fn));
-    if (i >= 0) p.add(k, c);
+    if (i >= 0) p.add(k, s);
   }
   return p;
 }
@@ -226,6 +169,9 @@ void add_report_options(CLI::App& c, ReportArgs& a) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   c.add_flag("--json", a.json, "print the records as a JSON array");
+  c.add_option("--json-out", a.json_out,
+               "also write the records as a JSON array to this file (the program's own output, "
+               "apart from a launcher's lines)");
 }
 
 Tensor random_tokens(int64_t rows, int hidden, float bound, std::mt19937& rng) {
@@ -351,9 +297,10 @@ StatusOr<bool> all_ranks_ok(World& w, bool ok) {
   return bad == 0;
 }
 
-StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn) {
+StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn,
+                             const std::string& name) {
   const TrafficCounters before = w.counters();
-  MOED_RETURN_IF_ERROR(fn());
+  MOED_RETURN_IF_ERROR(callgrind_call(w, name.empty() ? std::string("call") : name, fn));
   const TrafficCounters& after = w.counters();
   const int64_t mine[3] = {int64_t(after.network_bytes - before.network_bytes),
                            int64_t(after.shared_bytes - before.shared_bytes),
@@ -412,11 +359,6 @@ void Report::add(nlohmann::json r) {
   const double seconds = r.value("seconds", 0.0);
   if (!r.contains("isa")) r["isa"] = active_isa_name();  // the row kernels that ran
   if (!r.contains("gbps")) r["gbps"] = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
-  // NOTE: commands fill ratio_to_copy from paired timings (add_paired); this is the fallback.
-  if (!r.contains("ratio_to_copy")) {
-    const double copy = r.value("copy_gbps", 0.0);
-    r["ratio_to_copy"] = copy > 0 ? r["gbps"].get<double>() / copy : 0.0;
-  }
   if (!json_) {
     std::string extra;
     for (const char* k : {"world", "ranks", "dispatcher", "phase", "isa"}) {
@@ -427,14 +369,29 @@ void Report::add(nlohmann::json r) {
         extra +=
             std::string(" ") + k + "=" + (r[k].is_string() ? r[k].get<std::string>() : r[k].dump());
     }
-    std::printf(
-        "%-12s %-8s %-5s thr=%-2d%s  %10.3f ms  %8.2f GB/s  copy %8.2f GB/s  ratio %5.2f "
-        "[%4.2f-%4.2f]%s  %s\n",
-        r.value("suite", "").c_str(), r.value("shape", "").c_str(), r.value("dtype", "").c_str(),
-        r.value("threads", 0), extra.c_str(), seconds * 1e3, r["gbps"].get<double>(),
-        r.value("copy_gbps", 0.0), r["ratio_to_copy"].get<double>(), r.value("ratio_min", 0.0),
-        r.value("ratio_max", 0.0), r.value("noisy", false) ? " NOISY" : "",
-        r.value("verified", false) ? "verified" : "NOT VERIFIED");
+    // A record without a model of its own (a half of a call) prints no fraction.
+    std::string limit = "  limit      -";
+    if (r.contains("fraction_of_limit")) {
+      limit = fmt::format("  limit {:8.3f} ms  of limit {:5.2f} [{:4.2f}-{:4.2f}]{}{}",
+                          r.value("limit_seconds", 0.0) * 1e3, r.value("fraction_of_limit", 0.0),
+                          r.value("fraction_min", 0.0), r.value("fraction_max", 0.0),
+                          r.value("noisy", false) ? " NOISY" : "",
+                          r.value("cache_resident", false) ? " CACHE" : "");
+    }
+    std::printf("%-12s %-8s %-5s thr=%-2d%s  %10.3f ms  %8.2f GB/s%s  %s\n",
+                r.value("suite", "").c_str(), r.value("shape", "").c_str(),
+                r.value("dtype", "").c_str(), r.value("threads", 0), extra.c_str(),
+                seconds * 1e3, r["gbps"].get<double>(), limit.c_str(),
+                r.value("verified", false) ? "verified" : "NOT VERIFIED");
+    if (r.contains("fraction_of_limit")) {
+      std::printf(
+          "    model: read %.2f MB, write %.2f MB, network %.2f MB; STREAM read %.2f, write "
+          "%.2f%s, copy %.2f%s GB/s\n",
+          r.value("model_read_bytes", 0.0) / 1e6, r.value("model_write_bytes", 0.0) / 1e6,
+          r.value("model_network_bytes", 0.0) / 1e6, r.value("stream_read_gbps", 0.0),
+          r.value("stream_write_gbps", 0.0), r.value("stream_nt_write", false) ? " (nt)" : "",
+          r.value("stream_copy_gbps", 0.0), r.value("stream_nt_copy", false) ? " (nt)" : "");
+    }
     for (const nlohmann::json& c : r.value("comparisons", nlohmann::json::array())) {
       std::printf("    %s: %.3f [%.3f, %.3f] over %d paired iterations, target <= %.2f: %s\n",
                   c["name"].get<std::string>().c_str(), c["median"].get<double>(),
@@ -446,8 +403,15 @@ void Report::add(nlohmann::json r) {
   records_.push_back(std::move(r));
 }
 
-void Report::finish() const {
-  if (json_) std::printf("%s\n", nlohmann::json(records_).dump(2).c_str());
+Status Report::finish() const {
+  const std::string text = nlohmann::json(records_).dump(2);
+  if (json_) std::printf("%s\n", text.c_str());
+  if (json_out_.empty()) return ok_status();
+  std::ofstream f(json_out_);
+  f << text << "\n";
+  f.close();
+  if (!f) return invalid_argument("--json-out ", json_out_, ": cannot write the file");
+  return ok_status();
 }
 
 Status run_in_world(const std::string& world, int ranks, const WorldOptions& options, bool json,
@@ -458,9 +422,8 @@ Status run_in_world(const std::string& world, int ranks, const WorldOptions& opt
         MOED_ASSIGN_OR_RETURN(const int here, ranks_per_host(w));
         if (w.rank() == 0 && here > host_threads()) {
           std::fprintf(json ? stderr : stdout,
-                       "note: %d ranks on %d cores: the ranks take turns on the cores, so the "
-                       "copy bound is timed over all ranks (first start to last end), as the "
-                       "kernel is\n",
+                       "note: %d ranks on %d cores: the ranks take turns on the cores, so STREAM "
+                       "is timed over all ranks (first start to last end), as the kernel is\n",
                        here, host_threads());
           std::fflush(json ? stderr : stdout);
         }

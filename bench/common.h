@@ -1,18 +1,11 @@
-// Shared by every `moed bench` command: the standard shapes (design.md §7.4), seeded random inputs,
-// the memory-copy bound measured in the same run, timing (over the ranks of a world too), and
-// the record format (one JSON object per figure, also printed as a table row).
+// Shared by every `moed bench` command: the standard shapes (docs/benchmarks.md), seeded random
+// inputs, timing (over the ranks of a world too), and the record format (one JSON object per
+// figure, also printed as a table row).
 //
-// Every record carries at least: suite, shape, dtype, threads, bytes, seconds, gbps,
-// copy_gbps, ratio_to_copy, ratio_min, ratio_max, noisy, verified, isa (the row kernels'
-// instruction set). Commands add their own fields (world, ranks, dispatcher, phase,
-// network_bytes, ...).
-//
-// The copy bound is measured interleaved with the kernel (copy, kernel, copy, kernel, ...: the same
-// bytes, the same threads, over all ranks as the kernel is: time_copy), so that each kernel
-// iteration has a copy taken under the same load: ratio_to_copy is the median of the paired ratios
-// copy_i / kernel_i, ratio_min and ratio_max their spread, and noisy is true when (max - min) /
-// median > 20%: such a record is a sign of a loaded machine, not a result. seconds is the kernel's
-// median and copy_gbps = bytes / the copies' median.
+// Every record carries at least: suite, shape, dtype, threads, bytes, seconds, gbps, the limit's
+// fields (bench/limit.h: limit_seconds, fraction_of_limit, the STREAM figures it used, noisy,
+// cache_resident), verified, isa (the row kernels' instruction set). Commands add their own
+// fields (world, ranks, dispatcher, phase, network_bytes, ...).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "bench/limit.h"
 #include "cli/world_choice.h"
 #include "moed/routing.h"
 #include "moed/status.h"
@@ -37,7 +31,7 @@ class App;
 
 namespace moed::bench {
 
-// Per-rank problem size (design.md §7.4).
+// Per-rank problem size (spec §7).
 struct Shape {
   std::string name;
   int64_t num_tokens;  // T per rank
@@ -48,59 +42,16 @@ struct Shape {
 // tiny, mixtral, dsv3, decode. An unknown name is an error listing the known ones.
 StatusOr<Shape> find_shape(std::string_view name);
 std::vector<std::string> shape_names();
-// E adjusted so that `ranks` divides it (design.md §7.4: the nearest E that R divides; ties go up).
+// E adjusted so that `ranks` divides it (spec §7: the nearest E that R divides; ties go up).
 int experts_for_ranks(int num_experts, int ranks);
 
-// ---- the copy bound, paired with the kernel ----
-// Source and destination buffers for a plain parallel memcpy (pages touched once, when they
-// grow). NOTE: copies of more than kCopyChunkBytes run in passes over one chunk-sized pair, so
-// that a 2 GB figure does not need 4 GB more memory; a chunk is far larger than any cache, so
-// the bandwidth is the same.
-class CopyBuffers {
- public:
-  static constexpr size_t kCopyChunkBytes = size_t(64) << 20;
-  CopyBuffers();
-  ~CopyBuffers();
-  CopyBuffers(const CopyBuffers&) = delete;
-  CopyBuffers& operator=(const CopyBuffers&) = delete;
-  // Copies `bytes` with the pool's threads (64 KiB chunks per task).
-  void copy(size_t bytes, ThreadPool& pool);
-  size_t allocated_bytes() const { return 2 * capacity_; }  // src + dst
-
- private:
-  void reserve(size_t bytes);
-  char* src_ = nullptr;
-  char* dst_ = nullptr;
-  size_t capacity_ = 0;
-};
-
-// Kernel and copy seconds of the same iterations (pair i: copy_i measured just before
-// kernel_i).
-struct Paired {
-  std::vector<double> kernel, copy;
-  void add(double kernel_seconds, double copy_seconds) {
-    kernel.push_back(kernel_seconds);
-    copy.push_back(copy_seconds);
-  }
-};
-// Spread wider than this (of the median ratio) makes a record noisy.
-constexpr double kNoisySpread = 0.2;
-// Fills seconds, copy_seconds, copy_gbps, ratio_to_copy, ratio_min, ratio_max and noisy of
-// `record` from the pairs (bytes taken from the record's "bytes").
-void add_paired(nlohmann::json& record, const Paired& p);
-// One process, one pool: `iters` pairs (copy of `bytes`, then fn) after `warmup` of each.
-Paired paired_seconds(const std::function<void()>& fn, size_t bytes, ThreadPool& pool, int iters,
-                      int warmup = 1);
-// The copy bound of a world: every rank copies its share (1/R) of `total_bytes` with its own
-// pool, after a barrier; timed by time_span, from the first rank's start to the last rank's end.
-// NOTE: not each rank's own time, as time_max takes a kernel's: a kernel's ranks wait for each
-// other, so its slowest rank's time spans them all, but a rank's copy waits for no one. When
-// ranks outnumber cores they take turns, and a rank's own copy time leaves out the turns of
-// the others (at R = 4 on 2 cores the bound read twice what the cores can copy).
-StatusOr<double> time_copy(World& w, CopyBuffers& buffers, size_t total_bytes);
-// `iters` pairs (time_copy of total_bytes, then time_max of fn) after `warmup` of each.
-StatusOr<Paired> paired_time_max(World& w, int iters, size_t total_bytes, CopyBuffers& buffers,
+// ---- the kernel's time, paired with the machine's bandwidth (bench/limit.h) ----
+// `iters` pairs (the stream's next operation, then time_max of fn) after `warmup` of each.
+StatusOr<Paired> paired_time_max(World& w, int iters, Stream& stream,
                                  const std::function<Status()>& fn, int warmup = 1);
+// One process, one pool: `iters` pairs (the stream's next operation, then fn) after `warmup`.
+StatusOr<Paired> paired_seconds(const std::function<void()>& fn, Stream& stream, int iters,
+                                int warmup = 1);
 
 // ---- "A no slower than B, in the same run": a paired comparison ----
 // A and B timed in every iteration of one loop, so each ratio a_i / b_i is taken under one
@@ -142,6 +93,7 @@ struct ReportArgs {
   explicit ReportArgs(int default_iters = 10) : iters(default_iters) {}
   int iters;
   bool json = false;
+  std::string json_out;  // also write the records, as a JSON array, to this file
 };
 void add_world_options(CLI::App& c, WorldArgs& a);
 void add_report_options(CLI::App& c, ReportArgs& a);
@@ -174,7 +126,7 @@ StatusOr<int> ranks_per_host(World& w);
 // The median over `iters` runs of time_max, after `warmup` untimed runs.
 StatusOr<double> median_time_max(World& w, int iters, const std::function<Status()>& fn,
                                  int warmup = 1);
-// Sum over ranks of a per-rank count (a figure's rows and bytes are aggregate, design.md §7.1).
+// Sum over ranks of a per-rank count (a figure's rows and bytes are aggregate, spec §7).
 StatusOr<int64_t> sum_ranks(World& w, int64_t v);
 // Element-wise sums over ranks of several counts, in one collective.
 StatusOr<std::vector<int64_t>> sum_ranks(World& w, std::span<const int64_t> v);
@@ -187,8 +139,10 @@ struct Traffic {
   uint64_t shared_bytes = 0;
   double collectives = 0;  // TrafficCounters::collectives of one call, mean over ranks
 };
-// Runs fn once, untimed, and returns the traffic the world's counters saw it move.
-StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn);
+// Runs fn once, untimed, and returns the traffic the world's counters saw it move. Under
+// callgrind the call is the one counted, named `name` (callgrind_call).
+StatusOr<Traffic> traffic_of(World& w, const std::function<Status()>& fn,
+                             const std::string& name = "");
 
 // ---- records ----
 // What ran, in every record of a command over a shape: suite, shape, num_tokens, hidden,
@@ -211,17 +165,21 @@ nlohmann::json bf16_phase_fields(const std::string& dispatcher, const std::strin
 void add_mpi_baseline(nlohmann::json& record, double mpi_seconds);
 
 // Collects records; prints each as a table row as it arrives (unless json) and, with json,
-// the whole list as a JSON array at the end.
+// the whole list as a JSON array at the end; with json_out, writes that array to the file
+// too. NOTE: a launcher (mpirun) mixes its own lines into the program's stdout and stderr;
+// json_out is the program's own output alone, for a script to read.
 class Report {
  public:
-  explicit Report(bool json) : json_(json) {}
-  // Fills gbps and ratio_to_copy from bytes, seconds and copy_gbps when absent.
+  explicit Report(const ReportArgs& a) : json_(a.json), json_out_(a.json_out) {}
+  // Fills gbps from bytes and seconds when absent.
   void add(nlohmann::json record);
-  void finish() const;  // prints the JSON array when json
+  // Prints the JSON array when json, writes it to json_out; an error if that fails.
+  Status finish() const;
   const std::vector<nlohmann::json>& records() const { return records_; }
 
  private:
   bool json_;
+  std::string json_out_;
   std::vector<nlohmann::json> records_;
 };
 

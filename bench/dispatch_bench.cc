@@ -1,23 +1,24 @@
 // `moed bench dispatch`: the TokenDispatcher implementations (allgather, alltoall, flex) on a
-// world of R ranks, dispatch and combine timed separately, beside a plain copy of the same
-// bytes with the same total threads in the same run (design.md §7.2), interleaved with the kernel's
-// iterations (bench/common.h: paired ratios, their spread, `noisy`).
+// world of R ranks, dispatch and combine timed separately, each against its physical limit:
+// the bytes it must move (counted from the routing) over the machine's STREAM bandwidths,
+// measured with the same threads in the same run, one before each kernel iteration
+// (bench/limit.h: limit_seconds, fraction_of_limit, its spread, `noisy`).
 //
 //   moed bench dispatch --dispatcher allgather,alltoall --world threads --ranks 4 --shape mixtral
 //
-// Each rank holds the shape's T tokens (bf16) with uniform random top-k routing from a fixed
-// seed. A figure's time is the median over iterations of the slowest rank's time; bytes =
-// aggregate received rows * H * 2 (dispatch) and the same rows sent back (combine). The expert
-// outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
+// Each rank holds the shape's T tokens (or --tokens T), bf16, with uniform random top-k routing
+// from a fixed seed. A figure's time is the median over iterations of the slowest rank's time;
+// bytes = aggregate received rows * H * 2 (dispatch) and the same rows sent back (combine). The
+// expert outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
 // flex_expert_output_buffer, where experts write them). Every dispatcher's output is checked
 // against the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes
 // and shared_bytes are the world's counters for one iteration, summed over ranks; collectives
 // is the collectives one call entered on each rank (TrafficCounters, mean over ranks). With several
 // nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a flat all-to-all of
 // the same routing would send between nodes, and network_vs_flat = network_bytes / that; Flex
-// records add copies_per_row and ideal_ratio, counted from the routing (cross_node_rows).
+// records add network_rows_counted (cross_node_rows).
 // Every record says what holds the memory: peak_rss_bytes and `memory` (inputs_bytes,
-// reference_bytes, copy_bound_bytes, all ranks, and dispatcher_rss_bytes, the resident memory
+// reference_bytes, stream_bytes, all ranks, and dispatcher_rss_bytes, the resident memory
 // the dispatcher's creation and first dispatch + combine added: its buffers and outputs).
 //
 //   mpirun -np 4 moed bench dispatch --world mpi --dispatcher alltoall,flex --shape mixtral
@@ -49,13 +50,14 @@ struct Args : WorldArgs, ReportArgs {
   Args() : WorldArgs(4), ReportArgs(5) {}
   std::string dispatchers = "allgather,alltoall";
   std::string shape = "mixtral";
+  int64_t tokens = 0;  // T per rank, overriding the shape's (0: the shape's)
 };
 
 struct Figure {
   std::string dispatcher;
   std::string phase;
   int64_t rows = 0;
-  Paired times;  // the kernel's and the interleaved copy's, per iteration
+  Paired times;  // the kernel's, each with the STREAM sample taken before it
   Traffic traffic;
   bool verified = false;
   double mpi_seconds = 0;  // the bare MPI_Alltoallv of the same rows (dispatch, MPI world)
@@ -69,7 +71,7 @@ struct Figure {
 struct Memory {
   uint64_t inputs = 0;     // every rank's tokens and routing
   uint64_t reference = 0;  // the reference's dispatched rows and combined tokens
-  uint64_t copy_bound = 0;  // the copy bound's buffers
+  uint64_t stream = 0;     // the STREAM arrays
 };
 
 // Every rank's input, rebuilt from the seeds by every process, and what the reference says each
@@ -114,7 +116,7 @@ bool dispatch_ok(const DispatchOutput& d, const ReferenceRankDispatch& want) {
 
 // Median over iterations of the slowest rank's time of a bare MPI_Alltoallv (MPI_COMM_WORLD)
 // sending each destination the rows this rank's tokens contribute to its experts: the same
-// rows per destination as the dispatchers' output (design.md §3.1, one row per routed (token,
+// rows per destination as the dispatchers' output (spec §3, one row per routed (token,
 // expert)). 0 outside the MPI world. One warm-up call first, as the dispatchers have had.
 StatusOr<double> time_bare_alltoallv(World& w, const Shape& s, const TopkRouting& topk, int iters) {
   double seconds = 0;
@@ -167,7 +169,8 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
   const Tensor& x = pr.x[size_t(me)];
   const TopkRouting& topk = pr.topk[size_t(me)];
   MOED_ASSIGN_OR_RETURN(const double mpi_seconds, time_bare_alltoallv(w, s, topk, iters));
-  CopyBuffers copy;  // this rank's share of the copy bound
+  Stream stream(w);  // this rank's share of the STREAM arrays
+  MOED_RETURN_IF_ERROR(stream.calibrate());
   for (DispatcherKind kind : kinds) {
     MOED_RETURN_IF_ERROR(w.barrier());
     const uint64_t rss_before = current_rss_bytes();
@@ -205,32 +208,32 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
       return ok_status();
     };
     MOED_RETURN_IF_ERROR(dispatch());  // warm-up: the counted call allocates nothing
-    MOED_ASSIGN_OR_RETURN(const Traffic dispatch_traffic, traffic_of(w, dispatch));
+    const std::string name = dispatcher_kind_name(kind);
+    MOED_ASSIGN_OR_RETURN(const Traffic dispatch_traffic,
+                          traffic_of(w, dispatch, name + " dispatch"));
     MOED_RETURN_IF_ERROR(run_experts());
-    MOED_ASSIGN_OR_RETURN(const Traffic combine_traffic, traffic_of(w, combine));
+    MOED_ASSIGN_OR_RETURN(const Traffic combine_traffic, traffic_of(w, combine, name + " combine"));
     MOED_ASSIGN_OR_RETURN(const int64_t dispatcher_rss, rss_growth(w, rss_before));
     MOED_ASSIGN_OR_RETURN(
         const bool verified,
         all_ranks_ok(w, dispatch_ok(out, pr.dispatched[size_t(me)]) &&
                             bitwise_equal(comb.hidden.view(), pr.combined[size_t(me)].view())));
 
-    // copy, dispatch, copy, combine, ...: each phase paired with the copy just before it, of
-    // the same bytes (combine sends the dispatched rows back).
+    // STREAM, dispatch, STREAM, combine, ...: each phase paired with the STREAM operation just
+    // before it (read, write, copy in turn), which also evicts the previous call's rows.
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, out.num_rows()));
-    const size_t bytes = size_t(rows) * size_t(s.hidden) * 2;
-    MOED_RETURN_IF_ERROR(time_copy(w, copy, bytes).status());  // warm-up: pages touched
     Paired dt, ct;
+    dt.calibration = ct.calibration = stream.calibration();
     for (int i = 0; i < iters; ++i) {
-      MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, bytes));
+      MOED_ASSIGN_OR_RETURN(const StreamSample s1, stream.next());
       MOED_ASSIGN_OR_RETURN(const double a, time_max(w, dispatch));
       MOED_RETURN_IF_ERROR(run_experts());
-      MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, bytes));
+      MOED_ASSIGN_OR_RETURN(const StreamSample s2, stream.next());
       MOED_ASSIGN_OR_RETURN(const double b, time_max(w, combine));
-      dt.add(a, c1);
-      ct.add(b, c2);
+      dt.add(a, s1);
+      ct.add(b, s2);
     }
     if (me == 0) {
-      const std::string name = dispatcher_kind_name(kind);
       figures->push_back({name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds,
                           dispatcher_rss});
       figures->push_back({name, "combine", rows, ct, combine_traffic, verified, 0, dispatcher_rss});
@@ -238,18 +241,16 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     out = DispatchOutput{};
     comb = CombineOutput{};
   }
-  MOED_ASSIGN_OR_RETURN(const int64_t copy_bytes, sum_ranks(w, int64_t(copy.allocated_bytes())));
-  if (me == 0) memory->copy_bound = uint64_t(copy_bytes);
+  MOED_ASSIGN_OR_RETURN(const int64_t stream_bytes,
+                        sum_ranks(w, int64_t(stream.allocated_bytes())));
+  if (me == 0) memory->stream = uint64_t(stream_bytes);
   return ok_status();
 }
 
-// Rows the routing sends between nodes, counted from it (design.md §5.5). `flat`: what a flat
+// Rows the routing sends between nodes, counted from it (spec §5.5). `flat`: what a flat
 // all-to-all sends, one bf16 row per (token, destination rank on another node). Flex's two
 // hops cut dispatch to one row per (token, remote node) (`dispatch`); combine (per-expert
-// terms) sends one per (token, expert on a remote node) (`combine`). In the threads world the
-// network is itself a memory copy (the issue's model): every received row costs one copy and
-// a row that crosses the network one more, so ideal_ratio = rows / copies is the best ratio to
-// copy such a routing allows.
+// terms) sends one per (token, expert on a remote node) (`combine`).
 struct CrossNodeRows {
   int64_t flat = 0, dispatch = 0, combine = 0;
 };
@@ -283,6 +284,7 @@ void run(const Args& a) {
   StatusOr<WorldShape> ws = world_shape(a.shape, a.world, a.ranks);
   if (!ws.ok()) fail("dispatch", ws.status());
   const int ranks = ws->ranks;
+  if (a.tokens > 0) ws->shape.num_tokens = a.tokens;
   const Shape& s = ws->shape;
   std::vector<DispatcherKind> kinds;
   std::stringstream list(a.dispatchers);
@@ -306,6 +308,7 @@ void run(const Args& a) {
   int64_t flat_bytes = 0;
   Memory memory;
   CrossNodeRows net_rows;
+  TrafficModel dispatch_traffic, combine_traffic;  // the limit's models
   {
     StatusOr<Problem> pr = make_problem(s, ranks);
     if (!pr.ok()) fail("dispatch", pr.status());
@@ -323,6 +326,9 @@ void run(const Args& a) {
         },
         &my_rank);
     if (!st.ok()) fail("dispatch", st);
+    const double row_bytes = double(s.hidden) * 2;
+    dispatch_traffic = dispatch_model(pr->topk, s.num_experts, ranks, g, row_bytes, row_bytes);
+    combine_traffic = combine_model(pr->topk, s.num_experts, ranks, g, row_bytes, false);
     if (g < ranks) {
       net_rows = cross_node_rows(s, pr->topk, ranks, g);
       flat_bytes = net_rows.flat * int64_t(s.hidden) * 2;
@@ -333,7 +339,7 @@ void run(const Args& a) {
   // The same total threads as the ranks' pools together.
   const int threads = threads_per_rank * ranks;
   const uint64_t peak = peak_rss_bytes();
-  Report report(a.json);
+  Report report(a);
   for (size_t i = 0; i < figures.size(); ++i) {
     const Figure& f = figures[i];
     nlohmann::json fields =
@@ -341,11 +347,11 @@ void run(const Args& a) {
     fields["peak_rss_bytes"] = peak;
     fields["memory"] = {{"inputs_bytes", memory.inputs},
                         {"reference_bytes", memory.reference},
-                        {"copy_bound_bytes", memory.copy_bound},
+                        {"stream_bytes", memory.stream},
                         {"dispatcher_rss_bytes", f.dispatcher_rss_bytes}};
     nlohmann::json rec =
         world_record("dispatch", s, a.world, ranks, g, threads, a.iters, std::move(fields));
-    add_paired(rec, f.times);
+    add_limit(rec, f.times, f.phase == "dispatch" ? dispatch_traffic : combine_traffic);
     if (f.phase == "combine") {
       // Issue 14's target: combine (K rows read, one written per token) no slower than the
       // dispatch of the same rows, each iteration's pair (figures come as dispatch, combine).
@@ -358,33 +364,34 @@ void run(const Args& a) {
     if (flat_bytes > 0 && f.dispatcher == "flex" && f.rows > 0) {
       const int64_t over = f.phase == "dispatch" ? net_rows.dispatch : net_rows.combine;
       rec["network_rows_counted"] = over;
-      rec["copies_per_row"] = double(f.rows + over) / double(f.rows);
-      rec["ideal_ratio"] = double(f.rows) / double(f.rows + over);
     }
     add_mpi_baseline(rec, f.mpi_seconds);
     report.add(std::move(rec));
   }
   if (!a.json) {
-    std::printf("memory: peak RSS %.1f MB = inputs %.1f + reference %.1f + copy bound %.1f MB",
+    std::printf("memory: peak RSS %.1f MB = inputs %.1f + reference %.1f + STREAM arrays %.1f MB",
                 double(peak) / 1e6, double(memory.inputs) / 1e6, double(memory.reference) / 1e6,
-                double(memory.copy_bound) / 1e6);
+                double(memory.stream) / 1e6);
     for (size_t i = 0; i < figures.size(); i += 2) {
       std::printf(" + %s %.1f MB", figures[i].dispatcher.c_str(),
                   double(figures[i].dispatcher_rss_bytes) / 1e6);
     }
     std::printf(" (dispatchers: RSS growth over creation and one dispatch + combine) + the rest\n");
   }
-  report.finish();
+  if (Status st = report.finish(); !st.ok()) fail("dispatch", st);
 }
 
 void setup(CLI::App& bench) {
   auto args = std::make_shared<Args>();
   CLI::App* c = bench.add_subcommand(
-      "dispatch", "TokenDispatcher dispatch and combine (allgather, alltoall, flex) vs copy");
+      "dispatch",
+      "TokenDispatcher dispatch and combine (allgather, alltoall, flex) vs their limit");
   c->add_option("--dispatcher", args->dispatchers, "comma-separated: allgather,alltoall,flex")
       ->capture_default_str();
   add_world_options(*c, *args);
   c->add_option("--shape", args->shape, "tiny | mixtral | dsv3 | decode")->capture_default_str();
+  c->add_option("--tokens", args->tokens, "T per rank, overriding the shape's")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20));
   add_report_options(*c, *args);
   c->callback([args] { run(*args); });
 }

@@ -1,6 +1,8 @@
 // moed bench low-latency: low-latency dispatch and combine (design.md §6) at one shape, bf16 and
 // FP8, one call and the send / receive halves (through the hook) timed separately, beside
-// Flex's normal mode at the same shape and the memory-copy bound, all in one run.
+// Flex's normal mode at the same shape, all in one run, each whole call against its physical
+// limit (bench/limit.h; the halves have no model of their own: how a call splits its work
+// between them is the implementation's).
 //
 //   moed bench low-latency --shape decode --ranks 8 --world threads --json
 //   moed bench low-latency --ranks 4 --tokens 1,8,32     # small decode batches, T per rank
@@ -43,7 +45,7 @@ struct Args : WorldArgs, ReportArgs {
 struct Figure {
   int64_t num_tokens = 0;  // T per rank
   std::string dispatcher, phase, dtype;
-  Paired times;                // the kernel's and the interleaved copy's, per iteration
+  Paired times;                // the kernel's, each with the STREAM sample taken before it
   int64_t rows = 0;            // rows received, summed over ranks
   size_t row_bytes = 0;        // payload bytes per row
   uint64_t network_bytes = 0;  // per iteration, summed over ranks
@@ -99,35 +101,36 @@ bool fp8_rows_ok(const LowLatencyDispatchOutput& d, int ranks, int64_t T, int H)
   return true;
 }
 
-// Per iteration: a copy of the call's bytes, one whole call, another copy, then the send half
-// (return_recv_hook) and the receive half (the hook's wait), each timed over the ranks; both
-// halves are paired with the copy before the send. With `beside` (Flex's call of the same
-// phase): a copy of its bytes and one call of it too, after the whole call in even iterations
+// Per iteration: a STREAM operation, one whole call, another STREAM operation, then the send
+// half (return_recv_hook) and the receive half (the hook's wait), each timed over the ranks;
+// both halves are paired with the operation before the send. With `beside` (Flex's call of the
+// same phase): an operation and one call of it too, after the whole call in even iterations
 // and before it in odd ones, so that the two are compared iteration by iteration under the
 // same load, neither always finding the other's rows in the caches.
 struct HalfTimes {
   Paired one, send, recv, beside;
 };
-StatusOr<HalfTimes> time_halves(World& w, int iters, size_t bytes, CopyBuffers& copy,
+StatusOr<HalfTimes> time_halves(World& w, int iters, Stream& stream,
                                 const std::function<Status(bool hook)>& call,
                                 const std::function<Status()>& wait,
-                                const std::function<Status()>& beside = nullptr,
-                                size_t beside_bytes = 0) {
+                                const std::function<Status()>& beside = nullptr) {
   HalfTimes t;
-  MOED_RETURN_IF_ERROR(time_copy(w, copy, bytes).status());  // warm-up: pages touched
+  MOED_RETURN_IF_ERROR(stream.calibrate());
+  t.one.calibration = t.send.calibration = t.recv.calibration = t.beside.calibration =
+      stream.calibration();
   auto time_beside = [&]() -> Status {
     if (!beside) return ok_status();
-    MOED_ASSIGN_OR_RETURN(const double c, time_copy(w, copy, beside_bytes));
+    MOED_ASSIGN_OR_RETURN(const StreamSample c, stream.next());
     MOED_ASSIGN_OR_RETURN(const double b, time_max(w, beside));
     t.beside.add(b, c);
     return ok_status();
   };
   for (int i = 0; i < iters; ++i) {
     if (i % 2 == 1) MOED_RETURN_IF_ERROR(time_beside());
-    MOED_ASSIGN_OR_RETURN(const double c1, time_copy(w, copy, bytes));
+    MOED_ASSIGN_OR_RETURN(const StreamSample c1, stream.next());
     MOED_ASSIGN_OR_RETURN(const double one, time_max(w, [&] { return call(false); }));
     if (i % 2 == 0) MOED_RETURN_IF_ERROR(time_beside());
-    MOED_ASSIGN_OR_RETURN(const double c2, time_copy(w, copy, bytes));
+    MOED_ASSIGN_OR_RETURN(const StreamSample c2, stream.next());
     MOED_ASSIGN_OR_RETURN(const double send, time_max(w, [&] { return call(true); }));
     MOED_ASSIGN_OR_RETURN(const double recv, time_max(w, wait));
     t.one.add(one, c1);
@@ -217,7 +220,7 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
 
   MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, T, H, E));
   const bool root = w.rank() == 0;
-  CopyBuffers copy;  // this rank's share of the copy bound
+  Stream stream(w);  // this rank's share of the STREAM arrays
   auto add = [&](Figure f, const Paired& times, int64_t rows, uint64_t net) {
     f.num_tokens = T;
     f.times = times;
@@ -254,7 +257,7 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
     MOED_ASSIGN_OR_RETURN(fd, flex->dispatch(flex_input));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(const Traffic fdt, traffic_of(w, flex_dispatch));
+  MOED_ASSIGN_OR_RETURN(const Traffic fdt, traffic_of(w, flex_dispatch, "flex dispatch"));
   MOED_ASSIGN_OR_RETURN(const int64_t frows, sum_ranks(w, fd.num_rows()));
   CombineOutput fc;
   auto flex_combine = [&]() -> Status {
@@ -262,9 +265,8 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
                           flex->combine({.expert_output = fd.expert_input, .handle = fd.handle}));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(const Traffic fct, traffic_of(w, flex_combine));
+  MOED_ASSIGN_OR_RETURN(const Traffic fct, traffic_of(w, flex_combine, "flex combine"));
   MOED_ASSIGN_OR_RETURN(const bool fok, all_ranks_ok(w, round_trip_ok(x, topk, fc.hidden.view())));
-  const size_t fbytes = size_t(frows) * size_t(H) * 2;
   auto add_flex = [&](const char* phase, const Paired& times, uint64_t net) {
     Figure f{0, "flex", phase, "bf16", {}, 0, size_t(H) * 2};
     f.verified = fok;
@@ -281,14 +283,16 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
                  {.x = x.view(), .topk = &topk, .use_fp8 = fp8, .return_recv_hook = hook}));
       return ok_status();
     };
-    MOED_ASSIGN_OR_RETURN(const Traffic dt, traffic_of(w, [&] { return dispatch(false); }));
+    MOED_ASSIGN_OR_RETURN(
+        const Traffic dt,
+        traffic_of(w, [&] { return dispatch(false); }, str_cat("low_latency dispatch ", dtype)));
     int64_t mine = 0;
     for (int32_t c : d.recv_count) mine += c;
     MOED_ASSIGN_OR_RETURN(const int64_t rows, sum_ranks(w, mine));
     const std::function<Status()> flex_beside = fp8 ? nullptr : std::function(flex_dispatch);
-    MOED_ASSIGN_OR_RETURN(const HalfTimes dtimes,
-                          time_halves(w, iters, size_t(rows) * row_bytes, copy, dispatch,
-                                      [&] { return d.hook->wait(); }, flex_beside, fbytes));
+    MOED_ASSIGN_OR_RETURN(
+        const HalfTimes dtimes,
+        time_halves(w, iters, stream, dispatch, [&] { return d.hook->wait(); }, flex_beside));
     // bf16: verified is set below from the round trip.
     MOED_ASSIGN_OR_RETURN(const bool rows_ok, all_ranks_ok(w, !fp8 || fp8_rows_ok(d, R, T, H)));
     add_halves("dispatch", dtype, row_bytes, dtimes, rows, dt.network_bytes, rows_ok);
@@ -307,13 +311,14 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
                  {.x = y, .topk = &topk, .handle = handle, .return_recv_hook = hook}));
       return ok_status();
     };
-    MOED_ASSIGN_OR_RETURN(const Traffic ct, traffic_of(w, [&] { return combine(false); }));
+    MOED_ASSIGN_OR_RETURN(
+        const Traffic ct,
+        traffic_of(w, [&] { return combine(false); }, "low_latency combine bf16"));
     MOED_ASSIGN_OR_RETURN(const bool ok,
                           all_ranks_ok(w, round_trip_ok(x, topk, c.combined_x.view())));
-    MOED_ASSIGN_OR_RETURN(const HalfTimes ctimes,
-                          time_halves(
-                              w, iters, size_t(rows) * size_t(H) * 2, copy, combine,
-                              [&] { return c.hook->wait(); }, flex_combine, fbytes));
+    MOED_ASSIGN_OR_RETURN(
+        const HalfTimes ctimes,
+        time_halves(w, iters, stream, combine, [&] { return c.hook->wait(); }, flex_combine));
     add_halves("combine", "bf16", size_t(H) * 2, ctimes, rows, ct.network_bytes, ok);
     add_flex("combine", ctimes.beside, fct.network_bytes);
     if (root) {
@@ -362,7 +367,7 @@ void run(const Args& a) {
   Floor floor;
   Memory memory;
   int my_rank = 0;
-  int threads = 0;  // the ranks' pools together (the copy bound runs on them too)
+  int threads = 0;  // the ranks' pools together (STREAM runs on them too)
   Status st = run_in_world(
       a.world, ranks, opts, a.json,
       [&](World& w) {
@@ -373,8 +378,9 @@ void run(const Args& a) {
   if (!st.ok()) fail("low-latency", st);
   if (my_rank != 0) return;
 
-  Report report(a.json);
+  Report report(a);
   const uint64_t peak = peak_rss_bytes();
+  const int G = a.ranks_per_node > 0 ? a.ranks_per_node : ranks;
   for (const Figure& f : figures) {
     const size_t bytes = size_t(f.rows) * f.row_bytes;
     Shape fs = s;
@@ -393,7 +399,21 @@ void run(const Args& a) {
                       {"low_latency_buffer_bytes", memory.low_latency_buffer_bytes},
                       {"peak_rss_bytes", peak},
                       {"verified", f.verified}});
-    add_paired(rec, f.times);
+    const bool whole = f.phase == "dispatch" || f.phase == "combine";
+    if (whole) {
+      // Every rank's routing, rebuilt from its seed: the model counts all of them.
+      std::vector<TopkRouting> topk;
+      for (int r = 0; r < ranks; ++r) {
+        topk.push_back(uniform_topk(r, f.num_tokens, s.num_experts, s.num_topk));
+      }
+      const double row = double(s.hidden) * 2;
+      add_limit(rec, f.times,
+                f.phase == "dispatch"
+                    ? dispatch_model(topk, s.num_experts, ranks, G, row, double(f.row_bytes))
+                    : combine_model(topk, s.num_experts, ranks, G, row, /*weighted=*/true));
+    } else {
+      rec["seconds"] = median(f.times.kernel);
+    }
     if (f.dispatcher == "flex" && f.phase == "combine") rec["weighted_combine"] = true;
     // The fastest iteration: what the call's rounds cost when no other process got in the way.
     rec["seconds_min"] = f.times.kernel.empty()
@@ -423,7 +443,7 @@ void run(const Args& a) {
         double(memory.low_latency_buffer_bytes) / 1e6,
         static_cast<long long>(*std::max_element(tokens.begin(), tokens.end())));
   }
-  report.finish();
+  if (Status st = report.finish(); !st.ok()) fail("low-latency", st);
 }
 
 void setup(CLI::App& bench) {

@@ -1,10 +1,12 @@
-// `moed bench permute` and `moed bench unpermute`: the single-rank token path on bf16, beside
-// a plain copy of the same bytes with the same threads in the same run (design.md §7.2),
-// interleaved with the kernel's iterations (bench/common.h).
+// `moed bench permute` and `moed bench unpermute`: the single-rank token path on bf16, against
+// its physical limit (bench/limit.h: the bytes it must move over STREAM bandwidths measured
+// with the same threads in the same run, one operation before each iteration).
 //
-// permute is timed as make_permute_layout + permute_rows_into a preallocated buffer (the copy
-// bound copies into a preallocated buffer too); bytes = output rows * H * 2. unpermute is
-// timed into a preallocated [T, H] output; bytes = input rows * H * 2. Every run checks its
+// permute is timed as make_permute_layout + permute_rows_into a preallocated buffer; bytes =
+// output rows * H * 2; its model reads each token row once and the [T, E] routing map, and
+// writes each output row with its source index and prob. unpermute is timed into a
+// preallocated [T, H] output; bytes = input rows * H * 2; its model reads each row and its
+// index once and writes each token row once. Every run checks its
 // output against moed::reference_dispatch / reference_combine (ep_size = 1) bit for bit.
 #include <random>
 #include <string>
@@ -51,20 +53,23 @@ void run(const Args& a, bool unpermute_suite) {
   const int64_t N = layout.num_rows;
   const ReferenceProblem problem = reference_problem(s, map, x);
 
-  Report report(a.json);
+  Report report(a);
+  Stream stream(pool);
+  const double row = double(s.hidden) * 2;
   nlohmann::json r = shape_record(what, s, threads, a.iters, {{"dtype", "bf16"}, {"rows", N}});
   if (!unpermute_suite) {
     TokenTensor out;
     out.x = Tensor::empty(DType::kBF16, N, s.hidden);
     const size_t bytes = size_t(N) * s.hidden * 2;
-    const Paired times = paired_seconds(
+    const StatusOr<Paired> times = paired_seconds(
         [&] {
           StatusOr<PermuteLayout> l = make_permute_layout(map, {}, pool);
           if (!l.ok()) fail(what, l.status());
           const Status st = permute_rows_into(tokens, *l, out.rows(), pool);
           if (!st.ok()) fail(what, st);
         },
-        bytes, pool, a.iters);
+        stream, a.iters);
+    if (!times.ok()) fail(what, times.status());
     StatusOr<std::vector<ReferenceRankDispatch>> ref = reference_dispatch(problem);
     if (!ref.ok()) fail(what, ref.status());
     const ReferenceRankDispatch& d = (*ref)[0];
@@ -73,28 +78,35 @@ void run(const Args& a, bool unpermute_suite) {
                           layout.tokens_per_expert == d.tokens_per_expert &&
                           std::vector<int32_t>(layout.sorted_indices) == d.row_src_token;
     r["bytes"] = bytes;
-    add_paired(r, times);
+    TrafficModel m;
+    m.read_bytes = double(s.num_tokens) * (row + double(s.num_experts));
+    m.write_bytes = double(N) * (row + 8);
+    add_limit(r, *times, m);
     r["verified"] = verified;
   } else {
     // Expert outputs: the permuted rows themselves (any bf16 rows would do).
     const Tensor& y = permuted->rows.x;
     Tensor out = Tensor::empty(DType::kBF16, s.num_tokens, s.hidden);
     const size_t bytes = size_t(N) * s.hidden * 2;
-    const Paired times = paired_seconds(
+    const StatusOr<Paired> times = paired_seconds(
         [&] {
           const Status st = unpermute_into(y.view(), layout.sorted_indices, {}, out.view(), pool);
           if (!st.ok()) fail(what, st);
         },
-        bytes, pool, a.iters);
+        stream, a.iters);
+    if (!times.ok()) fail(what, times.status());
     StatusOr<std::vector<Tensor>> ref = reference_combine(problem, {y.view()});
     if (!ref.ok()) fail(what, ref.status());
     r["bytes"] = bytes;
-    add_paired(r, times);
+    TrafficModel m;
+    m.read_bytes = double(N) * (row + 4);
+    m.write_bytes = double(s.num_tokens) * row;
+    add_limit(r, *times, m);
     r["weighted"] = false;
     r["verified"] = bitwise_equal(out.view(), (*ref)[0].view());
   }
   report.add(std::move(r));
-  report.finish();
+  if (Status st = report.finish(); !st.ok()) fail(what, st);
 }
 
 void add_command(CLI::App& bench, const char* name, const char* help, bool unpermute_suite) {
@@ -108,8 +120,9 @@ void add_command(CLI::App& bench, const char* name, const char* help, bool unper
 }
 
 void setup(CLI::App& bench) {
-  add_command(bench, "permute", "bf16 permute (layout + row copy) on one rank vs memcpy", false);
-  add_command(bench, "unpermute", "bf16 unpermute (fp32 sum per token) on one rank vs memcpy",
+  add_command(bench, "permute", "bf16 permute (layout + row copy) on one rank vs its limit",
+              false);
+  add_command(bench, "unpermute", "bf16 unpermute (fp32 sum per token) on one rank vs its limit",
               true);
 }
 

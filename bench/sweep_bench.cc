@@ -1,7 +1,8 @@
 // moed bench (no subcommand): the one sweep, nccl-tests style. Every dispatcher x world x
 // rank count x shape, dispatch and combine timed separately (low-latency too), each verified
-// bit for bit against moed's reference and printed beside the memory-copy bound measured in
-// the same run (design.md §7.2), then a one-screen summary.
+// bit for bit against moed's reference and printed against its physical limit (bench/limit.h:
+// the bytes it must move over STREAM bandwidths measured in the same run), then a one-screen
+// summary.
 //
 //   moed bench                                  # threads world, ranks 2 and 4, tiny and mixtral
 //   moed bench --shapes tiny,dsv3 --ranks 2,4,8 --dispatchers flex,low-latency --json
@@ -10,8 +11,8 @@
 // A multi-rank time is the slowest rank's, per iteration (every rank starts after a barrier);
 // figures are medians over iterations. Bandwidth is aggregate: rows received over all ranks
 // times the bf16 row bytes, divided by the time (DeepEP's count; combine sends the same rows
-// back). Combine's expert outputs are the dispatched rows themselves. The copy bound is
-// interleaved with the kernel's iterations (bench/common.h: paired ratios, `noisy`).
+// back). Combine's expert outputs are the dispatched rows themselves. A STREAM operation runs
+// before each kernel iteration (bench/limit.h: fraction_of_limit, its spread, `noisy`).
 #include <algorithm>
 #include <cstdio>
 #include <map>
@@ -57,7 +58,7 @@ RankInput make_input(const Shape& s, int rank) {
 
 struct Figure {
   std::string dispatcher, phase;
-  Paired times;  // the kernel's and the interleaved copy's, per iteration
+  Paired times;  // the kernel's, each with the STREAM sample taken before it
   int64_t rows = 0;
   Traffic traffic;
   bool verified = false;
@@ -88,27 +89,25 @@ StatusOr<Ref> make_reference(const Shape& s, int R, const std::vector<RankInput>
   return ref;
 }
 
-// One call counting its traffic (which is also the warm-up), then iters pairs of a copy of
-// the call's bytes (its rows, summed over ranks, from my_rows() after the first call) and the
-// call, each timed over the ranks.
+// One call counting its traffic (which is also the warm-up), then iters pairs of a STREAM
+// operation and the call, each timed over the ranks; rows: my_rows() after the first call,
+// summed over ranks.
 struct Timed {
   Paired times;
   Traffic traffic;
   int64_t rows = 0;
 };
-StatusOr<Timed> measure(World& w, const Shape& s, int iters, CopyBuffers& copy,
-                        const std::function<Status()>& fn,
+StatusOr<Timed> measure(World& w, int iters, Stream& stream, const std::function<Status()>& fn,
                         const std::function<int64_t()>& my_rows) {
   Timed r;
   MOED_ASSIGN_OR_RETURN(r.traffic, traffic_of(w, fn));
   MOED_ASSIGN_OR_RETURN(r.rows, sum_ranks(w, my_rows()));
-  const size_t bytes = size_t(r.rows) * size_t(s.hidden) * 2;
-  MOED_ASSIGN_OR_RETURN(r.times, paired_time_max(w, iters, bytes, copy, fn, /*warmup=*/0));
+  MOED_ASSIGN_OR_RETURN(r.times, paired_time_max(w, iters, stream, fn, /*warmup=*/0));
   return r;
 }
 
 Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput& in,
-                  const Ref& ref, int iters, CopyBuffers& copy, std::vector<Figure>* out) {
+                  const Ref& ref, int iters, Stream& stream, std::vector<Figure>* out) {
   DispatchConfig config;
   config.kind = kind;
   config.num_experts = s.num_experts;
@@ -122,7 +121,7 @@ Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput
     return ok_status();
   };
   MOED_ASSIGN_OR_RETURN(Timed td,
-                        measure(w, s, iters, copy, dispatch, [&] { return dd.num_rows(); }));
+                        measure(w, iters, stream, dispatch, [&] { return dd.num_rows(); }));
   const ReferenceRankDispatch& rd = ref.dispatch[size_t(w.rank())];
   bool ok = bitwise_equal(dd.expert_input.x, rd.expert_input.x.view()) &&
             std::equal(dd.tokens_per_expert.begin(), dd.tokens_per_expert.end(),
@@ -137,7 +136,7 @@ Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput
   };
   // Combine sends the dispatched rows back: the same bytes.
   MOED_ASSIGN_OR_RETURN(Timed tc,
-                        measure(w, s, iters, copy, combine, [&] { return dd.num_rows(); }));
+                        measure(w, iters, stream, combine, [&] { return dd.num_rows(); }));
   MOED_ASSIGN_OR_RETURN(const bool combine_ok,
                         all_ranks_ok(w, bitwise_equal(cc.hidden, ref.combine[size_t(w.rank())])));
   if (w.rank() == 0) {
@@ -149,7 +148,7 @@ Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput
 }
 
 Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref& ref, int iters,
-                       CopyBuffers& copy, std::vector<Figure>* out) {
+                       Stream& stream, std::vector<Figure>* out) {
   MOED_ASSIGN_OR_RETURN(auto buffer,
                         LowLatencyBuffer::create(w, s.num_tokens, s.hidden, s.num_experts));
   LowLatencyDispatchOutput d;
@@ -162,7 +161,7 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
     for (int32_t c : d.recv_count) n += c;
     return n;
   };
-  MOED_ASSIGN_OR_RETURN(Timed td, measure(w, s, iters, copy, dispatch, received));
+  MOED_ASSIGN_OR_RETURN(Timed td, measure(w, iters, stream, dispatch, received));
   // Expert j's received rows against the reference segment j.
   const ReferenceRankDispatch& rd = ref.dispatch[size_t(w.rank())];
   bool ok = true;
@@ -183,7 +182,7 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
         c, buffer->low_latency_combine({.x = y.view(), .topk = &in.topk, .handle = handle}));
     return ok_status();
   };
-  MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, s, iters, copy, combine, received));
+  MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, stream, combine, received));
   MOED_ASSIGN_OR_RETURN(
       const bool combine_ok,
       all_ranks_ok(w, bitwise_equal(c.combined_x, ref.weighted_combine[size_t(w.rank())])));
@@ -197,26 +196,35 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
 struct SummaryRow {
   std::string world, shape, dispatcher;
   int ranks = 0;
-  double dispatch_gbps = 0, combine_gbps = 0, copy_gbps = 0;  // copy: the dispatch bytes'
-  double dispatch_ratio = 0, combine_ratio = 0;
+  double dispatch_gbps = 0, combine_gbps = 0, stream_copy_gbps = 0;  // STREAM: dispatch's
+  double dispatch_fraction = 0, combine_fraction = 0;  // of the limit
   double dispatch_us = 0, combine_us = 0;
-  bool noisy = false;  // either phase's paired ratios spread wider than kNoisySpread
+  bool noisy = false;  // either phase's per-iteration fractions spread wider than kNoisySpread
   bool verified = true;
 };
 
 // Adds one (shape, R) point's figures to the report; its summary rows, one per dispatcher.
 std::map<std::string, SummaryRow> report_point(Report& report, const std::vector<Figure>& figures,
                                                const Shape& s, const std::string& world, int R,
-                                               const SweepArgs& a, int pool_threads) {
+                                               const SweepArgs& a, int pool_threads,
+                                               const std::vector<RankInput>& inputs) {
+  std::vector<TopkRouting> topk;
+  for (const RankInput& in : inputs) topk.push_back(in.topk);
+  const int G = a.ranks_per_node > 0 ? a.ranks_per_node : R;
+  const double row = double(s.hidden) * 2;
   std::map<std::string, SummaryRow> rows;
   for (const Figure& f : figures) {
     nlohmann::json rec = world_record(
         "sweep", s, world, R, a.ranks_per_node, pool_threads, a.iters,
         bf16_phase_fields(f.dispatcher, f.phase, f.rows, s.hidden, f.traffic, f.verified));
-    add_paired(rec, f.times);
+    // Low-latency's combine always weighs by the probs.
+    add_limit(rec, f.times,
+              f.phase == "dispatch"
+                  ? dispatch_model(topk, s.num_experts, R, G, row, row)
+                  : combine_model(topk, s.num_experts, R, G, row, f.dispatcher == "low_latency"));
     const double seconds = rec["seconds"].get<double>();
-    const double copy = rec["copy_gbps"].get<double>();
-    const double ratio = rec["ratio_to_copy"].get<double>();
+    const double copy = rec["stream_copy_gbps"].get<double>();
+    const double fraction = rec["fraction_of_limit"].get<double>();
     rec["microseconds"] = seconds * 1e6;
     const bool noisy = rec["noisy"].get<bool>();
     const double rec_bytes = rec["bytes"].get<double>();
@@ -229,8 +237,8 @@ std::map<std::string, SummaryRow> report_point(Report& report, const std::vector
     const double gbps = seconds > 0 ? rec_bytes / seconds / 1e9 : 0;
     (f.phase == "dispatch" ? row.dispatch_gbps : row.combine_gbps) = gbps;
     (f.phase == "dispatch" ? row.dispatch_us : row.combine_us) = seconds * 1e6;
-    (f.phase == "dispatch" ? row.dispatch_ratio : row.combine_ratio) = ratio;
-    if (f.phase == "dispatch") row.copy_gbps = copy;
+    (f.phase == "dispatch" ? row.dispatch_fraction : row.combine_fraction) = fraction;
+    if (f.phase == "dispatch") row.stream_copy_gbps = copy;
     row.noisy = row.noisy || noisy;
     row.verified = row.verified && f.verified;
   }
@@ -239,19 +247,20 @@ std::map<std::string, SummaryRow> report_point(Report& report, const std::vector
 
 void print_summary(const std::vector<SummaryRow>& summary) {
   std::printf("\n%-8s %-8s %5s %-12s %11s %9s %6s %11s %9s %6s %9s  %s\n", "world", "shape",
-              "ranks", "dispatcher", "dispatch us", "GB/s", "ratio", "combine us", "GB/s", "ratio",
+              "ranks", "dispatcher", "dispatch us", "GB/s", "limit", "combine us", "GB/s", "limit",
               "copy GB/s", "check");
   for (const SummaryRow& r : summary) {
     std::printf("%-8s %-8s %5d %-12s %11.1f %9.2f %6.2f %11.1f %9.2f %6.2f %9.2f  %s%s\n",
                 r.world.c_str(), r.shape.c_str(), r.ranks, r.dispatcher.c_str(), r.dispatch_us,
-                r.dispatch_gbps, r.dispatch_ratio, r.combine_us, r.combine_gbps, r.combine_ratio,
-                r.copy_gbps, r.verified ? "verified" : "MISMATCH", r.noisy ? " NOISY" : "");
+                r.dispatch_gbps, r.dispatch_fraction, r.combine_us, r.combine_gbps,
+                r.combine_fraction, r.stream_copy_gbps, r.verified ? "verified" : "MISMATCH",
+                r.noisy ? " NOISY" : "");
   }
   std::printf(
       "(aggregate GB/s = rows received over all ranks x H x 2 bytes / slowest rank's "
-      "median time; ratio = median over iterations of copy time / kernel time, each copy of "
-      "the same bytes by the ranks' threads just before the kernel; NOISY = those ratios "
-      "spread over %.0f%% of their median)\n",
+      "median time; limit = fraction of the physical limit: the bytes the call must move over "
+      "the STREAM bandwidths measured beside it (copy GB/s: STREAM copy, bytes read + written); "
+      "NOISY = the per-iteration fractions spread over %.0f%% of their median)\n",
       kNoisySpread * 100);
 }
 
@@ -275,7 +284,7 @@ void sweep(const SweepArgs& a) {
     if (!sh.ok()) fail("", sh.status());
     shapes.push_back(*sh);
   }
-  Report report(a.json);
+  Report report(a);
   std::vector<SummaryRow> summary;
   int my_rank = 0;
   for (const Shape& base : shapes) {
@@ -296,22 +305,22 @@ void sweep(const SweepArgs& a) {
           double(get_low_latency_size_hint(s.num_tokens, s.hidden, R, s.num_experts)) * R;
       const bool ll_fits = ll_bytes <= kLowLatencyBudgetBytes;
       std::vector<Figure> figures;
-      int pool_threads = 0;  // the ranks' pools together (the copy bound runs on them too)
+      int pool_threads = 0;  // the ranks' pools together (STREAM runs on them too)
       WorldOptions opts;
       opts.ranks_per_node = a.ranks_per_node;
       Status st = run_in_world(
           world, R, opts, a.json,
           [&](World& w) -> Status {
             if (w.rank() == 0) pool_threads = w.pool().num_threads() * w.size();
-            CopyBuffers copy;  // this rank's share of the copy bound
+            Stream stream(w);  // this rank's share of the STREAM arrays
             for (DispatcherKind k : kinds) {
               if (k == DispatcherKind::kLowLatency) {
                 if (!ll_fits) continue;
-                MOED_RETURN_IF_ERROR(
-                    run_low_latency(w, s, inputs[size_t(w.rank())], *ref, a.iters, copy, &figures));
+                MOED_RETURN_IF_ERROR(run_low_latency(w, s, inputs[size_t(w.rank())], *ref,
+                                                     a.iters, stream, &figures));
               } else {
                 MOED_RETURN_IF_ERROR(
-                    run_normal(w, k, s, inputs[size_t(w.rank())], *ref, a.iters, copy, &figures));
+                    run_normal(w, k, s, inputs[size_t(w.rank())], *ref, a.iters, stream, &figures));
               }
             }
             return ok_status();
@@ -320,7 +329,7 @@ void sweep(const SweepArgs& a) {
       if (!st.ok()) fail("", st);
       if (my_rank != 0) continue;
       std::map<std::string, SummaryRow> rows =
-          report_point(report, figures, s, world, R, a, pool_threads);
+          report_point(report, figures, s, world, R, a, pool_threads, inputs);
       for (DispatcherKind k : kinds) {
         if (k == DispatcherKind::kLowLatency && !ll_fits) {
           std::fprintf(stderr,
@@ -333,7 +342,7 @@ void sweep(const SweepArgs& a) {
     }
   }
   if (my_rank != 0) return;
-  report.finish();
+  if (Status st = report.finish(); !st.ok()) fail("", st);
   bool all_ok = true;
   for (const SummaryRow& r : summary) all_ok = all_ok && r.verified;
   if (!a.json) print_summary(summary);
