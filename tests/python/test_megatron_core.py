@@ -268,3 +268,21 @@ def test_moe_layer_matches_float64(R, case):
             "moed_flex": "moed.megatron.MoEFlexTokenDispatcher",
             "moed_alltoall": "moed.megatron.MoEAlltoAllTokenDispatcher"}[case]
     assert all(rec[case]["manager"] == want for rec in recs)
+
+
+def test_moe_config_reads_a_real_transformer_config():
+    """A TransformerConfig with the knobs that do not apply on CPU set: MoEConfig takes it."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from moed.megatron import MoEConfig
+    tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E,
+                           moe_router_topk=K, moe_token_dispatcher_type="flex",
+                           moe_flex_dispatcher_backend="hybridep", moe_permute_fusion=False,
+                           moe_router_dtype="fp32", moe_expert_capacity_factor=1.25,
+                           moe_token_drop_policy="position", expert_model_parallel_size=4,
+                           moe_hybridep_num_sms=8, add_bias_linear=False)
+    c = MoEConfig.from_config(tc)
+    assert (c.num_moe_experts, c.moe_router_topk, c.expert_model_parallel_size) == (E, K, 4)
+    assert c.expert_tensor_parallel_size == 1
+    assert (c.moe_expert_capacity_factor, c.moe_token_drop_policy) == (1.25, "position")
+    assert (c.moe_flex_dispatcher_backend, c.moe_router_dtype, c.moe_hybridep_num_sms) == ("hybridep", "fp32", 8)
+    assert c.moe_weighted_combine is False and c.router_padding_multiple() == 0
