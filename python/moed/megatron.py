@@ -187,7 +187,8 @@ class MoETokenDispatcher:
         c = MoEConfig.from_config(config if config is not None else MoEConfig(), **fields)
         if pg_collection is not None:
             if group is None:
-                group = getattr(pg_collection, "tp_ep", None) or pg_collection.ep
+                group = getattr(pg_collection, "tp_ep", None)
+                group = pg_collection.ep if group is None else group
             ep = getattr(pg_collection, "ep", None)
             etp = getattr(pg_collection, "expt_tp", None)
             c = replace(c, expert_model_parallel_size=ep.size() if ep is not None else 0,
