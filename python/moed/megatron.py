@@ -18,7 +18,14 @@ gives, bit for bit. The group is the calling rank's (moed.launch / moed.init / t
 gloo group) unless given (a moed.Group or a torch.distributed ProcessGroup).
 Routing: routing_map bool [T, E] + probs float32 [T, E] (Megatron), or topk_idx int32/int64
 [T, K] + probs float32 [T, K] (DeepEP) through dispatch_preprocess(..., topk_idx=idx).
+
+Megatron's own arguments work too, so a Megatron MoELayer can hold one of these in place of its
+dispatcher: config may be a real TransformerConfig (or any object with its moe_* attributes;
+the knobs that do not apply on CPU are accepted), pg_collection its ProcessGroupCollection, and
+the dispatchers have what MoELayer calls beside the six steps (routing_map, shared_experts,
+set_shared_experts, get_expert_zero_copy_buffers).
 """
+import dataclasses
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -30,7 +37,9 @@ from ._world import as_group, current_group
 
 @dataclass
 class MoEConfig:
-    """The TransformerConfig fields a dispatcher reads (Megatron's names)."""
+    """The TransformerConfig fields a dispatcher reads (Megatron's names), and the knobs of
+    Megatron's that do not apply on CPU (accepted, without effect). MoEConfig.from_config
+    reads them off a real TransformerConfig, or any object with Megatron's moe_* attributes."""
     num_moe_experts: int = 0
     moe_router_topk: int = 0  # K (the capacity formula needs it); 0 = max experts per token
     expert_model_parallel_size: int = 0  # 0 = world size / expert_tensor_parallel_size
@@ -46,6 +55,51 @@ class MoEConfig:
     moe_num_worst_tokens: int = 0  # Flex: size the output up front
     moe_num_channels: int = 0  # Flex: worker threads owning token ranges; 0 = the rank's pool
     extra: dict = field(default_factory=dict)
+    # Megatron's knobs that a CPU dispatcher accepts and does without (Megatron's defaults;
+    # docs/python.md says why each changes nothing here).
+    moe_permute_fusion: bool = False  # fused CUDA permute kernels
+    moe_enable_deepep: bool = False  # which GPU library: moed serves DeepEP itself
+    moe_token_dispatcher_type: str = "allgather"  # the class: make_dispatcher(None, config) reads it
+    moe_flex_dispatcher_backend: str = "deepep"  # deepep / hybridep: both are moed's Flex here
+    moe_router_dtype: Optional[str] = None  # the router's precision: probs arrive computed
+    moe_shared_expert_overlap: bool = False  # set_shared_experts requires it, as Megatron's
+    moe_deepep_num_sms: int = 20  # GPU occupancy
+    moe_hybridep_num_sms: int = 16
+    fp8: Optional[str] = None  # the experts' GEMM precision (and the pad size below)
+    fp8_recipe: str = "delayed"
+    fp4: Optional[str] = None
+    fp4_recipe: str = "nvfp4"
+    # Megatron pads the routing map for quantised GEMMs; so does moed (router_padding_multiple).
+    moe_router_padding_for_quantization: bool = False
+    moe_router_padding_for_fp8: bool = False  # Megatron's deprecated name of the one above
+
+    @classmethod
+    def from_config(cls, config, **fields):
+        """A MoEConfig from Megatron-Core's TransformerConfig (or any object with its moe_*
+        attributes): every field above that the object has is read, the rest keep their
+        defaults; `fields` override. Megatron's None for expert_tensor_parallel_size is 1."""
+        if isinstance(config, MoEConfig):
+            return replace(config, **fields)
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "extra"]
+        got = {n: getattr(config, n) for n in names if hasattr(config, n)}
+        if got.get("expert_tensor_parallel_size") is None:
+            got["expert_tensor_parallel_size"] = 1
+        if got.get("num_moe_experts") is None:
+            got["num_moe_experts"] = 0
+        if got.get("moe_router_topk") is None:
+            got["moe_router_topk"] = 0
+        got.update(fields)
+        return cls(**got)
+
+    def router_padding_multiple(self):
+        """The routing map's pad multiple: moe_router_padding_multiple, or Megatron's
+        get_align_size_for_quantization when it pads for quantization (16; mxfp8 32; fp4 128)."""
+        if self.moe_router_padding_multiple or not (
+                self.moe_router_padding_for_quantization or self.moe_router_padding_for_fp8):
+            return int(self.moe_router_padding_multiple)
+        if self.fp8:
+            return 32 if str(getattr(self.fp8_recipe, "value", self.fp8_recipe)) == "mxfp8" else 16
+        return 128 if self.fp4 else 16
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -55,6 +109,9 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, probs, state):
         ctx.state = state
+        # The gradient takes the shape of this input: dispatch_preprocess's [T, H] view when
+        # the steps pass it on (Megatron's MoELayer does), else the caller's own.
+        ctx.hidden_shape = tuple(hidden.shape)
         x, pprobs = state.expert_input, state.permuted_probs
         # The state must not hold the outputs (output -> grad_fn -> ctx -> state cycle).
         state.expert_input = state.permuted_probs = None
@@ -68,7 +125,7 @@ class _DispatchFn(torch.autograd.Function):
             grad_x = torch.zeros(s.x_shape, dtype=s.x_dtype)
         grad_hidden, grad_probs = s.box.dispatch_backward(
             grad_x.contiguous(), None if grad_pprobs is None else grad_pprobs.contiguous(), s.handle)
-        return grad_hidden.view(s.hidden_shape), s.probs_grad(grad_probs), None
+        return grad_hidden.view(ctx.hidden_shape), s.probs_grad(grad_probs), None
 
 
 class _CombineFn(torch.autograd.Function):
@@ -93,8 +150,9 @@ class _CombineFn(torch.autograd.Function):
 class _DispatchState:
     """One dispatch in flight / done: what combine and both backward passes need."""
 
-    def __init__(self, box, hidden_shape, probs, topk_idx, weighted):
+    def __init__(self, box, hidden_shape, probs, topk_idx, weighted, routing_map=None):
         self.box = box
+        self.routing_map = routing_map
         self.hidden_shape = hidden_shape
         self.hidden = hidden_shape[-1]
         self.probs = probs
@@ -118,23 +176,39 @@ class MoETokenDispatcher:
 
     kind = None
 
-    def __init__(self, num_local_experts=None, local_expert_indices=None, config=None, group=None,
-                 **fields):
-        config = replace(config or MoEConfig(), **fields)
-        self.config = config
+    def __init__(self, num_local_experts=None, local_expert_indices=None, config=None,
+                 pg_collection=None, group=None, **fields):
+        """Megatron's arguments: num_local_experts and local_expert_indices (checked against
+        moed's placement), config (a MoEConfig, a TransformerConfig or any object with its
+        moe_* attributes; `fields` override), pg_collection (Megatron's ProcessGroupCollection:
+        the dispatch runs over its tp_ep group, EP and expert-TP sizes from its ep and expt_tp
+        groups). group: moed's way (a moed.Group or a torch ProcessGroup; default the calling
+        rank's), used when there is no pg_collection."""
+        c = MoEConfig.from_config(config if config is not None else MoEConfig(), **fields)
+        if pg_collection is not None:
+            if group is None:
+                group = getattr(pg_collection, "tp_ep", None)
+                group = pg_collection.ep if group is None else group
+            ep = getattr(pg_collection, "ep", None)
+            etp = getattr(pg_collection, "expt_tp", None)
+            c = replace(c, expert_model_parallel_size=ep.size() if ep is not None else 0,
+                        expert_tensor_parallel_size=etp.size() if etp is not None else 1)
+            self.ep_group, self.tp_group, self.tp_ep_group = ep, etp, group
+        self.config = c
+        self.pg_collection = pg_collection
         self.group = as_group(group)  # a moed.Group, a torch ProcessGroup, or None
-        c = config
         self._box = _C.TokenDispatcher(
             self.group.handle, self.kind, int(c.num_moe_experts), ep_size=int(c.expert_model_parallel_size),
             etp_size=int(c.expert_tensor_parallel_size), capacity_factor=c.moe_expert_capacity_factor,
             drop_policy=c.moe_token_drop_policy, pad_to_capacity=bool(c.moe_pad_expert_input_to_capacity),
             expert_alignment=int(c.moe_expert_alignment),
-            router_padding_multiple=int(c.moe_router_padding_multiple),
+            router_padding_multiple=c.router_padding_multiple(),
             weighted_combine=bool(c.moe_weighted_combine), num_worst_tokens=int(c.moe_num_worst_tokens),
             num_channels=int(c.moe_num_channels))
         R = self.group.size()
         self.tp_size = int(c.expert_tensor_parallel_size)
         self.ep_size = int(c.expert_model_parallel_size) or R // self.tp_size
+        self.tp_rank = self.group.rank() % self.tp_size
         self.num_local_experts = self._box.num_local_experts
         ep_rank = self.group.rank() // self.tp_size
         first = ep_rank * self.num_local_experts
@@ -145,9 +219,44 @@ class MoETokenDispatcher:
         if local_expert_indices is not None and list(local_expert_indices) != self.local_expert_indices:
             raise ValueError(f"local_expert_indices = {list(local_expert_indices)}, but this rank holds "
                              f"experts {self.local_expert_indices}")
+        # Megatron's MoELayer reads these: the shared experts run inside the steps once
+        # set_shared_experts gave them; no CUDA graph captures anything here.
+        self.shared_experts = None
+        self.cudagraph_attrs = []
+        self.valid_cudagraph_attrs = None
         self._state = None   # the dispatch in progress (steps 1-3)
         self._last = None    # the latest finished dispatch (what combine uses)
         self._combine_in = None
+
+    # ---- Megatron's MoELayer hooks ----
+    def set_shared_experts(self, shared_experts):
+        """Megatron's shared-expert overlap: the dispatcher runs the shared experts' steps
+        (pre_forward_comm, linear_fc1_forward_and_act, linear_fc2_forward, post_forward_comm,
+        get_output) at the points Megatron's AlltoAll dispatcher does, and combine_postprocess
+        adds their output. Requires config.moe_shared_expert_overlap, as Megatron's does."""
+        if not self.config.moe_shared_expert_overlap:
+            raise ValueError("set_shared_experts needs config.moe_shared_expert_overlap = True")
+        self.shared_experts = shared_experts
+
+    def get_expert_zero_copy_buffers(self):
+        """Megatron's (output_buffer, grad_input_buffer) for the experts to write into:
+        (None, None), as every Megatron backend but NCCL-EP's zero-copy mode (moed's
+        dispatched_input is already a view of the rows as they arrived)."""
+        return None, None
+
+    @property
+    def routing_map(self):
+        """The routing of the latest dispatch_preprocess as Megatron keeps it: bool [T, E]
+        (built from topk_idx when routed that way); None before the first."""
+        s = self._state or self._last
+        if s is None:
+            return None
+        if s.routing_map is None and s.topk_idx is not None:
+            idx = s.topk_idx.long()
+            m = torch.zeros(idx.size(0), int(self.config.num_moe_experts) + 1, dtype=torch.bool)
+            m.scatter_(1, idx.masked_fill(idx < 0, m.size(1) - 1), True)
+            s.routing_map = m[:, :-1]
+        return s.routing_map
 
     # ---- dispatch ----
     def dispatch_preprocess(self, hidden_states, routing_map, probs, topk_idx=None, scales=None,
@@ -163,7 +272,8 @@ class MoETokenDispatcher:
         on one rank raises ValueError on every rank, naming it."""
         shape = tuple(hidden_states.shape)
         x = hidden_states.reshape(-1, shape[-1]) if len(shape) != 2 else hidden_states
-        state = _DispatchState(self._box, shape, probs, topk_idx, bool(self.config.moe_weighted_combine))
+        state = _DispatchState(self._box, shape, probs, topk_idx, bool(self.config.moe_weighted_combine),
+                               routing_map)
         if routing_map is not None:
             self._box.dispatch_preprocess(x, scales, routing_map=routing_map, probs=probs,
                                           num_topk=int(self.config.moe_router_topk), out=out)
@@ -172,11 +282,15 @@ class MoETokenDispatcher:
                 raise ValueError("pass routing_map (with probs [T, E]) or topk_idx (with probs [T, K])")
             self._box.dispatch_preprocess(x, scales, topk_idx=topk_idx, topk_weights=probs, out=out)
         self._state = state
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(shape))
         return x, probs
 
-    def token_dispatch(self, hidden_states, probs, async_op=False):
+    def token_dispatch(self, hidden_states, probs, async_op=False, async_finish=None,
+                       allocate_on_comm_stream=None):
         """Moves the tokens (async_op=True may return before they have moved; the next step
-        waits). Returns its inputs, as Megatron's does."""
+        waits). Returns its inputs, as Megatron's does. async_finish and
+        allocate_on_comm_stream (Megatron's Flex arguments) concern CUDA streams: accepted."""
         self._need(self._state, "token_dispatch", "dispatch_preprocess")
         self._box.token_dispatch(bool(async_op))
         return hidden_states, probs
@@ -196,6 +310,8 @@ class MoETokenDispatcher:
             # let them go, so the next dispatch would write colder memory.
             s.expert_input, s.permuted_probs = x, pprobs
             x, pprobs = _DispatchFn.apply(hidden_states, probs, s)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(x)
         return x, tpe, pprobs
 
     # ---- combine ----
@@ -212,7 +328,8 @@ class MoETokenDispatcher:
         self._combine_in = (hidden_states, s, out)
         return hidden_states
 
-    def token_combine(self, hidden_states, async_op=False):
+    def token_combine(self, hidden_states, async_op=False, async_finish=None,
+                      allocate_on_comm_stream=None):
         self._need(self._combine_in, "token_combine", "combine_preprocess")
         self._box.token_combine(bool(async_op))
         return hidden_states
@@ -226,6 +343,10 @@ class MoETokenDispatcher:
         probs = s.probs if s.weighted else None
         if (eo.requires_grad or (probs is not None and probs.requires_grad)) and torch.is_grad_enabled():
             out = _CombineFn.apply(eo, probs, s, [out])
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+            out = out + self.shared_experts.get_output().reshape(out.shape)
         # NOTE: a [T, H] input needs no view back. At decode each torch call costs several us
         # (the kernels' rows between two calls have evicted torch's code and data from the
         # caches), so the calls that change nothing are left out.
@@ -275,15 +396,25 @@ class MoEFlexTokenDispatcher(MoETokenDispatcher):
     region, which no later dispatch writes while the tensor is held."""
     kind = "flex"
 
+    def set_shared_experts(self, shared_experts):
+        """As Megatron's Flex dispatcher: shared-expert overlap is not supported."""
+        raise NotImplementedError("Shared expert overlap is not supported in Flex Token Dispatcher.")
+
 
 _KINDS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher,
           "flex": MoEFlexTokenDispatcher}
 
 
-def make_dispatcher(kind, config=None, group=None, **fields):
-    """The dispatcher class named by kind ("allgather", "alltoall", "flex")."""
+def make_dispatcher(kind, config=None, group=None, *, num_local_experts=None,
+                    local_expert_indices=None, pg_collection=None, **fields):
+    """The dispatcher class named by kind ("allgather", "alltoall", "flex"; None: the config's
+    moe_token_dispatcher_type, as Megatron's MoELayer chooses), with Megatron's arguments."""
+    if kind is None:
+        kind = MoEConfig.from_config(config if config is not None else MoEConfig(),
+                                     **fields).moe_token_dispatcher_type
     try:
         cls = _KINDS[kind]
     except KeyError:
         raise ValueError(f"kind = {kind!r} is not one of {sorted(_KINDS)}") from None
-    return cls(config=config, group=group, **fields)
+    return cls(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection,
+               group=group, **fields)

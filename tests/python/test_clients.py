@@ -293,8 +293,8 @@ def test_opt_in_is_needed_and_never_shadows():
     code = "import moed, moed.deep_ep\ntry:\n import deep_ep\n print('found')\nexcept ImportError:\n print('absent')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "absent"
-    # The opt-in's package is moed's; HybridEPBuffer is not there (Megatron then skips it).
+    # The opt-in's package is moed's, HybridEPBuffer (Megatron's hybridep backend) included.
     assert deep_ep.__moed__ and deep_ep.Buffer is moed.deep_ep.Buffer
-    with pytest.raises(ImportError):
-        from deep_ep import HybridEPBuffer  # noqa: F401
+    from deep_ep import HybridEPBuffer
+    assert HybridEPBuffer is moed.deep_ep.HybridEPBuffer
     assert importlib.import_module("deep_ep.utils.math").align(5, 4) == 8

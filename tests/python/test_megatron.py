@@ -516,3 +516,147 @@ def held_output_body(g, kind):
 def test_held_output_is_never_overwritten(kind, world):
     ranks, rpn = world
     assert all(moed.launch(held_output_body, ranks, kind, ranks_per_node=rpn))
+
+
+# ---- Megatron-Core's config, constructor arguments and MoELayer hooks ----
+
+# TransformerConfig's knobs that do not apply on CPU, at non-default values: all accepted.
+CPU_KNOBS = dict(moe_permute_fusion=True, moe_enable_deepep=True, moe_token_dispatcher_type="flex",
+                 moe_flex_dispatcher_backend="hybridep", moe_router_dtype="fp32",
+                 moe_shared_expert_overlap=True, moe_deepep_num_sms=24, moe_hybridep_num_sms=8,
+                 fp8="e4m3", fp8_recipe="blockwise", fp4=None, fp4_recipe="nvfp4")
+
+
+class MegatronLikeConfig:
+    """An object with Megatron's attribute names (as a TransformerConfig has), and others."""
+
+    def __init__(self, **kw):
+        self.num_moe_experts, self.moe_router_topk = E, 2
+        self.expert_model_parallel_size, self.expert_tensor_parallel_size = 1, None
+        self.moe_expert_capacity_factor, self.moe_token_drop_policy = None, "probs"
+        self.moe_pad_expert_input_to_capacity = False
+        self.hidden_size, self.num_layers, self.add_bias_linear = 64, 2, False  # not moed's
+        for k, v in {**CPU_KNOBS, **kw}.items():
+            setattr(self, k, v)
+
+
+def test_config_takes_megatrons_knobs_and_objects():
+    c = MoEConfig(num_moe_experts=E, moe_router_topk=2, **CPU_KNOBS)
+    assert c.moe_flex_dispatcher_backend == "hybridep" and c.router_padding_multiple() == 0
+    m = MoEConfig.from_config(MegatronLikeConfig(moe_expert_capacity_factor=1.5))
+    assert (m.num_moe_experts, m.moe_router_topk, m.expert_tensor_parallel_size) == (E, 2, 1)
+    assert m.moe_expert_capacity_factor == 1.5 and m.moe_token_dispatcher_type == "flex"
+    assert MoEConfig.from_config(m, moe_router_topk=3).moe_router_topk == 3
+    # Megatron pads the routing map for quantised GEMMs (get_align_size_for_quantization).
+    pads = [MoEConfig(moe_router_padding_for_quantization=True, **kw).router_padding_multiple()
+            for kw in (dict(fp8="e4m3"), dict(fp8="e4m3", fp8_recipe="mxfp8"), dict(fp4="e2m1"))]
+    assert pads == [16, 32, 128]
+    assert MoEConfig(moe_router_padding_for_fp8=True, fp8="e4m3",
+                     moe_router_padding_multiple=8).router_padding_multiple() == 8
+    with pytest.raises(TypeError):
+        MoEConfig(moe_no_such_knob=1)
+
+
+class Groups:
+    """Megatron's ProcessGroupCollection, as far as a dispatcher reads it."""
+
+    def __init__(self, g):
+        self.ep = self.tp_ep = g
+        self.expt_tp = None
+
+
+def case_megatron_arguments(g):
+    H, K = 16, 2
+    cfg = MegatronLikeConfig(moe_shared_expert_overlap=False)
+    L = E // g.size()
+    mine = list(range(g.rank() * L, g.rank() * L + L))
+    d = make_dispatcher(None, cfg, num_local_experts=L, local_expert_indices=mine,
+                        pg_collection=Groups(g))
+    assert type(d).kind == "flex" and d.ep_size == g.size() and d.tp_size == 1
+    assert d.shared_experts is None and d.routing_map is None
+    assert d.get_expert_zero_copy_buffers() == (None, None)
+    with pytest.raises(NotImplementedError, match="Shared expert overlap is not supported"):
+        d.set_shared_experts(object())
+    x, rmap, probs, topi, _ = inputs(g.rank(), H, K, torch.float32)
+    h, p = d.dispatch_preprocess(x, rmap, probs)
+    assert d.routing_map is rmap
+    d.dispatch_postprocess(*d.token_dispatch(h, p, async_finish=True, allocate_on_comm_stream=True))
+    assert d.routing_map is rmap  # kept for combine, as Megatron's AlltoAll keeps it
+    a = make_dispatcher("alltoall", cfg, pg_collection=Groups(g))
+    a.dispatch_preprocess(x, None, probs.gather(1, topi), topk_idx=topi)
+    got = a.routing_map
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap"):
+        a.set_shared_experts(object())
+    with pytest.raises(ValueError, match="num_local_experts = 1"):
+        make_dispatcher("alltoall", cfg, num_local_experts=1, pg_collection=Groups(g))
+    return torch.equal(got, rmap)
+
+
+def test_megatron_constructor_arguments_and_hooks():
+    assert all(run(case_megatron_arguments, (4, 0)))
+
+
+class OverlappedSharedMLP(torch.nn.Module):
+    """A shared expert in the protocol Megatron's SharedExpertMLP follows with
+    moe_shared_expert_overlap (the dispatcher calls the five methods in order), computing
+    fc2(gelu(fc1(x))) without tensor parallelism; it records the calls."""
+
+    def __init__(self, H, F, seed):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.fc1 = torch.nn.Parameter(torch.randn(F, H, generator=g) * 0.2)
+        self.fc2 = torch.nn.Parameter(torch.randn(H, F, generator=g) * 0.2)
+        self.calls, self.cached = [], None
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(x @ self.fc1.t()) @ self.fc2.t()
+
+    def pre_forward_comm(self, x):
+        self.calls.append("pre_forward_comm")
+        self.cached = x
+
+    def linear_fc1_forward_and_act(self, overlapped_comm_output=None):
+        self.calls.append("linear_fc1_forward_and_act")
+        self.cached = torch.nn.functional.gelu(self.cached @ self.fc1.t())
+
+    def linear_fc2_forward(self, overlapped_comm_output=None):
+        self.calls.append("linear_fc2_forward")
+        self.cached = self.cached @ self.fc2.t()
+
+    def post_forward_comm(self):
+        self.calls.append("post_forward_comm")
+
+    def get_output(self):
+        self.calls.append("get_output")
+        out, self.cached = self.cached, None
+        return out
+
+
+def case_shared_experts(g, kind):
+    H, K = 16, 2
+    x, rmap, probs, _, w = inputs(g.rank(), H, K, torch.float32)
+    out = {}
+    for overlap in (False, True):
+        shared = OverlappedSharedMLP(H, 24, 7)
+        xx = x.clone().view(-1, 1, H).requires_grad_()
+        d = make_dispatcher(kind, MoEConfig(num_moe_experts=E, moe_router_topk=K,
+                                            moe_shared_expert_overlap=overlap))
+        if overlap:
+            d.set_shared_experts(shared)
+        ei, _, pp = six_steps(d, xx, rmap, probs, False)
+        y = combine_steps(d, ei * pp[:, None], False)
+        if not overlap:
+            y = y + shared(xx)  # what Megatron's MoELayer does without the overlap
+        (y.view(-1, H) * w).sum().backward()
+        out[overlap] = (y.detach(), xx.grad, shared.fc1.grad, shared.calls)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["allgather", "alltoall"])
+def test_shared_experts_run_inside_the_steps(kind):
+    order = ["pre_forward_comm", "linear_fc1_forward_and_act", "linear_fc2_forward",
+             "post_forward_comm", "get_output"]
+    for out in run(case_shared_experts, (3, 0), kind):
+        (y0, gx0, gw0, _), (y1, gx1, gw1, calls) = out[False], out[True]
+        assert calls == order
+        assert torch.equal(y0, y1) and torch.equal(gx0, gx1) and torch.equal(gw0, gw1)

@@ -5,6 +5,8 @@
     buffer = deep_ep.Buffer(group, int(1e9))          # DeepEP's legacy Buffer (legacy.py)
     buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=4096, hidden=7168,
                                    num_topk=8)         # DeepEP V2's (elastic.py)
+    buffer = deep_ep.HybridEPBuffer(group, hidden_dim=7168, max_num_of_tokens_per_rank=4096,
+                                    num_local_experts=8)  # its hybrid-ep branch's (hybrid_ep.py)
     ...
 
 Client code written for DeepEP (``import deep_ep``, ``from deep_ep.utils import EventOverlap``)
@@ -24,10 +26,11 @@ import sys
 
 from .elastic import ElasticBuffer, EPHandle
 from .event import EventHandle, EventOverlap
+from .hybrid_ep import HybridEPBuffer
 from .legacy import Buffer, Config, fp8_dtype, topk_idx_t
 
 __all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap",
-           "topk_idx_t", "fp8_dtype", "install", "path"]
+           "HybridEPBuffer", "topk_idx_t", "fp8_dtype", "install", "path"]
 
 
 def path() -> str:
