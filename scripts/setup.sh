@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libfmt-dev
           nlohmann-json3-dev libcli11-dev libopenmpi-dev openmpi-bin libgloo-dev libopenblas-dev
           python3-numpy clang libclang-rt-14-dev iproute2 nftables
-          python3-torch pybind11-dev python3-dev python3-pytest python3-mpi4py
+          python3-torch pybind11-dev python3-dev python3-pytest python3-mpi4py python3-hypothesis
           python3-venv python3-pip python3-setuptools python3-wheel)
 missing=()
 for p in "${packages[@]}"; do

@@ -31,6 +31,12 @@ class DispatcherBox : public Closable {
       : world_(std::move(world)), d_(std::move(d)) {}
   void close() override {
     std::lock_guard<std::mutex> lock(mu_);
+    // A step still in flight reads the dispatcher and the world: it ends first (bounded by the
+    // world's timeout), as a Buffer's pending receives do.
+    for (Request* r : {&d_req, &c_req}) {
+      if (*r) (*r)->wait().ignore();
+      r->reset();
+    }
     d_.reset();
   }
   TokenDispatcher& get() {

@@ -260,3 +260,39 @@ def test_objects_dropped_after_their_world_on_another_thread(world):
         objects.clear()
         gc.collect()
         assert unchanged(results, shot)
+
+
+
+def test_world_ends_with_steps_in_flight():
+    """A Megatron-style dispatch and a low-latency dispatch left in flight (async step, hook not
+    called) when moed.launch returns: the world's end completes them, nothing crashes, and the
+    objects, dropped later by the main thread, raise a clear error if used."""
+    from test_megatron import inputs
+    from moed.megatron import MoEConfig, make_dispatcher
+
+    def fn(group):
+        r = group.rank()
+        d = make_dispatcher("alltoall", MoEConfig(num_moe_experts=24, moe_router_topk=2))
+        x, rmap, probs, _, _ = inputs(r, 20, 2, torch.float32)
+        h, p = d.dispatch_preprocess(x, rmap, probs)
+        d.token_dispatch(h, p, async_op=True)
+        tokens, xs, idxs, ws = ll_inputs(group, 8, 256, 4, 2, 9)
+        buffer = ll_buffer(group, 8, 256, 4)
+        recv, count, handle, _, hook = buffer.low_latency_dispatch(xs[r], idxs[r], 8, 4, use_fp8=False,
+                                                                   return_recv_hook=True)
+        return r, (d, x, rmap, probs), buffer, hook, (xs, idxs, tokens), (recv, count, handle)
+
+    for r, (d, x, rmap, probs), buffer, hook, (xs, idxs, tokens), (recv, count, handle) in run(fn, 2):
+        hook()  # its receive ran when the world ended
+        L = 2  # E = 4 experts over 2 ranks
+        for j in range(L):
+            want = want_rows(xs, idxs, tokens, r * L + j)
+            assert count[j].item() == len(want)
+            for i, (s, t) in enumerate(want):
+                assert torch.equal(recv[j, i], xs[s][t])
+        with pytest.raises(RuntimeError, match="ended"):
+            d.dispatch_preprocess(x, rmap, probs)
+        with pytest.raises(RuntimeError, match="destroyed or its world has ended"):
+            buffer.low_latency_dispatch(xs[r], idxs[r], 8, 4)
+        del d, buffer, hook
+        gc.collect()

@@ -13,7 +13,7 @@ L = E / R experts of this rank (dim 0 of every per-expert parameter) and replace
 with moed's dispatch -> the module's own forward on the received rows -> moed's combine. The
 routers, attention, norms, embeddings and shared experts stay replicated and untouched.
 
-Numerics (docs/design.md, "Combine: one order, everywhere"): each received row goes through the
+Numerics (docs/design.md §4): each received row goes through the
 module's own forward as top-1 (its local expert id and routing weight), so every weighted expert
 output is the one transformers computes (where the weights are fp32 and the states bf16, the
 experts run unweighted and moed's weighted combine makes the fp32 product, as transformers
