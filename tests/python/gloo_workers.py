@@ -451,7 +451,7 @@ def main_join(port, out):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     torch.set_num_threads(1)
     import moed
-    store = dist.PrefixStore("default_pg", dist.TCPStore("127.0.0.1", port, is_master=False))
-    g3 = moed.join(store, timeout=120.0, threads_per_rank=1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # moed.join's default store
+    g3 = moed.join(timeout=120.0, threads_per_rank=1)
     rec = dict(rank=g3.rank(), members3=g3.members, grown=_grown_steps(g3))
     torch.save(rec, os.path.join(out, "join.pt"))
