@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what moed needs from Debian (only what is missing), builds Release into build/ and
 # installs the Python package with pip into .venv, a virtual environment that also sees
-# Debian's packages (torch): .venv/bin/python is the interpreter that imports moed.
+# Debian's packages and holds the pinned ones of scripts/venv-requirements.txt (torch 2.13):
+# .venv/bin/python is the interpreter that imports moed.
 # Usage: scripts/setup.sh [extra cmake args]
 # MOED_BUILD_DIR: the build directory (default build); MOED_BUILD_TARGET: build only that target.
 set -euo pipefail
@@ -25,6 +26,15 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# The virtual environment, before CMake configures: tests/python/CMakeLists.txt runs the Python
+# suites on its interpreter (torch 2.13) and again on Debian's python3 (torch 1.13). pip runs
+# only when scripts/venv-requirements.txt changed since .venv last installed it.
+[ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
+if ! cmp -s scripts/venv-requirements.txt .venv/moed-requirements.txt; then
+  .venv/bin/pip install --quiet --disable-pip-version-check -r scripts/venv-requirements.txt
+  cp scripts/venv-requirements.txt .venv/moed-requirements.txt
+fi
+
 build_dir=${MOED_BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
 cmake --build "$build_dir" -j "$(nproc)" ${MOED_BUILD_TARGET:+--target "$MOED_BUILD_TARGET"}
@@ -32,8 +42,7 @@ cmake --build "$build_dir" -j "$(nproc)" ${MOED_BUILD_TARGET:+--target "$MOED_BU
 # The Python package (when this build has it; only the Release build in build/, not a
 # sanitizer build's): pip builds it from this build directory (setup.py), so nothing is
 # compiled twice. NOTE: Debian's own python3 refuses pip installs (PEP 668), hence the virtual
-# environment; --system-site-packages lets it import Debian's torch.
+# environment.
 if [ "$build_dir" = build ] && ls "$build_dir"/python/moed/_C*.so >/dev/null 2>&1; then
-  [ -x .venv/bin/python ] || /usr/bin/python3 -m venv --system-site-packages .venv
   MOED_BUILD_DIR="$(cd "$build_dir" && pwd)" .venv/bin/pip install --quiet --no-build-isolation .
 fi

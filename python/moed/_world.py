@@ -271,7 +271,8 @@ def join(store=None, name="default", timeout=300.0, ranks_per_node=0, threads_pe
     """A replacement process joins a gloo world that lost ranks (moed.from_torch's world, after
     the survivors' group.shrink()); the survivors' group.grow() takes it in. Returns the moed
     Group of the grown world. store: the torch.distributed store of that world (default:
-    PrefixStore("default_pg", TCPStore(MASTER_ADDR, MASTER_PORT)), the default group's); name:
+    the default group's, PrefixStore("default_pg", TCPStore(MASTER_ADDR, MASTER_PORT)), inside
+    PrefixStore("0/", ...) on torch 2.x); name:
     the torch group's name ("default" for the default group)."""
     import torch.distributed as tdist
     from . import _membership
@@ -280,6 +281,9 @@ def join(store=None, name="default", timeout=300.0, ranks_per_node=0, threads_pe
                              int(os.environ.get("MASTER_PORT", "29500")), is_master=False,
                              timeout=__import__("datetime").timedelta(seconds=timeout))
         store = tdist.PrefixStore("default_pg", tcp)
+        if int(torch.__version__.split(".")[0]) >= 2:
+            # NOTE: torch 2.x's default group keeps its keys under its group name, "0".
+            store = tdist.PrefixStore("0/", store)
     if threads_per_rank is None:
         threads_per_rank = get_num_threads()
     info = dict(store=store, name=name, address=address or _local_address(), host_id=str(host_id),

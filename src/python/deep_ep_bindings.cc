@@ -256,7 +256,7 @@ void bind_deep_ep(py::module_& m) {
   DeepEpClass buffer(m, "DeepEpBuffer");
   buffer
       .def(py::init([](std::shared_ptr<WorldHandle> world, bool enable_shrink,
-                       double shrink_timeout_s, int64_t num_rdma_bytes) {
+                       double shrink_timeout_s, int64_t num_rdma_bytes, int num_channels) {
              if (enable_shrink && !(shrink_timeout_s > 0))
                throw py::value_error("shrink_timeout = " + std::to_string(shrink_timeout_s) +
                                      " must be > 0 seconds");
@@ -264,13 +264,14 @@ void bind_deep_ep(py::module_& m) {
              ll.enable_shrink = enable_shrink;
              ll.shrink_timeout = std::chrono::milliseconds(
                  std::max<int64_t>(1, int64_t(shrink_timeout_s * 1000.0 + 0.5)));
-             auto box = std::make_shared<DeepEpBox>(world, ll,
-                                                    size_t(std::max<int64_t>(0, num_rdma_bytes)));
+             auto box = std::make_shared<DeepEpBox>(
+                 world, ll, size_t(std::max<int64_t>(0, num_rdma_bytes)), num_channels);
              world->add(box);
              return box;
            }),
            py::arg("world"), py::kw_only(), py::arg("enable_shrink") = false,
-           py::arg("shrink_timeout") = 10.0, py::arg("num_rdma_bytes") = 0)
+           py::arg("shrink_timeout") = 10.0, py::arg("num_rdma_bytes") = 0,
+           py::arg("num_channels") = 0)
       .def("close", [](DeepEpBox& b) {
         nogil([&] {
           b.close();

@@ -56,10 +56,13 @@ class DeepEpBox : public Closable {
 
   // Shrink mode: the low-latency segment (num_rdma_bytes) is made here, while every rank is
   // there, so that the low-latency buffer can be made on first use without a collective.
-  DeepEpBox(std::shared_ptr<WorldHandle> world, const LowLatencyOptions& ll, size_t num_rdma_bytes)
+  // num_channels: the normal mode's token ranges per sender (DeepEP's Config.num_sms / 2;
+  // 0 = the world pool's threads).
+  DeepEpBox(std::shared_ptr<WorldHandle> world, const LowLatencyOptions& ll, size_t num_rdma_bytes,
+            int num_channels = 0)
       : world_(std::move(world)), ll_options_(ll) {
     World& w = world_->get();
-    normal_ = check(nogil([&] { return deep_ep::NormalBuffer::create(w); }));
+    normal_ = check(nogil([&] { return deep_ep::NormalBuffer::create(w, num_channels); }));
     manual_mask_.assign(size_t(w.size()), -1);
     if (!ll.enable_shrink) return;
     ll_options_.segment = check(nogil([&]() -> StatusOr<std::shared_ptr<SharedBuffer>> {
@@ -149,9 +152,6 @@ class DeepEpBox : public Closable {
     if (rank < 0 || size_t(rank) >= manual_mask_.size()) {
       check(invalid_argument("low_latency_update_mask_buffer: rank_to_mask = ", rank,
                              " is outside [0, ", manual_mask_.size(), ")"));
-    }
-    if (rank == world().rank() && mask) {
-      check(invalid_argument("low_latency_update_mask_buffer: rank ", rank, " cannot mask itself"));
     }
     for (auto& [shape, b] : ll_) check(b->update_mask(rank, mask));
     manual_mask_[size_t(rank)] = mask ? 1 : 0;

@@ -105,14 +105,14 @@ std::string stride_str(const TensorInfo& t) {
 ElemType elem_of(DType t) {
   return t == DType::kF32 ? ElemType::kF32 : t == DType::kBF16 ? ElemType::kBF16 : ElemType::kFP8;
 }
-// The moed payload dtype a torch element type carries, if any (uint8 reads as fp8 bits only
-// where torch has no float8_e4m3fn).
+// The moed payload dtype a torch element type carries, if any (uint8 reads as E4M3FN bits on
+// every torch: torch 1.13's only form, and still accepted where float8_e4m3fn exists).
 bool payload_of(ElemType e, DType* out) {
   if (e == ElemType::kF32)
     *out = DType::kF32;
   else if (e == ElemType::kBF16)
     *out = DType::kBF16;
-  else if (e == ElemType::kFP8 || (e == ElemType::kU8 && !refs()->dtypes[int(ElemType::kFP8)]))
+  else if (e == ElemType::kFP8 || e == ElemType::kU8)
     *out = DType::kFP8;
   else
     return false;
@@ -122,8 +122,11 @@ std::string allowed_str(std::initializer_list<DType> allowed) {
   std::string s;
   for (DType d : allowed) {
     if (!s.empty()) s += ", ";
-    s += d == DType::kFP8 && !refs()->dtypes[int(ElemType::kFP8)] ? "torch.uint8 (fp8 bits)"
-                                                                  : elem_type_name(elem_of(d));
+    if (d != DType::kFP8)
+      s += elem_type_name(elem_of(d));
+    else
+      s += refs()->dtypes[int(ElemType::kFP8)] ? "torch.float8_e4m3fn (or torch.uint8 bits)"
+                                               : "torch.uint8 (fp8 bits)";
   }
   return s;
 }

@@ -88,6 +88,86 @@ def scenario_all(g, pg, rank):
     return dict(dist=_dist(g, pg), deep_ep=_deep_ep(g, pg), dispatchers=_dispatchers(g, pg))
 
 
+def subgroups():
+    """(name, torch group) of this process for scenario_groups (4 processes): new_group's
+    halves {0, 2} / {1, 3}, and on torch 2.x device_mesh's rows and columns of a 2 x 2 mesh."""
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both
+    groups = [("new_group", halves[rank % 2])]
+    if int(torch.__version__.split(".")[0]) >= 2:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        groups += [("mesh_ep", mesh.get_group("ep")), ("mesh_dp", mesh.get_group("dp"))]
+    return groups
+
+
+def subgroup_body(g):
+    """What scenario_groups runs on each 2-rank group (and the test on 2 rank threads): Flex
+    in bf16 and the legacy Buffer in bf16 and fp8, each checked inside against the reference;
+    the Flex results come back for a bitwise comparison with the threads world's."""
+    from test_megatron import LAYOUTS, body
+    import test_deep_ep as cases
+    flex = body(g, "flex", 24, 1, torch.bfloat16, LAYOUTS["dropless"], False, True, True)
+    assert cases.case_normal(g, 8, 2, 100, 11) and cases.case_fp8(g, 11)
+    return flex
+
+
+def scenario_groups(g, pg, rank):
+    import moed
+    from moed import _world
+    out = {}
+    for name, sub in subgroups():
+        sg = moed.from_torch(sub, timeout=60.0, threads_per_rank=1)
+        assert sg.size() == 2 and sg.rank() == dist.get_rank(sub), (name, sg.rank())
+        _world._local.group = sg  # what the dispatchers' default group resolves to here
+        try:
+            out[name] = dict(rank=sg.rank(), result=subgroup_body(sg))
+        finally:
+            _world._local.group = None
+        moed.dist.destroy_process_group(sub)
+    return out
+
+
+def compiled_layer(d, buffer, x, rmap, probs, topk_idx, topk_weights, E):
+    """An MoE-shaped caller of moed's calls (Megatron's six steps and DeepEP's Buffer) with torch
+    ops around them, for torch.compile: every moed call is a graph break."""
+    h = x * 2
+    h, p = d.dispatch_preprocess(h, rmap, probs)
+    h, p = d.token_dispatch(h, p)
+    ei, _, _ = d.dispatch_postprocess(h, p)
+    y = d.combine_postprocess(d.token_combine(d.combine_preprocess(ei * 0.5 + 1)))
+    ntpr, _, ntpe, itir, _ = buffer.get_dispatch_layout(topk_idx, E)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=ntpr, is_token_in_rank=itir,
+                                                      num_tokens_per_expert=ntpe, topk_idx=topk_idx,
+                                                      topk_weights=topk_weights)
+    z, _, _ = buffer.combine(recv_x.float().mul(3).to(x.dtype), handle)
+    return y.float() + z.float()
+
+
+def scenario_compile(g, pg, rank):
+    """The same layer eager and torch.compile'd (backends eager and aot_eager; twice each, the
+    second call from the compiled code): the compiled results are the eager ones, bit for bit."""
+    import moed
+    import moed.deep_ep as deep_ep
+    from moed.megatron import MoEConfig, make_dispatcher
+    from conftest import make_routing
+    E, K, H = 2 * g.size(), 2, 64
+    rmap, probs, topk_idx = make_routing(70 + rank, 5 + 3 * rank, E, K)
+    x = torch.randn(rmap.size(0), H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+    topk_weights = torch.rand(topk_idx.shape, generator=torch.Generator().manual_seed(9 + rank))
+    d = make_dispatcher("flex", MoEConfig(num_moe_experts=E, moe_router_topk=K), group=pg)
+    buffer = deep_ep.Buffer(pg, int(1e9))
+    args = (d, buffer, x, rmap, probs, topk_idx, topk_weights, E)
+    want = compiled_layer(*args)
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        layer = torch.compile(compiled_layer, backend=backend)
+        for _ in range(2):
+            got = layer(*args)
+            assert torch.equal(got, want), backend
+    return want
+
+
 def large_inputs(r):
     """Rank r's tensors for scenario_large (the test rebuilds them to check the results)."""
     g = torch.Generator().manual_seed(300 + r)
@@ -383,7 +463,7 @@ def main_join(port, out):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     torch.set_num_threads(1)
     import moed
-    store = dist.PrefixStore("default_pg", dist.TCPStore("127.0.0.1", port, is_master=False))
-    g3 = moed.join(store, timeout=120.0, threads_per_rank=1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # moed.join's default store
+    g3 = moed.join(timeout=120.0, threads_per_rank=1)
     rec = dict(rank=g3.rank(), members3=g3.members, grown=_grown_steps(g3))
     torch.save(rec, os.path.join(out, "join.pt"))

@@ -136,15 +136,23 @@ def case_normal(group, E, K, H, seed, worst=0, alignment=1):
     else:
         assert expert_list == [(c + alignment - 1) // alignment * alignment for c in counts]
 
-    # The handle: DeepEP's six arrays.
-    rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, itir_h, send_head = handle
+    # The handle: DeepEP's layout, intranode (six arrays) or internode (ten; DeepEP's
+    # test_internode.py reads handle[-4]), with num_sms / 2 channels.
+    C = deep_ep.Buffer.num_sms // 2
     per_pair = torch.stack([ref_layout(idxs[s], E, R, G)[0] for s in range(R)])  # [src, dst]
-    assert torch.equal(rank_prefix_matrix, per_pair.cumsum(0).to(torch.int32))
-    assert torch.equal(recv_src_idx[:n], torch.tensor(src, dtype=torch.int32))
+    if G:
+        assert len(handle) == 10
+        itir_h, _, channel_prefix_matrix, _, _, recv_channel_prefix_matrix, recv_gbl_rank_prefix_sum = handle[:7]
+        assert torch.equal(recv_gbl_rank_prefix_sum, per_pair[:, r].cumsum(0).to(torch.int32))
+        assert handle[-4] is recv_gbl_rank_prefix_sum and recv_gbl_rank_prefix_sum[-1] == n
+    else:
+        rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, itir_h, send_head = handle
+        assert torch.equal(rank_prefix_matrix, per_pair.cumsum(0).to(torch.int32))
+        assert torch.equal(recv_src_idx[:n], torch.tensor(src, dtype=torch.int32))
+        assert bool(((send_head >= 0) == itir).all())
     assert torch.equal(itir_h, itir)
+    assert channel_prefix_matrix.shape == (R, C) and recv_channel_prefix_matrix.shape == (R, C)
     assert torch.equal(channel_prefix_matrix[:, -1], ntpr)
-    assert bool(((send_head >= 0) == itir).all())
-    assert recv_channel_prefix_matrix.shape == channel_prefix_matrix.shape
 
     # Cached dispatch == uncached, bit for bit.
     again, none1, none2, none3, none4, _ = buffer.dispatch(x, handle=handle)
@@ -454,7 +462,19 @@ def test_signatures_match_deepep():
     assert deep_ep.Buffer.is_sm90_compiled() is True
     assert deep_ep.topk_idx_t is torch.int64
     assert isinstance(deep_ep.Buffer.get_dispatch_config(8), deep_ep.Config)
-    assert deep_ep.Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, 8) > 0
+    # DeepEP's own numbers (csrc/legacy/config.hpp worked by hand): no RDMA bytes up to 8 ranks.
+    assert deep_ep.Config(24, 8, 256).get_nvl_buffer_size_hint(7168 * 2, 8) == 402851712
+    assert deep_ep.Config(24, 8, 256).get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    config = deep_ep.Config(24, 8, 256, 16, 120)
+    assert config.num_max_rdma_chunked_recv_tokens == 128  # rounded up to the send chunk
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 16) == 100814208
+    # The module-level names DeepEP's package has.
+    assert deep_ep.__version__.startswith("2.1.0")
+    assert deep_ep.get_logical_domain_size is deep_ep.utils.envs.get_logical_domain_size
+    assert callable(deep_ep.get_physical_domain_size)
+    assert deep_ep.utils.EventOverlap is deep_ep.EventOverlap
+    from moed.deep_ep.utils import math as ep_math
+    assert ep_math.align(5, 4) == 8
     ev = deep_ep.Buffer.capture()
     ev.current_stream_wait()
     with ev:

@@ -172,6 +172,33 @@ def test_large_payloads_through_shared_memory(single_copy, monkeypatch):
     assert segments() == before
 
 
+def test_groups_of_new_group_and_device_mesh():
+    """moed.from_torch over torch's subgroups: new_group's, and on torch 2.x the groups of a
+    2 x 2 device_mesh (init_device_mesh("cpu", ...)); each 2-rank world gives the threads
+    world's bits."""
+    before = segments()
+    codes, recs = spawn("groups", 4)
+    assert codes == [0] * 4, (codes, [r and r.get("error") for r in recs])
+    want = moed.launch(gloo_workers.subgroup_body, 2, timeout=60.0, threads_per_rank=1)
+    names = ["new_group"] + (["mesh_ep", "mesh_dp"] if int(torch.__version__.split(".")[0]) >= 2 else [])
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec['error']}"
+        assert list(rec["result"]) == names
+        for name, got in rec["result"].items():
+            equal(got["result"], want[got["rank"]], f"rank {r} {name}")
+    assert segments() == before
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile is torch 2's")
+def test_compiled_caller():
+    """torch.compile'd code that calls moed (graph breaks at each call) gives the eager bits,
+    on 2 gloo processes (compiling is per process: Dynamo is not for concurrent threads)."""
+    codes, recs = spawn("compile", 2)
+    assert codes == [0, 0], (codes, [r and r.get("error") for r in recs])
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec['error']}"
+
+
 @pytest.mark.parametrize("scenario", ["raise", "raise_plain", "kill"])
 def test_fault_ends_every_rank(scenario):
     R = 4

@@ -168,6 +168,64 @@ def test_raising_rank_thread_is_masked():
             assert torch.equal(bits(out), bits(want)), (r, i)
 
 
+@pytest.mark.parametrize("everywhere", [False, True], ids=["by_itself", "on_every_rank"])
+def test_a_rank_may_mask_itself(everywhere):
+    """As in DeepEP, low_latency_update_mask_buffer(rank, True) on `rank` itself sets the entry.
+    by_itself: only rank 0 masks rank 0: it drops its own experts' terms, nobody else changes.
+    on_every_rank: every rank masks rank 2 (a coordinator's order), rank 2 included: the others
+    get the masked reference, and rank 2 is told it was removed. Nobody waits for the 30 s
+    shrink timeout."""
+    E, H, T, K, R = 8, 128, 5, 2, 4
+    victim = 2 if everywhere else 0
+    got = {}
+
+    def inputs(r, i):
+        g = torch.Generator().manual_seed(100 * r + i)
+        x = (torch.randint(-8, 9, (T, H), generator=g).float() / 4).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        return x, idx, torch.full((T, K), 0.5)
+
+    def body(group):
+        r = group.rank()
+        buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
+                             low_latency_mode=True, enable_shrink=True, shrink_timeout=30.0)
+        if everywhere or r == victim:
+            buf.low_latency_update_mask_buffer(victim, True)
+        mask = torch.zeros(R, dtype=torch.int)
+        buf.low_latency_query_mask_buffer(mask)
+        outs, error, t0 = [], None, time.monotonic()
+        try:
+            for i in range(2):
+                x, idx, w = inputs(r, i)
+                recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+                out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+                outs.append(out.clone())
+        except moed.AbortedError as e:
+            error = str(e)
+        got[r] = (mask.tolist(), outs, error, time.monotonic() - t0)
+
+    moed.launch(body, R, timeout=60.0)
+    for r in range(R):
+        mask, outs, error, seconds = got[r]
+        assert seconds < 20.0, (r, seconds)
+        masked = {victim} if everywhere or r == victim else set()
+        assert mask == [int(q in masked) for q in range(R)], (r, mask)
+        if everywhere and r == victim:
+            assert error is not None and f"rank {victim} was removed by rank" in error, error
+            continue
+        assert error is None and len(outs) == 2, (r, error)
+        for i, out in enumerate(outs):
+            x, idx, w = inputs(r, i)
+            want = torch.empty_like(x)
+            for t in range(T):
+                acc = torch.zeros(H)
+                for k in sorted(range(K), key=lambda k: int(idx[t, k])):
+                    if int(idx[t, k]) // (E // R) not in masked:
+                        acc = acc + w[t, k] * x[t].float()
+                want[t] = acc.to(torch.bfloat16)
+            assert torch.equal(bits(out), bits(want)), (r, i)
+
+
 def test_mask_api():
     def body(group):
         r = group.rank()

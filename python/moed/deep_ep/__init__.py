@@ -18,8 +18,10 @@ by accident (a real DeepEP is never shadowed):
     #   PYTHONPATH=$(python3 -m moed.deep_ep) python3 script.py
 
 Both put one directory (``path()``) on the module path; it holds a package named ``deep_ep``
-that re-exports this one, with the submodules DeepEP's own tests import
-(``deep_ep.utils.{math,envs,refs,gate,testing,event,semantic}``), written for CPU ranks.
+that re-exports this one. The module-level names are DeepEP's: ``__version__``,
+``get_physical_domain_size``, ``get_logical_domain_size`` and ``utils``, with the submodules
+DeepEP's own tests import (``utils.{math,envs,refs,gate,testing,event,semantic}``), written for
+CPU ranks.
 """
 import os
 import sys
@@ -28,9 +30,14 @@ from .elastic import ElasticBuffer, EPHandle
 from .event import EventHandle, EventOverlap
 from .hybrid_ep import HybridEPBuffer
 from .legacy import Buffer, Config, fp8_dtype, topk_idx_t
+from . import utils
+from .utils.envs import get_logical_domain_size, get_physical_domain_size
+
+__version__ = "2.1.0+moed"  # DeepEP's API level, served by moed
 
 __all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventHandle", "EventOverlap",
-           "HybridEPBuffer", "topk_idx_t", "fp8_dtype", "install", "path"]
+           "HybridEPBuffer", "topk_idx_t", "fp8_dtype", "get_physical_domain_size",
+           "get_logical_domain_size", "utils", "install", "path"]
 
 
 def path() -> str:

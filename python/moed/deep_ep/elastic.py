@@ -242,7 +242,8 @@ class ElasticBuffer:
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False,
                 sequential: bool = True) -> None:
         """A barrier over the group (the stream arguments mean nothing on CPU)."""
-        self._rt().barrier()
+        with _profile.phase("barrier"):
+            self._rt().barrier()
 
     # ---- expert parallelism ----
 

@@ -27,10 +27,12 @@ and ``device='cpu'`` tensors. Differences, all documented on the methods:
 * Normal mode receives rank-major (each token once per receiving rank, source rank
   ascending, then source token ascending) also across nodes, where moed's two-hop path (one
   network copy per destination node, forwarded inside the node) replaces DeepEP's internode
-  kernels; the handle is always DeepEP's six-array intranode handle, and num_worst_tokens
-  works across nodes too. Combine sums in a fixed order (bias_0 + bias_1, then the ranks
+  kernels; the handle has DeepEP's layout (intranode: six arrays, with num_sms / 2 channels of
+  the Buffer's num_sms; across nodes: ten, where the arrays of DeepEP's kernels that moed's
+  two hops have no counterpart of are None), and num_worst_tokens works across nodes too. Combine sums in a fixed order (bias_0 + bias_1, then the ranks
   ascending, fp32, rounded once), so results are bitwise deterministic.
-* GPU-only knobs are accepted and ignored: num_sms / Config's SM and chunk fields,
+* GPU-only knobs are accepted and ignored: Config's SM and chunk fields (a dispatch's
+  channels are Buffer.num_sms / 2 when the Buffer was made, not its config's),
   previous_event, async_finish, allocate_on_comm_stream (every call has finished when it
   returns), num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
   use_logfmt (combine stays bf16), dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats
@@ -67,7 +69,8 @@ fp8_dtype = getattr(torch, "float8_e4m3fn", torch.uint8)
 
 class Config:
     """DeepEP's performance config. moed accepts and ignores its fields (CPU ranks have no SMs
-    or chunked ring buffers); the size hints give DeepEP's numbers for code that sizes
+    or chunked ring buffers); the size hints are DeepEP's numbers (its csrc/legacy/config.hpp,
+    8 NVLink peers per node: the RDMA hint is 0 up to 8 ranks) for code that sizes
     num_nvl_bytes / num_rdma_bytes from them (moed allocates lazily anyway)."""
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
@@ -77,15 +80,31 @@ class Config:
         self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
         self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
         self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
-        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+        # DeepEP's constructor rounds the RDMA receive tokens up to a multiple of the send ones.
+        self.num_max_rdma_chunked_recv_tokens = -(-num_max_rdma_chunked_recv_tokens //
+                                                  num_max_rdma_chunked_send_tokens) * num_max_rdma_chunked_send_tokens
+
+    # DeepEP's assumptions behind the hints: NVLink peers per node, top-k and scale columns, and
+    # the bytes of its SourceMeta and int4.
+    _NVL_PEERS, _MAX_TOPK, _MAX_SCALES, _SOURCE_META, _INT4 = 8, 128, 128, 8, 16
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        channels = max(self.num_sms // 2, 1)
-        return channels * num_ranks * self.num_max_nvl_chunked_recv_tokens * (hidden_bytes + 128)
+        rdma_ranks = max(num_ranks // self._NVL_PEERS, 1)
+        nvl_ranks = min(num_ranks, self._NVL_PEERS)
+        per_token = (hidden_bytes + self._SOURCE_META + self._MAX_TOPK * 8 + self._MAX_TOPK * 4 +
+                     self._MAX_SCALES * 4)
+        cells = (self.num_sms // 2) * nvl_ranks
+        n = cells * (2 * rdma_ranks + 3) * 4 + cells * self.num_max_nvl_chunked_recv_tokens * per_token
+        return (n + 127) // 128 * 128
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        channels = max(self.num_sms // 2, 1)
-        return 2 * channels * num_ranks * self.num_max_rdma_chunked_recv_tokens * (hidden_bytes + 128)
+        if num_ranks <= self._NVL_PEERS:
+            return 0
+        cells = (self.num_sms // 2) * (num_ranks // self._NVL_PEERS)
+        per_token = (hidden_bytes + self._SOURCE_META + self._MAX_TOPK * 8 + self._MAX_TOPK * 4 +
+                     self._MAX_SCALES * 4 + self._INT4)
+        n = cells * (self._NVL_PEERS * 2 + 2) * 2 * 4 + cells * self.num_max_rdma_chunked_recv_tokens * per_token * 2
+        return (n + 127) // 128 * 128
 
     def __repr__(self):
         return (f"Config(num_sms={self.num_sms}, nvl=({self.num_max_nvl_chunked_send_tokens}, "
@@ -94,9 +113,8 @@ class Config:
 
 
 class _NormalHandle(tuple):
-    """DeepEP's intranode handle: (rank_prefix_matrix, channel_prefix_matrix,
-    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head); a tuple that also
-    carries moed's handle (what cached dispatch and combine use)."""
+    """DeepEP's normal-mode handle (intranode or internode layout: Buffer.dispatch says which);
+    a tuple that also carries moed's handle (what cached dispatch and combine use)."""
 
     def __new__(cls, arrays, impl):
         h = super().__new__(cls, arrays)
@@ -127,7 +145,8 @@ class Buffer:
         - low-latency dispatch and combine (fixed per-expert slots, FP8, receive hooks).
 
     Attributes:
-        num_sms: DeepEP's SM count (accepted, ignored).
+        num_sms: DeepEP's SM count: normal-mode handles have num_sms / 2 channels, as with
+            DeepEP's default config (the value when the Buffer was made).
         rank: the rank in the group.
         group_size: the number of ranks.
         group: the group as the caller passed it (a moed.Group, a torch ProcessGroup or an
@@ -182,6 +201,7 @@ class Buffer:
             if value < 0:
                 raise ValueError(f"{name} = {value} must be >= 0")
         self.rank = moed_group.rank()
+        self._num_nodes = moed_group.num_nodes()
         self.group = group if group is not None else comm
         self.group_size = moed_group.size()
         self.num_nvl_bytes = int(num_nvl_bytes)
@@ -196,7 +216,8 @@ class Buffer:
         # without a collective, so a rank lost before the first call does not stop it).
         self.runtime = _C.DeepEpBuffer(moed_group.handle, enable_shrink=bool(enable_shrink),
                                        shrink_timeout=self.shrink_timeout,
-                                       num_rdma_bytes=self.num_rdma_bytes)
+                                       num_rdma_bytes=self.num_rdma_bytes,
+                                       num_channels=max(self.num_sms // 2, 1))
 
     def destroy(self):
         """Destroy the C++ runtime and release resources."""
@@ -325,8 +346,15 @@ class Buffer:
             recv_topk_idx: `[num_recv_tokens, num_topk]` int64, local expert ids or -1.
             recv_topk_weights: `[num_recv_tokens, num_topk]` float, 0 where the id is -1.
             num_recv_tokens_per_expert_list: Python list `[num_local_experts]`.
-            handle: DeepEP's intranode handle (rank_prefix_matrix, channel_prefix_matrix,
-                recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head).
+            handle: DeepEP's handle. In one node its intranode handle (rank_prefix_matrix
+                `[R, R]`, channel_prefix_matrix `[R, C]`, recv_channel_prefix_matrix `[R, C]`,
+                recv_src_idx, is_token_in_rank, send_head), C = num_sms / 2; across nodes its
+                internode handle (is_token_in_rank, rdma_channel_prefix_matrix,
+                gbl_channel_prefix_matrix `[R, C]`, recv_rdma_channel_prefix_matrix,
+                recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix `[R, C]`,
+                recv_gbl_rank_prefix_sum `[R]` (inclusive: the rows received from ranks 0..i),
+                recv_src_meta, send_rdma_head, send_nvl_head), None for the RDMA-stage and
+                kernel-bookkeeping arrays, which moed's two hops keep in their own plan.
             event: a complete EventOverlap.
         The returned tensors are views of moed's memory that no later dispatch writes while
         they are held, and they may outlive the buffer (every world).
@@ -345,7 +373,16 @@ class Buffer:
         if handle is not None:
             return recv_x, None, None, None, None, completed()
         return recv_x, r.recv_topk_idx, r.recv_topk_weights, r.num_recv_tokens_per_expert_list, \
-            _NormalHandle(r.handle_arrays, r.handle), completed()
+            _NormalHandle(self._handle_layout(r.handle_arrays), r.handle), completed()
+
+    def _handle_layout(self, arrays):
+        """DeepEP's handle tuple for this Buffer's world from moed's six intranode arrays."""
+        if self._num_nodes == 1:
+            return arrays
+        rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, _, is_token_in_rank, _ = arrays
+        recv_gbl_rank_prefix_sum = rank_prefix_matrix[:, self.rank].contiguous()
+        return (is_token_in_rank, None, channel_prefix_matrix, None, None, recv_channel_prefix_matrix,
+                recv_gbl_rank_prefix_sum, None, None, None)
 
     def combine(self, x: torch.Tensor, handle: Tuple,
                 topk_weights: Optional[torch.Tensor] = None,

@@ -69,13 +69,15 @@ def init_dist(local_rank: int, num_local_ranks: int, seed: int = 0) -> Tuple[int
 
 
 def _fill_in_gloo_collectives() -> None:
-    """DeepEP's tests call torch.distributed.all_gather_into_tensor, which the gloo backend of
-    older torch (Debian's 1.13: "no support for _allgather_base in Gloo process group") lacks;
-    there it runs over moed's world of the same group (moed.dist's, the same result)."""
+    """DeepEP's tests call torch.distributed.all_gather_into_tensor, also with a stacked output
+    ([R, *input.shape], as NCCL takes it), which the gloo backend lacks: older torch's has no
+    such call (Debian's 1.13: "no support for _allgather_base in Gloo process group"), and
+    2.x's takes only the concatenated form ("invalid tensor size"). Where the stacked form
+    fails, it runs over moed's world of the same group (moed.dist's, the same result)."""
     if getattr(dist.all_gather_into_tensor, "__moed__", False):
         return
     try:
-        probe = torch.empty(dist.get_world_size(), dtype=torch.int32)
+        probe = torch.empty(dist.get_world_size(), 1, dtype=torch.int32)
         dist.all_gather_into_tensor(probe, torch.zeros(1, dtype=torch.int32))
         return
     except RuntimeError:

@@ -1,8 +1,8 @@
 """deep_ep.utils.testing for moed's DeepEP on CPU: DeepEP's benchmark helpers, timed on the host.
 bench times a function; bench_kineto gives the time of named "kernels", which on CPU ranks are
 moed.deep_ep's calls themselves (their names: 'get_dispatch_layout', 'dispatch', 'combine', and
-for ElasticBuffer 'dispatch_impl' / 'combine_impl'; a call with a receive hook is two: the send
-and the hook), recorded by moed.deep_ep while the benchmark runs. A name moed has no call for
+for ElasticBuffer 'dispatch_impl' / 'combine_impl', 'send_impl' / 'recv_impl' (PP) and
+'barrier'; a call with a receive hook is two: the send and the hook), recorded by moed.deep_ep while the benchmark runs. A name moed has no call for
 (a GPU-only epilogue kernel) times 0, as DeepEP reports a kernel it did not find."""
 import os
 import sys

@@ -1,5 +1,0 @@
-"""deep_ep.utils, moed's: `from deep_ep.utils import EventHandle, EventOverlap` (as Megatron-Core's
-fused_a2a.py imports them) and the submodules DeepEP's tests import."""
-from .event import EventHandle, EventOverlap
-
-__all__ = ["EventHandle", "EventOverlap"]
