@@ -292,7 +292,7 @@ def test_world_ends_with_steps_in_flight():
                 assert torch.equal(recv[j, i], xs[s][t])
         with pytest.raises(RuntimeError, match="ended"):
             d.dispatch_preprocess(x, rmap, probs)
-        with pytest.raises(RuntimeError, match="destroyed or its world has ended"):
+        with pytest.raises(RuntimeError, match="world has ended"):
             buffer.low_latency_dispatch(xs[r], idxs[r], 8, 4)
         del d, buffer, hook
         gc.collect()
