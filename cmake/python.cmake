@@ -25,7 +25,9 @@ if(MOED_PYTHON)
   set(CMAKE_POSITION_INDEPENDENT_CODE ON)
 endif()
 # Under AddressSanitizer + UBSan the extension is instrumented and the interpreter is not: the
-# Python tests load the ASan runtime first (LD_PRELOAD), as a sanitized executable would.
+# Python tests load the ASan runtime first (LD_PRELOAD), as a sanitized executable would, and
+# libstdc++ right after it: ASan finds the C++ runtime's __cxa_throw when it starts, and CPython
+# loads no C++ before the extension (the first exception thrown would stop the process).
 # NOTE: no leak check there: at exit LeakSanitizer would report what the interpreter and torch
 # keep by design, and a frame-pointer stack through them cannot tell moed's allocations apart;
 # the C++ suites check the same allocations for leaks.
@@ -33,5 +35,9 @@ set(MOED_PYTHON_TEST_ENV "")
 if(MOED_PYTHON AND MOED_SANITIZE)
   execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libasan.so
                   OUTPUT_VARIABLE MOED_ASAN_RUNTIME OUTPUT_STRIP_TRAILING_WHITESPACE)
-  set(MOED_PYTHON_TEST_ENV "LD_PRELOAD=${MOED_ASAN_RUNTIME};ASAN_OPTIONS=detect_leaks=0")
+  execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so.6
+                  OUTPUT_VARIABLE MOED_CXX_RUNTIME OUTPUT_STRIP_TRAILING_WHITESPACE)
+  get_filename_component(MOED_CXX_RUNTIME ${MOED_CXX_RUNTIME} REALPATH)
+  set(MOED_PYTHON_TEST_ENV
+      "LD_PRELOAD=${MOED_ASAN_RUNTIME}:${MOED_CXX_RUNTIME};ASAN_OPTIONS=detect_leaks=0")
 endif()
