@@ -89,7 +89,12 @@ std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, in
   // NOTE: use_count() == 1 means no output holds the block and none can take it any more (only
   // this half hands it out); a count read high while an output is being dropped elsewhere only
   // costs a fresh block.
-  if (b && b.use_count() == 1 && b->x.dtype() == type) return b;
+  if (b && b.use_count() == 1 && b->x.dtype() == type) {
+    // The last other holder's reads (on any thread: torch frees where it likes) happen before
+    // this receive's writes: its release decrement pairs with this acquire.
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return b;
+  }
   const SegmentLayout& lay = st.layout;
   const int64_t rows = int64_t(lay.num_local_experts) * lay.rows_per_expert();
   auto fresh = std::make_shared<ReceiveBlock>();
