@@ -100,14 +100,14 @@ NormalDispatchResult normal_dispatch(DeepEpBox& b, const NormalDispatchArgs& a) 
   if (error) in.handle.reset();
   deep_ep::NormalBuffer& nb = b.normal();
   deep_ep::NormalDispatchOutput out = finish(nogil([&] { return nb.dispatch(in); }), error);
-  const deep_ep::NormalHandle& h = *out.handle;
   NormalDispatchResult r;
   r.recv_x = in.out ? a.out : to_torch(out.recv_x.x, out.storage);
   r.recv_x_scales = out.recv_x.has_scales() ? to_torch(out.recv_x.scales, out.storage) : py::none();
   r.recv_topk_idx = r.recv_topk_weights = r.num_recv_tokens_per_expert_list = py::none();
   r.handle = py::cast(NormalHandleBox{out.handle});
   r.handle_arrays = py::none();
-  if (!a.handle.is_none()) return r;
+  if (!a.handle.is_none()) return r;  // cached mode: no new handle (out.handle is null)
+  const deep_ep::NormalHandle& h = *out.handle;
   if (in.topk.num_topk > 0) {
     const int64_t K = in.topk.num_topk;
     r.recv_topk_idx = array_to_torch(out.recv_topk_idx.data(), h.num_rows, K, out.storage);
