@@ -170,7 +170,9 @@ def test_settings():
         moed.set_num_threads(0)
     old = moed.tensor_cache_stats()["limit_bytes"]
     moed.set_tensor_cache_limit(1 << 20)
-    assert moed.tensor_cache_stats()["limit_bytes"] == 1 << 20
+    # 0 in the sanitizer builds, which keep the cache off (moed/tensor.h: a freed block stays
+    # visible to AddressSanitizer).
+    assert moed.tensor_cache_stats()["limit_bytes"] in (1 << 20, 0 if old == 0 else -1)
     moed.set_tensor_cache_limit(old)
 
 
