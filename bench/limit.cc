@@ -240,6 +240,17 @@ struct Layout {
   int node_of_expert(int e) const { return (e / L) / G; }
 };
 
+// Token t's picks (its experts, -1 left out), and in `nodes` each pick's node, ascending.
+int token_nodes(const Layout& l, const TopkRouting& r, int64_t t, std::vector<int>& nodes) {
+  nodes.clear();
+  for (int k = 0; k < r.num_topk; ++k) {
+    const int e = r.idx(t, k);
+    if (e >= 0) nodes.push_back(l.node_of_expert(e));
+  }
+  std::sort(nodes.begin(), nodes.end());
+  return int(nodes.size());
+}
+
 Layout layout_of(int num_experts, int ranks, int ranks_per_node) {
   Layout l;
   l.L = std::max(1, num_experts / std::max(1, ranks));
@@ -259,19 +270,12 @@ TrafficModel dispatch_model(const std::vector<TopkRouting>& topk, int num_expert
     const int home = src / l.G;
     m.read_bytes += double(r.topk_idx.size()) * 8;  // indices and weights
     for (int64_t t = 0; t < r.num_tokens; ++t) {
-      nodes.clear();
-      int picks = 0;
-      for (int k = 0; k < r.num_topk; ++k) {
-        const int e = r.idx(t, k);
-        if (e < 0) continue;
-        ++picks;
-        if (l.node_of_expert(e) != home) nodes.push_back(l.node_of_expert(e));
-      }
+      const int picks = token_nodes(l, r, t, nodes);
       if (picks == 0) continue;
       m.read_bytes += in_row_bytes;
       m.write_bytes += picks * (out_row_bytes + 8);
-      std::sort(nodes.begin(), nodes.end());
-      const auto remote = std::unique(nodes.begin(), nodes.end()) - nodes.begin();
+      nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+      const auto remote = std::count_if(nodes.begin(), nodes.end(), [&](int n) { return n != home; });
       m.network_bytes += double(remote) * (out_row_bytes + 8.0 * r.num_topk);
     }
   }
@@ -288,18 +292,10 @@ TrafficModel combine_model(const std::vector<TopkRouting>& topk, int num_experts
     const TopkRouting& r = topk[size_t(src)];
     const int home = src / l.G;
     for (int64_t t = 0; t < r.num_tokens; ++t) {
-      nodes.clear();
-      int picks = 0;
-      for (int k = 0; k < r.num_topk; ++k) {
-        const int e = r.idx(t, k);
-        if (e < 0) continue;
-        ++picks;
-        nodes.push_back(l.node_of_expert(e));
-      }
+      const int picks = token_nodes(l, r, t, nodes);
       if (picks == 0) continue;
       m.read_bytes += picks * (row_bytes + 4 + (weighted ? 4 : 0));
       m.write_bytes += row_bytes;
-      std::sort(nodes.begin(), nodes.end());
       // Experts ascending are nodes ascending; count each node's.
       per_node.clear();
       std::vector<int> distinct;
