@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The tests: set up, build, run the whole suite (CTest: unit, threads-world and MPI tests),
 # then again under AddressSanitizer + UndefinedBehaviorSanitizer, and the threads-world tests
-# (label tsan) under ThreadSanitizer. MOED_QUICK=1 skips the sanitizer passes. Ends with each
-# phase's wall time (also when a phase fails).
+# (label tsan) under ThreadSanitizer. MOED_QUICK=1 skips the sanitizer passes (and with them the
+# Python suites on torch 1.13, which are the ASan pass's). Ends with each phase's wall time (also
+# when a phase fails).
 #
 # NOTE: each sanitizer build runs beside the tests before it, at the lowest CPU priority: the
 # tests spend much of their time waiting (on peers, timeouts, processes starting, the test

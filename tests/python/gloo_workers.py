@@ -73,7 +73,7 @@ def _dist(g, pg):
 
 
 def scenario_ownership(g, pg, rank):
-    """test_ownership.py's reproductions in gloo processes, 50 runs each."""
+    """test_ownership.py's reproductions in gloo processes, test_ownership.RUNS runs each."""
     import test_ownership as cases
     runs = cases.RUNS
     assert cases.case_held_low_latency(g, runs, False, False)
