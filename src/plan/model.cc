@@ -238,6 +238,9 @@ Status count_source(const PlanOptions& o, int s, const RowBytes& rb, SourceCount
   const int R = o.ep, G = o.ranks_per_node, N = R / G, E = o.experts, K = o.topk, L = E / R;
   const int64_t T = o.tokens;
   MOED_ASSIGN_OR_RETURN(std::vector<int32_t> idx, plan_routing(o, s));
+  MOED_RETURN_IF_ERROR(validate(TopkView{idx.data(), false, nullptr, T, K}, E)
+                           .with_context("source " + std::to_string(s) + " (--experts = " +
+                                         std::to_string(E) + ")"));
   n.pairs.assign(size_t(R), 0);
   n.toks.assign(size_t(R), 0);
   n.tok_node.assign(size_t(N), 0);
@@ -250,10 +253,6 @@ Status count_source(const PlanOptions& o, int s, const RowBytes& rb, SourceCount
     for (int k = 0; k < K; ++k) {
       const int32_t e = idx[size_t(t * K + k)];
       if (e < 0) continue;
-      if (e >= E) {
-        return invalid_argument("topk_idx[", int64_t(s) * T + t, "][", k, "] = ", e,
-                                " is outside [-1, --experts = ", E, ")");
-      }
       const int d = e / L, nd = d / G;
       ++n.selections;
       ++n.pairs[size_t(d)];

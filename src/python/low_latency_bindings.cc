@@ -10,6 +10,7 @@
 // buffer's memory, rewritten by the combine two after the one that reads it.
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <functional>
 
 #include "python/bindings.h"
@@ -52,26 +53,36 @@ struct LowLatencyCombineResult {
   py::object combined_x, hook;
 };
 
-// The low-latency API keeps the routing in moed's own (int32) top-k form: the combine's hook
-// reads it later, after the caller may have changed its tensors.
-TopkRouting topk_copy(py::handle topk_idx, py::handle topk_weights) {
-  py::object keep_idx, keep_weights;
-  const TopkView v = topk_view_arg(topk_idx, topk_weights, keep_idx, keep_weights);
-  TopkRouting r;
-  r.num_tokens = v.num_tokens;
-  r.num_topk = v.num_topk;
-  r.topk_idx.resize(size_t(v.num_tokens) * size_t(v.num_topk));
-  r.topk_weights.assign(r.topk_idx.size(), 0.0f);
+// [T, K] integers as int32, row-major (the routing's indices, or the combine's order keys);
+// `check_idx` first, on the caller's own values, so no value is cut before it is named.
+std::vector<int32_t> int32_rows(const TopkView& v, const char* name) {
+  std::vector<int32_t> out(size_t(v.num_tokens) * size_t(v.num_topk));
   for (int64_t t = 0; t < v.num_tokens; ++t) {
     for (int k = 0; k < v.num_topk; ++k) {
       const int64_t e = v.at(t, k);
       if (e < INT32_MIN || e > INT32_MAX)
-        throw py::value_error("topk_idx[" + std::to_string(t) + "][" + std::to_string(k) +
-                              "] = " + std::to_string(e) + " is out of range");
-      r.topk_idx[size_t(t) * v.num_topk + k] = int32_t(e);
-      r.topk_weights[size_t(t) * v.num_topk + k] = v.weight(t, k);
+        throw py::value_error(std::string(name) + "[" + std::to_string(t) + "][" +
+                              std::to_string(k) + "] = " + std::to_string(e) +
+                              " is outside int32");
+      out[size_t(t) * v.num_topk + k] = int32_t(e);
     }
   }
+  return out;
+}
+
+// The low-latency API keeps the routing in moed's own (int32) top-k form: the combine's hook
+// reads it later, after the caller may have changed its tensors. Checked as every entry point
+// checks top-k routing (validate in moed/routing.h), with the same messages.
+TopkRouting topk_copy(py::handle topk_idx, py::handle topk_weights, int num_experts) {
+  py::object keep_idx, keep_weights;
+  const TopkView v = topk_view_arg(topk_idx, topk_weights, keep_idx, keep_weights);
+  check(validate(v, num_experts));
+  TopkRouting r;
+  r.num_tokens = v.num_tokens;
+  r.num_topk = v.num_topk;
+  r.topk_idx = int32_rows(v, "topk_idx");
+  r.topk_weights.assign(r.topk_idx.size(), 0.0f);
+  if (v.weights) std::copy_n(v.weights, r.topk_weights.size(), r.topk_weights.begin());
   return r;
 }
 
@@ -118,7 +129,7 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
     if (a.use_ue8m0 && !(a.use_fp8 && a.round_scale))
       throw py::value_error("use_ue8m0 = True needs use_fp8 = True and round_scale = True");
     xv = rows_arg(a.x, "x", {DType::kBF16});
-    topk = topk_copy(a.topk_idx, py::none());
+    topk = topk_copy(a.topk_idx, py::none(), a.num_experts);
     if (topk.num_tokens != xv.rows)
       throw py::value_error("topk_idx has " + std::to_string(topk.num_tokens) + " rows but x has " +
                             std::to_string(xv.rows));
@@ -231,9 +242,12 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
     } else {
       xv = expert_rows_arg(keep_x, hb);
     }
-    *topk = topk_copy(a.topk_idx, a.topk_weights);
+    *topk = topk_copy(a.topk_idx, a.topk_weights, std::get<2>(hb.shape));
     if (!a.out.is_none()) outv = rows_arg(a.out, "out", {DType::kF32, DType::kBF16});
-    if (!a.order.is_none()) order = topk_copy(a.order, py::none()).topk_idx;
+    if (!a.order.is_none()) {
+      py::object keep_order, unused;
+      order = int32_rows(topk_view_arg(a.order, py::none(), keep_order, unused), "order");
+    }
   });
   LowLatencyBuffer& ll = b.low_latency(hb.shape);
   LowLatencyCombineInput in{.x = xv,

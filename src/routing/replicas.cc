@@ -42,6 +42,10 @@ StatusOr<ReplicaRoute> ExpertReplicas::route(const TopkRouting& logical,
     return invalid_argument("topk_idx has ", logical.topk_idx.size(), " entries, expected ",
                             logical.num_tokens, " x ", logical.num_topk);
   }
+  // The weights travel unchanged with the physical picks; checked where they are used.
+  MOED_RETURN_IF_ERROR(validate(TopkView{logical.topk_idx.data(), false, nullptr,
+                                         logical.num_tokens, logical.num_topk},
+                                num_logical()));
   auto live = [&](int32_t p) { return masked.empty() || masked[size_t(rank_of(p))] == 0; };
   ReplicaRoute r;
   r.topk = logical;
@@ -51,10 +55,6 @@ StatusOr<ReplicaRoute> ExpertReplicas::route(const TopkRouting& logical,
       int32_t& slot = r.topk.topk_idx[size_t(t) * K + k];
       const int32_t e = slot;
       if (e < 0) continue;
-      if (e >= num_logical()) {
-        return invalid_argument("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ",
-                                num_logical(), ")");
-      }
       const std::vector<int32_t>& reps = replicas_[size_t(e)];
       const size_t n = reps.size(), first = size_t(t + k) % n;
       slot = -1;

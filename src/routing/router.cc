@@ -347,13 +347,14 @@ StatusOr<std::vector<float>> Router::backward_topk(std::span<const float> logits
                             topk.num_topk, " = ", expected);
   }
   const int E = config_.num_experts;
+  MOED_RETURN_IF_ERROR(validate(TopkView{topk.topk_idx.data(), false, nullptr, topk.num_tokens,
+                                         topk.num_topk},
+                                E));
   std::vector<float> grad_probs(size_t(topk.num_tokens) * size_t(E), 0.0f);
   for (int64_t t = 0; t < topk.num_tokens; ++t) {
     for (int k = 0; k < topk.num_topk; ++k) {
       const int32_t e = topk.idx(t, k);
       if (e < 0) continue;
-      if (e >= E)
-        return invalid_argument("topk_idx[", t, "][", k, "] = ", e, " is outside [-1, ", E, ")");
       grad_probs[size_t(t) * size_t(E) + size_t(e)] =
           grad_topk_weights[size_t(t) * size_t(topk.num_topk) + size_t(k)];
     }

@@ -86,10 +86,12 @@ Status validate(const TopkView& routing, int num_experts) {
   const int64_t num_tokens = routing.num_tokens;
   const int num_topk = routing.num_topk;
   MOED_RETURN_IF_ERROR(check_sizes(num_experts, num_tokens, num_topk));
-  // NOTE: repeats are found with one stamp per expert (the last token that used it and at
-  // which k), so the check is O(T * K) with no per-token allocation.
-  std::vector<int64_t> seen_token(size_t(num_experts), -1);
-  std::vector<int> seen_k(size_t(num_experts), 0);
+  // NOTE: a repeat is looked for among the token's earlier picks while K is small (no
+  // allocation, as on a decode step's every call); past that with one stamp per expert (the
+  // last token that used it and at which k), O(T * K). Both name the same two picks.
+  constexpr int kScanTopk = 16;
+  std::vector<int64_t> seen_token(num_topk > kScanTopk ? size_t(num_experts) : 0, -1);
+  std::vector<int> seen_k(seen_token.size(), 0);
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int k = 0; k < num_topk; ++k) {
       const int64_t e = routing.at(t, k);
@@ -98,12 +100,19 @@ Status validate(const TopkView& routing, int num_experts) {
                                 num_experts, ")");
       }
       if (e == -1) continue;  // an unused slot; its weight is ignored
-      if (seen_token[size_t(e)] == t) {
-        return invalid_argument("topk_idx[", t, "] repeats expert ", e,
-                                " (at k = ", seen_k[size_t(e)], " and k = ", k, ")");
+      int earlier = -1;
+      if (seen_token.empty()) {
+        for (int j = 0; j < k && earlier < 0; ++j) earlier = routing.at(t, j) == e ? j : -1;
+      } else if (seen_token[size_t(e)] == t) {
+        earlier = seen_k[size_t(e)];
+      } else {
+        seen_token[size_t(e)] = t;
+        seen_k[size_t(e)] = k;
       }
-      seen_token[size_t(e)] = t;
-      seen_k[size_t(e)] = k;
+      if (earlier >= 0) {
+        return invalid_argument("topk_idx[", t, "] repeats expert ", e, " (at k = ", earlier,
+                                " and k = ", k, ")");
+      }
       const float w = routing.weight(t, k);
       if (!valid_prob(w)) {
         return invalid_argument("topk_weights[", t, "][", k, "] = ", w, " is not a valid prob");

@@ -98,7 +98,7 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
         t.r.topk_weights[0] = w.rank() == 1 ? -1.0f : 1.0f;
         Status neg = buffer.low_latency_combine({.x = t.y.view(), .topk = &t.r, .handle = d.handle})
                          .status();
-        if (neg.message() != "rank 1: topk_weights[0][0] = -1 must be a number >= 0") {
+        if (neg.message() != "rank 1: topk_weights[0][0] = -1 is not a valid prob") {
           return internal_error("negative weight: ", neg.to_string());
         }
         return early;

@@ -63,6 +63,19 @@ TEST(ValidateTopk, NamesTheOffendingValue) {
   EXPECT_TRUE(validate(make_topk(18, 4, idx, w), 256).ok());
 }
 
+// Repeats are looked for two ways (a scan of the token's earlier picks for small K, one stamp
+// per expert past that); both name the same two picks.
+TEST(ValidateTopk, RepeatsNamedAlikeForEveryK) {
+  for (int K : {2, 16, 17, 40}) {
+    std::vector<int32_t> idx(size_t(3) * K);
+    for (int t = 0; t < 3; ++t)
+      for (int k = 0; k < K; ++k) idx[size_t(t) * K + k] = (k + t) % 64;
+    idx[size_t(2) * K + K - 1] = idx[size_t(2) * K];
+    expect_invalid(validate(make_topk(3, K, idx, std::vector<float>(idx.size(), 1.0f)), 64),
+                   "topk_idx[2] repeats expert 2 (at k = 0 and k = " + std::to_string(K - 1) + ")");
+  }
+}
+
 TEST(ValidateTopk, SizesThatDisagree) {
   expect_invalid(validate(make_topk(4, 3, std::vector<int32_t>(10, 0), std::vector<float>(12)), 8),
                  "topk_idx has 10 entries, expected num_tokens * num_topk = 4 * 3 = 12");

@@ -340,7 +340,7 @@ TEST(CliErrors, NameTheFileAndTheValue) {
   };
   const Case cases[] = {
       {replay + " --ranks 2 --experts 2" + out,
-       "moed replay: " + dir / "trace.npy" + ": topk_idx[0][0][1] = 2 is outside [-1, 2)"},
+       "moed replay: " + dir / "trace.npy" + ": step 0: topk_idx[0][1] = 2 is outside [-1, 2)"},
       {replay + " --ranks 3" + out,
        "moed replay: experts = 4 (the trace's max index + 1) is not a multiple of --ranks = 3"},
       {replay + " --ranks 3 --experts 6" + out, "moed replay: " + dir / "trace.npy" +

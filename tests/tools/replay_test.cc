@@ -222,7 +222,7 @@ TEST(Replay, Errors) {
   // E = 3 is not a multiple of 2 ranks; with E = 2 the index 3 is out of range.
   EXPECT_EQ(message(o), "experts = 3 is not a multiple of --ranks = 2");
   o.num_experts = 2;
-  EXPECT_EQ(message(o), "trace.npy: topk_idx[0][0][1] = 2 is outside [-1, 2)");
+  EXPECT_EQ(message(o), "trace.npy: step 0: topk_idx[0][1] = 2 is outside [-1, 2)");
   o.num_experts = 4;
   o.num_ranks = 4;
   o.ranks_per_node = 3;
@@ -242,7 +242,7 @@ TEST(Replay, Errors) {
   const RoutingTrace repeat = make_trace(1, 2, 2, {1, 1, 0, 1});
   r = replay_trace(repeat, o);
   ASSERT_FALSE(r.ok());
-  EXPECT_EQ(r.status().message(), "trace.npy: topk_idx[0][0][1] = 1 repeats topk_idx[0][0][0]");
+  EXPECT_EQ(r.status().message(), "trace.npy: step 0: topk_idx[0] repeats expert 1 (at k = 0 and k = 1)");
 }
 
 TEST(Replay, ReadsTraceFiles) {

@@ -80,12 +80,11 @@ Status check_uncached(const NormalBuffer::State& s, const NormalDispatchInput& i
   if (k.num_tokens != T)
     return invalid_argument("topk_idx has ", k.num_tokens, " rows but x has ", T);
   if (T > 0 && k.idx == nullptr) return invalid_argument("topk_idx has no data");
+  MOED_RETURN_IF_ERROR(validate(k, E));
   std::vector<int64_t> per_expert(size_t(E), 0);
   for (int64_t t = 0; t < T; ++t) {
     for (int j = 0; j < k.num_topk; ++j) {
       const int64_t e = k.at(t, j);
-      if (e < -1 || e >= E)
-        return invalid_argument("topk_idx[", t, "][", j, "] = ", e, " is outside [-1, ", E, ")");
       if (e < 0) continue;
       ++per_expert[size_t(e)];
       if (!l.is_token_in_rank[size_t(t) * R + size_t(e / L)]) {
@@ -117,12 +116,10 @@ Status check_cached(const NormalBuffer::State& s, const NormalDispatchInput& in)
   const TopkView& k = in.topk;
   if (k.num_topk > 0 && k.num_tokens != h.num_tokens)
     return invalid_argument("topk_idx has ", k.num_tokens, " rows but x has ", h.num_tokens);
+  if (k.num_topk > 0) MOED_RETURN_IF_ERROR(validate(k, h.num_experts));
   for (int64_t t = 0; t < k.num_tokens && k.num_topk > 0; ++t) {
     for (int j = 0; j < k.num_topk; ++j) {
       const int64_t e = k.at(t, j);
-      if (e < -1 || e >= h.num_experts)
-        return invalid_argument("topk_idx[", t, "][", j, "] = ", e, " is outside [-1, ",
-                                h.num_experts, ")");
       if (e >= 0 && !h.is_token_in_rank[size_t(t) * h.num_ranks + size_t(e / (h.num_experts /
                                                                              h.num_ranks))])
         return invalid_argument("cached dispatch: topk_idx[", t, "][", j, "] = ", e,

@@ -4,7 +4,6 @@
 // signals. The receive phase reduces each token over its experts in ascending expert id.
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstring>
 
 #include "core/row_kernels.h"
@@ -71,14 +70,7 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
     return invalid_argument("low_latency_combine: topk_weights has ", r.topk_weights.size(),
                             " entries, expected ", r.num_tokens, " x ", r.num_topk);
   }
-  for (int64_t t = 0; t < r.num_tokens; ++t) {
-    for (int k = 0; k < r.num_topk; ++k) {
-      const float wt = r.weight(t, k);
-      if (r.idx(t, k) >= 0 && (std::isnan(wt) || wt < 0)) {
-        return invalid_argument("topk_weights[", t, "][", k, "] = ", wt, " must be a number >= 0");
-      }
-    }
-  }
+  MOED_RETURN_IF_ERROR(validate(TopkView::of(r), lay.num_experts));
   if (st.combine_half[st.combines % 2].pending) {
     return failed_precondition(
         "low_latency_combine: two combines are already in flight; call "
