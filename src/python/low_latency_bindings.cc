@@ -53,8 +53,8 @@ struct LowLatencyCombineResult {
   py::object combined_x, hook;
 };
 
-// [T, K] integers as int32, row-major (the routing's indices, or the combine's order keys);
-// `check_idx` first, on the caller's own values, so no value is cut before it is named.
+// [T, K] integers as int32, row-major: the routing's indices (validate has named any bad one on
+// the caller's own values first, so none is cut before it is named) or the combine's order keys.
 std::vector<int32_t> int32_rows(const TopkView& v, const char* name) {
   std::vector<int32_t> out(size_t(v.num_tokens) * size_t(v.num_topk));
   for (int64_t t = 0; t < v.num_tokens; ++t) {
