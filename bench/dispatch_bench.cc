@@ -10,7 +10,7 @@
 // from a fixed seed. A figure's time is the median over iterations of the slowest rank's time;
 // bytes = aggregate received rows * H * 2 (dispatch) and the same rows sent back (combine). The
 // expert outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
-// flex_expert_output_buffer, where experts write them). Every dispatcher's output is checked
+// FlexDispatcher::expert_output_buffer, where experts write them). Every dispatcher's output is checked
 // against the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes
 // and shared_bytes are the world's counters for one iteration, summed over ranks; collectives
 // is the collectives one call entered on each rank (TrafficCounters, mean over ranks). With several
@@ -177,7 +177,15 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     DispatchConfig config;
     config.kind = kind;
     config.num_experts = s.num_experts;
-    MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, config));
+    std::unique_ptr<TokenDispatcher> d;
+    FlexDispatcher* flex = nullptr;  // d when it is Flex, for its expert output buffer (below)
+    if (kind == DispatcherKind::kFlex) {
+      MOED_ASSIGN_OR_RETURN(std::unique_ptr<FlexDispatcher> f, FlexDispatcher::make(w, config));
+      flex = f.get();
+      d = std::move(f);
+    } else {
+      MOED_ASSIGN_OR_RETURN(d, TokenDispatcher::create(w, config));
+    }
     DispatchInput in;
     in.hidden = TokenRows{x.view(), {}};
     in.topk = &topk;
@@ -195,8 +203,8 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     // into its node-shared buffer, as the MoE layer's do, so combine reads them in place.
     auto run_experts = [&]() -> Status {
       expert_output = out.expert_input;
-      if (kind != DispatcherKind::kFlex) return ok_status();
-      MOED_ASSIGN_OR_RETURN(TensorView y, flex_expert_output_buffer(*d, *out.handle, DType::kBF16));
+      if (flex == nullptr) return ok_status();
+      MOED_ASSIGN_OR_RETURN(TensorView y, flex->expert_output_buffer(*out.handle, DType::kBF16));
       for (int64_t r = 0; r < y.rows; ++r) {
         std::memcpy(y.row_ptr(r), out.expert_input.x.row_ptr(r), y.row_bytes());
       }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "moe/experts.h"
+#include "moed/flex.h"
 #include "moed/low_latency.h"
 #include "moed/moe_layer.h"
 
@@ -61,6 +62,7 @@ struct MoELayer::State {
   MoEWeights weights;
   std::unique_ptr<Router> router;
   std::unique_ptr<TokenDispatcher> dispatcher;  // allgather / alltoall / flex
+  FlexDispatcher* flex = nullptr;               // the dispatcher, when it is Flex
   std::unique_ptr<LowLatencyBuffer> ll_buffer;  // low-latency
   MoEStepStats stats;
 

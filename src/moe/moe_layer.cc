@@ -37,7 +37,13 @@ StatusOr<std::unique_ptr<MoELayer>> MoELayer::create(World& world, const MoEConf
     dc.etp_size = config.etp_size;
     dc.layout = config.layout;
     dc.weighted_combine = false;  // the experts already multiplied by the prob
-    MOED_ASSIGN_OR_RETURN(s->dispatcher, TokenDispatcher::create(world, dc));
+    if (dc.kind == DispatcherKind::kFlex) {
+      MOED_ASSIGN_OR_RETURN(std::unique_ptr<FlexDispatcher> flex, FlexDispatcher::make(world, dc));
+      s->flex = flex.get();
+      s->dispatcher = std::move(flex);
+    } else {
+      MOED_ASSIGN_OR_RETURN(s->dispatcher, TokenDispatcher::create(world, dc));
+    }
   }
   s->weights = make_moe_weights(config, s->ep_size, s->ep_rank, s->etp_rank);
   return std::unique_ptr<MoELayer>(new MoELayer(std::move(s)));
@@ -124,9 +130,8 @@ StatusOr<Tensor> MoELayer::forward(const TensorView& x) {
   // NOTE: with Flex the experts write straight into node-shared memory, so combine reads
   // their rows in place instead of copying them there first (MPI world).
   TensorView expert_y;
-  if (s.config.dispatcher == DispatcherKind::kFlex) {
-    MOED_ASSIGN_OR_RETURN(expert_y,
-                          flex_expert_output_buffer(*s.dispatcher, handle, s.config.dtype));
+  if (s.flex != nullptr) {
+    MOED_ASSIGN_OR_RETURN(expert_y, s.flex->expert_output_buffer(handle, s.config.dtype));
   } else {
     s.expert_y = Tensor::empty(s.config.dtype, s.dispatched.num_rows(), H);
     expert_y = s.expert_y.view();

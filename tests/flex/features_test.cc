@@ -108,7 +108,7 @@ TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
     const int r = w.rank();
     DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 8};
     cfg.num_worst_tokens = kWorst;
-    MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
+    MOED_ASSIGN_OR_RETURN(auto d, make_flex(w, cfg));
     MOED_ASSIGN_OR_RETURN(auto want, reference_dispatch(p.ref));
     const ReferenceRankDispatch& ref = want[size_t(r)];
     const int64_t exact = ref.expert_input.x.rows();
@@ -142,7 +142,7 @@ TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
                                 str_cat("rank ", r, ": cached dispatch differs")));
 
     // Experts write y = 2 * x straight into the shared combine buffer.
-    MOED_ASSIGN_OR_RETURN(TensorView y, flex_expert_output_buffer(*d, *out.handle, DType::kF32));
+    MOED_ASSIGN_OR_RETURN(TensorView y, d->expert_output_buffer(*out.handle, DType::kF32));
     for (int64_t i = 0; i < kWorst; ++i) {
       for (int64_t h = 0; h < 256; ++h) {
         y.row<float>(i)[h] = 2.0f * bf16_to_float(first.row<bf16>(i)[h]);

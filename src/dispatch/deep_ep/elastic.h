@@ -22,10 +22,10 @@ struct ElasticBuffer::State {
   // num_worst_tokens): making one is collective, and every rank asks for the same one after
   // the call's agreement.
   using FlexKey = std::tuple<int, int, int64_t>;
-  std::map<FlexKey, std::unique_ptr<TokenDispatcher>> flex;
+  std::map<FlexKey, std::unique_ptr<FlexDispatcher>> flex;
   int scaleout = 1, scaleup = 1;  // the logical domains
 
-  StatusOr<TokenDispatcher*> flex_for(const FlexKey& key);
+  StatusOr<FlexDispatcher*> flex_for(const FlexKey& key);
 };
 
 // What one dispatch call is, every field agreed across ranks.

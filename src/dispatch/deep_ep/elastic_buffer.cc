@@ -84,7 +84,7 @@ int64_t worst_expanded_rows(const ElasticCall& c, int R) {
 
 }  // namespace
 
-StatusOr<TokenDispatcher*> ElasticBuffer::State::flex_for(const FlexKey& key) {
+StatusOr<FlexDispatcher*> ElasticBuffer::State::flex_for(const FlexKey& key) {
   auto it = flex.find(key);
   if (it != flex.end()) return it->second.get();
   DispatchConfig cfg;
@@ -92,7 +92,7 @@ StatusOr<TokenDispatcher*> ElasticBuffer::State::flex_for(const FlexKey& key) {
   cfg.num_experts = std::get<0>(key);
   cfg.layout.expert_alignment = std::get<1>(key);
   cfg.num_worst_tokens = std::get<2>(key);
-  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, make_flex_dispatcher(*world, cfg));
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<FlexDispatcher> d, make_flex(*world, cfg));
   return (flex[key] = std::move(d)).get();
 }
 
@@ -224,7 +224,7 @@ StatusOr<ElasticDispatchOutput> ElasticBuffer::dispatch(const ElasticDispatchInp
     out.storage = d.storage;
   } else {
     const int64_t worst = call.cpu_sync ? 0 : worst_expanded_rows(call, R);
-    MOED_ASSIGN_OR_RETURN(TokenDispatcher * flex,
+    MOED_ASSIGN_OR_RETURN(FlexDispatcher * flex,
                           s.flex_for({call.num_experts, call.alignment,
                                       cached ? cached->expand_worst_rows : worst}));
     DispatchInput din;
@@ -316,7 +316,7 @@ StatusOr<ElasticCombineOutput> ElasticBuffer::combine(const ElasticCombineInput&
     out.out = c.out;
     return out;
   }
-  MOED_ASSIGN_OR_RETURN(TokenDispatcher * flex,
+  MOED_ASSIGN_OR_RETURN(FlexDispatcher * flex,
                         s.flex_for({h->num_experts, h->expert_alignment, h->expand_worst_rows}));
   OrderedCombineInput fin;
   fin.rows = in.x;

@@ -30,7 +30,7 @@ bool scalars_of_any_rank(const AgreedTable& t, int world_size, int field, int64_
 }  // namespace
 
 template <class Step>
-void FlexDispatcher::start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle,
+void Dispatcher::start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle,
                                 const char* name, const TensorView& rows, bool expert_side) {
   step = Step{};
   step.handle = own_handle(handle, &step.local);
@@ -43,14 +43,14 @@ void FlexDispatcher::start_step(Step& step, const std::shared_ptr<const Dispatch
 }
 
 template <class Step>
-StatusOr<Step> FlexDispatcher::finish_step(Step& step, const char* name) {
+StatusOr<Step> Dispatcher::finish_step(Step& step, const char* name) {
   MOED_RETURN_IF_ERROR(finished(step.op, name));
   return std::exchange(step, Step{});
 }
 
 // ---- combine ----
 
-Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
+Status Dispatcher::combine_preprocess(const CombineInput& input) {
   CombineStep& c = combine_;
   start_step(c, input.handle, "expert_output", input.expert_output.x, true);
   if (c.local.ok() && input.out) {
@@ -63,12 +63,12 @@ Status FlexDispatcher::combine_preprocess(const CombineInput& input) {
   return ok_status();  // agreed in token_combine, so every rank reports the same error
 }
 
-StatusOr<Request> FlexDispatcher::token_combine(bool async) {
+StatusOr<Request> Dispatcher::token_combine(bool async) {
   return run(async, combine_, "token_combine before combine_preprocess",
              [this] { return combine_body(); });
 }
 
-Status FlexDispatcher::combine_body() {
+Status Dispatcher::combine_body() {
   CombineStep& c = combine_;
   const AgreedField fields[] = {
       {"expert_output dtype", int64_t(c.rows.dtype), AgreedField::kAgreeDType}};
@@ -84,14 +84,14 @@ Status FlexDispatcher::combine_body() {
   return pull_step(h, c.rows, {}, spec, kTagCombine);
 }
 
-StatusOr<CombineOutput> FlexDispatcher::combine_postprocess() {
+StatusOr<CombineOutput> Dispatcher::combine_postprocess() {
   MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, "token_combine"));
   return CombineOutput{std::move(c.out), c.handle->routing.prob_sums(), c.user_out};
 }
 
 // ---- DeepEP V2's combine order (flex_ordered_combine) ----
 
-StatusOr<OrderedCombineOutput> FlexDispatcher::ordered_combine(
+StatusOr<OrderedCombineOutput> Dispatcher::ordered_combine(
     std::shared_ptr<const DispatchHandle> handle, const OrderedCombineInput& in) {
   Status local = in.caller_error;
   std::shared_ptr<const FlexHandle> h;
@@ -139,7 +139,7 @@ StatusOr<OrderedCombineOutput> FlexDispatcher::ordered_combine(
 
 // ---- backward of dispatch: an unweighted combine of the row gradients ----
 
-Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) {
+Status Dispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) {
   DispatchBackwardStep& g = dispatch_grad_;
   start_step(g, grad.handle, "grad_expert_input", grad.grad_expert_input, true);
   if (g.local.ok() && !grad.grad_permuted_probs.empty() &&
@@ -152,12 +152,12 @@ Status FlexDispatcher::dispatch_postprocess_backward(const DispatchGradInput& gr
   return ok_status();
 }
 
-StatusOr<Request> FlexDispatcher::token_dispatch_backward(bool async) {
+StatusOr<Request> Dispatcher::token_dispatch_backward(bool async) {
   return run(async, dispatch_grad_, "token_dispatch_backward before dispatch_postprocess_backward",
              [this] { return dispatch_backward_body(); });
 }
 
-Status FlexDispatcher::dispatch_backward_body() {
+Status Dispatcher::dispatch_backward_body() {
   DispatchBackwardStep& g = dispatch_grad_;
   // NOTE: a rank with no rows passes no grad_permuted_probs even when the others do, so the
   // prob gradients flow when any rank gives them (missing ones count as zeros).
@@ -180,7 +180,7 @@ Status FlexDispatcher::dispatch_backward_body() {
   return pull_step(h, g.rows, scalars, spec, kTagDispatchBackward);
 }
 
-StatusOr<DispatchGrad> FlexDispatcher::dispatch_preprocess_backward() {
+StatusOr<DispatchGrad> Dispatcher::dispatch_preprocess_backward() {
   MOED_ASSIGN_OR_RETURN(DispatchBackwardStep g,
                         finish_step(dispatch_grad_, "token_dispatch_backward"));
   return DispatchGrad{std::move(g.out), std::move(g.probs)};
@@ -188,7 +188,7 @@ StatusOr<DispatchGrad> FlexDispatcher::dispatch_preprocess_backward() {
 
 // ---- backward of combine: a dispatch of grad_out (times the prob when weighted) ----
 
-Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
+Status Dispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
   CombineBackwardStep& g = combine_grad_;
   start_step(g, grad.handle, "grad_hidden", grad.grad_hidden, false);
   if (g.local.ok() && config_.weighted_combine) {
@@ -200,12 +200,12 @@ Status FlexDispatcher::combine_postprocess_backward(const CombineGradInput& grad
   return ok_status();
 }
 
-StatusOr<Request> FlexDispatcher::token_combine_backward(bool async) {
+StatusOr<Request> Dispatcher::token_combine_backward(bool async) {
   return run(async, combine_grad_, "token_combine_backward before combine_postprocess_backward",
              [this] { return combine_backward_body(); });
 }
 
-Status FlexDispatcher::combine_backward_body() {
+Status Dispatcher::combine_backward_body() {
   CombineBackwardStep& g = combine_grad_;
   const bool weighted = config_.weighted_combine;
   const AgreedField fields[] = {
@@ -233,7 +233,7 @@ Status FlexDispatcher::combine_backward_body() {
   return pull_step(h, g.rows, {}, pspec, kTagProbGrad);
 }
 
-StatusOr<CombineGrad> FlexDispatcher::combine_preprocess_backward() {
+StatusOr<CombineGrad> Dispatcher::combine_preprocess_backward() {
   MOED_ASSIGN_OR_RETURN(CombineBackwardStep g,
                         finish_step(combine_grad_, "token_combine_backward"));
   return CombineGrad{std::move(g.out), std::move(g.probs)};
@@ -241,7 +241,7 @@ StatusOr<CombineGrad> FlexDispatcher::combine_preprocess_backward() {
 
 // Pull: publish this rank's rows (and scalars) to its node, fold, then hold the rows until
 // every local reader is done with them (the caller may free them when the step returns).
-Status FlexDispatcher::pull_step(const FlexHandle& h, const TensorView& rows,
+Status Dispatcher::pull_step(const FlexHandle& h, const TensorView& rows,
                                  std::span<const float> scalars, PullSpec spec, int tag) {
   const int G = topo_.ranks_per_node, me = topo_.local_rank;
   PullSource mine;

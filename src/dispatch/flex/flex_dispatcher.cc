@@ -36,7 +36,7 @@
 // and returns a completed request.
 // Combine reads the expert outputs where they are when the world shares one address space
 // (threads); otherwise (MPI) they are copied into a shared region first (counted), unless the
-// experts wrote them into flex_expert_output_buffer().
+// experts wrote them into expert_output_buffer().
 #include "dispatch/flex/flex_dispatcher.h"
 
 #include <algorithm>
@@ -85,15 +85,15 @@ constexpr const char* kCachedModeName =
 
 }  // namespace
 
-FlexDispatcher::FlexDispatcher(World& world, const DispatchConfig& config)
-    : TokenDispatcher(world, config),
+Dispatcher::Dispatcher(World& world, const DispatchConfig& config)
+    : moed::FlexDispatcher(world, config),
       id_(g_next_dispatcher_id.fetch_add(1)),
       topo_(Topology::of(world, config)),
       in_place_(world.shares_address_space()) {}
 
 // ---- dispatch ----
 
-Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
+Status Dispatcher::dispatch_preprocess(const DispatchInput& input) {
   dispatch_ = DispatchStep{};
   DispatchStep& d = dispatch_;
   d.rows = input.hidden;
@@ -116,12 +116,12 @@ Status FlexDispatcher::dispatch_preprocess(const DispatchInput& input) {
   return ok_status();  // the verdict is agreed in token_dispatch's one collective
 }
 
-StatusOr<Request> FlexDispatcher::token_dispatch(bool async) {
+StatusOr<Request> Dispatcher::token_dispatch(bool async) {
   return run(async, dispatch_, "token_dispatch before dispatch_preprocess",
              [this] { return dispatch_body(); });
 }
 
-StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
+StatusOr<DispatchOutput> Dispatcher::dispatch_postprocess() {
   DispatchStep& d = dispatch_;
   MOED_RETURN_IF_ERROR(finished(d.op, "token_dispatch"));
   std::shared_ptr<const FlexHandle> h = d.cached ? d.cached : d.fresh;
@@ -149,7 +149,7 @@ StatusOr<DispatchOutput> FlexDispatcher::dispatch_postprocess() {
   return out;
 }
 
-Status FlexDispatcher::dispatch_body() {
+Status Dispatcher::dispatch_body() {
   DispatchStep& d = dispatch_;
   std::vector<int64_t> counts(notify_row_width(topo_), 0);
   if (d.local.ok() && !d.cached_mode) {
@@ -216,7 +216,7 @@ Status FlexDispatcher::dispatch_body() {
 
 // ---- shared by the steps ----
 
-StatusOr<Request> FlexDispatcher::run(bool async, StepState& step, const char* not_staged,
+StatusOr<Request> Dispatcher::run(bool async, StepState& step, const char* not_staged,
                                       std::function<Status()> body) {
   if (!step.staged) return failed_precondition(not_staged);
   step.staged = false;
@@ -231,13 +231,13 @@ StatusOr<Request> FlexDispatcher::run(bool async, StepState& step, const char* n
   return completed_request();
 }
 
-Status FlexDispatcher::finished(const std::shared_ptr<OpState>& state, const char* step) {
+Status Dispatcher::finished(const std::shared_ptr<OpState>& state, const char* step) {
   if (!state) return failed_precondition(step, " has not run");
   if (!state->done) return failed_precondition(step, "(async = true) was not waited on");
   return state->status;
 }
 
-std::shared_ptr<const FlexHandle> FlexDispatcher::own_handle(
+std::shared_ptr<const FlexHandle> Dispatcher::own_handle(
     const std::shared_ptr<const DispatchHandle>& handle, Status* local) const {
   auto h = std::dynamic_pointer_cast<const FlexHandle>(handle);
   *local = ok_status();
@@ -248,7 +248,7 @@ std::shared_ptr<const FlexHandle> FlexDispatcher::own_handle(
   return h;
 }
 
-Status FlexDispatcher::check_cached(const DispatchInput& input) {
+Status Dispatcher::check_cached(const DispatchInput& input) {
   auto h = std::dynamic_pointer_cast<const FlexHandle>(input.cached_handle);
   if (h == nullptr || h->dispatcher_id != id_) {
     return invalid_argument("cached_handle was not made by this Flex dispatcher");
@@ -276,7 +276,7 @@ Status FlexDispatcher::check_cached(const DispatchInput& input) {
 }
 
 // Rows of the largest output among this node's ranks: every local segment has this many.
-int64_t FlexDispatcher::node_cap_rows(const FlexHandle& h) const {
+int64_t Dispatcher::node_cap_rows(const FlexHandle& h) const {
   int64_t cap = 0;
   for (int lr = 0; lr < topo_.ranks_per_node; ++lr) {
     const int r = topo_.node * topo_.ranks_per_node + lr;
@@ -285,16 +285,16 @@ int64_t FlexDispatcher::node_cap_rows(const FlexHandle& h) const {
   }
   return cap;
 }
-size_t FlexDispatcher::pull_scalars_off(const FlexHandle& h, DType dt) const {
+size_t Dispatcher::pull_scalars_off(const FlexHandle& h, DType dt) const {
   return (size_t(node_cap_rows(h)) * dtype_row_bytes(dt, h.hidden) + 63) / 64 * 64;
 }
-size_t FlexDispatcher::pull_bytes(const FlexHandle& h, DType dt) const {
+size_t Dispatcher::pull_bytes(const FlexHandle& h, DType dt) const {
   return std::max<size_t>(64, pull_scalars_off(h, dt) + size_t(node_cap_rows(h)) * sizeof(float));
 }
 
 // Push: remote messages out first, local copies while they travel, forwarded rows last;
 // then one signal per (writer, owner) pair.
-Status FlexDispatcher::push_step(const DispatchContext& ctx, const PushSpec& spec, int tag) {
+Status Dispatcher::push_step(const DispatchContext& ctx, const PushSpec& spec, int tag) {
   RemoteOps remote;
   if (topo_.num_nodes > 1) {
     MOED_ASSIGN_OR_RETURN(remote, push_remote_start(ctx, spec, tag));
@@ -306,16 +306,15 @@ Status FlexDispatcher::push_step(const DispatchContext& ctx, const PushSpec& spe
   return signals_.wait_all(epoch_);
 }
 
-// flex_expert_output_buffer (moed/flex.h).
-StatusOr<TensorView> FlexDispatcher::expert_output_buffer(const DispatchHandle& handle,
-                                                          DType dtype) {
+// FlexDispatcher::expert_output_buffer (moed/flex.h).
+StatusOr<TensorView> Dispatcher::expert_output_buffer(const DispatchHandle& handle, DType dtype) {
   const auto* h = dynamic_cast<const FlexHandle*>(&handle);
   if (h == nullptr || h->dispatcher_id != id_) {
     return invalid_argument(
-        "flex_expert_output_buffer: the handle was not made by this dispatcher");
+        "expert_output_buffer: the handle was not made by this dispatcher");
   }
   if (dtype != DType::kF32 && dtype != DType::kBF16) {
-    return invalid_argument("flex_expert_output_buffer: dtype ", dtype_name(dtype),
+    return invalid_argument("expert_output_buffer: dtype ", dtype_name(dtype),
                             " is not f32 or bf16");
   }
   MOED_RETURN_IF_ERROR(pull_region_.ensure(*world_, pull_bytes(*h, dtype)));
@@ -325,8 +324,7 @@ StatusOr<TensorView> FlexDispatcher::expert_output_buffer(const DispatchHandle& 
 
 }  // namespace flex
 
-StatusOr<std::unique_ptr<TokenDispatcher>> make_flex_dispatcher(World& world,
-                                                                const DispatchConfig& config) {
+StatusOr<std::unique_ptr<FlexDispatcher>> make_flex(World& world, const DispatchConfig& config) {
   const int G = world.ranks_per_node(), P = config.etp_size;
   Status local;
   if (world.num_nodes() > 1 && G % P != 0) {
@@ -345,27 +343,34 @@ StatusOr<std::unique_ptr<TokenDispatcher>> make_flex_dispatcher(World& world,
         world.num_nodes());
   }
   MOED_RETURN_IF_ERROR(world.agree(local));
-  auto d = std::make_unique<flex::FlexDispatcher>(world, config);
+  auto d = std::make_unique<flex::Dispatcher>(world, config);
   MOED_RETURN_IF_ERROR(d->init());
-  return std::unique_ptr<TokenDispatcher>(std::move(d));
+  return std::unique_ptr<FlexDispatcher>(std::move(d));
 }
 
-StatusOr<OrderedCombineOutput> flex_ordered_combine(TokenDispatcher& dispatcher,
+StatusOr<std::unique_ptr<FlexDispatcher>> FlexDispatcher::make(World& world,
+                                                               const DispatchConfig& config) {
+  // As TokenDispatcher::create: a bad config on any rank is an error on every rank.
+  Status local = config.validate(world.size());
+  if (local.ok() && config.kind != DispatcherKind::kFlex) {
+    local = invalid_argument("FlexDispatcher::make: config.kind = '",
+                             dispatcher_kind_name(config.kind), "'; expected 'flex'");
+  }
+  MOED_RETURN_IF_ERROR(world.agree(local));
+  return make_flex(world, config);
+}
+
+StatusOr<std::unique_ptr<TokenDispatcher>> make_flex_dispatcher(World& world,
+                                                                const DispatchConfig& config) {
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<FlexDispatcher> flex, make_flex(world, config));
+  return std::unique_ptr<TokenDispatcher>(std::move(flex));
+}
+
+StatusOr<OrderedCombineOutput> flex_ordered_combine(FlexDispatcher& dispatcher,
                                                     std::shared_ptr<const DispatchHandle> handle,
                                                     const OrderedCombineInput& input) {
-  auto* d = dynamic_cast<flex::FlexDispatcher*>(&dispatcher);
-  if (d == nullptr) return invalid_argument("flex_ordered_combine needs a Flex dispatcher");
-  return d->ordered_combine(std::move(handle), input);
-}
-
-StatusOr<TensorView> flex_expert_output_buffer(TokenDispatcher& dispatcher,
-                                               const DispatchHandle& handle, DType dtype) {
-  auto* d = dynamic_cast<flex::FlexDispatcher*>(&dispatcher);
-  if (d == nullptr) {
-    return invalid_argument("flex_expert_output_buffer needs a Flex dispatcher, not '",
-                            dispatcher_kind_name(dispatcher.config().kind), "'");
-  }
-  return d->expert_output_buffer(handle, dtype);
+  // flex::Dispatcher is FlexDispatcher's one implementation (final).
+  return static_cast<flex::Dispatcher&>(dispatcher).ordered_combine(std::move(handle), input);
 }
 
 }  // namespace moed

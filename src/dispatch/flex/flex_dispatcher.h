@@ -1,6 +1,6 @@
 // Internal: the Flex dispatcher's entry points for the rest of the library (its class and
-// phases stay in this folder): the factory TokenDispatcher::create calls (DeepEP's design,
-// design.md §5) and DeepEP V2's ordered combine, which ElasticBuffer calls.
+// phases stay in this folder): the factory TokenDispatcher::create and FlexDispatcher::make call
+// (DeepEP's design, design.md §5) and DeepEP V2's ordered combine, which ElasticBuffer calls.
 #pragma once
 
 #include <memory>
@@ -10,9 +10,14 @@
 
 #include "moed/combine_recipe.h"
 #include "moed/dispatcher.h"
+#include "moed/flex.h"
 
 namespace moed {
 
+// The config is valid and agreed (TokenDispatcher::create and FlexDispatcher::make check it):
+// the Flex dispatcher, as its own type and as a TokenDispatcher (the factory create and the
+// tests' harness take).
+StatusOr<std::unique_ptr<FlexDispatcher>> make_flex(World& world, const DispatchConfig& config);
 StatusOr<std::unique_ptr<TokenDispatcher>> make_flex_dispatcher(World& world,
                                                                 const DispatchConfig& config);
 
@@ -33,7 +38,7 @@ struct OrderedCombineOutput {
   Tensor combined;                  // [T, H]; empty when out was given
   std::vector<float> slot_weights;  // [T, K] when row_weights were given (any rank), else empty
 };
-StatusOr<OrderedCombineOutput> flex_ordered_combine(TokenDispatcher& dispatcher,
+StatusOr<OrderedCombineOutput> flex_ordered_combine(FlexDispatcher& dispatcher,
                                                     std::shared_ptr<const DispatchHandle> handle,
                                                     const OrderedCombineInput& input);
 

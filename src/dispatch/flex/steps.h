@@ -13,6 +13,7 @@
 
 #include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/flex/flex_internal.h"
+#include "moed/flex.h"
 
 namespace moed::flex {
 
@@ -58,9 +59,9 @@ inline size_t dispatch_agreement_width(const Topology& topo) {
   return 1 + 6 + notify_row_width(topo);
 }
 
-class FlexDispatcher final : public TokenDispatcher {
+class Dispatcher final : public moed::FlexDispatcher {
  public:
-  FlexDispatcher(World& world, const DispatchConfig& config);
+  Dispatcher(World& world, const DispatchConfig& config);
   Status init() { return signals_.init(*world_); }
 
   Status dispatch_preprocess(const DispatchInput& input) override;
@@ -76,8 +77,7 @@ class FlexDispatcher final : public TokenDispatcher {
   StatusOr<Request> token_combine_backward(bool async) override;
   StatusOr<CombineGrad> combine_preprocess_backward() override;
 
-  // flex_expert_output_buffer (moed/flex.h).
-  StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype);
+  StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype) override;
   // flex_ordered_combine (flex_dispatcher.h): DeepEP V2's combine order, one synchronous call.
   StatusOr<OrderedCombineOutput> ordered_combine(std::shared_ptr<const DispatchHandle> handle,
                                                  const OrderedCombineInput& input);
