@@ -91,9 +91,6 @@ struct NormalDispatchInput {
   std::shared_ptr<const NormalHandle> handle;
   int expert_alignment = 1;
   int64_t num_worst_tokens = 0;  // > 0: recv_x has this many rows (the rest zero)
-  // An error the caller found in its own arguments (a binding's parsing): reported on every
-  // rank through the call's first collective instead of leaving the other ranks waiting.
-  Status caller_error = Status();
   // Optional caller-owned rows of recv_x (moed's extension): [num_rows, H] of x's dtype,
   // row_stride >= H, not overlapping x. num_rows must be known before the count exchange, so
   // this needs num_worst_tokens > 0 or a cached handle. Each row is stored there once: in the
@@ -125,7 +122,6 @@ struct NormalCombineInput {
   int num_topk = 0;
   TensorView bias_0, bias_1;  // optional [T, H] f32 or bf16 (home side)
   std::shared_ptr<const NormalHandle> handle;
-  Status caller_error = Status();  // as in NormalDispatchInput
   // DeepEP V2's order instead of the ranks ascending (ElasticBuffer): each rank's row stands
   // at its last top-k slot of `order_topk` (the dispatch's routing, [T, K]) and the rows are
   // summed by `recipe` (moed/combine_recipe.h); combined_topk_weights then give each slot the
@@ -158,8 +154,13 @@ class NormalBuffer {
 
   // Local: DeepEP's layout (num_tokens_per_node = per RDMA rank) from this rank's top-k.
   StatusOr<DispatchLayout> get_dispatch_layout(const TopkView& topk, int num_experts) const;
-  StatusOr<NormalDispatchOutput> dispatch(const NormalDispatchInput& input);
-  StatusOr<NormalCombineOutput> combine(const NormalCombineInput& input);
+  // caller_error: an error the caller found in its own arguments (a binding's parsing),
+  // reported on every rank through the call's first collective instead of leaving the other
+  // ranks waiting.
+  StatusOr<NormalDispatchOutput> dispatch(const NormalDispatchInput& input,
+                                          const Status& caller_error = Status());
+  StatusOr<NormalCombineOutput> combine(const NormalCombineInput& input,
+                                        const Status& caller_error = Status());
 
   World& world() const;
 

@@ -88,7 +88,6 @@ struct ElasticDispatchInput {
   std::optional<bool> do_cpu_sync;
   std::shared_ptr<const ElasticHandle> handle;  // cached mode
   std::span<int32_t> cumulative_local_expert_recv_stats;  // [L] or empty: += the real counts
-  Status caller_error = Status();  // a binding's parse error, reported on every rank
 };
 
 struct ElasticDispatchOutput {
@@ -108,7 +107,6 @@ struct ElasticCombineInput {
   const float* topk_weights = nullptr;
   TensorView bias_0, bias_1;  // optional [T, H], x's dtype
   std::shared_ptr<const ElasticHandle> handle;
-  Status caller_error = Status();
   std::optional<TensorView> out = std::nullopt;  // optional caller-owned [T, H]
 };
 
@@ -135,8 +133,11 @@ class ElasticBuffer {
   // The combine recipe of this buffer for a layout (DeepEP's choice).
   CombineRecipe recipe(bool do_expand) const;
 
-  StatusOr<ElasticDispatchOutput> dispatch(const ElasticDispatchInput& input);
-  StatusOr<ElasticCombineOutput> combine(const ElasticCombineInput& input);
+  // caller_error: a binding's parse error, reported on every rank (as NormalBuffer's).
+  StatusOr<ElasticDispatchOutput> dispatch(const ElasticDispatchInput& input,
+                                           const Status& caller_error = Status());
+  StatusOr<ElasticCombineOutput> combine(const ElasticCombineInput& input,
+                                         const Status& caller_error = Status());
 
   const ElasticConfig& config() const;
   World& world() const;

@@ -63,9 +63,6 @@ struct LowLatencyDispatchInput {
   bool use_fp8 = false;               // cast to FP8 E4M3 on the sending side, per 128 channels
   bool round_scale = false;           // FP8 scales rounded up to powers of two (UE8M0)
   bool return_recv_hook = false;      // return after the send phase; hook->wait() receives
-  // An error the caller found in its own arguments (a binding's parsing): reported on every
-  // rank through the call's agreement, which it makes anyway, so no rank waits for it.
-  Status caller_error = Status();
 };
 
 // Views of memory the output owns: valid and unchanged while any copy of `storage` is held,
@@ -114,7 +111,6 @@ struct LowLatencyCombineInput {
   const TopkRouting* topk = nullptr;  // the dispatch's topk_idx and the topk_weights
   std::shared_ptr<const LowLatencyHandle> handle;
   bool return_recv_hook = false;
-  Status caller_error = Status();  // as in LowLatencyDispatchInput
   // Optional caller-owned [T, H] bf16 (row_stride >= H; DeepEP's `out`): the receive stores
   // each token's sum there. With a hook it is written when the hook runs, so it must stay
   // valid until then.
@@ -149,10 +145,15 @@ class LowLatencyBuffer {
 
   // Collective. Sends each token's row to the ranks of its experts (in-node: a copy into the
   // receiver's slots; other nodes: the network), then receives (now, or in the hook).
-  StatusOr<LowLatencyDispatchOutput> low_latency_dispatch(const LowLatencyDispatchInput& input);
+  // caller_error: an error the caller found in its own arguments (a binding's parsing),
+  // reported on every rank through the call's agreement, which it makes anyway, so no rank
+  // waits for it.
+  StatusOr<LowLatencyDispatchOutput> low_latency_dispatch(const LowLatencyDispatchInput& input,
+                                                          const Status& caller_error = Status());
   // Collective. Sends every received row's expert output back to its home rank, then
-  // receives and reduces (now, or in the hook).
-  StatusOr<LowLatencyCombineOutput> low_latency_combine(const LowLatencyCombineInput& input);
+  // receives and reduces (now, or in the hook). caller_error: as in low_latency_dispatch.
+  StatusOr<LowLatencyCombineOutput> low_latency_combine(const LowLatencyCombineInput& input,
+                                                        const Status& caller_error = Status());
 
   // Collective (DeepEP's clean_low_latency_buffer): a barrier; in shrink mode over the unmasked
   // ranks only, masking those that do not come within the shrink timeout.

@@ -1,8 +1,8 @@
 // How the bindings turn Python arguments into a C++ call's input so that a bad argument on one
 // rank is every rank's error: the parsing runs inside parse_collectively, which keeps the
 // Python exception (raised again on this rank after the call) and hands the C++ call a
-// Status (the input's caller_error). The call reports that status to every other rank through
-// its first collective, so nobody waits for a rank that could not even start.
+// Status (the call's caller_error argument). The call reports that status to every other rank
+// through its first collective, so nobody waits for a rank that could not even start.
 #pragma once
 
 #include <pybind11/pybind11.h>

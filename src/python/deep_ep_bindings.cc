@@ -69,7 +69,7 @@ NormalDispatchResult normal_dispatch(DeepEpBox& b, const NormalDispatchArgs& a) 
   in.num_worst_tokens = a.num_worst_tokens;
   py::object keep_scales, keep_idx, keep_weights;
   std::exception_ptr error;
-  in.caller_error = parse_collectively(
+  const Status parsed = parse_collectively(
       [&] {
         in.x = token_rows_arg(a.x, a.x_scales, "x", kPayload, keep_scales);
         if (!a.out.is_none()) in.out = rows_arg(a.out, "out", kPayload);
@@ -99,7 +99,7 @@ NormalDispatchResult normal_dispatch(DeepEpBox& b, const NormalDispatchArgs& a) 
       &error);
   if (error) in.handle.reset();
   deep_ep::NormalBuffer& nb = b.normal();
-  deep_ep::NormalDispatchOutput out = finish(nogil([&] { return nb.dispatch(in); }), error);
+  deep_ep::NormalDispatchOutput out = finish(nogil([&] { return nb.dispatch(in, parsed); }), error);
   NormalDispatchResult r;
   r.recv_x = in.out ? a.out : to_torch(out.recv_x.x, out.storage);
   r.recv_x_scales = out.recv_x.has_scales() ? to_torch(out.recv_x.scales, out.storage) : py::none();
@@ -124,7 +124,7 @@ NormalCombineResult normal_combine(DeepEpBox& b, const NormalCombineArgs& a) {
   deep_ep::NormalCombineInput in;
   py::object keep_weights;
   std::exception_ptr error;
-  in.caller_error = parse_collectively(
+  const Status parsed = parse_collectively(
       [&] {
         in.handle = a.handle.cast<NormalHandleBox&>().h;
         in.x = rows_arg(a.x, "x", kFloatRows);
@@ -142,7 +142,7 @@ NormalCombineResult normal_combine(DeepEpBox& b, const NormalCombineArgs& a) {
       &error);
   if (error) in.handle.reset();
   deep_ep::NormalBuffer& nb = b.normal();
-  deep_ep::NormalCombineOutput out = finish(nogil([&] { return nb.combine(in); }), error);
+  deep_ep::NormalCombineOutput out = finish(nogil([&] { return nb.combine(in, parsed); }), error);
   NormalCombineResult r;
   const int64_t T = out.result().rows;
   r.combined_topk_weights =

@@ -116,7 +116,7 @@ ElasticDispatchResult elastic_dispatch(ElasticBox& b, const ElasticDispatchArgs&
   std::shared_ptr<Tensor> unpacked;
   bool ue8m0 = false;
   std::exception_ptr error;
-  in.caller_error = parse_collectively(
+  const Status parsed = parse_collectively(
       [&] {
         py::object scales = a.x_scales;
         if (!scales.is_none() && tensor_info(scales, "x scales").type == ElemType::kI32) {
@@ -147,7 +147,7 @@ ElasticDispatchResult elastic_dispatch(ElasticBox& b, const ElasticDispatchArgs&
       &error, "handle must be the EPHandle of an ElasticBuffer dispatch");
   if (error) in.handle.reset();
   deep_ep::ElasticBuffer& eb = b.get();
-  deep_ep::ElasticDispatchOutput out = finish(nogil([&] { return eb.dispatch(in); }), error);
+  deep_ep::ElasticDispatchOutput out = finish(nogil([&] { return eb.dispatch(in, parsed); }), error);
   const deep_ep::ElasticHandle& h = *out.handle;
   ElasticDispatchResult r;
   const int64_t rows = out.recv_x.x.rows, K = h.num_topk;
@@ -177,7 +177,7 @@ ElasticDispatchResult elastic_dispatch(ElasticBox& b, const ElasticDispatchArgs&
 ElasticCombineResult elastic_combine(ElasticBox& b, const ElasticCombineArgs& a) {
   deep_ep::ElasticCombineInput in;
   std::exception_ptr error;
-  in.caller_error = parse_collectively(
+  const Status parsed = parse_collectively(
       [&] {
         in.handle = a.handle.cast<ElasticHandleBox&>().h;
         in.x = rows_arg(a.x, "x", {DType::kF32, DType::kBF16});
@@ -197,7 +197,7 @@ ElasticCombineResult elastic_combine(ElasticBox& b, const ElasticCombineArgs& a)
       &error, "handle must be the EPHandle of an ElasticBuffer dispatch");
   if (error) in.handle.reset();
   deep_ep::ElasticBuffer& eb = b.get();
-  deep_ep::ElasticCombineOutput out = finish(nogil([&] { return eb.combine(in); }), error);
+  deep_ep::ElasticCombineOutput out = finish(nogil([&] { return eb.combine(in, parsed); }), error);
   ElasticCombineResult r;
   const int64_t T = out.result().rows;
   r.combined_x = in.out ? a.out : to_torch(std::move(out.combined_x));

@@ -148,9 +148,9 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
                              .topk = &topk,
                              .use_fp8 = a.use_fp8,
                              .round_scale = a.round_scale,
-                             .return_recv_hook = a.return_recv_hook,
-                             .caller_error = parsed};
-  LowLatencyDispatchOutput out = check(nogil([&] { return ll.low_latency_dispatch(in); }));
+                             .return_recv_hook = a.return_recv_hook};
+  LowLatencyDispatchOutput out =
+      check(nogil([&] { return ll.low_latency_dispatch(in, parsed); }));
   const int L = out.num_local_experts;
   const int64_t RM = out.rows_per_expert, H = hidden;
   std::shared_ptr<void> owner = out.storage;
@@ -254,10 +254,9 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
                             .topk = topk.get(),
                             .handle = hb.h,
                             .return_recv_hook = a.return_recv_hook,
-                            .caller_error = parsed,
                             .out = outv,
                             .order = order};
-  LowLatencyCombineOutput out = check(nogil([&] { return ll.low_latency_combine(in); }));
+  LowLatencyCombineOutput out = check(nogil([&] { return ll.low_latency_combine(in, parsed); }));
   LowLatencyCombineResult r;
   if (outv) {
     r.combined_x = a.out;

@@ -296,8 +296,7 @@ Status run_case(World& w, const Problem& p, bool check_meta = true) {
                                  .num_topk = K,
                                  .bias_0 = p.bias0[size_t(r)].view(),
                                  .bias_1 = p.bias1[size_t(r)].view(),
-                                 .handle = d.handle,
-                                 .caller_error = {}};
+                                 .handle = d.handle};
   MOED_ASSIGN_OR_RETURN(deep_ep::NormalCombineOutput out, buf->combine(cb));
   const int64_t T = p.c.tokens[size_t(r)];
   for (int64_t t = 0; t < T; ++t) {

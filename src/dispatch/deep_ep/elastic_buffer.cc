@@ -129,12 +129,13 @@ CombineRecipe ElasticBuffer::recipe(bool do_expand) const {
   return {!do_expand, false};
 }
 
-StatusOr<ElasticDispatchOutput> ElasticBuffer::dispatch(const ElasticDispatchInput& in) {
+StatusOr<ElasticDispatchOutput> ElasticBuffer::dispatch(const ElasticDispatchInput& in,
+                                                       const Status& caller_error) {
   State& s = *state_;
   World& w = *s.world;
   const int R = w.size();
   ElasticCall call;
-  Status local = in.caller_error;
+  Status local = caller_error;
   if (local.ok()) local = check_call(s, in, &call);
   // The non-expanded layout is this rank's part of the count exchange: computed (and the
   // routing checked) before the agreement, so a bad index is every rank's error.
@@ -278,10 +279,11 @@ StatusOr<ElasticDispatchOutput> ElasticBuffer::dispatch(const ElasticDispatchInp
   return out;
 }
 
-StatusOr<ElasticCombineOutput> ElasticBuffer::combine(const ElasticCombineInput& in) {
+StatusOr<ElasticCombineOutput> ElasticBuffer::combine(const ElasticCombineInput& in,
+                                                     const Status& caller_error) {
   State& s = *state_;
   const ElasticHandle* h = in.handle.get();
-  Status local = in.caller_error;
+  Status local = caller_error;
   if (local.ok() && (h == nullptr || h->world != s.world))
     local = invalid_argument("handle was not made by a dispatch over this buffer's group");
   // The layout is agreed on first, so every rank goes into the same engine.

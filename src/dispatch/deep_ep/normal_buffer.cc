@@ -162,12 +162,14 @@ Status pack_ue8m0(const TensorView& scales, std::span<int32_t> out) {
   return ok_status();
 }
 
-StatusOr<NormalDispatchOutput> NormalBuffer::dispatch(const NormalDispatchInput& input) {
-  return rm_dispatch(*state_, input);
+StatusOr<NormalDispatchOutput> NormalBuffer::dispatch(const NormalDispatchInput& input,
+                                                      const Status& caller_error) {
+  return rm_dispatch(*state_, input, caller_error);
 }
 
-StatusOr<NormalCombineOutput> NormalBuffer::combine(const NormalCombineInput& input) {
-  return rm_combine(*state_, input);
+StatusOr<NormalCombineOutput> NormalBuffer::combine(const NormalCombineInput& input,
+                                                    const Status& caller_error) {
+  return rm_combine(*state_, input, caller_error);
 }
 
 }  // namespace moed::deep_ep

@@ -71,8 +71,10 @@ struct NormalBuffer::State {
 };
 
 // Phases (rank_major_dispatch.cc / rank_major_combine.cc).
-StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in);
-StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in);
+StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in,
+                                           const Status& caller_error);
+StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in,
+                                         const Status& caller_error);
 // The data movement of both dispatch modes (rank_major_push.cc): x's rows (its dtype and
 // hidden size, the same on every rank), the top-k when topk.num_topk > 0, and with `plan`
 // (uncached mode) the source indices and the receive channel prefix matrix, whose forwarder

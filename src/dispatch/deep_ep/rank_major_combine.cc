@@ -49,8 +49,9 @@ Status check_order(const NormalHandle& h, const TopkView& topk) {
   return ok_status();
 }
 
-Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in) {
-  if (!in.caller_error.ok()) return in.caller_error;
+Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in,
+                     const Status& caller_error) {
+  if (!caller_error.ok()) return caller_error;
   MOED_RETURN_IF_ERROR(s.check_handle(in.handle.get()));
   const NormalHandle* h = in.handle.get();
   const int64_t rows = in.x.rows == h->num_recv_tokens ? h->num_recv_tokens : h->num_rows;
@@ -77,11 +78,12 @@ bool has(const TensorView& b) { return !(b.data == nullptr && b.rows == 0 && b.c
 
 }  // namespace
 
-StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in) {
+StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in,
+                                         const Status& caller_error) {
   World& w = *s.world;
   const flex::Topology& topo = s.topo;
   const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
-  const Status local = check_combine(s, in);
+  const Status local = check_combine(s, in, caller_error);
   // One collective: the verdicts and the values every rank must share.
   const int64_t mine[4] = {local.ok() ? 0 : 1, int64_t(in.x.dtype), in.num_topk, in.x.cols};
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,

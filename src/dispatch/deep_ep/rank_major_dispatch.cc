@@ -227,7 +227,8 @@ Status check_out_rows(const NormalDispatchInput& in) {
 
 }  // namespace
 
-StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in) {
+StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalDispatchInput& in,
+                                           const Status& caller_error) {
   World& w = *s.world;
   const int R = s.topo.num_ranks, N = s.topo.num_nodes;
   const bool cached = in.handle != nullptr;
@@ -237,7 +238,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
   const int E = s.num_experts;
   // First exchange, fixed size, so it works whatever a bad input looks like: [bad, cached, T,
   // H, dtype, K, alignment, worst, E]. Cached mode stops here (no count exchange).
-  Status local = in.caller_error;
+  Status local = caller_error;
   if (local.ok() && !cached && (E <= 0 || E % R != 0))
     local =
         invalid_argument("num_tokens_per_expert has ", E,

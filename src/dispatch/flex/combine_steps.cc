@@ -93,9 +93,8 @@ StatusOr<CombineOutput> Dispatcher::combine_postprocess() {
 
 StatusOr<OrderedCombineOutput> Dispatcher::ordered_combine(
     std::shared_ptr<const DispatchHandle> handle, const OrderedCombineInput& in) {
-  Status local = in.caller_error;
-  std::shared_ptr<const FlexHandle> h;
-  if (local.ok()) h = own_handle(handle, &local);
+  Status local;
+  std::shared_ptr<const FlexHandle> h = own_handle(handle, &local);
   if (local.ok()) local = check_float_rows("x", in.rows, h->num_rows, h->hidden);
   const int64_t T = h ? h->routing.num_tokens() : 0, H = in.rows.cols;
   if (local.ok() && topo_.etp_size != 1)

@@ -32,7 +32,6 @@ struct OrderedCombineInput {
   CombineRecipe recipe;
   int num_topk = 0;               // K of the weights' output
   std::optional<TensorView> out;  // optional caller-owned [T, H]
-  Status caller_error = Status();
 };
 struct OrderedCombineOutput {
   Tensor combined;                  // [T, H]; empty when out was given

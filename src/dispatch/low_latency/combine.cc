@@ -21,8 +21,9 @@ using low_latency::message_tag;
 using low_latency::MessageKind;
 using low_latency::SegmentLayout;
 
-Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineInput& in) {
-  if (!in.caller_error.ok()) return in.caller_error;
+Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
+                     const Status& caller_error) {
+  if (!caller_error.ok()) return caller_error;
   const SegmentLayout& lay = st.layout;
   const TensorView& x = in.x;
   const int64_t rows = int64_t(lay.num_local_experts) * lay.rows_per_expert();
@@ -180,12 +181,13 @@ StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffe
 }  // namespace
 
 StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
-    const LowLatencyCombineInput& in) {
+    const LowLatencyCombineInput& in, const Status& caller_error) {
   State& st = *state_;
   World& w = *st.world;
-  if (st.shrink) return low_latency::shrink_combine(state_, in, check_combine(st, in));
+  const Status local = check_combine(st, in, caller_error);
+  if (st.shrink) return low_latency::shrink_combine(state_, in, local);
   MOED_ASSIGN_OR_RETURN(std::vector<low_latency::PullSource> sources,
-                        agree_and_publish(st, in, check_combine(st, in)));
+                        agree_and_publish(st, in, local));
   // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
   // entered this combine, so it has reduced the combine two back out of this half.
 

@@ -22,8 +22,9 @@ using low_latency::message_tag;
 using low_latency::MessageKind;
 using low_latency::SegmentLayout;
 
-Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in) {
-  if (!in.caller_error.ok()) return in.caller_error;
+Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
+                      const Status& caller_error) {
+  if (!caller_error.ok()) return caller_error;
   const SegmentLayout& lay = st.layout;
   const TensorView& x = in.x;
   if (x.dtype != DType::kBF16) {
@@ -343,10 +344,10 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
 }  // namespace
 
 StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
-    const LowLatencyDispatchInput& in) {
+    const LowLatencyDispatchInput& in, const Status& caller_error) {
   State& st = *state_;
   World& w = *st.world;
-  const Status local = check_dispatch(st, in);
+  const Status local = check_dispatch(st, in, caller_error);
   if (st.shrink) return low_latency::shrink_dispatch(state_, in, local);
   // Pull mode without a hook: this rank writes only its own memory (the rows and tokens its
   // in-node receivers read, the messages for other nodes), so it does so first and the
