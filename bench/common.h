@@ -31,7 +31,7 @@ class App;
 
 namespace moed::bench {
 
-// Per-rank problem size (spec §7).
+// Per-rank problem size (docs/design.md §7.4).
 struct Shape {
   std::string name;
   int64_t num_tokens;  // T per rank
@@ -42,7 +42,8 @@ struct Shape {
 // tiny, mixtral, dsv3, decode. An unknown name is an error listing the known ones.
 StatusOr<Shape> find_shape(std::string_view name);
 std::vector<std::string> shape_names();
-// E adjusted so that `ranks` divides it (spec §7: the nearest E that R divides; ties go up).
+// E adjusted so that `ranks` divides it: the nearest E that R divides, ties go up
+// (docs/design.md §7.4).
 int experts_for_ranks(int num_experts, int ranks);
 
 // ---- the kernel's time, paired with the machine's bandwidth (bench/limit.h) ----
@@ -126,7 +127,8 @@ StatusOr<int> ranks_per_host(World& w);
 // The median over `iters` runs of time_max, after `warmup` untimed runs.
 StatusOr<double> median_time_max(World& w, int iters, const std::function<Status()>& fn,
                                  int warmup = 1);
-// Sum over ranks of a per-rank count (a figure's rows and bytes are aggregate, spec §7).
+// Sum over ranks of a per-rank count (a figure's rows and bytes are aggregate,
+// docs/design.md §7.3).
 StatusOr<int64_t> sum_ranks(World& w, int64_t v);
 // Element-wise sums over ranks of several counts, in one collective.
 StatusOr<std::vector<int64_t>> sum_ranks(World& w, std::span<const int64_t> v);

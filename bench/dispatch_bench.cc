@@ -10,13 +10,13 @@
 // from a fixed seed. A figure's time is the median over iterations of the slowest rank's time;
 // bytes = aggregate received rows * H * 2 (dispatch) and the same rows sent back (combine). The
 // expert outputs fed to combine are the dispatched rows (for Flex copied, untimed, into
-// FlexDispatcher::expert_output_buffer, where experts write them). Every dispatcher's output is checked
-// against the reference (moed/reference.h) bit for bit in the same run (`verified`). network_bytes
-// and shared_bytes are the world's counters for one iteration, summed over ranks; collectives
-// is the collectives one call entered on each rank (TrafficCounters, mean over ranks). With several
-// nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a flat all-to-all of
-// the same routing would send between nodes, and network_vs_flat = network_bytes / that; Flex
-// records add network_rows_counted (cross_node_rows).
+// FlexDispatcher::expert_output_buffer, where experts write them). Every dispatcher's output is
+// checked against the reference (moed/reference.h) bit for bit in the same run (`verified`).
+// network_bytes and shared_bytes are the world's counters for one iteration, summed over ranks;
+// collectives is the collectives one call entered on each rank (TrafficCounters, mean over
+// ranks). With several nodes (--ranks-per-node) dispatch records add flat_network_bytes, what a
+// flat all-to-all of the same routing would send between nodes, and network_vs_flat =
+// network_bytes / that; Flex records add network_rows_counted (cross_node_rows).
 // Every record says what holds the memory: peak_rss_bytes and `memory` (inputs_bytes,
 // reference_bytes, stream_bytes, all ranks, and dispatcher_rss_bytes, the resident memory
 // the dispatcher's creation and first dispatch + combine added: its buffers and outputs).
@@ -116,7 +116,7 @@ bool dispatch_ok(const DispatchOutput& d, const ReferenceRankDispatch& want) {
 
 // Median over iterations of the slowest rank's time of a bare MPI_Alltoallv (MPI_COMM_WORLD)
 // sending each destination the rows this rank's tokens contribute to its experts: the same
-// rows per destination as the dispatchers' output (spec §3, one row per routed (token,
+// rows per destination as the dispatchers' output (docs/design.md §3, one row per routed (token,
 // expert)). 0 outside the MPI world. One warm-up call first, as the dispatchers have had.
 StatusOr<double> time_bare_alltoallv(World& w, const Shape& s, const TopkRouting& topk, int iters) {
   double seconds = 0;
@@ -255,7 +255,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
   return ok_status();
 }
 
-// Rows the routing sends between nodes, counted from it (spec §5.5). `flat`: what a flat
+// Rows the routing sends between nodes, counted from it (docs/design.md §5.5). `flat`: what a flat
 // all-to-all sends, one bf16 row per (token, destination rank on another node). Flex's two
 // hops cut dispatch to one row per (token, remote node) (`dispatch`); combine (per-expert
 // terms) sends one per (token, expert on a remote node) (`combine`).

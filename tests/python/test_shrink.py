@@ -24,6 +24,10 @@ pytestmark = pytest.mark.skipif(not moed._C.has_gloo(), reason="moed built witho
 
 R = 4
 SHRINK_TIMEOUT = 2.0  # gloo_workers._shrink_loop's
+# How long after the fault the survivors' first step may end: a bound that shows nobody waits for
+# the lost rank past its timeout, not a speed figure (that is printed). Generous because a busy
+# 2-core CI machine once took 7.3 s where a quiet one takes under 2.1 s.
+GO_ON_BOUND = SHRINK_TIMEOUT + 15.0
 
 
 def reference(step, rank, replicas, masked):
@@ -104,7 +108,7 @@ def test_killed_rank(replicas):
     first, step_before, step_after = check_survivors(recs, replicas, fault, gw.SHRINK_STEPS)
     print(f"\nSIGKILL, {'replicas' if replicas else 'masked'}: first step {first:.3f} s after the "
           f"kill; step {step_before * 1e3:.1f} ms before, {step_after * 1e3:.1f} ms after")
-    assert first <= SHRINK_TIMEOUT + 2.0, first
+    assert first <= GO_ON_BOUND, first
     assert segments() == before
 
 
@@ -114,7 +118,7 @@ def test_stopped_rank_is_told_it_was_removed():
     assert codes == [0, 0, 0, 0], codes
     # Three more steps after the stopped rank came back: still the masked reference.
     first, _, _ = check_survivors(recs, False, fault, gw.SHRINK_STEPS + 3)
-    assert first <= SHRINK_TIMEOUT + 2.0, first
+    assert first <= GO_ON_BOUND, first
     err = recs[1]["result"]["removed_error"]
     assert err is not None and "rank 1 was removed by rank" in err, err
     assert segments() == before
