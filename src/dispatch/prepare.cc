@@ -1,7 +1,5 @@
 #include "dispatch/prepare.h"
 
-#include <array>
-
 #include "dispatch/out_buffer.h"
 
 namespace moed {
@@ -127,8 +125,8 @@ Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t o
   return ok_status();
 }
 
-StatusOr<PreparedInput> prepare_dispatch_input_local(const DispatchConfig& config,
-                                                     const DispatchInput& input, ThreadPool& pool) {
+StatusOr<PreparedInput> prepare_dispatch_input(const DispatchConfig& config,
+                                               const DispatchInput& input, ThreadPool& pool) {
   MOED_RETURN_IF_ERROR(check_local(config, input));
   PreparedInput p = prepared_shapes(input);
   p.effective = sparse_of(config, input);
@@ -151,18 +149,6 @@ StatusOr<PreparedInput> prepare_dispatch_input_local(const DispatchConfig& confi
     }
   }
   return p;
-}
-
-StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfig& config,
-                                               const DispatchInput& input) {
-  MOED_RETURN_IF_ERROR(world.agree(check_local(config, input)));
-  // Shapes that must agree across ranks; every rank sees the same table and decides alike.
-  const PreparedInput shapes = prepared_shapes(input);
-  const std::array<int64_t, 3> mine = {shapes.hidden, int64_t(shapes.dtype), shapes.num_topk};
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
-  MOED_RETURN_IF_ERROR(check_shapes_agree(all, 3, 0, world.size()));
-  return prepare_dispatch_input_local(config, input, world.pool());
 }
 
 ExpertLayout compute_expert_layout(const DispatchConfig& config, int world_size, int rank,

@@ -1,11 +1,13 @@
-// What every dispatcher does first, in one place: check the DispatchInput against the config
-// on every rank (World::agree, so a bad input is everyone's error), turn the routing, whatever
-// its form, into the sparse form once (moed/routing.h), apply capacity dropping and router
-// padding on it (the effective routing), count it, and compute the canonical layout
-// (design.md §3.1) from everybody's per-expert counts.
+// What every dispatcher does first, in one place: check the DispatchInput against the config,
+// turn the routing, whatever its form, into the sparse form once (moed/routing.h), apply
+// capacity dropping and router padding on it (the effective routing), count it, and compute the
+// canonical layout (design.md §3.1) from everybody's per-expert counts. The checks are local
+// (dispatch_preprocess is local in every dispatcher); the communicating step agrees on their
+// verdict and on the shapes (check_shapes_agree) in its own collectives, so a bad input on one
+// rank is every rank's error there.
 //
-//   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(world, config, input));
-//   ... exchange in.tokens_per_expert ([E]) so each rank has counts[s][e] ...
+//   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(config, input, pool));
+//   ... agree; exchange in.tokens_per_expert ([E]) so each rank has counts[s][e] ...
 //   ExpertLayout layout = compute_expert_layout(config, world.size(), world.rank(), counts, caps);
 #pragma once
 
@@ -31,17 +33,10 @@ struct PreparedInput {
 };
 
 // Local checks (shapes, dtype, fp8 scales present and shaped [T, H/128], exactly one routing
-// form, routing valid for E), then an agreement across ranks that H, dtype and K are equal
-// everywhere (errors name the rank and both values), then the effective routing.
-// Collective: every rank must call it.
-StatusOr<PreparedInput> prepare_dispatch_input(World& world, const DispatchConfig& config,
-                                               const DispatchInput& input);
-
-// The same without any collective, for a dispatcher that folds the agreement into a count
-// exchange of its own (Flex): the local checks and the effective routing only. The caller
-// must then agree on the verdict and on hidden, dtype and num_topk itself (check_shapes_agree).
-StatusOr<PreparedInput> prepare_dispatch_input_local(const DispatchConfig& config,
-                                                     const DispatchInput& input, ThreadPool& pool);
+// form, routing valid for E), then the effective routing. No collective: the caller agrees on
+// the verdict and on hidden, dtype and num_topk (check_shapes_agree).
+StatusOr<PreparedInput> prepare_dispatch_input(const DispatchConfig& config,
+                                               const DispatchInput& input, ThreadPool& pool);
 // Checks that hidden, dtype and num_topk are the same on every rank: table holds one row of
 // `width` int64 per rank, with {hidden, dtype, num_topk} at `offset`. The same error on every
 // rank ("hidden = 128 on rank 0 but 256 on rank 1").

@@ -79,19 +79,24 @@ std::shared_ptr<void> OutputPool::acquire(DType dtype, int64_t rows, int64_t col
 StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,
                                        const PreparedInput& input) {
   const int R = world.size(), E = config.num_experts;
-  std::vector<int64_t> mine(input.tokens_per_expert);
+  // Per rank: [hidden, dtype, num_topk, counts[E], T, C_s, out rows].
+  constexpr size_t kShapes = 3;
+  const size_t width = kShapes + size_t(E) + 3;
+  std::vector<int64_t> mine = {input.hidden, int64_t(input.dtype), input.num_topk};
+  mine.insert(mine.end(), input.tokens_per_expert.begin(), input.tokens_per_expert.end());
   mine.push_back(input.num_tokens);
   mine.push_back(input.capacity);
   mine.push_back(input.out_rows);
   MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
                         all_gather<int64_t>(world, std::span<const int64_t>(mine)));
+  MOED_RETURN_IF_ERROR(check_shapes_agree(all, width, 0, R));
   GlobalCounts c;
   c.counts.resize(size_t(R) * E);
   c.num_tokens.resize(size_t(R));
   c.capacity.resize(size_t(R));
   c.out_rows.resize(size_t(R));
   for (int s = 0; s < R; ++s) {
-    const int64_t* row = &all[size_t(s) * (E + 3)];
+    const int64_t* row = &all[size_t(s) * width + kShapes];
     std::copy(row, row + E, c.counts.begin() + size_t(s) * E);
     c.num_tokens[size_t(s)] = row[E];
     c.capacity[size_t(s)] = row[E + 1];
@@ -150,12 +155,19 @@ Status exchange_to_home(World& world, const RowExchangePlan& plan, const void* s
 
 // ---- dispatch glue ----
 
-StatusOr<GlobalCounts> RowExchangeDispatcher::prepare_exchange(const DispatchInput& input,
-                                                               ExchangeHandle& h) {
-  MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(*world_, config_, input));
-  MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, in));
-  MOED_RETURN_IF_ERROR(check_dispatch_out(counts, in.hidden, input.out));
-  MOED_RETURN_IF_ERROR(init_handle(h, counts, in));
+void RowExchangeDispatcher::stage_dispatch(const DispatchInput& input) {
+  StatusOr<PreparedInput> in = prepare_dispatch_input(config_, input, world_->pool());
+  staged_verdict_ = in.status();
+  staged_ = in.ok() ? std::move(*in) : PreparedInput{};
+  dispatch_out_ = input.out;
+}
+
+StatusOr<GlobalCounts> RowExchangeDispatcher::agree_dispatch(ExchangeHandle& h) {
+  MOED_RETURN_IF_ERROR(world_->agree(std::exchange(staged_verdict_, Status())));
+  MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, staged_));
+  MOED_RETURN_IF_ERROR(check_dispatch_out(counts, staged_.hidden));
+  MOED_RETURN_IF_ERROR(init_handle(h, counts, staged_));
+  staged_ = PreparedInput{};
   return counts;
 }
 
@@ -173,8 +185,8 @@ Status RowExchangeDispatcher::init_handle(ExchangeHandle& h, const GlobalCounts&
   return ok_status();
 }
 
-Status RowExchangeDispatcher::check_dispatch_out(const GlobalCounts& counts, int64_t hidden,
-                                                 const std::optional<TensorView>& out) {
+Status RowExchangeDispatcher::check_dispatch_out(const GlobalCounts& counts,
+                                                 int64_t hidden) const {
   const int R = world_->size();
   for (int r = 0; r < R; ++r) {
     if (counts.out_rows[size_t(r)] < 0) continue;
@@ -185,7 +197,6 @@ Status RowExchangeDispatcher::check_dispatch_out(const GlobalCounts& counts, int
                               "]; expected [", rows, ", ", hidden, "]");
     }
   }
-  dispatch_out_ = out;
   return ok_status();
 }
 

@@ -56,7 +56,9 @@ StatusOr<Result> take_result(State& state, std::optional<Result>& result, const 
   return out;
 }
 
-// What every rank learns about every other in one all_gather.
+// What every rank learns about every other in one all_gather, beside the shapes (hidden, dtype,
+// num_topk), which it checks are the same everywhere (check_shapes_agree: every rank decides
+// alike).
 struct GlobalCounts {
   std::vector<int64_t> counts;      // [R * E] rows source s sends to global expert e
   std::vector<int64_t> num_tokens;  // [R] T_s
@@ -155,10 +157,13 @@ class RowExchangeDispatcher : public TokenDispatcher {
   RowExchangeDispatcher(World& world, const DispatchConfig& config)
       : TokenDispatcher(world, config) {}
 
-  // Dispatch glue: a dispatch's preprocess up to its handle (collective): the input prepared,
-  // the counts exchanged (returned), DispatchInput::out checked against them (check_dispatch_out)
-  // and `h` initialised (init_handle).
-  StatusOr<GlobalCounts> prepare_exchange(const DispatchInput& input, ExchangeHandle& h);
+  // Dispatch glue, split at the step boundary as Flex's is. stage_dispatch (dispatch_preprocess:
+  // local) checks the input and makes the effective routing, keeping the verdict;
+  // agree_dispatch (token_dispatch: collective) agrees on the verdict, exchanges the shapes and
+  // counts (returned), checks DispatchInput::out against them (check_dispatch_out) and
+  // initialises `h` (init_handle).
+  void stage_dispatch(const DispatchInput& input);
+  StatusOr<GlobalCounts> agree_dispatch(ExchangeHandle& h);
   // The plan (from the agreed counts) and the public handle fields, taking in.effective as the
   // handle's routing; and the output over a finished handle (its permuted_probs and
   // tokens_per_expert back the output's spans).
@@ -166,11 +171,9 @@ class RowExchangeDispatcher : public TokenDispatcher {
   static DispatchOutput dispatch_output(std::shared_ptr<const ExchangeHandle> h,
                                         const TokenRows& expert_input,
                                         std::shared_ptr<void> storage);
-  // DispatchInput::out against the rows every rank receives (each rank's layout from the
-  // gathered counts: the same verdict on every rank, no collective); keeps `out` for
-  // take_expert_input. Call after exchange_counts.
-  Status check_dispatch_out(const GlobalCounts& counts, int64_t hidden,
-                            const std::optional<TensorView>& out);
+  // The staged DispatchInput::out against the rows every rank receives (each rank's layout
+  // from the gathered counts: the same verdict on every rank, no collective).
+  Status check_dispatch_out(const GlobalCounts& counts, int64_t hidden) const;
   // Where this dispatch's expert rows go: the caller's `out` (storage holds only fp8 scales),
   // else a buffer of the output pool.
   std::shared_ptr<void> take_expert_input(const ExchangeHandle& h, TokenRows& expert_input);
@@ -259,8 +262,12 @@ class RowExchangeDispatcher : public TokenDispatcher {
   ReturnState dispatch_grad_;
   std::vector<float> grad_pprobs_;
   CombineGradState combine_grad_;
-  OutputPool outputs_;                      // dispatch outputs (see OutputPool)
-  std::optional<TensorView> dispatch_out_;  // DispatchInput::out of the dispatch in progress
+  OutputPool outputs_;  // dispatch outputs (see OutputPool)
+  // The dispatch between its two first steps (stage_dispatch): the local verdict, the input
+  // prepared, and DispatchInput::out (kept for take_expert_input).
+  Status staged_verdict_;
+  PreparedInput staged_;
+  std::optional<TensorView> dispatch_out_;
 };
 
 // Collective input check for a step: local verdict, agreed on every rank.

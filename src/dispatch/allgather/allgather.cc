@@ -118,12 +118,9 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
 
 Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
   d_ = DispatchState{};
-  auto h = std::make_shared<AllGatherHandle>();
-  MOED_ASSIGN_OR_RETURN(d_.counts, prepare_exchange(input, *h));
-  h->source_offsets.assign(1, 0);
-  for (int64_t t : d_.counts.num_tokens) h->source_offsets.push_back(h->source_offsets.back() + t);
+  stage_dispatch(input);
   d_.hidden = input.hidden;
-  d_.handle = std::move(h);
+  d_.handle = std::make_shared<AllGatherHandle>();
   d_.stage = Stage::kPrepared;
   return ok_status();
 }
@@ -131,7 +128,15 @@ Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
 StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
   if (d_.stage != Stage::kPrepared)
     return failed_precondition("token_dispatch before dispatch_preprocess");
-  const AllGatherHandle& h = *d_.handle;
+  StatusOr<GlobalCounts> counts = agree_dispatch(*d_.handle);
+  if (!counts.ok()) {
+    d_ = DispatchState{};
+    return counts.status();
+  }
+  d_.counts = std::move(*counts);
+  AllGatherHandle& h = *d_.handle;
+  h.source_offsets.assign(1, 0);
+  for (int64_t t : d_.counts.num_tokens) h.source_offsets.push_back(h.source_offsets.back() + t);
   const std::span<const int64_t> T = d_.counts.num_tokens;
   const int64_t N = h.source_offsets.back();
   d_.gathered.x = gathered_x_.view(h.dtype, N, h.hidden);

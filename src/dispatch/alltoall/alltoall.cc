@@ -51,14 +51,9 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
 
 Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
   d_ = DispatchState{};
-  // NOTE: the counts travel even with pad_to_capacity, where Megatron's fixed C_s splits need
-  // none: only real rows cross the wire here (the padding is made on arrival) and the
-  // receiver needs every chunk's token count to place them; it is one all_gather of E + 2
-  // integers per rank, done in preprocess as Megatron does.
-  auto h = std::make_shared<ExchangeHandle>();
-  MOED_RETURN_IF_ERROR(prepare_exchange(input, *h).status());
+  stage_dispatch(input);
   d_.hidden = input.hidden;
-  d_.handle = std::move(h);
+  d_.handle = std::make_shared<ExchangeHandle>();
   d_.stage = Stage::kPrepared;
   return ok_status();
 }
@@ -68,6 +63,14 @@ Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
 StatusOr<Request> AlltoAllDispatcher::token_dispatch(bool async) {
   if (d_.stage != Stage::kPrepared)
     return failed_precondition("token_dispatch before dispatch_preprocess");
+  // NOTE: the counts travel even with pad_to_capacity, where Megatron's fixed C_s splits need
+  // none: only real rows cross the wire here (the padding is made on arrival) and the
+  // receiver needs every chunk's token count to place them. Megatron gathers them in its
+  // preprocess; here they travel in this step, with the agreement, so the preprocess stays local.
+  if (Status s = agree_dispatch(*d_.handle).status(); !s.ok()) {
+    d_ = DispatchState{};
+    return s;
+  }
   const ExchangeHandle& h = *d_.handle;
   const RowExchangePlan& plan = h.plan;
   // Permute by global expert: destination d's rows are the contiguous block of ep(d)'s experts.

@@ -8,7 +8,7 @@
 // step's payload:
 //   - dispatch: [code, cached mode, hidden, dtype, num_topk, held outputs] + notify's counts
 //     ([T, C_s, counts[E], tokens_per_node[N]]; zeros in cached mode). dispatch_preprocess is
-//     local only (checks and the effective routing, prepare_dispatch_input_local); the cached
+//     local only (checks and the effective routing, prepare_dispatch_input); the cached
 //     mode, the verdicts, the shapes, the ring slot (below) and every rank's layout all come
 //     out of this one all-gather in token_dispatch. A cached dispatch sends the same row
 //     (counts unused), so a rank in the other mode is found in the same collective.
@@ -105,7 +105,7 @@ Status Dispatcher::dispatch_preprocess(const DispatchInput& input) {
     d.local = check_cached(input);
     if (d.local.ok()) d.local = check_dispatch_out_columns(input);  // (uncached: in prepare's)
   } else {
-    StatusOr<PreparedInput> p = prepare_dispatch_input_local(config_, input, world_->pool());
+    StatusOr<PreparedInput> p = prepare_dispatch_input(config_, input, world_->pool());
     if (p.ok()) {
       d.prepared = std::move(*p);
     } else {

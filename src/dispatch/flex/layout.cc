@@ -1,6 +1,6 @@
 // Flex phase 1, layout (local, design.md §5.1): the rank arithmetic and wire/segment layouts the
 // other phases share. The token -> experts lists they walk are the handle's sparse routing
-// (moed/routing.h, made once by prepare_dispatch_input_local); the dispatch layout itself
+// (moed/routing.h, made once by prepare_dispatch_input); the dispatch layout itself
 // (DeepEP's get_dispatch_layout) is routing's (src/routing/dispatch_layout.cc); notify uses it.
 #include <algorithm>
 
