@@ -1,6 +1,7 @@
 // The rules of moed/dispatcher.h and moed/world.h that the Python package builds on, for every
 // dispatcher on both worlds: a held output stays bitwise unchanged through later calls,
-// requests are never null, a Flex step makes one collective, the pools are settable.
+// requests are never null, dispatch_preprocess is local, a Flex step makes one collective, the
+// pools are settable.
 #include <gtest/gtest.h>
 
 #include "api/api_grid.h"
@@ -157,6 +158,43 @@ TEST_P(OutputLifetime, RequestsAreNeverNull) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime, testing::six_step_grid(),
+                         testing::six_step_grid_name);
+
+// dispatch_preprocess is local in every dispatcher (moed/dispatcher.h): it makes no collective,
+// and a bad input on one rank is every rank's error in token_dispatch, where the verdict is
+// agreed. Then the same dispatcher dispatches a good input.
+class PreprocessIsLocal : public testing::BackendAndKindTest {};
+
+TEST_P(PreprocessIsLocal, NoCollectiveAndTheErrorInTokenDispatch) {
+  const auto [backend, kind] = GetParam();
+  const int R = 4;
+  Status s = run_case(
+      backend, R, 0, 7,
+      [&](World& w, const testing::DispatchCase& c, const DispatchInput& input) -> Status {
+        MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(
+                                          w, {.kind = kind, .num_experts = c.num_experts}));
+        TopkRouting bad = *input.topk;
+        if (w.rank() == R - 1) bad.topk_idx[0] = c.num_experts;  // the last rank has tokens
+        DispatchInput in = input;
+        in.topk = &bad;
+        const uint64_t before = w.counters().collectives;
+        MOED_RETURN_IF_ERROR(d->dispatch_preprocess(in));
+        if (const uint64_t n = w.counters().collectives - before; n != 0)
+          return internal_error("dispatch_preprocess made ", n, " collectives");
+        StatusOr<Request> q = d->token_dispatch(false);
+        const std::string want = "rank " + std::to_string(R - 1) + ": topk_idx[0][0] = " +
+                                 std::to_string(c.num_experts) + " is outside";
+        if (q.ok() || q.status().message().find(want) == std::string::npos)
+          return internal_error("token_dispatch: expected \"", want, "...\", got ",
+                                q.status().to_string());
+        if (d->dispatch_postprocess().ok())
+          return internal_error("dispatch_postprocess after a failed token_dispatch succeeded");
+        return d->dispatch(input).status();
+      });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, PreprocessIsLocal, testing::six_step_grid(),
                          testing::six_step_grid_name);
 
 // One collective before data moves in each Flex step, in the steady state (same shapes, the
