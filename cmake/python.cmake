@@ -30,7 +30,8 @@ endif()
 # loads no C++ before the extension (the first exception thrown would stop the process).
 # NOTE: no leak check there: at exit LeakSanitizer would report what the interpreter and torch
 # keep by design, and a frame-pointer stack through them cannot tell moed's allocations apart;
-# the C++ suites check the same allocations for leaks.
+# the C++ suites check the same allocations for leaks. The ownership reproductions run 10 times
+# each there (50 in the Release pass): a bad access fails the first run under ASan.
 set(MOED_PYTHON_TEST_ENV "")
 if(MOED_PYTHON AND MOED_SANITIZE)
   execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libasan.so
@@ -39,5 +40,5 @@ if(MOED_PYTHON AND MOED_SANITIZE)
                   OUTPUT_VARIABLE MOED_CXX_RUNTIME OUTPUT_STRIP_TRAILING_WHITESPACE)
   get_filename_component(MOED_CXX_RUNTIME ${MOED_CXX_RUNTIME} REALPATH)
   set(MOED_PYTHON_TEST_ENV
-      "LD_PRELOAD=${MOED_ASAN_RUNTIME}:${MOED_CXX_RUNTIME};ASAN_OPTIONS=detect_leaks=0")
+      "LD_PRELOAD=${MOED_ASAN_RUNTIME}:${MOED_CXX_RUNTIME};ASAN_OPTIONS=detect_leaks=0;MOED_OWNERSHIP_RUNS=10")
 endif()
