@@ -35,7 +35,9 @@ ROOT = md_blocks.ROOT
 BUILD = os.path.abspath(os.environ.get("MOED_BUILD_DIR", os.path.join(ROOT, "build")))
 CPP_DIR = os.path.abspath(os.environ.get("MOED_DOCS_CPP_DIR",
                                           os.path.join(BUILD, "tests", "docs", "cpp")))
-TIMEOUT = 120  # seconds a block may take; the whole suite stays well under two minutes
+# Seconds a block may take: a bound against a hang, not a speed check. benchmarks.md's longest
+# block takes about 40 s on a quiet 2-core machine and took over 120 s beside CI's other jobs.
+TIMEOUT = 400
 
 _only = [p.strip() for p in os.environ.get("MOED_DOCS_ONLY", "").split(",") if p.strip()]
 DOCS = [d for d in md_blocks.doc_files() if not _only or d in _only]
