@@ -108,23 +108,6 @@ Status check_dispatch_out_columns(const DispatchInput& input) {
                                           "hidden");
 }
 
-Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t offset,
-                          int world_size) {
-  static const char* const kNames[3] = {"hidden", "dtype", "num_topk"};
-  for (int r = 1; r < world_size; ++r) {
-    for (size_t i = 0; i < 3; ++i) {
-      const int64_t a = table[offset + i], b = table[size_t(r) * width + offset + i];
-      if (a == b) continue;
-      if (i == 1) {
-        return invalid_argument("dtype is ", dtype_name(DType(a)), " on rank 0 but ",
-                                dtype_name(DType(b)), " on rank ", r);
-      }
-      return invalid_argument(kNames[i], " = ", a, " on rank 0 but ", b, " on rank ", r);
-    }
-  }
-  return ok_status();
-}
-
 StatusOr<PreparedInput> prepare_dispatch_input(const DispatchConfig& config,
                                                const DispatchInput& input, ThreadPool& pool) {
   MOED_RETURN_IF_ERROR(check_local(config, input));

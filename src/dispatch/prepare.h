@@ -3,8 +3,8 @@
 // capacity dropping and router padding on it (the effective routing), count it, and compute the
 // canonical layout (design.md §3.1) from everybody's per-expert counts. The checks are local
 // (dispatch_preprocess is local in every dispatcher); the communicating step agrees on their
-// verdict and on the shapes (check_shapes_agree) in its own collectives, so a bad input on one
-// rank is every rank's error there.
+// verdict and on the shapes in its one collective (comm/agreement.h), so a bad input on one rank
+// is every rank's error there.
 //
 //   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(config, input, pool));
 //   ... agree; exchange in.tokens_per_expert ([E]) so each rank has counts[s][e] ...
@@ -12,7 +12,6 @@
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <vector>
 
 #include "moed/dispatcher.h"
@@ -34,14 +33,9 @@ struct PreparedInput {
 
 // Local checks (shapes, dtype, fp8 scales present and shaped [T, H/128], exactly one routing
 // form, routing valid for E), then the effective routing. No collective: the caller agrees on
-// the verdict and on hidden, dtype and num_topk (check_shapes_agree).
+// the verdict and on hidden, dtype and num_topk (agree_in_one, comm/agreement.h).
 StatusOr<PreparedInput> prepare_dispatch_input(const DispatchConfig& config,
                                                const DispatchInput& input, ThreadPool& pool);
-// Checks that hidden, dtype and num_topk are the same on every rank: table holds one row of
-// `width` int64 per rank, with {hidden, dtype, num_topk} at `offset`. The same error on every
-// rank ("hidden = 128 on rank 0 but 256 on rank 1").
-Status check_shapes_agree(std::span<const int64_t> table, size_t width, size_t offset,
-                          int world_size);
 
 // DispatchInput::out's dtype, columns and stride against the hidden states (local; its rows
 // are known only after the count exchange, where each dispatcher checks them).

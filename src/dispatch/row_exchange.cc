@@ -43,8 +43,6 @@ Status exchange_rows(World& world, const void* send, std::span<const int64_t> se
 
 }  // namespace
 
-Status agree_step(World& world, const Status& local) { return world.agree(local); }
-
 TensorView ScratchBuffer::view(DType dtype, int64_t rows, int64_t cols) {
   const size_t need = size_t(rows) * size_t(cols) * dtype_size(dtype);
   if (bytes_.bytes() < need) {
@@ -77,26 +75,27 @@ std::shared_ptr<void> OutputPool::acquire(DType dtype, int64_t rows, int64_t col
 }
 
 StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,
-                                       const PreparedInput& input) {
+                                       const Status& verdict, const PreparedInput& input) {
   const int R = world.size(), E = config.num_experts;
-  // Per rank: [hidden, dtype, num_topk, counts[E], T, C_s, out rows].
-  constexpr size_t kShapes = 3;
-  const size_t width = kShapes + size_t(E) + 3;
-  std::vector<int64_t> mine = {input.hidden, int64_t(input.dtype), input.num_topk};
-  mine.insert(mine.end(), input.tokens_per_expert.begin(), input.tokens_per_expert.end());
-  mine.push_back(input.num_tokens);
-  mine.push_back(input.capacity);
-  mine.push_back(input.out_rows);
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
-  MOED_RETURN_IF_ERROR(check_shapes_agree(all, width, 0, R));
+  const AgreedField fields[] = {{"hidden", input.hidden, AgreedField::kAgree},
+                                {"dtype", int64_t(input.dtype), AgreedField::kAgreeDType},
+                                {"num_topk", input.num_topk, AgreedField::kAgree}};
+  // [counts[E], T, C_s, out rows]; zeros from a rank whose input failed (the table is not read).
+  std::vector<int64_t> payload(size_t(E) + 3, 0);
+  if (verdict.ok()) {
+    std::copy(input.tokens_per_expert.begin(), input.tokens_per_expert.end(), payload.begin());
+    payload[size_t(E)] = input.num_tokens;
+    payload[size_t(E) + 1] = input.capacity;
+    payload[size_t(E) + 2] = input.out_rows;
+  }
+  MOED_ASSIGN_OR_RETURN(AgreedTable all, agree_in_one(world, verdict, fields, payload));
   GlobalCounts c;
   c.counts.resize(size_t(R) * E);
   c.num_tokens.resize(size_t(R));
   c.capacity.resize(size_t(R));
   c.out_rows.resize(size_t(R));
   for (int s = 0; s < R; ++s) {
-    const int64_t* row = &all[size_t(s) * width + kShapes];
+    const int64_t* row = all.row(s) + 1 + std::size(fields);
     std::copy(row, row + E, c.counts.begin() + size_t(s) * E);
     c.num_tokens[size_t(s)] = row[E];
     c.capacity[size_t(s)] = row[E + 1];
@@ -163,8 +162,9 @@ void RowExchangeDispatcher::stage_dispatch(const DispatchInput& input) {
 }
 
 StatusOr<GlobalCounts> RowExchangeDispatcher::agree_dispatch(ExchangeHandle& h) {
-  MOED_RETURN_IF_ERROR(world_->agree(std::exchange(staged_verdict_, Status())));
-  MOED_ASSIGN_OR_RETURN(GlobalCounts counts, exchange_counts(*world_, config_, staged_));
+  MOED_ASSIGN_OR_RETURN(GlobalCounts counts,
+                        exchange_counts(*world_, config_, std::exchange(staged_verdict_, Status()),
+                                        staged_));
   MOED_RETURN_IF_ERROR(check_dispatch_out(counts, staged_.hidden));
   MOED_RETURN_IF_ERROR(init_handle(h, counts, staged_));
   staged_ = PreparedInput{};
@@ -404,7 +404,7 @@ Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
                                              (*h)->hidden, input.expert_output.x.dtype,
                                              "expert_output");
   }
-  MOED_RETURN_IF_ERROR(agree_step(*world_, local));
+  MOED_RETURN_IF_ERROR(world_->agree(local));
   combine_step_.handle = *h;
   combine_step_.expert_output = input.expert_output.x;
   combine_step_.out = input.out;
@@ -454,7 +454,7 @@ Status RowExchangeDispatcher::dispatch_postprocess_backward(const DispatchGradIn
     local = invalid_argument("grad_permuted_probs has ", grad.grad_permuted_probs.size(),
                              " values but the dispatch gave this rank ", (*h)->num_rows, " rows");
   }
-  MOED_RETURN_IF_ERROR(agree_step(*world_, local));
+  MOED_RETURN_IF_ERROR(world_->agree(local));
   // NOTE: the values always travel (zeros when none were given), so every rank takes part in
   // the same exchanges whether or not its caller passed grad_permuted_probs.
   grad_pprobs_.assign(size_t((*h)->num_rows), 0.0f);
@@ -508,7 +508,7 @@ Status RowExchangeDispatcher::start_combine_backward(const CombineGradInput& gra
                                 grad.expert_output.x, d);
     }
   }
-  MOED_RETURN_IF_ERROR(agree_step(*world_, local));
+  MOED_RETURN_IF_ERROR(world_->agree(local));
   combine_grad_.reset();
   combine_grad_.handle = *h;
   combine_grad_.grad_out = grad.grad_hidden;

@@ -23,7 +23,7 @@
 // per-rank partial sums would group the terms differently (((a+b)+(c+d)) != (((a+b)+c)+d))
 // and break design.md §4.2's bitwise promise, so neither dispatcher uses one.
 //
-//   MOED_ASSIGN_OR_RETURN(GlobalCounts c, exchange_counts(world, config, prepared));
+//   MOED_ASSIGN_OR_RETURN(GlobalCounts c, exchange_counts(world, config, verdict, prepared));
 //   MOED_ASSIGN_OR_RETURN(RowExchangePlan plan,
 //                         make_row_exchange_plan(config, world, c, prepared.effective));
 #pragma once
@@ -34,6 +34,7 @@
 #include <span>
 #include <vector>
 
+#include "comm/agreement.h"
 #include "dispatch/prepare.h"
 #include "moed/dispatcher.h"
 #include "moed/permute.h"
@@ -56,18 +57,17 @@ StatusOr<Result> take_result(State& state, std::optional<Result>& result, const 
   return out;
 }
 
-// What every rank learns about every other in one all_gather, beside the shapes (hidden, dtype,
-// num_topk), which it checks are the same everywhere (check_shapes_agree: every rank decides
-// alike).
+// What every rank learns about every other in the dispatch's one collective (agree_in_one),
+// with the agreement on each rank's verdict and on hidden, dtype and num_topk.
 struct GlobalCounts {
   std::vector<int64_t> counts;      // [R * E] rows source s sends to global expert e
   std::vector<int64_t> num_tokens;  // [R] T_s
   std::vector<int64_t> capacity;    // [R] C_s (0 without capacity_factor)
   std::vector<int64_t> out_rows;    // [R] rows of rank s's DispatchInput::out, -1 without one
 };
-// Collective.
+// Collective: any rank's bad verdict or a shape that differs is every rank's error.
 StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,
-                                       const PreparedInput& input);
+                                       const Status& verdict, const PreparedInput& input);
 
 struct RowExchangePlan {
   int world_size = 0;
@@ -159,8 +159,8 @@ class RowExchangeDispatcher : public TokenDispatcher {
 
   // Dispatch glue, split at the step boundary as Flex's is. stage_dispatch (dispatch_preprocess:
   // local) checks the input and makes the effective routing, keeping the verdict;
-  // agree_dispatch (token_dispatch: collective) agrees on the verdict, exchanges the shapes and
-  // counts (returned), checks DispatchInput::out against them (check_dispatch_out) and
+  // agree_dispatch (token_dispatch: one collective) agrees on the verdict and the shapes,
+  // exchanges the counts (returned), checks DispatchInput::out against them (check_dispatch_out) and
   // initialises `h` (init_handle).
   void stage_dispatch(const DispatchInput& input);
   StatusOr<GlobalCounts> agree_dispatch(ExchangeHandle& h);
@@ -269,9 +269,6 @@ class RowExchangeDispatcher : public TokenDispatcher {
   PreparedInput staged_;
   std::optional<TensorView> dispatch_out_;
 };
-
-// Collective input check for a step: local verdict, agreed on every rank.
-Status agree_step(World& world, const Status& local);
 
 // The factory of row-exchange dispatcher D as `kind`. It checks the config, collectively like
 // TokenDispatcher::create (which also checks), so that calling the factory directly is as safe.

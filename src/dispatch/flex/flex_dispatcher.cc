@@ -3,7 +3,7 @@
 // steps.h; this file has the dispatch steps, combine_steps.cc the combine and the backward.
 //
 // NOTE (one collective per step): every communicating step starts with exactly one collective,
-// agree_in_one (agreement.cc), and makes none before its data moves. Its row carries this
+// agree_in_one (comm/agreement.h), and makes none before its data moves. Its row carries this
 // rank's verdict on its input (the status code), the values every rank must share and the
 // step's payload:
 //   - dispatch: [code, cached mode, hidden, dtype, num_topk, held outputs] + notify's counts

@@ -11,6 +11,7 @@
 #include <span>
 #include <vector>
 
+#include "comm/agreement.h"
 #include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/flex/flex_internal.h"
 #include "moed/flex.h"
@@ -29,29 +30,6 @@ struct OpState {
   bool done = false;                  // the status was collected (wait() or a sync run)
   Status status;
 };
-
-// One row of the step agreement: every rank's verdict and values, gathered in one collective.
-// Field kinds: kAgree values must be equal on every rank (kAgreeDType prints dtype names);
-// kFree values may differ (counts, held masks).
-struct AgreedField {
-  // kFirst: must be equal, checked before the verdicts (a mode every rank must share).
-  enum Kind { kAgree, kAgreeDType, kFree, kFirst };
-  const char* name;
-  int64_t value;
-  Kind kind = kFree;
-};
-// All-gathers [code, fields..., payload...] of every rank. Any rank's local error: every rank
-// returns World::agree's error for it (its message travels in further collectives, on the
-// error path only). A kAgree field that differs: "name = a on rank 0 but b on rank r" on every
-// rank. Else the table: rank r's fields at table[r * width + 1 ...], payload after them.
-struct AgreedTable {
-  std::vector<int64_t> table;
-  size_t width = 0;
-  const int64_t* row(int r) const { return &table[size_t(r) * width]; }
-};
-StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
-                                   std::span<const AgreedField> fields,
-                                   std::span<const int64_t> payload = {});
 
 // Width in int64 of a dispatch's agreement row (flex_dispatcher.cc): the code, six fields and
 // notify's counts. Tests use it to tell the agreement's bytes from the payload's.

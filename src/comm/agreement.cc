@@ -1,10 +1,10 @@
-// The Flex steps' one collective (agree_in_one) and the ring of dispatch-output regions.
+#include "comm/agreement.h"
+
 #include <algorithm>
-#include <bit>
 
-#include "dispatch/flex/steps.h"
+#include "moed/dtype.h"
 
-namespace moed::flex {
+namespace moed {
 
 StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
                                    std::span<const AgreedField> fields,
@@ -49,4 +49,4 @@ StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
   return t;
 }
 
-}  // namespace moed::flex
+}  // namespace moed
