@@ -8,10 +8,14 @@ move with the machine's load (docs/benchmarks.md, "Instructions per byte").
 The command runs once under `valgrind --tool=callgrind` with --iters 1. Each kernel's one
 counted call (the call whose traffic the record reports) is bracketed by callgrind client
 requests (bench/limit.h, callgrind_call): the counters are zeroed when every rank has arrived
-and dumped under the kernel's name when every rank is done, so a dump holds that call on every
-rank's threads, its waits included. Its instructions (Ir) are divided by the bytes the record's
-traffic model moves (model_read_bytes + model_write_bytes + 2 x model_network_bytes), read
-from the same run's --json-out. Needs valgrind; the threads world only (one process).
+and dumped under the kernel's name when every rank is done. The figure is the instructions (Ir)
+inside callgrind_call on every rank's thread (the call and its own waits, from
+callgrind_annotate --inclusive=yes), divided by the bytes the record's traffic model moves
+(model_read_bytes + model_write_bytes + 2 x model_network_bytes), read from the same run's
+--json-out. The dump's total is printed beside it and is not a measure of the call: valgrind
+runs one thread at a time, and the rank threads outside the call poll while they wait, so the
+total moved 10x between two runs of the same command. Needs valgrind and callgrind_annotate;
+the threads world only (one process).
 """
 import glob
 import json
@@ -22,8 +26,19 @@ import sys
 import tempfile
 
 
+def in_call(path):
+    """Ir inside moed::bench::callgrind_call (inclusive, summed over the threads that ran it)."""
+    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],
+                          capture_output=True, text=True, check=True).stdout
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+) .*moed::bench::callgrind_call\(", line)
+        if m:
+            return int(m.group(1).replace(",", ""))
+    return None
+
+
 def dumps(directory):
-    """{name: Ir} of every dump callgrind wrote on a client request."""
+    """{name: (Ir in the call, Ir of the whole dump)} of every dump written on a client request."""
     out = {}
     for path in glob.glob(os.path.join(directory, "callgrind.out.*")):
         name, ir = None, None
@@ -36,7 +51,7 @@ def dumps(directory):
                 if m and ir is None:
                     ir = int(m.group(2))
         if name is not None and ir is not None:
-            out[name] = ir
+            out[name] = (in_call(path), ir)
     return out
 
 
@@ -63,7 +78,8 @@ def main(argv):
             sys.exit(proc.stderr[-3000:])
         records = json.load(open(records_path))
         counted = dumps(tmp)
-    print(f"{'kernel':34} {'instructions':>14} {'model bytes':>14} {'instr/byte':>10}")
+    print(f"{'kernel':34} {'in the call':>14} {'model bytes':>14} {'instr/byte':>10} "
+          f"{'dump total':>14}")
     seen = set()
     for r in records:
         if "fraction_of_limit" not in r:
@@ -74,7 +90,10 @@ def main(argv):
         seen.add(name)
         moved = r["model_read_bytes"] + r["model_write_bytes"] + 2 * r["model_network_bytes"]
         label = f"{r['shape']} R={r.get('ranks', 1)} {name}"
-        print(f"{label:34} {counted[name]:14d} {moved:14.0f} {counted[name] / moved:10.3f}")
+        ir, total = counted[name]
+        if ir is None:
+            sys.exit(f"{name}: no moed::bench::callgrind_call in its dump")
+        print(f"{label:34} {ir:14d} {moved:14.0f} {ir / moved:10.3f} {total:14d}")
 
 
 if __name__ == "__main__":
