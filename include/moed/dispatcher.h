@@ -179,7 +179,8 @@ class TokenDispatcher {
   // Errors in the input of the preprocess step show here (or in wait()), on every rank.
   virtual StatusOr<Request> token_dispatch(bool async) = 0;
   virtual StatusOr<DispatchOutput> dispatch_postprocess() = 0;  // local only
-  virtual Status combine_preprocess(const CombineInput& input) = 0;
+  virtual Status combine_preprocess(const CombineInput& input) = 0;  // local only
+  // Communicates, as token_dispatch; errors in combine_preprocess's input show here.
   virtual StatusOr<Request> token_combine(bool async) = 0;
   virtual StatusOr<CombineOutput> combine_postprocess() = 0;
 

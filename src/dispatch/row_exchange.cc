@@ -404,10 +404,13 @@ Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
                                              (*h)->hidden, input.expert_output.x.dtype,
                                              "expert_output");
   }
-  MOED_RETURN_IF_ERROR(world_->agree(local));
-  combine_step_.handle = *h;
-  combine_step_.expert_output = input.expert_output.x;
-  combine_step_.out = input.out;
+  // Local, as the step's contract says: the verdict is agreed in token_combine.
+  combine_step_.verdict = local;
+  if (local.ok()) {
+    combine_step_.handle = *h;
+    combine_step_.expert_output = input.expert_output.x;
+    combine_step_.out = input.out;
+  }
   combine_step_.stage = Stage::kPrepared;
   return ok_status();
 }
@@ -418,6 +421,10 @@ StatusOr<Request> RowExchangeDispatcher::token_combine(bool async) {
   CombineStep& c = combine_step_;
   if (c.stage != Stage::kPrepared)
     return failed_precondition("token_combine before combine_preprocess");
+  if (Status agreed = world_->agree(c.verdict); !agreed.ok()) {
+    c = CombineStep{};
+    return agreed;
+  }
   MOED_RETURN_IF_ERROR(pack_return(combine_, c.handle, c.expert_output, {}));
   combine_.out = c.out;  // after pack_return, which starts the step afresh
   c.expert_output = TensorView();

@@ -249,9 +249,11 @@ class RowExchangeDispatcher : public TokenDispatcher {
   Status finish_combine_backward(std::span<const float> grad_row_probs, CombineGrad& out);
 
   ReturnState combine_;
-  // The combine in progress: its input, checked by combine_preprocess; token_combine moves and
-  // sums it (see row_exchange.cc) and keeps the result for combine_postprocess.
+  // The combine in progress: its input, checked by combine_preprocess (locally: `verdict`);
+  // token_combine agrees on the verdict, moves and sums it (see row_exchange.cc) and keeps the
+  // result for combine_postprocess.
   struct CombineStep {
+    Status verdict;
     std::shared_ptr<const ExchangeHandle> handle;
     TensorView expert_output;  // caller-owned until token_combine has returned
     std::optional<TensorView> out;

@@ -160,12 +160,12 @@ TEST_P(OutputLifetime, RequestsAreNeverNull) {
 INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime, testing::six_step_grid(),
                          testing::six_step_grid_name);
 
-// dispatch_preprocess is local in every dispatcher (moed/dispatcher.h): it makes no collective,
-// and a bad input on one rank is every rank's error in token_dispatch, where the verdict is
-// agreed. Then the same dispatcher dispatches a good input.
+// dispatch_preprocess and combine_preprocess are local in every dispatcher (moed/dispatcher.h):
+// they make no collective, and a bad input on one rank is every rank's error in the step after,
+// where the verdict is agreed. Then the same dispatcher dispatches and combines good inputs.
 class PreprocessIsLocal : public testing::BackendAndKindTest {};
 
-TEST_P(PreprocessIsLocal, NoCollectiveAndTheErrorInTokenDispatch) {
+TEST_P(PreprocessIsLocal, NoCollectiveAndTheErrorInTheNextStep) {
   const auto [backend, kind] = GetParam();
   const int R = 4;
   Status s = run_case(
@@ -189,7 +189,24 @@ TEST_P(PreprocessIsLocal, NoCollectiveAndTheErrorInTokenDispatch) {
                                 q.status().to_string());
         if (d->dispatch_postprocess().ok())
           return internal_error("dispatch_postprocess after a failed token_dispatch succeeded");
-        return d->dispatch(input).status();
+        MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input));
+        // The same for combine: expert_output with one column too many on the last rank.
+        const Tensor y = Tensor::zeros(DType::kF32, out.num_rows(),
+                                       out.expert_input.x.cols + (w.rank() == R - 1 ? 1 : 0));
+        const uint64_t at_combine = w.counters().collectives;
+        MOED_RETURN_IF_ERROR(d->combine_preprocess({.expert_output = {y.view(), {}},
+                                                    .handle = out.handle}));
+        if (const uint64_t n = w.counters().collectives - at_combine; n != 0)
+          return internal_error("combine_preprocess made ", n, " collectives");
+        StatusOr<Request> cq = d->token_combine(false);
+        const std::string want_c = "rank " + std::to_string(R - 1) + ": expert_output";
+        if (cq.ok() || cq.status().message().find(want_c) == std::string::npos)
+          return internal_error("token_combine: expected \"", want_c, "...\", got ",
+                                cq.status().to_string());
+        if (d->combine_postprocess().ok())
+          return internal_error("combine_postprocess after a failed token_combine succeeded");
+        const Tensor good = Tensor::copy_of(out.expert_input.x);
+        return d->combine({.expert_output = {good.view(), {}}, .handle = out.handle}).status();
       });
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
