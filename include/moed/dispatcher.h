@@ -171,7 +171,11 @@ class TokenDispatcher {
 
   // ---- the six steps (design.md §1.1). State flows from step to step inside the dispatcher, as in
   // Megatron; one dispatch and one combine may be in progress at a time.
-  virtual Status dispatch_preprocess(const DispatchInput& input) = 0;  // local only
+  // Local only. caller_error: an error the caller found in its own arguments (a binding's
+  // parsing); it is reported on every rank by the step after, as the step's own checks are,
+  // so no rank waits for one that could not start. The same for combine_preprocess.
+  virtual Status dispatch_preprocess(const DispatchInput& input,
+                                     const Status& caller_error = Status()) = 0;
   // Communicates. async = true may return before the data has moved: wait on the request
   // before dispatch_postprocess (run the shared expert meanwhile); it really runs in the
   // background only where the world allows calls from any thread (World::calls_from_any_thread),
@@ -179,7 +183,8 @@ class TokenDispatcher {
   // Errors in the input of the preprocess step show here (or in wait()), on every rank.
   virtual StatusOr<Request> token_dispatch(bool async) = 0;
   virtual StatusOr<DispatchOutput> dispatch_postprocess() = 0;  // local only
-  virtual Status combine_preprocess(const CombineInput& input) = 0;  // local only
+  virtual Status combine_preprocess(const CombineInput& input,
+                                    const Status& caller_error = Status()) = 0;  // local only
   // Communicates, as token_dispatch; errors in combine_preprocess's input show here.
   virtual StatusOr<Request> token_combine(bool async) = 0;
   virtual StatusOr<CombineOutput> combine_postprocess() = 0;
@@ -195,8 +200,10 @@ class TokenDispatcher {
   virtual StatusOr<CombineGrad> combine_preprocess_backward() = 0;
 
   // ---- one call each (the three steps in order, synchronous).
-  StatusOr<DispatchOutput> dispatch(const DispatchInput& input);
-  StatusOr<CombineOutput> combine(const CombineInput& input);
+  StatusOr<DispatchOutput> dispatch(const DispatchInput& input,
+                                    const Status& caller_error = Status());
+  StatusOr<CombineOutput> combine(const CombineInput& input,
+                                  const Status& caller_error = Status());
   StatusOr<DispatchGrad> dispatch_backward(const DispatchGradInput& grad);
   StatusOr<CombineGrad> combine_backward(const CombineGradInput& grad);
 

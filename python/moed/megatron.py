@@ -277,9 +277,7 @@ class MoETokenDispatcher:
         if routing_map is not None:
             self._box.dispatch_preprocess(x, scales, routing_map=routing_map, probs=probs,
                                           num_topk=int(self.config.moe_router_topk), out=out)
-        else:
-            if topk_idx is None:
-                raise ValueError("pass routing_map (with probs [T, E]) or topk_idx (with probs [T, K])")
+        else:  # with neither form the binding raises, on every rank (in token_dispatch)
             self._box.dispatch_preprocess(x, scales, topk_idx=topk_idx, topk_weights=probs, out=out)
         self._state = state
         if self.shared_experts is not None:

@@ -57,11 +57,11 @@ Status DispatchConfig::validate(int world_size) const {
 
 namespace {
 // One call of a step group: its three steps in order, the communicating one synchronous.
-template <class Input, class Output>
-StatusOr<Output> run_steps(TokenDispatcher& d, Status (TokenDispatcher::*first)(const Input&),
+template <class Output, class First>
+StatusOr<Output> run_steps(TokenDispatcher& d, const First& first,
                            StatusOr<Request> (TokenDispatcher::*token)(bool),
-                           StatusOr<Output> (TokenDispatcher::*last)(), const Input& input) {
-  MOED_RETURN_IF_ERROR((d.*first)(input));
+                           StatusOr<Output> (TokenDispatcher::*last)()) {
+  MOED_RETURN_IF_ERROR(first());
   StatusOr<Request> r = (d.*token)(/*async=*/false);
   if (!r.ok()) return r.status();
   MOED_CHECK(*r != nullptr, "a dispatcher step returned a null request");
@@ -70,26 +70,30 @@ StatusOr<Output> run_steps(TokenDispatcher& d, Status (TokenDispatcher::*first)(
 }
 }  // namespace
 
-StatusOr<DispatchOutput> TokenDispatcher::dispatch(const DispatchInput& input) {
-  return run_steps(*this, &TokenDispatcher::dispatch_preprocess, &TokenDispatcher::token_dispatch,
-                   &TokenDispatcher::dispatch_postprocess, input);
+StatusOr<DispatchOutput> TokenDispatcher::dispatch(const DispatchInput& input,
+                                                   const Status& caller_error) {
+  return run_steps<DispatchOutput>(
+      *this, [&] { return dispatch_preprocess(input, caller_error); },
+      &TokenDispatcher::token_dispatch, &TokenDispatcher::dispatch_postprocess);
 }
 
-StatusOr<CombineOutput> TokenDispatcher::combine(const CombineInput& input) {
-  return run_steps(*this, &TokenDispatcher::combine_preprocess, &TokenDispatcher::token_combine,
-                   &TokenDispatcher::combine_postprocess, input);
+StatusOr<CombineOutput> TokenDispatcher::combine(const CombineInput& input,
+                                                 const Status& caller_error) {
+  return run_steps<CombineOutput>(
+      *this, [&] { return combine_preprocess(input, caller_error); },
+      &TokenDispatcher::token_combine, &TokenDispatcher::combine_postprocess);
 }
 
 StatusOr<DispatchGrad> TokenDispatcher::dispatch_backward(const DispatchGradInput& grad) {
-  return run_steps(*this, &TokenDispatcher::dispatch_postprocess_backward,
-                   &TokenDispatcher::token_dispatch_backward,
-                   &TokenDispatcher::dispatch_preprocess_backward, grad);
+  return run_steps<DispatchGrad>(
+      *this, [&] { return dispatch_postprocess_backward(grad); },
+      &TokenDispatcher::token_dispatch_backward, &TokenDispatcher::dispatch_preprocess_backward);
 }
 
 StatusOr<CombineGrad> TokenDispatcher::combine_backward(const CombineGradInput& grad) {
-  return run_steps(*this, &TokenDispatcher::combine_postprocess_backward,
-                   &TokenDispatcher::token_combine_backward,
-                   &TokenDispatcher::combine_preprocess_backward, grad);
+  return run_steps<CombineGrad>(
+      *this, [&] { return combine_postprocess_backward(grad); },
+      &TokenDispatcher::token_combine_backward, &TokenDispatcher::combine_preprocess_backward);
 }
 
 }  // namespace moed

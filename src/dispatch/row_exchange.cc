@@ -154,10 +154,15 @@ Status exchange_to_home(World& world, const RowExchangePlan& plan, const void* s
 
 // ---- dispatch glue ----
 
-void RowExchangeDispatcher::stage_dispatch(const DispatchInput& input) {
+void RowExchangeDispatcher::stage_dispatch(const DispatchInput& input,
+                                           const Status& caller_error) {
+  staged_ = PreparedInput{};
+  dispatch_out_ = std::nullopt;
+  staged_verdict_ = caller_error;
+  if (!caller_error.ok()) return;
   StatusOr<PreparedInput> in = prepare_dispatch_input(config_, input, world_->pool());
   staged_verdict_ = in.status();
-  staged_ = in.ok() ? std::move(*in) : PreparedInput{};
+  if (in.ok()) staged_ = std::move(*in);
   dispatch_out_ = input.out;
 }
 
@@ -394,8 +399,14 @@ StatusOr<Tensor> reduce_home(const PermuteLayout& home, const TensorView& terms,
 
 // ---- combine ----
 
-Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input) {
+Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input,
+                                                 const Status& caller_error) {
   combine_step_ = CombineStep{};
+  combine_step_.stage = Stage::kPrepared;
+  if (!caller_error.ok()) {
+    combine_step_.verdict = caller_error;
+    return ok_status();
+  }
   auto h = check_handle(input.handle, "combine");
   Status local =
       h.ok() ? check_expert_rows("expert_output", input.expert_output.x, **h) : h.status();

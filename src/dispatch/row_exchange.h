@@ -145,7 +145,8 @@ class ExchangeHandle : public DispatchHandle {
 // output glue of their own dispatch and combine backward steps, which differ only in between.
 class RowExchangeDispatcher : public TokenDispatcher {
  public:
-  Status combine_preprocess(const CombineInput& input) override;
+  Status combine_preprocess(const CombineInput& input,
+                            const Status& caller_error = Status()) override;
   StatusOr<Request> token_combine(bool async) override;
   StatusOr<CombineOutput> combine_postprocess() override;
 
@@ -162,7 +163,7 @@ class RowExchangeDispatcher : public TokenDispatcher {
   // agree_dispatch (token_dispatch: one collective) agrees on the verdict and the shapes,
   // exchanges the counts (returned), checks DispatchInput::out against them (check_dispatch_out) and
   // initialises `h` (init_handle).
-  void stage_dispatch(const DispatchInput& input);
+  void stage_dispatch(const DispatchInput& input, const Status& caller_error);
   StatusOr<GlobalCounts> agree_dispatch(ExchangeHandle& h);
   // The plan (from the agreed counts) and the public handle fields, taking in.effective as the
   // handle's routing; and the output over a finished handle (its permuted_probs and

@@ -55,7 +55,22 @@ class DispatcherBox : public Closable {
   SparseRouting routing;
   TopkView topk;
   Request d_req, c_req;
+  // A preprocess step's argument error on this rank (collective_args.h): the C++ step got it as
+  // its caller_error, and it is raised here once the communicating step has told every rank.
+  std::exception_ptr d_error, c_error;
 };
+
+constexpr const char* kWrongHandle = "handle must be the one returned by this dispatcher";
+
+// A communicating step: with an argument error of this rank's preprocess pending, the step runs
+// now (not in the background) so that every rank hears of it, then the error is raised here.
+StatusOr<Request> communicate(TokenDispatcher& d, StatusOr<Request> (TokenDispatcher::*step)(bool),
+                              bool async, std::exception_ptr& error) {
+  const std::exception_ptr mine = std::exchange(error, nullptr);
+  StatusOr<Request> r = nogil([&] { return (d.*step)(async && !mine); });
+  if (mine) std::rethrow_exception(mine);
+  return r;
+}
 
 void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::handle routing_map,
                       py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk,
@@ -105,12 +120,19 @@ std::shared_ptr<const DispatchHandle> handle_of(py::handle h) {
 }
 
 // out (optional): the caller's [T, H] tensor for the result (shape and dtype are checked by
-// the combine, on every rank).
-CombineInput combine_input(py::handle eo, py::handle handle, py::handle out) {
+// the combine, on every rank). A bad argument: an empty input, the error in *parsed and *error
+// (collective_args.h).
+CombineInput combine_input(py::handle eo, py::handle handle, py::handle out, Status* parsed,
+                           std::exception_ptr* error) {
   CombineInput in;
-  in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
-  in.handle = handle_of(handle);
-  if (!out.is_none()) in.out = rows_arg(out, "out", kFloatRows);
+  *parsed = parse_collectively(
+      [&] {
+        in.expert_output = TokenRows{rows_arg(eo, "expert_output", kFloatRows), {}};
+        in.handle = handle_of(handle);
+        if (!out.is_none()) in.out = rows_arg(out, "out", kFloatRows);
+      },
+      error, kWrongHandle);
+  if (!parsed->ok()) in = CombineInput{};
   return in;
 }
 
@@ -144,7 +166,8 @@ auto after(Request& pending, F&& step) {
 }
 
 // Defines `name` taking a dispatch's arguments (hidden_states, scales, one routing form) and
-// calling f(box, DispatchInput): dispatch_preprocess and the one-call dispatch.
+// calling f(box, DispatchInput, its parse status, the parse error): dispatch_preprocess and the
+// one-call dispatch. A bad argument reaches the C++ call as its caller_error, with an empty input.
 template <typename Class, typename F>
 void def_dispatch(Class& c, const char* name, F f) {
   c.def(
@@ -153,9 +176,15 @@ void def_dispatch(Class& c, const char* name, F f) {
           py::handle probs, py::handle topk_idx, py::handle topk_weights, int num_topk,
           py::handle out) {
         DispatchInput in;
-        prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk, out,
-                         in);
-        return f(b, in);
+        std::exception_ptr error;
+        const Status parsed = parse_collectively(
+            [&] {
+              prepare_dispatch(b, x, scales, routing_map, probs, topk_idx, topk_weights, num_topk,
+                               out, in);
+            },
+            &error, kWrongHandle);
+        if (!parsed.ok()) in = DispatchInput{};
+        return f(b, in, parsed, error);
       },
       py::arg("hidden_states"), py::arg("scales") = py::none(), py::arg("routing_map") = py::none(),
       py::arg("probs") = py::none(), py::arg("topk_idx") = py::none(),
@@ -338,15 +367,18 @@ void bind_dispatcher(py::module_& m) {
       });
 
   // ---- the six steps ----
-  def_dispatch(cls, "dispatch_preprocess", [](DispatcherBox& b, const DispatchInput& in) {
-    TokenDispatcher& d = b.get();
-    check(nogil([&] { return d.dispatch_preprocess(in); }));
-  });
+  def_dispatch(cls, "dispatch_preprocess",
+               [](DispatcherBox& b, const DispatchInput& in, const Status& parsed,
+                  std::exception_ptr error) {
+                 TokenDispatcher& d = b.get();
+                 check(nogil([&] { return d.dispatch_preprocess(in, parsed); }));
+                 b.d_error = error;
+               });
   cls.def(
          "token_dispatch",
          [](DispatcherBox& b, bool async) {
            TokenDispatcher& d = b.get();
-           b.d_req = check(nogil([&] { return d.token_dispatch(async); }));
+           b.d_req = check(communicate(d, &TokenDispatcher::token_dispatch, async, b.d_error));
          },
          py::arg("async_op") = false)
       .def("dispatch_postprocess",
@@ -357,18 +389,21 @@ void bind_dispatcher(py::module_& m) {
       .def(
           "combine_preprocess",
           [](DispatcherBox& b, py::handle eo, py::handle handle, py::handle out) {
-            const CombineInput in = combine_input(eo, handle, out);
+            Status parsed;
+            std::exception_ptr error;
+            const CombineInput in = combine_input(eo, handle, out, &parsed, &error);
             b.keep_eo = py::reinterpret_borrow<py::object>(eo);
             b.keep_cout = py::reinterpret_borrow<py::object>(out);
             TokenDispatcher& d = b.get();
-            check(nogil([&] { return d.combine_preprocess(in); }));
+            check(nogil([&] { return d.combine_preprocess(in, parsed); }));
+            b.c_error = error;
           },
           py::arg("expert_output"), py::arg("handle"), py::arg("out") = py::none())
       .def(
           "token_combine",
           [](DispatcherBox& b, bool async) {
             TokenDispatcher& d = b.get();
-            b.c_req = check(nogil([&] { return d.token_combine(async); }));
+            b.c_req = check(communicate(d, &TokenDispatcher::token_combine, async, b.c_error));
           },
           py::arg("async_op") = false)
       // Returns (hidden [T, H], combined_probs [T] f32 or None unless asked for).
@@ -382,18 +417,23 @@ void bind_dispatcher(py::module_& m) {
           },
           py::arg("combined_probs") = false);
   // ---- one call each ----
-  def_dispatch(cls, "dispatch", [](DispatcherBox& b, const DispatchInput& in) {
-    TokenDispatcher& d = b.get();
-    DispatchOutput out = check(nogil([&] { return d.dispatch(in); }));
-    return dispatch_result(b, std::move(out));
-  });
+  def_dispatch(cls, "dispatch",
+               [](DispatcherBox& b, const DispatchInput& in, const Status& parsed,
+                  std::exception_ptr error) {
+                 TokenDispatcher& d = b.get();
+                 DispatchOutput out = finish(nogil([&] { return d.dispatch(in, parsed); }), error);
+                 return dispatch_result(b, std::move(out));
+               });
   cls.def(
          "combine",
          [](DispatcherBox& b, py::handle eo, py::handle handle, py::handle out) {
-           const CombineInput in = combine_input(eo, handle, out);
+           Status parsed;
+           std::exception_ptr error;
+           const CombineInput in = combine_input(eo, handle, out, &parsed, &error);
            py::object keep = py::reinterpret_borrow<py::object>(out);
            TokenDispatcher& d = b.get();
-           return combine_result(check(nogil([&] { return d.combine(in); })), keep, true);
+           return combine_result(finish(nogil([&] { return d.combine(in, parsed); }), error), keep,
+                                 true);
          },
          py::arg("expert_output"), py::arg("handle"), py::arg("out") = py::none())
       // The C++ API's own loop, for the benchmark beside the Python steps (same process, same

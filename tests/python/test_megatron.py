@@ -421,6 +421,7 @@ def test_mismatched_hidden_across_ranks(kind):
     ("map_nan", ValueError, ["prob", "nan"]),
     ("map_u8", ValueError, ["routing_map", "is not 0 or 1"]),
     ("combine_rows", ValueError, []),
+    ("combine_dtype", TypeError, ["expert_output", "torch.int64"]),
 ])
 def test_bad_inputs_raise_on_every_rank(case, exc, words):
     def fn(g):
@@ -430,6 +431,10 @@ def test_bad_inputs_raise_on_every_rank(case, exc, words):
         if case == "combine_rows":
             ei, _, _ = six_steps(d, x, rmap, probs, False)
             combine_steps(d, torch.zeros(ei.shape[0] + (1 if bad_rank else 0), 16), False)
+            return
+        if case == "combine_dtype":  # an argument error in combine_preprocess
+            ei, _, _ = six_steps(d, x, rmap, probs, False)
+            combine_steps(d, ei.long() if bad_rank else ei, False)
             return
         if bad_rank:
             if case == "double":
@@ -452,12 +457,23 @@ def test_bad_inputs_raise_on_every_rank(case, exc, words):
     if case == "combine_rows":
         expect_everywhere((2, 0), fn, ValueError, words)
         return
-    # The bad rank raises the named error; its failure aborts the others (AbortedError).
-    with pytest.raises(exc) as e:
-        run(fn, (3, 0), timeout=30)
-    for w in words:
-        assert w in str(e.value)
-    assert "rank 0: " in str(e.value)
+
+    def wrapped(g):
+        try:
+            fn(g)
+        except Exception as e:  # noqa: BLE001
+            return type(e), str(e)
+        return None
+    # Every rank raises, none waits: the bad rank (0) its own argument error, the others moed's,
+    # naming rank 0 (the argument error travels in token_dispatch's agreement).
+    got = run(wrapped, (3, 0), timeout=30)
+    assert all(g is not None for g in got), got
+    assert issubclass(got[0][0], exc), got[0]
+    for r, (kind, msg) in enumerate(got):
+        for w in words:
+            assert w in msg, (r, msg)
+        if r > 0:
+            assert issubclass(kind, ValueError) and "rank 0: " in msg, (r, kind, msg)
 
 
 def test_use_after_launch_raises():

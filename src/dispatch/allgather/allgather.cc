@@ -81,7 +81,8 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
   AllGatherDispatcher(World& world, const DispatchConfig& config)
       : RowExchangeDispatcher(world, config) {}
 
-  Status dispatch_preprocess(const DispatchInput& input) override;
+  Status dispatch_preprocess(const DispatchInput& input,
+                             const Status& caller_error = Status()) override;
   StatusOr<Request> token_dispatch(bool async) override;
   StatusOr<DispatchOutput> dispatch_postprocess() override;
 
@@ -116,9 +117,10 @@ class AllGatherDispatcher final : public RowExchangeDispatcher {
 
 // ---- dispatch ----
 
-Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input) {
+Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input,
+                                               const Status& caller_error) {
   d_ = DispatchState{};
-  stage_dispatch(input);
+  stage_dispatch(input, caller_error);
   d_.hidden = input.hidden;
   d_.handle = std::make_shared<AllGatherHandle>();
   d_.stage = Stage::kPrepared;

@@ -14,7 +14,8 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
   AlltoAllDispatcher(World& world, const DispatchConfig& config)
       : RowExchangeDispatcher(world, config) {}
 
-  Status dispatch_preprocess(const DispatchInput& input) override;
+  Status dispatch_preprocess(const DispatchInput& input,
+                             const Status& caller_error = Status()) override;
   StatusOr<Request> token_dispatch(bool async) override;
   StatusOr<DispatchOutput> dispatch_postprocess() override;
 
@@ -49,9 +50,10 @@ class AlltoAllDispatcher final : public RowExchangeDispatcher {
 
 // ---- dispatch ----
 
-Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input) {
+Status AlltoAllDispatcher::dispatch_preprocess(const DispatchInput& input,
+                                              const Status& caller_error) {
   d_ = DispatchState{};
-  stage_dispatch(input);
+  stage_dispatch(input, caller_error);
   d_.hidden = input.hidden;
   d_.handle = std::make_shared<ExchangeHandle>();
   d_.stage = Stage::kPrepared;

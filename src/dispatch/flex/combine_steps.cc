@@ -50,9 +50,10 @@ StatusOr<Step> Dispatcher::finish_step(Step& step, const char* name) {
 
 // ---- combine ----
 
-Status Dispatcher::combine_preprocess(const CombineInput& input) {
+Status Dispatcher::combine_preprocess(const CombineInput& input, const Status& caller_error) {
   CombineStep& c = combine_;
   start_step(c, input.handle, "expert_output", input.expert_output.x, true);
+  if (!caller_error.ok()) c.local = caller_error;
   if (c.local.ok() && input.out) {
     c.local = moed::internal::check_out_buffer("out", *input.out, c.handle->routing.num_tokens(),
                                                c.handle->hidden, input.expert_output.x.dtype,

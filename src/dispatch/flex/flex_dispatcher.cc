@@ -93,7 +93,7 @@ Dispatcher::Dispatcher(World& world, const DispatchConfig& config)
 
 // ---- dispatch ----
 
-Status Dispatcher::dispatch_preprocess(const DispatchInput& input) {
+Status Dispatcher::dispatch_preprocess(const DispatchInput& input, const Status& caller_error) {
   dispatch_ = DispatchStep{};
   DispatchStep& d = dispatch_;
   d.rows = input.hidden;
@@ -101,7 +101,9 @@ Status Dispatcher::dispatch_preprocess(const DispatchInput& input) {
   d.hidden = input.hidden.x.cols;
   d.out = input.out;
   d.cached_mode = input.cached_handle != nullptr;
-  if (d.cached_mode) {
+  if (!caller_error.ok()) {
+    d.local = caller_error;
+  } else if (d.cached_mode) {
     d.local = check_cached(input);
     if (d.local.ok()) d.local = check_dispatch_out_columns(input);  // (uncached: in prepare's)
   } else {

@@ -42,10 +42,12 @@ class Dispatcher final : public moed::FlexDispatcher {
   Dispatcher(World& world, const DispatchConfig& config);
   Status init() { return signals_.init(*world_); }
 
-  Status dispatch_preprocess(const DispatchInput& input) override;
+  Status dispatch_preprocess(const DispatchInput& input,
+                             const Status& caller_error = Status()) override;
   StatusOr<Request> token_dispatch(bool async) override;
   StatusOr<DispatchOutput> dispatch_postprocess() override;
-  Status combine_preprocess(const CombineInput& input) override;
+  Status combine_preprocess(const CombineInput& input,
+                            const Status& caller_error = Status()) override;
   StatusOr<Request> token_combine(bool async) override;
   StatusOr<CombineOutput> combine_postprocess() override;
   Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
