@@ -422,7 +422,6 @@ Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input,
     combine_step_.expert_output = input.expert_output.x;
     combine_step_.out = input.out;
   }
-  combine_step_.stage = Stage::kPrepared;
   return ok_status();
 }
 
