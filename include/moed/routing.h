@@ -55,6 +55,8 @@ struct TopkView {
   static TopkView of(const TopkRouting& r) {
     return {r.topk_idx.data(), false, r.topk_weights.data(), r.num_tokens, r.num_topk};
   }
+  // The same indices without weights: what validate() checks where weights are only carried.
+  TopkView indices() const { return {idx, idx_int64, nullptr, num_tokens, num_topk}; }
 };
 
 // Map form (Megatron): routing_map bool [T, E] (stored as uint8 0/1), probs float32 [T, E].
