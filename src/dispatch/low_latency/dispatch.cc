@@ -62,9 +62,7 @@ Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatc
                             " entries, expected ", r.num_tokens, " x ", r.num_topk);
   }
   // No weights at dispatch (as DeepEP's): only the indices are checked.
-  MOED_RETURN_IF_ERROR(
-      validate(TopkView{r.topk_idx.data(), false, nullptr, r.num_tokens, r.num_topk},
-               lay.num_experts));
+  MOED_RETURN_IF_ERROR(validate(TopkView::of(r).indices(), lay.num_experts));
   const DispatchHalf& half = st.dispatch_half[st.dispatches % 2];
   if (half.pending) {
     return failed_precondition(
