@@ -10,6 +10,7 @@
 
 #include <deque>
 
+#include "comm/tags.h"
 #include "moed/elastic_buffer.h"
 #include "python/bindings.h"
 #include "python/collective_args.h"
@@ -18,8 +19,6 @@
 
 namespace moed::python {
 namespace {
-
-constexpr int kTagPipeline = 0x5070;
 
 struct ElasticHandleBox {
   std::shared_ptr<const deep_ep::ElasticHandle> h;
@@ -242,7 +241,7 @@ void pp_send(ElasticBox& b, py::handle t, int dst) {
       q.pop_front();
     }
     q.push_back({Request(), std::vector<std::byte>(bytes.begin(), bytes.end())});
-    auto r = w.isend(dst, kTagPipeline, q.back().data.data(), q.back().data.size());
+    auto r = w.isend(dst, tags::kPipeline, q.back().data.data(), q.back().data.size());
     if (!r.ok()) q.pop_back();
     check(r.status());
     q.back().req = std::move(*r);
@@ -254,7 +253,7 @@ void pp_recv(ElasticBox& b, py::handle t, int src) {
   World& w = b.world();
   check_neighbour(w, src, "src_rank_idx");
   std::span<std::byte> bytes = contiguous_bytes(t, "t");
-  check(nogil([&] { return w.recv(src, kTagPipeline, bytes.data(), bytes.size()); }));
+  check(nogil([&] { return w.recv(src, tags::kPipeline, bytes.data(), bytes.size()); }));
 }
 
 }  // namespace

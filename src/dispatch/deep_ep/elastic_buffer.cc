@@ -4,15 +4,12 @@
 // engine starts; the engine then checks the rows and routing as it always does.
 #include <algorithm>
 
+#include "comm/agreement.h"
 #include "dispatch/deep_ep/elastic.h"
 
 namespace moed::deep_ep {
 
 namespace {
-
-// [error, cached, expand, E, M, alignment, K, cpu_sync] must be equal on every rank; then
-// whether this rank has weights (any rank: all send them; a rank with no tokens may have none).
-constexpr size_t kAgreed = 8, kRow = kAgreed + 1;
 
 Status check_call(const ElasticBuffer::State& s, const ElasticDispatchInput& in, ElasticCall* c) {
   const int R = s.world->size();
@@ -82,6 +79,115 @@ int64_t worst_expanded_rows(const ElasticCall& c, int R) {
   return (rows + A - 1) / A * A;
 }
 
+// A fresh dispatch's handle, holding its routing as int64 (topk then reads it there).
+std::shared_ptr<ElasticHandle> new_handle(const ElasticBuffer::State& s, const ElasticCall& call,
+                                          TopkView& topk) {
+  auto h = std::make_shared<ElasticHandle>();
+  h->world = s.world;
+  h->do_expand = call.expand;
+  h->num_experts = call.num_experts;
+  h->expert_alignment = call.alignment;
+  h->num_max_tokens_per_rank = call.max_tokens;
+  h->num_topk = call.num_topk;
+  h->num_tokens = topk.num_tokens;
+  h->topk_idx.resize(size_t(topk.num_tokens) * size_t(topk.num_topk));
+  for (int64_t t = 0; t < topk.num_tokens; ++t) {
+    for (int k = 0; k < topk.num_topk; ++k) {
+      h->topk_idx[size_t(t) * topk.num_topk + k] = topk.at(t, k);
+    }
+  }
+  topk.idx = h->topk_idx.data();
+  topk.idx_int64 = true;
+  return h;
+}
+
+// do_expand = False: the rank-major receive (NormalBuffer). `fresh`: the handle a fresh
+// dispatch fills (null in cached mode).
+StatusOr<ElasticDispatchOutput> dispatch_rank_major(ElasticBuffer::State& s,
+                                                    const ElasticDispatchInput& in,
+                                                    const ElasticCall& call,
+                                                    const DispatchLayout& layout,
+                                                    const TopkView& topk, ElasticHandle* fresh) {
+  NormalDispatchInput nin;
+  nin.x = in.x;
+  nin.topk = topk;
+  nin.expert_alignment = call.alignment;
+  if (!fresh) {
+    nin.handle = in.handle->normal;
+  } else {
+    nin.layout = LayoutView::of(layout);
+    nin.num_worst_tokens = call.cpu_sync ? 0 : int64_t(s.world->size()) * call.max_tokens;
+  }
+  MOED_ASSIGN_OR_RETURN(NormalDispatchOutput d, s.normal->dispatch(nin));
+  if (fresh) {
+    fresh->normal = d.handle;
+    fill_rank_major_metadata(call, s.scaleup, *d.handle, d.recv_topk_idx, topk, *fresh);
+  }
+  ElasticDispatchOutput out;
+  out.recv_x = d.recv_x;
+  out.recv_topk_idx = d.recv_topk_idx;
+  if (call.weights) out.recv_topk_weights = d.recv_topk_weights;
+  out.storage = d.storage;
+  return out;
+}
+
+// do_expand = True: Flex's expert-major layout, each expert padded to expert_alignment.
+StatusOr<ElasticDispatchOutput> dispatch_expanded(ElasticBuffer::State& s,
+                                                  const ElasticDispatchInput& in,
+                                                  const ElasticCall& call, const TopkView& topk,
+                                                  ElasticHandle* fresh) {
+  const ElasticHandle* cached = fresh ? nullptr : in.handle.get();
+  const int64_t worst = call.cpu_sync ? 0 : worst_expanded_rows(call, s.world->size());
+  MOED_ASSIGN_OR_RETURN(FlexDispatcher * flex,
+                        s.flex_for({call.num_experts, call.alignment,
+                                    cached ? cached->expand_worst_rows : worst}));
+  DispatchInput din;
+  din.hidden = in.x;
+  if (cached) {
+    din.cached_handle = cached->expand;
+  } else {
+    din.topk_view = &topk;
+  }
+  MOED_ASSIGN_OR_RETURN(DispatchOutput d, flex->dispatch(din));
+  if (fresh) {
+    fresh->expand = d.handle;
+    fresh->expand_worst_rows = worst;
+    fill_expanded_metadata(call, s.scaleup, static_cast<const flex::FlexHandle&>(*d.handle),
+                           *fresh);
+  }
+  ElasticDispatchOutput out;
+  out.recv_x = d.expert_input;
+  // The storage holds the rows and what the weights live in: the Flex handle's probs, or
+  // (cached mode, whose handle keeps the weights of the dispatch that made it) the given
+  // weights, moved as [T, K] rows of their own through the same layout, each row then taking
+  // its slot's.
+  struct Held {
+    std::shared_ptr<void> rows;
+    std::shared_ptr<const DispatchHandle> handle;
+    std::vector<float> weights;
+  };
+  auto held = std::make_shared<Held>(Held{d.storage, d.handle, {}});
+  if (call.weights && !cached) out.recv_topk_weights = d.permuted_probs;
+  if (call.weights && cached) {
+    const std::span<const float> w = in.cached_weights;
+    std::vector<float> zeros;
+    if (w.empty()) zeros.assign(size_t(cached->num_tokens) * size_t(call.num_topk), 0.0f);
+    TensorView wrows(const_cast<float*>(w.empty() ? zeros.data() : w.data()), DType::kF32,
+                     cached->num_tokens, call.num_topk);
+    MOED_ASSIGN_OR_RETURN(DispatchOutput dw, flex->dispatch({.hidden = TokenRows{wrows, {}},
+                                                             .cached_handle = cached->expand}));
+    const DispatchHandle& fh = *cached->expand;
+    held->weights.assign(size_t(fh.num_rows), 0.0f);
+    for (int64_t r = 0; r < fh.num_rows; ++r) {
+      const int32_t slot = fh.row_src_slot[size_t(r)];
+      if (slot >= 0) held->weights[size_t(r)] = dw.expert_input.x.row<float>(r)[slot];
+    }
+    out.recv_topk_weights = held->weights;
+  }
+  out.storage = held;
+  return out;
+}
+
 }  // namespace
 
 StatusOr<FlexDispatcher*> ElasticBuffer::State::flex_for(const FlexKey& key) {
@@ -133,7 +239,6 @@ StatusOr<ElasticDispatchOutput> ElasticBuffer::dispatch(const ElasticDispatchInp
                                                        const Status& caller_error) {
   State& s = *state_;
   World& w = *s.world;
-  const int R = w.size();
   ElasticCall call;
   Status local = caller_error;
   if (local.ok()) local = check_call(s, in, &call);
@@ -149,129 +254,44 @@ StatusOr<ElasticDispatchOutput> ElasticBuffer::dispatch(const ElasticDispatchInp
     }
   }
   if (local.ok() && !in.cumulative_local_expert_recv_stats.empty() &&
-      int64_t(in.cumulative_local_expert_recv_stats.size()) != call.num_experts / R) {
+      int64_t(in.cumulative_local_expert_recv_stats.size()) != call.num_experts / w.size()) {
     local = invalid_argument("cumulative_local_expert_recv_stats has ",
                              in.cumulative_local_expert_recv_stats.size(),
-                             " entries; expected num_local_experts = ", call.num_experts / R);
+                             " entries; expected num_local_experts = ", call.num_experts / w.size());
   }
-  const int64_t mine[kRow] = {local.ok() ? 0 : 1, call.cached,     call.expand,
-                              call.num_experts,   call.max_tokens, call.alignment,
-                              call.num_topk,      call.cpu_sync,   call.weights};
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(w, std::span<const int64_t>(mine, kRow)));
-  for (int r = 0; r < R; ++r) {
-    call.weights = call.weights || all[size_t(r) * kRow + kAgreed] != 0;
-    if (all[size_t(r) * kRow] != 0) {
-      MOED_RETURN_IF_ERROR(w.agree(local));
-      return internal_error("elastic dispatch: a rank reported bad input but agree passed");
-    }
-  }
-  static const char* kNames[kAgreed] = {"",  "cached mode (handle given)", "do_expand",
-                                        "num_experts", "num_max_tokens_per_rank",
-                                        "expert_alignment", "num_topk", "do_cpu_sync"};
-  for (int r = 1; r < R; ++r) {
-    for (size_t i = 1; i < kAgreed; ++i) {
-      if (all[size_t(r) * kRow + i] != all[i])
-        return invalid_argument(kNames[i], " = ", all[i], " on rank 0 but ",
-                                all[size_t(r) * kRow + i], " on rank ", r);
-    }
-  }
+  using F = AgreedField;
+  // Whether this rank has weights is free: a rank with no tokens may have none, and all send
+  // them when any has.
+  const AgreedField fields[] = {{"cached mode (handle given)", call.cached, F::kAgree},
+                                {"do_expand", call.expand, F::kAgree},
+                                {"num_experts", call.num_experts, F::kAgree},
+                                {"num_max_tokens_per_rank", call.max_tokens, F::kAgree},
+                                {"expert_alignment", call.alignment, F::kAgree},
+                                {"num_topk", call.num_topk, F::kAgree},
+                                {"do_cpu_sync", call.cpu_sync, F::kAgree},
+                                {"weights", call.weights, F::kFree}};
+  constexpr size_t kWeights = 1 + 7;
+  MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(w, local, fields));
+  for (int r = 0; r < w.size(); ++r) call.weights = call.weights || t.row(r)[kWeights] != 0;
+
   const ElasticHandle* cached = in.handle.get();
   // The routing: the caller's, or the handle's in cached mode (with the caller's weights).
   TopkView topk = in.topk;
+  std::shared_ptr<ElasticHandle> fresh;
   if (cached) {
     topk = TopkView{cached->topk_idx.data(), true,
                     in.cached_weights.empty() ? nullptr : in.cached_weights.data(),
                     cached->num_tokens, cached->num_topk};
+  } else {
+    fresh = new_handle(s, call, topk);
   }
   ElasticDispatchOutput out;
-  std::shared_ptr<ElasticHandle> fresh;
-  if (!cached) {
-    fresh = std::make_shared<ElasticHandle>();
-    fresh->world = s.world;
-    fresh->do_expand = call.expand;
-    fresh->num_experts = call.num_experts;
-    fresh->expert_alignment = call.alignment;
-    fresh->num_max_tokens_per_rank = call.max_tokens;
-    fresh->num_topk = call.num_topk;
-    fresh->num_tokens = topk.num_tokens;
-    fresh->topk_idx.resize(size_t(topk.num_tokens) * size_t(topk.num_topk));
-    for (int64_t t = 0; t < topk.num_tokens; ++t)
-      for (int k = 0; k < topk.num_topk; ++k) fresh->topk_idx[size_t(t) * topk.num_topk + k] = topk.at(t, k);
-    topk.idx = fresh->topk_idx.data();
-    topk.idx_int64 = true;
+  if (!call.expand) {
+    MOED_ASSIGN_OR_RETURN(out, dispatch_rank_major(s, in, call, layout, topk, fresh.get()));
+  } else {
+    MOED_ASSIGN_OR_RETURN(out, dispatch_expanded(s, in, call, topk, fresh.get()));
   }
   const ElasticHandle& h = cached ? *cached : *fresh;
-
-  if (!call.expand) {
-    NormalDispatchInput nin;
-    nin.x = in.x;
-    nin.topk = topk;
-    nin.expert_alignment = call.alignment;
-    if (cached) {
-      nin.handle = cached->normal;
-    } else {
-      nin.layout = LayoutView::of(layout);
-      nin.num_worst_tokens = call.cpu_sync ? 0 : int64_t(R) * call.max_tokens;
-    }
-    MOED_ASSIGN_OR_RETURN(NormalDispatchOutput d, s.normal->dispatch(nin));
-    if (fresh) {
-      fresh->normal = d.handle;
-      fill_rank_major_metadata(call, s.scaleup, *d.handle, d.recv_topk_idx, topk, *fresh);
-    }
-    out.recv_x = d.recv_x;
-    out.recv_topk_idx = d.recv_topk_idx;
-    if (call.weights) out.recv_topk_weights = d.recv_topk_weights;
-    out.storage = d.storage;
-  } else {
-    const int64_t worst = call.cpu_sync ? 0 : worst_expanded_rows(call, R);
-    MOED_ASSIGN_OR_RETURN(FlexDispatcher * flex,
-                          s.flex_for({call.num_experts, call.alignment,
-                                      cached ? cached->expand_worst_rows : worst}));
-    DispatchInput din;
-    din.hidden = in.x;
-    if (cached) {
-      din.cached_handle = cached->expand;
-    } else {
-      din.topk_view = &topk;
-    }
-    MOED_ASSIGN_OR_RETURN(DispatchOutput d, flex->dispatch(din));
-    if (fresh) {
-      fresh->expand = d.handle;
-      fresh->expand_worst_rows = worst;
-      fill_expanded_metadata(call, s.scaleup,
-                             static_cast<const flex::FlexHandle&>(*d.handle), *fresh);
-    }
-    out.recv_x = d.expert_input;
-    // The storage holds the rows and what the weights live in: the Flex handle's probs, or
-    // (cached mode, whose handle keeps the weights of the dispatch that made it) the given
-    // weights, moved as [T, K] rows of their own through the same layout, each row then
-    // taking its slot's.
-    struct Held {
-      std::shared_ptr<void> rows;
-      std::shared_ptr<const DispatchHandle> handle;
-      std::vector<float> weights;
-    };
-    auto held = std::make_shared<Held>(Held{d.storage, d.handle, {}});
-    if (call.weights && !cached) out.recv_topk_weights = d.permuted_probs;
-    if (call.weights && cached) {
-      const std::span<const float> w = in.cached_weights;
-      std::vector<float> zeros;
-      if (w.empty()) zeros.assign(size_t(cached->num_tokens) * size_t(call.num_topk), 0.0f);
-      TensorView wrows(const_cast<float*>(w.empty() ? zeros.data() : w.data()), DType::kF32,
-                       cached->num_tokens, call.num_topk);
-      MOED_ASSIGN_OR_RETURN(DispatchOutput dw, flex->dispatch({.hidden = TokenRows{wrows, {}},
-                                                               .cached_handle = cached->expand}));
-      const DispatchHandle& fh = *cached->expand;
-      held->weights.assign(size_t(fh.num_rows), 0.0f);
-      for (int64_t r = 0; r < fh.num_rows; ++r) {
-        const int32_t slot = fh.row_src_slot[size_t(r)];
-        if (slot >= 0) held->weights[size_t(r)] = dw.expert_input.x.row<float>(r)[slot];
-      }
-      out.recv_topk_weights = held->weights;
-    }
-    out.storage = held;
-  }
   const std::span<int32_t> stats = in.cumulative_local_expert_recv_stats;
   for (size_t j = 0; j < stats.size(); ++j)
     stats[j] += h.num_unaligned_recv_tokens_per_expert[j];
@@ -287,18 +307,9 @@ StatusOr<ElasticCombineOutput> ElasticBuffer::combine(const ElasticCombineInput&
   if (local.ok() && (h == nullptr || h->world != s.world))
     local = invalid_argument("handle was not made by a dispatch over this buffer's group");
   // The layout is agreed on first, so every rank goes into the same engine.
-  const int64_t mine[2] = {local.ok() ? 0 : 1, local.ok() ? int64_t(h->do_expand) : 0};
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(*s.world, std::span<const int64_t>(mine, 2)));
-  for (int r = 0; r < s.world->size(); ++r) {
-    if (all[size_t(r) * 2] != 0) {
-      MOED_RETURN_IF_ERROR(s.world->agree(local));
-      return internal_error("elastic combine: a rank reported bad input but agree passed");
-    }
-    if (all[size_t(r) * 2 + 1] != all[1])
-      return invalid_argument("the handle's layout is ", all[1] ? "expanded" : "not expanded",
-                              " on rank 0 but not on rank ", r);
-  }
+  const AgreedField layout{"the handle's do_expand", local.ok() && h->do_expand,
+                           AgreedField::kAgree};
+  MOED_RETURN_IF_ERROR(agree_in_one(*s.world, local, {&layout, 1}).status());
   ElasticCombineOutput out;
   if (!h->do_expand) {
     const TopkView order{h->topk_idx.data(), true, nullptr, h->num_tokens, h->num_topk};

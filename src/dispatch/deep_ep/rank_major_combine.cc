@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "comm/tags.h"
 #include "dispatch/deep_ep/rank_major.h"
 #include "dispatch/ordered_fold.h"
 #include "dispatch/out_buffer.h"
@@ -17,8 +18,6 @@ namespace moed::deep_ep {
 using moed::internal::check_float_rows;
 
 namespace {
-
-constexpr int kTagCombine = 0x4d21;
 
 // One local rank's combine input, readable by the ranks of its node.
 struct Source {
@@ -153,7 +152,7 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
       const int64_t q = plan.node_pairs[size_t(C) * N + m];
       if (m == topo.node || q == 0) continue;
       recv_buf[size_t(m)].resize(size_t(q) * piece);
-      auto r = w.irecv(topo.forwarder_on(m), kTagCombine, recv_buf[size_t(m)].data(),
+      auto r = w.irecv(topo.forwarder_on(m), tags::kRankMajorCombine, recv_buf[size_t(m)].data(),
                        recv_buf[size_t(m)].size());
       if (r.ok())
         recvs.push_back(std::move(*r));
@@ -186,7 +185,7 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
       }
       (void)tok;
       w.add_shared_bytes(uint64_t(q) * row_bytes, uint64_t(q));
-      auto r = w.isend(home, kTagCombine, buf.data(), buf.size());
+      auto r = w.isend(home, tags::kRankMajorCombine, buf.data(), buf.size());
       if (r.ok()) {
         w.add_network_bytes(0, uint64_t(q));
         sends.push_back(std::move(*r));

@@ -4,13 +4,12 @@
 #include <algorithm>
 #include <cstring>
 
+#include "comm/tags.h"
 #include "dispatch/deep_ep/rank_major.h"
 
 namespace moed::deep_ep {
 
 namespace {
-
-constexpr int kTagDispatch = 0x4d20;
 
 // Exclusive start of channel c of the home rank inside its rows on rank r.
 inline int32_t channel_start(const NormalHandle& h, int r, int c) {
@@ -126,7 +125,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
       if (m == topo.node || n == 0) continue;
       recv_buf[size_t(m)].resize(RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
       MOED_ASSIGN_OR_RETURN(Request r,
-                            w.irecv(topo.forwarder_on(m), kTagDispatch, recv_buf[size_t(m)].data(),
+                            w.irecv(topo.forwarder_on(m), tags::kRankMajorDispatch, recv_buf[size_t(m)].data(),
                                     recv_buf[size_t(m)].size()));
       recvs.push_back(std::move(r));
     }
@@ -176,7 +175,7 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
     for (int m = 0; m < N; ++m) {
       if (send_buf[size_t(m)].empty()) continue;
       MOED_ASSIGN_OR_RETURN(Request r,
-                            w.isend(topo.forwarder_on(m), kTagDispatch, send_buf[size_t(m)].data(),
+                            w.isend(topo.forwarder_on(m), tags::kRankMajorDispatch, send_buf[size_t(m)].data(),
                                     send_buf[size_t(m)].size()));
       w.add_network_bytes(0, uint64_t(send.node_tokens[size_t(C) * N + m]));
       sends.push_back(std::move(r));

@@ -82,7 +82,7 @@ Status Dispatcher::combine_body() {
   spec.dtype = c.rows.dtype;
   spec.weighted = config_.weighted_combine;
   spec.out = c.user_out ? *c.user_out : c.out.view();
-  return pull_step(h, c.rows, {}, spec, kTagCombine);
+  return pull_step(h, c.rows, {}, spec, tags::kFlexCombine);
 }
 
 StatusOr<CombineOutput> Dispatcher::combine_postprocess() {
@@ -133,7 +133,7 @@ StatusOr<OrderedCombineOutput> Dispatcher::ordered_combine(
   spec.bias_1 = in.bias_1;
   spec.out_slot_weights = with_scalars ? out.slot_weights.data() : nullptr;
   spec.num_topk = in.num_topk;
-  MOED_RETURN_IF_ERROR(pull_step(*h, in.rows, scalars, spec, kTagCombine));
+  MOED_RETURN_IF_ERROR(pull_step(*h, in.rows, scalars, spec, tags::kFlexCombine));
   return out;
 }
 
@@ -177,7 +177,7 @@ Status Dispatcher::dispatch_backward_body() {
   spec.with_scalars = with_scalars;
   spec.out = g.out.view();
   spec.out_probs = g.probs.data();
-  return pull_step(h, g.rows, scalars, spec, kTagDispatchBackward);
+  return pull_step(h, g.rows, scalars, spec, tags::kFlexDispatchBackward);
 }
 
 StatusOr<DispatchGrad> Dispatcher::dispatch_preprocess_backward() {
@@ -219,8 +219,8 @@ Status Dispatcher::combine_backward_body() {
   MOED_RETURN_IF_ERROR(grad_region_.ensure(*world_, layout.bytes));
   grad_region_.release_retired();  // read by nobody: each step copies its rows out
   PushSpec spec{TokenRows{g.grad, {}}, weighted, &grad_region_, layout};
-  DispatchContext ctx{world_, &config_, &h, nullptr, net(kTagCombineBackward)};
-  MOED_RETURN_IF_ERROR(push_step(ctx, spec, kTagCombineBackward));
+  DispatchContext ctx{world_, &config_, &h, nullptr, net(tags::kFlexCombineBackward)};
+  MOED_RETURN_IF_ERROR(push_step(ctx, spec, tags::kFlexCombineBackward));
   g.out = Tensor::copy_of(TensorView(grad_region_.local(), g.grad.dtype, h.num_rows, h.hidden));
   g.probs.assign(size_t(h.routing.num_tokens()) * topo_.num_experts, 0.0f);
   if (!weighted) return ok_status();
@@ -230,7 +230,7 @@ Status Dispatcher::combine_backward_body() {
   pspec.dtype = g.rows.dtype;
   pspec.grad_out = g.grad;
   pspec.out_probs = g.probs.data();
-  return pull_step(h, g.rows, {}, pspec, kTagProbGrad);
+  return pull_step(h, g.rows, {}, pspec, tags::kFlexProbGrad);
 }
 
 StatusOr<CombineGrad> Dispatcher::combine_preprocess_backward() {

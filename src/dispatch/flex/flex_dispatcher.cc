@@ -197,8 +197,8 @@ Status Dispatcher::dispatch_body() {
   target.release_retired();
   PushSpec spec{d.rows, false, &target, d.layout};
   DispatchContext ctx{world_, &config_, &h, d.cached ? nullptr : &d.fresh->forward,
-                      net(kTagDispatch)};
-  MOED_RETURN_IF_ERROR(push_step(ctx, spec, kTagDispatch));
+                      net(tags::kFlexDispatch)};
+  MOED_RETURN_IF_ERROR(push_step(ctx, spec, tags::kFlexDispatch));
   d.rows = TokenRows{};
   if (d.fresh) {
     // The owner's metadata rows, for the handle (combine and the backward passes use them).

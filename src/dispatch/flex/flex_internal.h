@@ -77,9 +77,6 @@ struct ChainLink {
   uint16_t reserved = 0;
 };
 ChainLink chain_link(std::span<const int> nodes, uint32_t classes, int m, int home);
-// The chain messages ride on their own tag: they travel between the same rail pairs as the
-// per-expert terms of the same step.
-inline int chain_tag(int tag) { return tag + 0x8; }
 
 // What notify exchanges: every rank's counts, so every rank can compute every rank's
 // canonical layout and every message size without asking again.

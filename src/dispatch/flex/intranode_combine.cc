@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "comm/tags.h"
 #include "dispatch/flex/flex_internal.h"
 #include "dispatch/ordered_fold.h"
 
@@ -47,7 +48,7 @@ Status pull(const DispatchContext& ctx, const PullSpec& spec, int tag) {
   MOED_ASSIGN_OR_RETURN(PullRemote remote, pull_remote_start(ctx, spec, tag));
   ChainOps chain;
   if (chain_on) {
-    MOED_ASSIGN_OR_RETURN(chain, chain_start(ctx, spec, chain_tag(tag)));
+    MOED_ASSIGN_OR_RETURN(chain, chain_start(ctx, spec, tags::flex_chain(tag)));
   }
   MOED_RETURN_IF_ERROR(wait_all(remote.recvs));
   const size_t scalar_off_unit = remote.piece_bytes;

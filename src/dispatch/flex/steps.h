@@ -12,17 +12,13 @@
 #include <vector>
 
 #include "comm/agreement.h"
+#include "comm/tags.h"
 #include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/flex/flex_internal.h"
 #include "moed/flex.h"
 
 namespace moed::flex {
 
-constexpr int kTagDispatch = 0x4d10;
-constexpr int kTagCombine = 0x4d11;
-constexpr int kTagDispatchBackward = 0x4d12;
-constexpr int kTagCombineBackward = 0x4d13;
-constexpr int kTagProbGrad = 0x4d14;
 
 // The outcome of one communicating step, read by the step after it.
 struct OpState {
@@ -144,8 +140,8 @@ class Dispatcher final : public moed::FlexDispatcher {
   Signals signals_;
   OutputRing outputs_;
   Region pull_region_, grad_region_;
-  NetScratch net_[5];  // one per step kind, by tag - kTagDispatch
-  NetScratch* net(int tag) { return &net_[tag - kTagDispatch]; }
+  NetScratch net_[tags::kFlexStepKinds];  // one per step kind, by tag - tags::kFlexDispatch
+  NetScratch* net(int tag) { return &net_[tag - tags::kFlexDispatch]; }
   uint64_t epoch_ = 0;
 
   DispatchStep dispatch_;

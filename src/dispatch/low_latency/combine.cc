@@ -17,8 +17,6 @@ namespace {
 
 using low_latency::CombineHalf;
 using low_latency::keep_request;
-using low_latency::message_tag;
-using low_latency::MessageKind;
 using low_latency::SegmentLayout;
 
 Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
@@ -210,7 +208,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     const int32_t n = handle.send_count[size_t(e)];
     if (w.same_node(d, me) || n == 0) continue;
     status = keep_request(
-        w.irecv(d, message_tag(seq, MessageKind::kCombineData),
+        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
                 mine + size_t(e) * size_t(lay.max_tokens) * row_bytes, size_t(n) * row_bytes),
         ch.requests);
   }
@@ -284,7 +282,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
         data = stage;
         staged += size_t(range.count);
       }
-      status = keep_request(w.isend(s, message_tag(seq, MessageKind::kCombineData), data,
+      status = keep_request(w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData), data,
                                     size_t(range.count) * row_bytes),
                             ch.requests);
     }

@@ -18,8 +18,6 @@ namespace {
 using low_latency::align64;
 using low_latency::DispatchHalf;
 using low_latency::keep_request;
-using low_latency::message_tag;
-using low_latency::MessageKind;
 using low_latency::SegmentLayout;
 
 Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
@@ -119,170 +117,118 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
   return ok_status();
 }
 
-// Receive phase of dispatch `seq` of `half`, into `rb`.
-Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, int half,
-                        uint64_t seq, bool fp8, low_latency::ReceiveBlock& rb) {
-  World& w = *st.world;
-  const SegmentLayout& lay = st.layout;
-  DispatchHalf& dh = st.dispatch_half[half];
-  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank();
-  const size_t payload = fp8 ? size_t(lay.hidden) : size_t(lay.hidden) * sizeof(bf16);
-  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
-  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
-  // Whatever happens below, this half is no longer in flight, and the peers whose rows this
-  // rank reads in place learn that it is done with them.
-  dh.pending = false;
-  low_latency::PullRelease release(st, half, low_latency::PullKind::kDispatch, seq, dh.sources);
+// The receive phase's view of one dispatch: its half, its row format and every (local expert
+// j, source s) count, [L][R].
+struct Received {
+  LowLatencyBuffer::State& st;
+  DispatchHalf& dh;
+  int half;
+  uint64_t seq;
+  low_latency::RowFormat f;
+  std::vector<int32_t> count;
+  int32_t at(int j, int s) const { return count[size_t(j) * st.layout.num_ranks + s]; }
+  int64_t rows_from(int s) const {  // rows of source s's network message
+    int64_t n = 0;
+    for (int j = 0; j < st.layout.num_local_experts; ++j) n += at(j, s);
+    return n;
+  }
+};
 
-  // Counts of every (local expert j, source s): in-node sources published them in this rank's
-  // segment before their signal; other nodes sent them as a header.
-  Status status = wait_all(dh.header_requests);
-  std::vector<int32_t> count(size_t(L) * R, 0);
-  for (int s = 0; s < R && status.ok(); ++s) {
+// Fills rv.count: in-node sources published their counts in this rank's segment before their
+// signal (or with the opening collective, in pull mode); other nodes sent them as a header.
+Status receive_counts(Received& rv) {
+  LowLatencyBuffer::State& st = rv.st;
+  World& w = *st.world;
+  DispatchHalf& dh = rv.dh;
+  const int R = st.layout.num_ranks, L = st.layout.num_local_experts, me = w.rank();
+  MOED_RETURN_IF_ERROR(wait_all(dh.header_requests));
+  rv.count.assign(size_t(L) * R, 0);
+  for (int s = 0; s < R; ++s) {
+    int32_t* count = rv.count.data() + s;  // count[j * R]
     if (!w.same_node(s, me)) {
-      for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = dh.recv_header[size_t(s) * L + j];
+      for (int j = 0; j < L; ++j) count[size_t(j) * R] = dh.recv_header[size_t(s) * L + j];
       continue;
     }
     if (!dh.sources.empty() && dh.sources[size_t(s)].pulled) {
-      for (int j = 0; j < L; ++j) {
-        count[size_t(j) * R + s] = dh.published_count[size_t(s) * L + j];
-      }
+      for (int j = 0; j < L; ++j) count[size_t(j) * R] = dh.published_count[size_t(s) * L + j];
       continue;
     }
-    if (s != me) {
-      status = st.shared->wait_signal(st.local_of(s), seq);
-      if (!status.ok()) break;
-    }
-    const std::atomic<uint64_t>* c = st.counts(w.local_rank(), half);
+    if (s != me) MOED_RETURN_IF_ERROR(st.shared->wait_signal(st.local_of(s), rv.seq));
+    const std::atomic<uint64_t>* c = st.counts(w.local_rank(), rv.half);
     for (int j = 0; j < L; ++j) {
       const uint64_t v = c[size_t(j) * R + s].load(std::memory_order_acquire);
-      MOED_CHECK(v >> 32 == (seq & 0xffffffffu), "count of (expert ", j, ", source ", s,
-                 ") carries sequence ", v >> 32, ", expected ", seq);
-      count[size_t(j) * R + s] = int32_t(v & 0xffffffffu);
+      MOED_CHECK(v >> 32 == (rv.seq & 0xffffffffu), "count of (expert ", j, ", source ", s,
+                 ") carries sequence ", v >> 32, ", expected ", rv.seq);
+      count[size_t(j) * R] = int32_t(v & 0xffffffffu);
     }
   }
+  return ok_status();
+}
 
-  // Rows from other nodes: one message per source, its size known from the header.
-  std::vector<size_t> block(size_t(R), 0);
-  std::vector<Request> data_requests;
-  if (status.ok()) {
-    size_t total = 0;
-    for (int s = 0; s < R; ++s) {
-      if (w.same_node(s, me)) continue;
-      block[size_t(s)] = total;
-      int64_t n = 0;
-      for (int j = 0; j < L; ++j) n += count[size_t(j) * R + s];
-      total += align64(size_t(n) * row_bytes);
-    }
-    dh.net_recv.resize(total);
-    for (int s = 0; s < R && status.ok(); ++s) {
-      if (w.same_node(s, me)) continue;
-      int64_t n = 0;
-      for (int j = 0; j < L; ++j) n += count[size_t(j) * R + s];
-      if (n == 0) continue;
-      status = keep_request(w.irecv(s, message_tag(seq, MessageKind::kDispatchData),
-                                    dh.net_recv.data() + block[size_t(s)], size_t(n) * row_bytes),
-                            data_requests);
-    }
-  }
-  // NOTE: post the data receives before waiting on this rank's own sends: a send completes
-  // only once its receiver has posted the matching receive.
-  Status recv_status = wait_all(data_requests);
-  Status send_status = wait_all(dh.send_requests);
-  dh.header_requests.clear();
-  dh.send_requests.clear();
-  MOED_RETURN_IF_ERROR(status);
-  MOED_RETURN_IF_ERROR(recv_status);
-  MOED_RETURN_IF_ERROR(send_status);
-
-  // Packed layout: expert j's rows from source s start at begin(j, s) = rows of sources < s.
-  for (int j = 0; j < L; ++j) {
-    int32_t begin = 0;
-    for (int s = 0; s < R; ++s) {
-      const int32_t c = count[size_t(j) * R + s];
-      rb.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
-      begin += c;
-    }
-    rb.recv_count[size_t(j)] = begin;
-  }
-
-  // This rank's slots (in-node senders wrote there) and the output's memory.
-  const std::byte* seg = st.local();
-  const std::byte* slot_x = seg + lay.dispatch_x[half];
-  const std::byte* slot_scales = seg + lay.dispatch_scales[half];
-  const auto* slot_src = reinterpret_cast<const int32_t*>(seg + lay.dispatch_src[half]);
-  const auto* slot_prob = reinterpret_cast<const float*>(seg + lay.dispatch_prob[half]);
-  auto* xs = static_cast<std::byte*>(rb.x.data());
-  auto* scales = static_cast<std::byte*>(rb.scales.data());
-  int32_t* src = rb.src.data();
-  float* prob = rb.prob.data();
-  // As Flex's dispatch (flex/layout.cc): a large receive is written with non-temporal stores,
-  // which skip reading the destination lines first.
-  int64_t received = 0;
-  for (int j = 0; j < L; ++j) received += rb.recv_count[size_t(j)];
-  const bool stream = size_t(received) * payload >= internal::kStreamThresholdBytes;
-  auto pulled_from = [&](int s) -> const low_latency::PullSource* {
-    if (!st.pulls(s) || dh.sources.empty() || !dh.sources[size_t(s)].pulled) return nullptr;
-    return &dh.sources[size_t(s)];
-  };
-  std::vector<const low_latency::PullSource*> pulled(size_t(R), nullptr);
-  bool any_slots = false;  // rows in this rank's slots or messages, packed per expert below
+// Posts the receive of one message from every non-empty source on another node, into
+// dh.net_recv at block[s].
+Status post_message_receives(Received& rv, std::vector<size_t>& block,
+                             std::vector<Request>& requests) {
+  World& w = *rv.st.world;
+  const int R = rv.st.layout.num_ranks, me = w.rank();
+  size_t total = 0;
   for (int s = 0; s < R; ++s) {
-    pulled[size_t(s)] = pulled_from(s);
-    if (pulled[size_t(s)] == nullptr) {
-      for (int j = 0; j < L; ++j) any_slots |= count[size_t(j) * R + s] > 0;
+    if (w.same_node(s, me)) continue;
+    block[size_t(s)] = total;
+    total += align64(size_t(rv.rows_from(s)) * rv.f.net_row_bytes());
+  }
+  rv.dh.net_recv.resize(total);
+  for (int s = 0; s < R; ++s) {
+    const int64_t n = w.same_node(s, me) ? 0 : rv.rows_from(s);
+    if (n == 0) continue;
+    const low_latency::NetRows m{rv.dh.net_recv.data() + block[size_t(s)], size_t(n), rv.f};
+    MOED_RETURN_IF_ERROR(keep_request(
+        w.irecv(s, tags::low_latency(rv.seq, tags::LowLatencyKind::kDispatchData), m.base,
+                m.bytes()),
+        requests));
+  }
+  return ok_status();
+}
+
+// Packs expert j's rows in [j0, j1) from this rank's slots (in-node senders wrote there) and
+// from the network messages (at block[s]), skipping the sources read in place.
+void pack_slots_and_messages(const Received& rv, std::span<const size_t> block,
+                             std::span<const low_latency::PullSource* const> pulled,
+                             low_latency::ReceiveBlock& rb, int j0, int j1) {
+  const LowLatencyBuffer::State& st = rv.st;
+  const SegmentLayout& lay = st.layout;
+  const int R = lay.num_ranks, me = st.world->rank();
+  for (int j = j0; j < j1; ++j) {
+    for (int s = 0; s < R; ++s) {
+      const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
+      if (range.count == 0 || pulled[size_t(s)] != nullptr) continue;
+      const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
+      if (st.world->same_node(s, me)) {
+        low_latency::pack_rows(
+            rb, to, size_t(range.count), rv.f,
+            low_latency::RowSpan::slots(st.local(), lay, rv.half, lay.fixed_row(j, s, 0), rv.f));
+        continue;
+      }
+      size_t first = 0;  // row of (j, s) inside the source's message
+      for (int j2 = 0; j2 < j; ++j2) first += size_t(rv.at(j2, s));
+      const low_latency::NetRows m{rv.dh.net_recv.data() + block[size_t(s)],
+                                   size_t(rv.rows_from(s)), rv.f};
+      low_latency::pack_rows(rb, to, size_t(range.count), rv.f,
+                             low_latency::RowSpan::message(m, first));
     }
   }
-  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
-  const bool inline_copy = size_t(received) * payload < low_latency::kInlineBytes;
-  auto pack = [&](int64_t j0, int64_t j1, int) {
-    std::vector<int64_t> net_row(size_t(R), 0);  // row of (j, s) inside the source's message
-    for (int j = int(j0); j < int(j1); ++j) {
-      for (int s = 0; s < R; ++s) {
-        net_row[size_t(s)] = 0;
-        if (w.same_node(s, me)) continue;
-        for (int j2 = 0; j2 < j; ++j2) net_row[size_t(s)] += count[size_t(j2) * R + s];
-      }
-      for (int s = 0; s < R; ++s) {
-        const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
-        if (range.count == 0 || pulled[size_t(s)] != nullptr) continue;
-        const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
-        const size_t n = size_t(range.count);
-        if (w.same_node(s, me)) {
-          const int64_t from = lay.fixed_row(j, s, 0);
-          std::memcpy(xs + size_t(to) * payload, slot_x + size_t(from) * payload, n * payload);
-          if (scale_bytes != 0) {
-            std::memcpy(scales + size_t(to) * scale_bytes, slot_scales + size_t(from) * scale_bytes,
-                        n * scale_bytes);
-          }
-          std::memcpy(src + to, slot_src + from, n * sizeof(int32_t));
-          std::memcpy(prob + to, slot_prob + from, n * sizeof(float));
-        } else {
-          // Message of source s: [token index x rows][prob x rows][payload x rows][scales x rows].
-          int64_t rows = 0;
-          for (int j2 = 0; j2 < L; ++j2) rows += count[size_t(j2) * R + s];
-          const std::byte* m = dh.net_recv.data() + block[size_t(s)];
-          const size_t first = size_t(net_row[size_t(s)]);
-          std::memcpy(src + to, m + first * sizeof(int32_t), n * sizeof(int32_t));
-          m += size_t(rows) * sizeof(int32_t);
-          std::memcpy(prob + to, m + first * sizeof(float), n * sizeof(float));
-          m += size_t(rows) * sizeof(float);
-          std::memcpy(xs + size_t(to) * payload, m + first * payload, n * payload);
-          m += size_t(rows) * payload;
-          if (scale_bytes != 0) {
-            std::memcpy(scales + size_t(to) * scale_bytes, m + first * scale_bytes,
-                        n * scale_bytes);
-          }
-        }
-      }
-    }
-  };
-  if (any_slots) w.pool().parallel_for(L, pack, inline_copy ? int64_t(L) : 1);
+}
 
-  // Pulled sources, straight from their rows into the packed place, in (source, token) order:
-  // a token bound for several of this rank's experts is read from its source once, the later
-  // copies hitting the cache (expert order would read it again from memory). After the pass
-  // above, which reads the slots these rows may land on.
+// Pulled sources, straight from their rows into the packed place, in (source, token) order: a
+// token bound for several of this rank's experts is read from its source once, the later
+// copies hitting the cache (expert order would read it again from memory). After the slots
+// and messages, which these rows may land on.
+void pack_pulled(const Received& rv, std::span<const low_latency::PullSource* const> pulled,
+                 low_latency::ReceiveBlock& rb, bool stream, bool inline_copy) {
+  const LowLatencyBuffer::State& st = rv.st;
+  const SegmentLayout& lay = st.layout;
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = st.world->rank();
+  const size_t payload = rv.f.payload, scale_bytes = rv.f.scale_bytes;
   struct PullRow {
     int32_t source, token;
     int64_t to;   // packed row
@@ -314,6 +260,8 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
       }
     }
   }
+  auto* xs = static_cast<std::byte*>(rb.x.data());
+  auto* scales = static_cast<std::byte*>(rb.scales.data());
   auto pull = [&](int64_t r0, int64_t r1, int) {
     for (int64_t r = r0; r < r1; ++r) {
       const PullRow& pr = rows[size_t(r)];
@@ -325,18 +273,218 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
       } else {
         std::memcpy(to, row, payload);
       }
-      if (scale_bytes != 0) std::memcpy(scales + size_t(pr.to) * scale_bytes, row + payload, scale_bytes);
-      src[pr.to] = pr.token;
-      prob[pr.to] = ps.probs[pr.from];
+      if (scale_bytes != 0) {
+        std::memcpy(scales + size_t(pr.to) * scale_bytes, row + payload, scale_bytes);
+      }
+      rb.src[size_t(pr.to)] = pr.token;
+      rb.prob[size_t(pr.to)] = ps.probs[pr.from];
     }
     if (stream) internal::stream_fence();  // the caller's threads read the rows next
   };
-  w.pool().parallel_for(int64_t(rows.size()), pull,
-                        inline_copy ? std::max<int64_t>(1, int64_t(rows.size())) : 1);
+  st.world->pool().parallel_for(int64_t(rows.size()), pull,
+                                inline_copy ? std::max<int64_t>(1, int64_t(rows.size())) : 1);
+}
+
+// Receive phase of dispatch `seq` of `half`, into `rb`.
+Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, int half,
+                        uint64_t seq, bool fp8, low_latency::ReceiveBlock& rb) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  DispatchHalf& dh = st.dispatch_half[half];
+  const int R = lay.num_ranks, L = lay.num_local_experts;
+  // Whatever happens below, this half is no longer in flight, and the peers whose rows this
+  // rank reads in place learn that it is done with them.
+  dh.pending = false;
+  low_latency::PullRelease release(st, half, low_latency::PullKind::kDispatch, seq, dh.sources);
+
+  Received rv{st, dh, half, seq, low_latency::RowFormat::of(lay, fp8), {}};
+  std::vector<size_t> block(size_t(R), 0);
+  std::vector<Request> data_requests;
+  Status status = receive_counts(rv);
+  if (status.ok()) status = post_message_receives(rv, block, data_requests);
+  // NOTE: post the data receives before waiting on this rank's own sends: a send completes
+  // only once its receiver has posted the matching receive.
+  Status recv_status = wait_all(data_requests);
+  Status send_status = wait_all(dh.send_requests);
+  dh.header_requests.clear();
+  dh.send_requests.clear();
+  MOED_RETURN_IF_ERROR(status);
+  MOED_RETURN_IF_ERROR(recv_status);
+  MOED_RETURN_IF_ERROR(send_status);
+
+  // Packed layout: expert j's rows from source s start at begin(j, s) = rows of sources < s.
+  int64_t received = 0;
+  for (int j = 0; j < L; ++j) {
+    int32_t begin = 0;
+    for (int s = 0; s < R; ++s) {
+      rb.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, rv.at(j, s)};
+      begin += rv.at(j, s);
+    }
+    rb.recv_count[size_t(j)] = begin;
+    received += begin;
+  }
+  std::vector<const low_latency::PullSource*> pulled(size_t(R), nullptr);
+  bool any_slots = false;  // rows in this rank's slots or messages
+  for (int s = 0; s < R; ++s) {
+    if (st.pulls(s) && !dh.sources.empty() && dh.sources[size_t(s)].pulled) {
+      pulled[size_t(s)] = &dh.sources[size_t(s)];
+    } else {
+      for (int j = 0; j < L; ++j) any_slots |= rv.at(j, s) > 0;
+    }
+  }
+  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more. As
+  // Flex's dispatch (flex/layout.cc), a large receive is written with non-temporal stores,
+  // which skip reading the destination lines first.
+  const size_t bytes = size_t(received) * rv.f.payload;
+  const bool inline_copy = bytes < low_latency::kInlineBytes;
+  if (any_slots) {
+    w.pool().parallel_for(
+        L,
+        [&](int64_t j0, int64_t j1, int) {
+          pack_slots_and_messages(rv, block, pulled, rb, int(j0), int(j1));
+        },
+        inline_copy ? int64_t(L) : 1);
+  }
+  pack_pulled(rv, pulled, rb, bytes >= internal::kStreamThresholdBytes, inline_copy);
 
   handle.layout_range = rb.layout_range;
   handle.received = true;
   return release.finish();
+}
+
+// Where the send phase puts the rows for other nodes: one message per remote rank d at
+// block[d] of the half's net_send, its chunk of local expert j starting at row chunk_row[e].
+struct NetPlan {
+  std::vector<size_t> block;       // [R]
+  std::vector<int64_t> rows;       // [R]
+  std::vector<int64_t> chunk_row;  // [E]
+
+  NetPlan(const LowLatencyBuffer::State& st, const LowLatencyHandle& h,
+          const low_latency::RowFormat& f, DispatchHalf& dh)
+      : block(size_t(st.layout.num_ranks), 0),
+        rows(size_t(st.layout.num_ranks), 0),
+        chunk_row(size_t(st.layout.num_experts), 0) {
+    const World& w = *st.world;
+    const int L = st.layout.num_local_experts;
+    size_t total = 0;
+    for (int d = 0; d < st.layout.num_ranks; ++d) {
+      if (w.same_node(d, w.rank())) continue;
+      block[size_t(d)] = total;
+      for (int j = 0; j < L; ++j) {
+        chunk_row[size_t(d) * L + j] = rows[size_t(d)];
+        rows[size_t(d)] += h.send_count[size_t(d) * L + j];
+      }
+      total += align64(size_t(rows[size_t(d)]) * f.net_row_bytes());
+    }
+    dh.net_send.resize(total);
+  }
+  low_latency::NetRows message(DispatchHalf& dh, int d, const low_latency::RowFormat& f) const {
+    return {dh.net_send.data() + block[size_t(d)], size_t(rows[size_t(d)]), f};
+  }
+};
+
+// How the send phase hands this rank's rows to the receivers on its node.
+struct SendMode {
+  bool pull_rows = false;  // receivers that read in place (st.pulls) copy the rows themselves
+  bool own_rows = false;   // they read this half's copy (FP8 rows, staged bf16), not x
+};
+
+// Writes every (token, expert) row where its receiver reads it: the receiver's slot on this
+// node, the message for its node, or (pull mode) the token and prob beside this rank's rows.
+// Counts the rows that cross into another rank's memory per worker.
+void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
+               const LowLatencyHandle& h, int half, const low_latency::RowFormat& f,
+               const NetPlan& plan, SendMode mode, std::vector<uint64_t>& shared_rows) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  DispatchHalf& dh = st.dispatch_half[half];
+  const TopkRouting& routing = *in.topk;
+  const int L = lay.num_local_experts, K = routing.num_topk, me = w.rank();
+  const int64_t T = in.x.rows;
+  const bool fp8 = in.use_fp8;
+  const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
+  w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
+                                 : static_cast<const std::byte*>(in.x.row_ptr(t));
+      for (int k = 0; k < K; ++k) {
+        const int32_t e = routing.idx(t, k);
+        if (e < 0) continue;
+        const int d = e / L, j = e % L;
+        const int64_t i = h.slot[size_t(t) * K + k];
+        const float p = has_weights ? routing.weight(t, k) : 0.0f;
+        if (mode.pull_rows && st.pulls(d)) {
+          // d copies the row itself, from here (receive_dispatch).
+          dh.pull_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
+          dh.pull_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
+          // NOTE: counted here, by the rank whose row crosses the node (as when it writes it
+          // itself, and as the planning model counts NVLink bytes), not by the reader.
+          ++shared_rows[size_t(worker)];
+        } else if (w.same_node(d, me)) {
+          low_latency::put_slot(st.segment(st.local_of(d)), lay, half, lay.fixed_row(j, me, i),
+                                f, row, int32_t(t), p);
+          ++shared_rows[size_t(worker)];
+        } else {
+          plan.message(dh, d, f).put(size_t(plan.chunk_row[size_t(e)] + i), row, int32_t(t), p);
+        }
+      }
+    }
+  });
+}
+
+// Pull mode: where this rank's in-node receivers find its rows.
+low_latency::PullSource pull_source(const DispatchHalf& dh, const LowLatencyDispatchInput& in,
+                                    const low_latency::RowFormat& f, SendMode mode) {
+  low_latency::PullSource ps;
+  ps.pulled = true;
+  ps.acked = !mode.own_rows;
+  ps.rows = in.use_fp8     ? dh.fp8_rows.data()
+            : mode.own_rows ? dh.staged_rows.data()
+                            : static_cast<const std::byte*>(in.x.data);
+  ps.stride = in.use_fp8     ? f.row_bytes()
+              : mode.own_rows ? f.payload
+                              : size_t(in.x.row_stride) * sizeof(bf16);
+  ps.tokens = dh.pull_tokens.data();
+  ps.probs = dh.pull_probs.data();
+  return ps;
+}
+
+// Publishes every (me, expert) count to the in-node receivers that read the slots, zero
+// included (there is no notify), after its rows; then sends every rank on another node a
+// header of L counts and its message, and posts the receive of its header.
+Status post_counts_and_messages(LowLatencyBuffer::State& st, const LowLatencyHandle& h, int half,
+                                uint64_t seq, const low_latency::RowFormat& f, const NetPlan& plan,
+                                bool pull_rows) {
+  World& w = *st.world;
+  DispatchHalf& dh = st.dispatch_half[half];
+  const int R = st.layout.num_ranks, L = st.layout.num_local_experts, me = w.rank();
+  for (int d = 0; d < R && !pull_rows; ++d) {
+    if (!w.same_node(d, me)) continue;
+    std::atomic<uint64_t>* c = st.counts(st.local_of(d), half);
+    for (int j = 0; j < L; ++j) {
+      const uint64_t v = ((seq & 0xffffffffu) << 32) | uint64_t(h.send_count[size_t(d) * L + j]);
+      c[size_t(j) * R + me].store(v, std::memory_order_release);
+    }
+    if (d != me) st.shared->signal(st.local_of(d), seq);
+  }
+  const int header_tag = tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader);
+  const int data_tag = tags::low_latency(seq, tags::LowLatencyKind::kDispatchData);
+  const size_t header_bytes = size_t(L) * sizeof(int32_t);
+  for (int d = 0; d < R; ++d) {
+    if (w.same_node(d, me)) continue;
+    int32_t* header = dh.send_header.data() + size_t(d) * L;
+    for (int j = 0; j < L; ++j) header[j] = h.send_count[size_t(d) * L + j];
+    MOED_RETURN_IF_ERROR(
+        keep_request(w.isend(d, header_tag, header, header_bytes), dh.send_requests));
+    const low_latency::NetRows m = plan.message(dh, d, f);
+    if (m.rows > 0) {
+      MOED_RETURN_IF_ERROR(keep_request(w.isend(d, data_tag, m.base, m.bytes()), dh.send_requests));
+    }
+    MOED_RETURN_IF_ERROR(keep_request(
+        w.irecv(d, header_tag, dh.recv_header.data() + size_t(d) * L, header_bytes),
+        dh.header_requests));
+  }
+  return ok_status();
 }
 
 }  // namespace
@@ -365,111 +513,33 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   // has entered this dispatch, so it has received (hooked) the dispatch two back and its views
   // of this half are released; senders may overwrite the half (their slots in it).
 
-  const SegmentLayout& lay = st.layout;
-  const int R = lay.num_ranks, E = lay.num_experts, L = lay.num_local_experts, me = w.rank();
-  const int H = lay.hidden;
   const bool fp8 = in.use_fp8;
   const uint64_t seq = ++st.seq;
   const int half = int(st.dispatches++ % 2);
   DispatchHalf& dh = st.dispatch_half[half];
   dh.pending = true;
 
-  const TopkRouting& routing = *in.topk;
   const int64_t T = in.x.rows;
-  const int K = routing.num_topk;
-  std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, routing, T);
-
-  const size_t payload = fp8 ? size_t(H) : size_t(H) * sizeof(bf16);
-  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
-  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
+  std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, *in.topk, T);
+  const low_latency::RowFormat f = low_latency::RowFormat::of(st.layout, fp8);
   if (fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
+  const NetPlan plan(st, *handle, f, dh);
 
-  // Network staging: one message per remote destination d, rows ordered by (j, i), laid out
-  // as [token index x rows][prob x rows][payload x rows][scales x rows].
-  std::vector<size_t> block(size_t(R), 0);
-  std::vector<int64_t> block_rows(size_t(R), 0);
-  std::vector<int64_t> chunk_row(size_t(E), 0);  // row of (d, j) chunk inside d's message
-  size_t net_total = 0;
-  for (int d = 0; d < R; ++d) {
-    if (w.same_node(d, me)) continue;
-    block[size_t(d)] = net_total;
-    for (int j = 0; j < L; ++j) {
-      chunk_row[size_t(d) * L + j] = block_rows[size_t(d)];
-      block_rows[size_t(d)] += handle->send_count[size_t(d) * L + j];
-    }
-    net_total += align64(size_t(block_rows[size_t(d)]) * row_bytes);
-  }
-  dh.net_send.resize(net_total);
-
-  const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
-  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
+  SendMode mode;
+  mode.pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
   // Receivers read this half's own rows (no acks to wait for): the FP8 rows always, a few
   // bf16 rows once copied here; else the caller's x.
-  const bool own_rows = pull_rows && (fp8 || size_t(T) * payload <= low_latency::kStageBytes);
-  if (own_rows && !fp8) {
-    dh.staged_rows.resize(size_t(T) * payload);
+  mode.own_rows = mode.pull_rows && (fp8 || size_t(T) * f.payload <= low_latency::kStageBytes);
+  if (mode.own_rows && !fp8) {
+    dh.staged_rows.resize(size_t(T) * f.payload);
     for (int64_t t = 0; t < T; ++t) {
-      std::memcpy(dh.staged_rows.data() + size_t(t) * payload, in.x.row_ptr(t), payload);
+      std::memcpy(dh.staged_rows.data() + size_t(t) * f.payload, in.x.row_ptr(t), f.payload);
     }
   }
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
-  w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * (payload + scale_bytes)
-                                 : static_cast<const std::byte*>(in.x.row_ptr(t));
-      for (int k = 0; k < K; ++k) {
-        const int32_t e = routing.idx(t, k);
-        if (e < 0) continue;
-        const int d = e / L, j = e % L;
-        const int64_t i = handle->slot[size_t(t) * K + k];
-        const float p = has_weights ? routing.weight(t, k) : 0.0f;
-        if (pull_rows && st.pulls(d)) {
-          // d copies the row itself, from here (receive_dispatch).
-          dh.pull_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
-          dh.pull_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
-          // NOTE: counted here, by the rank whose row crosses the node (as when it writes it
-          // itself, and as the planning model counts NVLink bytes), not by the reader.
-          ++shared_rows[size_t(worker)];
-        } else if (w.same_node(d, me)) {
-          std::byte* seg = st.segment(st.local_of(d));
-          const int64_t r = lay.fixed_row(j, me, i);
-          std::memcpy(seg + lay.dispatch_x[half] + size_t(r) * payload, row, payload);
-          std::memcpy(seg + lay.dispatch_scales[half] + size_t(r) * scale_bytes, row + payload,
-                      scale_bytes);
-          const int32_t token = int32_t(t);
-          std::memcpy(seg + lay.dispatch_src[half] + size_t(r) * sizeof(int32_t), &token,
-                      sizeof(token));
-          std::memcpy(seg + lay.dispatch_prob[half] + size_t(r) * sizeof(float), &p, sizeof(p));
-          ++shared_rows[size_t(worker)];
-        } else {
-          std::byte* m = dh.net_send.data() + block[size_t(d)];
-          const size_t rows = size_t(block_rows[size_t(d)]);
-          const size_t at = size_t(chunk_row[size_t(e)] + i);
-          const int32_t token = int32_t(t);
-          std::memcpy(m + at * sizeof(int32_t), &token, sizeof(token));
-          m += rows * sizeof(int32_t);
-          std::memcpy(m + at * sizeof(float), &p, sizeof(p));
-          m += rows * sizeof(float);
-          std::memcpy(m + at * payload, row, payload);
-          m += rows * payload;
-          std::memcpy(m + at * scale_bytes, row + payload, scale_bytes);
-        }
-      }
-    }
-  });
+  send_rows(st, in, *handle, half, f, plan, mode, shared_rows);
   if (early) {
-    // Where in-node receivers find this rank's rows, published with the counts.
-    low_latency::PullSource ps;
-    ps.pulled = true;
-    ps.acked = !own_rows;
-    ps.rows = fp8        ? dh.fp8_rows.data()
-              : own_rows ? dh.staged_rows.data()
-                         : static_cast<const std::byte*>(in.x.data);
-    ps.stride = fp8        ? payload + scale_bytes
-                : own_rows ? payload
-                           : size_t(in.x.row_stride) * sizeof(bf16);
-    ps.tokens = dh.pull_tokens.data();
-    ps.probs = dh.pull_probs.data();
+    const low_latency::PullSource ps = pull_source(dh, in, f, mode);
     Status published =
         publish_dispatch(st, in, local, &ps, sources, published_count, handle->send_count);
     if (!published.ok()) {
@@ -480,44 +550,12 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
       return published;
     }
   }
-  low_latency::add_shared_rows(w, shared_rows, payload + scale_bytes);
+  low_latency::add_shared_rows(w, shared_rows, f.row_bytes());
   dh.sources = std::move(sources);
   dh.published_count = std::move(published_count);
-  dh.own_rows_seq = early && own_rows ? seq : 0;
+  dh.own_rows_seq = early && mode.own_rows ? seq : 0;
 
-  // Publish: every (me, expert) count, zero included (there is no notify), after its rows;
-  // receivers that read this rank's rows in place have them from the collective.
-  for (int d = 0; d < R && !pull_rows; ++d) {
-    if (!w.same_node(d, me)) continue;
-    std::atomic<uint64_t>* c = st.counts(st.local_of(d), half);
-    for (int j = 0; j < L; ++j) {
-      const uint64_t v =
-          ((seq & 0xffffffffu) << 32) | uint64_t(handle->send_count[size_t(d) * L + j]);
-      c[size_t(j) * R + me].store(v, std::memory_order_release);
-    }
-    if (d != me) st.shared->signal(st.local_of(d), seq);
-  }
-  // Other nodes: a header of L counts, then the rows, to every remote rank; receive headers.
-  auto post_remote = [&](int d) -> Status {
-    int32_t* header = dh.send_header.data() + size_t(d) * L;
-    for (int j = 0; j < L; ++j) header[j] = handle->send_count[size_t(d) * L + j];
-    MOED_RETURN_IF_ERROR(keep_request(w.isend(d, message_tag(seq, MessageKind::kDispatchHeader),
-                                              header, size_t(L) * sizeof(int32_t)),
-                                      dh.send_requests));
-    if (block_rows[size_t(d)] > 0) {
-      MOED_RETURN_IF_ERROR(keep_request(
-          w.isend(d, message_tag(seq, MessageKind::kDispatchData),
-                  dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * row_bytes),
-          dh.send_requests));
-    }
-    return keep_request(w.irecv(d, message_tag(seq, MessageKind::kDispatchHeader),
-                                dh.recv_header.data() + size_t(d) * L, size_t(L) * sizeof(int32_t)),
-                        dh.header_requests);
-  };
-  Status status;
-  for (int d = 0; d < R && status.ok(); ++d) {
-    if (!w.same_node(d, me)) status = post_remote(d);
-  }
+  Status status = post_counts_and_messages(st, *handle, half, seq, f, plan, mode.pull_rows);
   if (!status.ok()) {
     dh.pending = false;
     low_latency::release_pulled(st, half, low_latency::PullKind::kDispatch, seq, dh.sources)

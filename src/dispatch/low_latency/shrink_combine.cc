@@ -138,7 +138,7 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
     int64_t rows = 0;
     for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
     peers.post(d,
-               w.irecv(d, message_tag(seq, MessageKind::kCombineData),
+               w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
                        ch.net_recv.data() + ch.net_block[size_t(d)], 64 + size_t(rows) * row_bytes),
                ch.recvs[size_t(d)]);
   }
@@ -184,7 +184,7 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
       rows += size_t(r.count);
     }
     peers.post_send(
-        s, w.isend(s, message_tag(seq, MessageKind::kCombineData), m, 64 + rows * row_bytes),
+        s, w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData), m, 64 + rows * row_bytes),
         ch.requests, ch.send_peers);
     at += 64 + rows * row_bytes;
   }
@@ -230,9 +230,9 @@ Status shrink_clean(State& st) {
   std::vector<uint64_t> in(static_cast<size_t>(R), 0);
   for (int d = 0; d < R; ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
-    peers.post(d, w.isend(d, message_tag(seq, MessageKind::kClean), &k, sizeof(k)),
+    peers.post(d, w.isend(d, tags::low_latency(seq, tags::LowLatencyKind::kClean), &k, sizeof(k)),
                sends[size_t(d)]);
-    peers.post(d, w.irecv(d, message_tag(seq, MessageKind::kClean), &in[size_t(d)], sizeof(k)),
+    peers.post(d, w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kClean), &in[size_t(d)], sizeof(k)),
                recvs[size_t(d)]);
   }
   for (int p = 0; p < R; ++p) {

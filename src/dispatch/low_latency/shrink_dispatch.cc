@@ -12,7 +12,6 @@ using shrink_protocol::Call;
 using shrink_protocol::finish_receive;
 using shrink_protocol::kFp8Flag;
 using shrink_protocol::kHeaderFp8Flag;
-using shrink_protocol::NetRows;
 using shrink_protocol::open_call;
 using shrink_protocol::Peers;
 using shrink_protocol::publish;
@@ -29,9 +28,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   DispatchHalf& dh = st.dispatch_half[half];
   const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank();
   const int64_t M = lay.max_tokens;
-  const size_t payload = fp8 ? size_t(lay.hidden) : size_t(lay.hidden) * sizeof(bf16);
-  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
-  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
+  const RowFormat f = RowFormat::of(lay, fp8);
   dh.pending = false;
   Peers peers(st, "low_latency_dispatch");
   Status bad;  // the first source whose verdict is an error
@@ -65,7 +62,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       int64_t rows = 0;
       for (int j = 0; j < L; ++j) rows += (count[size_t(j) * R + s] = header[1 + j]);
       block[size_t(s)] = net_total;
-      net_total += align64(size_t(rows) * row_bytes);
+      net_total += align64(size_t(rows) * f.net_row_bytes());
     }
     Status v = verdict_error("low_latency_dispatch", n, s, verdict, fp8);
     if (!v.ok()) {
@@ -79,8 +76,8 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     for (int j = 0; j < L && !peers.in_node(s); ++j) rows += count[size_t(j) * R + s];
     if (rows == 0 || peers.masked(s)) continue;
     peers.post(s,
-               w.irecv(s, message_tag(seq, MessageKind::kDispatchData),
-                       dh.net_recv.data() + block[size_t(s)], size_t(rows) * row_bytes),
+               w.irecv(s, tags::low_latency(seq, tags::LowLatencyKind::kDispatchData),
+                       dh.net_recv.data() + block[size_t(s)], size_t(rows) * f.net_row_bytes()),
                data[size_t(s)]);
   }
   for (int s = 0; s < R; ++s) {
@@ -103,28 +100,16 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     }
     rb.recv_count[size_t(j)] = begin;
   }
-  auto* rows_out = static_cast<std::byte*>(rb.x.data());
-  auto* scales_out = static_cast<float*>(rb.scales.data());
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
       const LowLatencyRange range = rb.layout_range[size_t(c)];
       if (range.count == 0) continue;
       const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
-      const size_t k = size_t(range.count);
       if (from_segment[size_t(s)]) {
-        const std::byte* seg = st.segment(st.local_of(s));
-        const int64_t from = (int64_t(me) * L + j) * M;
-        std::memcpy(rows_out + size_t(to) * payload,
-                    seg + lay.dispatch_x[half] + size_t(from) * payload, k * payload);
-        if (scale_bytes != 0)  // bf16: no scales
-          std::memcpy(scales_out + size_t(to) * lay.num_scales,
-                      seg + lay.dispatch_scales[half] + size_t(from) * scale_bytes,
-                      k * scale_bytes);
-        std::memcpy(rb.src.data() + to, seg + lay.dispatch_src[half] + size_t(from) * 4,
-                    k * 4);
-        std::memcpy(rb.prob.data() + to, seg + lay.dispatch_prob[half] + size_t(from) * 4,
-                    k * 4);
+        const int64_t from = (int64_t(me) * L + j) * M;  // the sender's slots (e, i)
+        pack_rows(rb, to, size_t(range.count), f,
+                  RowSpan::slots(st.segment(st.local_of(s)), lay, half, from, f));
         continue;
       }
       int64_t rows = 0, first = 0;
@@ -132,13 +117,8 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
         if (j2 < j) first += count[size_t(j2) * R + s];
         rows += count[size_t(j2) * R + s];
       }
-      const NetRows m{dh.net_recv.data() + block[size_t(s)], size_t(rows), payload, scale_bytes};
-      std::memcpy(rb.src.data() + to, m.token(size_t(first)), k * 4);
-      std::memcpy(rb.prob.data() + to, m.prob(size_t(first)), k * 4);
-      std::memcpy(rows_out + size_t(to) * payload, m.data(size_t(first)), k * payload);
-      if (scale_bytes != 0)
-        std::memcpy(scales_out + size_t(to) * lay.num_scales, m.scales(size_t(first)),
-                    k * scale_bytes);
+      const NetRows m{dh.net_recv.data() + block[size_t(s)], size_t(rows), f};
+      pack_rows(rb, to, size_t(range.count), f, RowSpan::message(m, size_t(first)));
     }
   });
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kDispatch, half, n, from_segment));
@@ -157,7 +137,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   World& w = *st.world;
   Peers peers(st, "low_latency_dispatch");
   const SegmentLayout& lay = st.layout;
-  const int R = lay.num_ranks, L = lay.num_local_experts, H = lay.hidden;
+  const int R = lay.num_ranks, L = lay.num_local_experts;
   const int64_t M = lay.max_tokens;
   MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, PullKind::kDispatch, st.dispatches,
                                                    st.dispatch_half, local));
@@ -170,9 +150,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   TopkRouting none;
   none.num_topk = in.topk ? in.topk->num_topk : 1;
   std::shared_ptr<LowLatencyHandle> handle = new_dispatch_handle(st, ok ? *in.topk : none, T);
-  const size_t payload = fp8 ? size_t(H) : size_t(H) * sizeof(bf16);
-  const size_t scale_bytes = fp8 ? size_t(lay.num_scales) * sizeof(float) : 0;
-  const size_t row_bytes = sizeof(int32_t) + sizeof(float) + payload + scale_bytes;
+  const RowFormat f = RowFormat::of(lay, fp8);
   if (ok && fp8) cast_fp8_rows(st, in, dh.fp8_rows);
 
   // Counts and rows for in-node ranks in this rank's segment; one message per other node's rank.
@@ -195,7 +173,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
     }
     if (!peers.in_node(d)) {
       block[size_t(d)] = net_total;
-      net_total += align64(size_t(block_rows[size_t(d)]) * row_bytes);
+      net_total += align64(size_t(block_rows[size_t(d)]) * f.net_row_bytes());
     }
   }
   dh.net_send.resize(net_total);
@@ -204,7 +182,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int) {
     const TopkRouting& routing = *in.topk;
     for (int64_t t = t0; t < t1; ++t) {
-      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * (payload + scale_bytes)
+      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
                                  : static_cast<const std::byte*>(in.x.row_ptr(t));
       for (int k = 0; k < routing.num_topk; ++k) {
         const int32_t e = routing.idx(t, k);
@@ -212,22 +190,11 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
         const int d = e / L;
         const int64_t i = handle->slot[size_t(t) * routing.num_topk + k];
         const float p = has_weights ? routing.weight(t, k) : 0.0f;
-        const int32_t token = int32_t(t);
         if (peers.in_node(d)) {
-          const size_t r = size_t(int64_t(e) * M + i);
-          std::memcpy(seg + lay.dispatch_x[half] + r * payload, row, payload);
-          std::memcpy(seg + lay.dispatch_scales[half] + r * scale_bytes, row + payload,
-                      scale_bytes);
-          std::memcpy(seg + lay.dispatch_src[half] + r * sizeof(int32_t), &token, sizeof(token));
-          std::memcpy(seg + lay.dispatch_prob[half] + r * sizeof(float), &p, sizeof(p));
+          put_slot(seg, lay, half, int64_t(e) * M + i, f, row, int32_t(t), p);
         } else {
-          const NetRows m{dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]),
-                          payload, scale_bytes};
-          const size_t at = size_t(chunk_row[size_t(e)] + i);
-          std::memcpy(m.token(at), &token, sizeof(token));
-          std::memcpy(m.prob(at), &p, sizeof(p));
-          std::memcpy(m.data(at), row, payload);
-          std::memcpy(m.scales(at), row + payload, scale_bytes);
+          const NetRows m{dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]), f};
+          m.put(size_t(chunk_row[size_t(e)] + i), row, int32_t(t), p);
         }
       }
     }
@@ -238,18 +205,18 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
     int32_t* header = dh.send_header.data() + size_t(d) * (L + 1);
     header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
     for (int j = 0; j < L; ++j) header[1 + j] = ok ? handle->send_count[size_t(d) * L + j] : 0;
-    auto send = [&](const void* data, size_t bytes, MessageKind kind) {
-      peers.post_send(d, w.isend(d, message_tag(seq, kind), data, bytes), dh.send_requests,
+    auto send = [&](const void* data, size_t bytes, tags::LowLatencyKind kind) {
+      peers.post_send(d, w.isend(d, tags::low_latency(seq, kind), data, bytes), dh.send_requests,
                       dh.send_peers);
     };
-    send(header, size_t(L + 1) * sizeof(int32_t), MessageKind::kDispatchHeader);
+    send(header, size_t(L + 1) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
     if (block_rows[size_t(d)] > 0) {
-      send(dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * row_bytes,
-           MessageKind::kDispatchData);
+      send(dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * f.net_row_bytes(),
+           tags::LowLatencyKind::kDispatchData);
     }
     peers.post(
         d,
-        w.irecv(d, message_tag(seq, MessageKind::kDispatchHeader),
+        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
                 dh.recv_header.data() + size_t(d) * (L + 1), size_t(L + 1) * sizeof(int32_t)),
         dh.header_requests[size_t(d)]);
   }
@@ -258,7 +225,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
     if (peers.in_node(e / L) && !peers.masked(e / L))
       shared_rows += uint64_t(handle->send_count[size_t(e)]);
   }
-  w.add_shared_bytes(shared_rows * (payload + scale_bytes), shared_rows);
+  w.add_shared_bytes(shared_rows * f.row_bytes(), shared_rows);
 
   std::shared_ptr<ReceiveBlock> rb = take_receive_block(st, half, fp8);
   LowLatencyDispatchOutput out;

@@ -251,18 +251,4 @@ inline Status verdict_error(const char* call, uint64_t n, int source, uint64_t v
   return ok_status();
 }
 
-// Rows of the dispatch's network message: [token index x n][prob x n][payload x n][scales x n].
-struct NetRows {
-  std::byte* base;
-  size_t rows, payload, scale_bytes;
-  std::byte* token(size_t i) const { return base + i * sizeof(int32_t); }
-  std::byte* prob(size_t i) const { return base + rows * sizeof(int32_t) + i * sizeof(float); }
-  std::byte* data(size_t i) const {
-    return base + rows * (sizeof(int32_t) + sizeof(float)) + i * payload;
-  }
-  std::byte* scales(size_t i) const {
-    return base + rows * (sizeof(int32_t) + sizeof(float) + payload) + i * scale_bytes;
-  }
-};
-
 }  // namespace moed::low_latency::shrink_protocol

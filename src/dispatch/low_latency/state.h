@@ -33,11 +33,13 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <span>
 #include <vector>
 
+#include "comm/tags.h"
 #include "moed/low_latency.h"
 #include "moed/tensor.h"
 #include "moed/world.h"
@@ -45,19 +47,6 @@
 namespace moed {
 
 namespace low_latency {
-
-// Network tags: one per (op sequence mod 16, message kind), so the messages of the (at most
-// four) operations in flight never match each other's receives.
-enum class MessageKind : int {
-  kDispatchHeader = 0,
-  kDispatchData = 1,
-  kCombineData = 2,
-  kClean = 3,  // shrink mode's clean()
-};
-inline int message_tag(uint64_t seq, MessageKind kind) {
-  constexpr int kTagBase = 0x5100;
-  return kTagBase + int(seq % 16) * 4 + int(kind);
-}
 
 // Segment regions and network message blocks start on 64-byte boundaries.
 inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
@@ -89,6 +78,72 @@ struct SegmentLayout {
     return (int64_t(j) * num_ranks + s) * max_tokens + i;
   }
   int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
+};
+
+// One dispatched row's bytes: its payload (bf16 or FP8 hidden), then its FP8 scales (none in
+// bf16), as x's rows are cast (cast_fp8_rows) and as the slots and messages hold them.
+struct RowFormat {
+  size_t payload = 0, scale_bytes = 0;
+  static RowFormat of(const SegmentLayout& lay, bool fp8) {
+    return fp8 ? RowFormat{size_t(lay.hidden), size_t(lay.num_scales) * sizeof(float)}
+               : RowFormat{size_t(lay.hidden) * sizeof(bf16), 0};
+  }
+  size_t row_bytes() const { return payload + scale_bytes; }  // a cast row: payload + scales
+  size_t net_row_bytes() const { return sizeof(int32_t) + sizeof(float) + row_bytes(); }
+};
+
+// Row r of a half's dispatch slots in a receiver's segment (design.md §6.1): its payload,
+// scales, source token and prob, each in its own region.
+inline void put_slot(std::byte* seg, const SegmentLayout& lay, int half, int64_t r,
+                     const RowFormat& f, const std::byte* row, int32_t token, float prob) {
+  std::memcpy(seg + lay.dispatch_x[half] + size_t(r) * f.payload, row, f.payload);
+  std::memcpy(seg + lay.dispatch_scales[half] + size_t(r) * f.scale_bytes, row + f.payload,
+              f.scale_bytes);
+  std::memcpy(seg + lay.dispatch_src[half] + size_t(r) * sizeof(int32_t), &token, sizeof(token));
+  std::memcpy(seg + lay.dispatch_prob[half] + size_t(r) * sizeof(float), &prob, sizeof(prob));
+}
+
+// The one network message of a dispatch from a source to a rank on another node (design.md
+// §6.5), `rows` rows ordered by (local expert, token), laid out as
+// [int32 token x rows][f32 prob x rows][payload x rows][f32 scales x rows].
+struct NetRows {
+  std::byte* base;
+  size_t rows;
+  RowFormat f;
+  size_t bytes() const { return rows * f.net_row_bytes(); }
+  std::byte* token(size_t i) const { return base + i * sizeof(int32_t); }
+  std::byte* prob(size_t i) const { return base + rows * sizeof(int32_t) + i * sizeof(float); }
+  std::byte* data(size_t i) const {
+    return base + rows * (sizeof(int32_t) + sizeof(float)) + i * f.payload;
+  }
+  std::byte* scales(size_t i) const {
+    return base + rows * (sizeof(int32_t) + sizeof(float) + f.payload) + i * f.scale_bytes;
+  }
+  void put(size_t i, const std::byte* row, int32_t token, float prob) const {
+    std::memcpy(this->token(i), &token, sizeof(token));
+    std::memcpy(this->prob(i), &prob, sizeof(prob));
+    std::memcpy(data(i), row, f.payload);
+    std::memcpy(scales(i), row + f.payload, f.scale_bytes);
+  }
+};
+
+// Consecutive dispatched rows where they stand, in a half's slots or in a network message,
+// for the receive to pack (pack_rows).
+struct RowSpan {
+  const std::byte* x;
+  const std::byte* scales;
+  const std::byte* token;
+  const std::byte* prob;
+  static RowSpan slots(const std::byte* seg, const SegmentLayout& lay, int half, int64_t row,
+                       const RowFormat& f) {
+    return {seg + lay.dispatch_x[half] + size_t(row) * f.payload,
+            seg + lay.dispatch_scales[half] + size_t(row) * f.scale_bytes,
+            seg + lay.dispatch_src[half] + size_t(row) * sizeof(int32_t),
+            seg + lay.dispatch_prob[half] + size_t(row) * sizeof(float)};
+  }
+  static RowSpan message(const NetRows& m, size_t i) {
+    return {m.data(i), m.scales(i), m.token(i), m.prob(i)};
+  }
 };
 
 // What an in-node peer reads from this rank in pull mode, published in this rank's segment
@@ -129,6 +184,19 @@ struct ReceiveBlock {
   std::vector<int32_t> recv_count;            // [L]
   std::vector<LowLatencyRange> layout_range;  // [L * R]
 };
+
+// Copies n rows from `from` to packed rows [to, to + n) of rb.
+inline void pack_rows(ReceiveBlock& rb, int64_t to, size_t n, const RowFormat& f,
+                      const RowSpan& from) {
+  std::memcpy(static_cast<std::byte*>(rb.x.data()) + size_t(to) * f.payload, from.x,
+              n * f.payload);
+  if (f.scale_bytes != 0) {
+    std::memcpy(static_cast<std::byte*>(rb.scales.data()) + size_t(to) * f.scale_bytes,
+                from.scales, n * f.scale_bytes);
+  }
+  std::memcpy(rb.src.data() + to, from.token, n * sizeof(int32_t));
+  std::memcpy(rb.prob.data() + to, from.prob, n * sizeof(float));
+}
 
 // What a dispatch half keeps between its send and receive phases.
 struct DispatchHalf {
