@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "comm/agreement.h"
 #include "comm/tags.h"
 #include "dispatch/deep_ep/rank_major.h"
 #include "dispatch/ordered_fold.h"
@@ -75,51 +76,47 @@ Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in,
 
 bool has(const TensorView& b) { return !(b.data == nullptr && b.rows == 0 && b.cols == 0); }
 
-}  // namespace
+// One combine call, phase by phase (rm_combine runs them in order).
+struct RmCombine {
+  NormalBuffer::State& s;
+  const NormalCombineInput& in;
+  const NormalHandle& h;
+  const RmSendPlan plan;
+  const DType dt;
+  const int K, C;
+  const int64_t H;
+  const size_t row_bytes, wbytes, piece;  // piece: a row and its weights, as sent
+  std::vector<Source> src;                // [G] every local rank's rows
+  std::vector<std::vector<char>> recv_buf, send_buf;  // [N] per remote node
+  std::vector<Request> recvs, sends;
 
-StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in,
-                                         const Status& caller_error) {
-  World& w = *s.world;
-  const flex::Topology& topo = s.topo;
-  const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
-  const Status local = check_combine(s, in, caller_error);
-  // One collective: the verdicts and the values every rank must share.
-  const int64_t mine[4] = {local.ok() ? 0 : 1, int64_t(in.x.dtype), in.num_topk, in.x.cols};
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(w, std::span<const int64_t>(mine, 4)));
-  for (int r = 0; r < R; ++r) {
-    if (all[size_t(r) * 4] != 0) {
-      MOED_RETURN_IF_ERROR(w.agree(local));
-      return internal_error("rank-major combine: a rank reported bad input but agree passed");
+  RmCombine(NormalBuffer::State& st, const NormalCombineInput& input)
+      : s(st),
+        in(input),
+        h(*input.handle),
+        plan(make_rm_send_plan(st.topo, h, st.world->pool())),
+        dt(input.x.dtype),
+        K(input.num_topk),
+        C(h.num_channels),
+        H(input.x.cols),
+        row_bytes(flex::dtype_row_bytes(dt, H)),
+        wbytes(size_t(K) * 4),
+        piece(row_bytes + wbytes),
+        src(size_t(st.topo.ranks_per_node)),
+        recv_buf(size_t(st.topo.num_nodes)),
+        send_buf(size_t(st.topo.num_nodes)) {}
+
+  // Publishes this rank's rows to its node (in place in the threads world, else copied into a
+  // node-shared region), then learns every local rank's. A failure closes the round.
+  Status publish(flex::PublishRound& round) {
+    World& w = *s.world;
+    const flex::Topology& topo = s.topo;
+    const int R = topo.num_ranks, G = topo.ranks_per_node;
+    if (s.in_place) {
+      const Source me{static_cast<const char*>(in.x.data),
+                      size_t(in.x.row_stride) * in.x.element_size(), in.topk_weights};
+      return flex::open_with_board(round, s.signals, topo.local_rank, me, src);
     }
-  }
-  for (int r = 1; r < R; ++r) {
-    if (all[size_t(r) * 4 + 1] != all[1])
-      return invalid_argument("x dtype = ", dtype_name(DType(all[1])), " on rank 0 but ",
-                              dtype_name(DType(all[size_t(r) * 4 + 1])), " on rank ", r);
-    if (all[size_t(r) * 4 + 2] != all[2])
-      return invalid_argument("topk_weights num_topk = ", all[2], " on rank 0 but ",
-                              all[size_t(r) * 4 + 2], " on rank ", r);
-    if (all[size_t(r) * 4 + 3] != all[3])
-      return invalid_argument("x hidden = ", all[3], " on rank 0 but ", all[size_t(r) * 4 + 3],
-                              " on rank ", r);
-  }
-  const NormalHandle& h = *in.handle;
-  const DType dt = in.x.dtype;
-  const int K = in.num_topk, C = h.num_channels;
-  const int64_t H = in.x.cols, T = h.num_tokens;
-  const size_t row_bytes = flex::dtype_row_bytes(dt, H), wbytes = size_t(K) * 4;
-  const RmSendPlan plan = make_rm_send_plan(topo, h, w.pool());
-
-  // Publish this rank's rows to its node (in place in the threads world, else copied into a
-  // node-shared region), then learn every local rank's.
-  std::vector<Source> src(static_cast<size_t>(G));
-  flex::PublishRound round(w, s.signals, s.epoch, s.in_place, flex::PublishRound::Role::kReads);
-  if (s.in_place) {
-    const Source me{static_cast<const char*>(in.x.data),
-                    size_t(in.x.row_stride) * in.x.element_size(), in.topk_weights};
-    MOED_RETURN_IF_ERROR(flex::open_with_board(round, s.signals, topo.local_rank, me, src));
-  } else {
     int64_t cap = 0;
     for (int lr = 0; lr < G; ++lr) {
       cap = std::max<int64_t>(cap, h.rank_prefix_matrix[size_t(R - 1) * R + topo.node * G + lr]);
@@ -140,36 +137,34 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
       const char* p = s.pull_region.peer(lr);
       src[size_t(lr)] = {p, row_bytes, K > 0 ? reinterpret_cast<const float*>(p + woff) : nullptr};
     }
+    return ok_status();
   }
 
-  // Network: the home role's receives (one per remote node), the forwarder role's pieces.
-  const size_t piece = row_bytes + wbytes;
-  std::vector<std::vector<char>> recv_buf(static_cast<size_t>(N)), send_buf(static_cast<size_t>(N));
-  std::vector<Request> recvs, sends;
-  Status net;
-  if (N > 1) {
-    for (int m = 0; m < N && net.ok(); ++m) {
+  // Across nodes: the home role's receives (one per remote node), then the forwarder role's
+  // pieces for each remote home, in (token, rank ascending) order, the order the home reads
+  // them; waits for the receives.
+  Status exchange() {
+    World& w = *s.world;
+    const flex::Topology& topo = s.topo;
+    const int G = topo.ranks_per_node, N = topo.num_nodes;
+    for (int m = 0; m < N; ++m) {
       const int64_t q = plan.node_pairs[size_t(C) * N + m];
       if (m == topo.node || q == 0) continue;
       recv_buf[size_t(m)].resize(size_t(q) * piece);
-      auto r = w.irecv(topo.forwarder_on(m), tags::kRankMajorCombine, recv_buf[size_t(m)].data(),
-                       recv_buf[size_t(m)].size());
-      if (r.ok())
-        recvs.push_back(std::move(*r));
-      else
-        net = r.status();
+      MOED_ASSIGN_OR_RETURN(Request r, w.irecv(topo.forwarder_on(m), tags::kRankMajorCombine,
+                                               recv_buf[size_t(m)].data(),
+                                               recv_buf[size_t(m)].size()));
+      recvs.push_back(std::move(r));
     }
-    for (int m = 0; m < N && net.ok(); ++m) {
+    for (int m = 0; m < N; ++m) {
       const int64_t n = h.forward_tokens[size_t(m)];
       if (m == topo.node || n == 0) continue;
       const int home = topo.forwarder_on(m);
       const std::vector<uint64_t>& mask = h.forward_mask[size_t(m)];
-      const std::vector<int32_t>& tok = h.forward_src_token[size_t(m)];
       int64_t q = 0;
       for (uint64_t mk : mask) q += popcount64(mk);
       std::vector<char>& buf = send_buf[size_t(m)];
       buf.resize(size_t(q) * piece);
-      // Pieces in (token, rank ascending) order: the order the home rank reads them.
       std::vector<int64_t> row(static_cast<size_t>(G));
       for (int lr = 0; lr < G; ++lr) row[size_t(lr)] = h.rank_begin(home, topo.node * G + lr);
       int64_t k = 0;
@@ -183,105 +178,128 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
           if (K > 0) std::memcpy(p + row_bytes, sr.weights + size_t(rw) * K, wbytes);
         }
       }
-      (void)tok;
       w.add_shared_bytes(uint64_t(q) * row_bytes, uint64_t(q));
-      auto r = w.isend(home, tags::kRankMajorCombine, buf.data(), buf.size());
-      if (r.ok()) {
-        w.add_network_bytes(0, uint64_t(q));
-        sends.push_back(std::move(*r));
-      } else {
-        net = r.status();
-      }
+      MOED_ASSIGN_OR_RETURN(Request r,
+                            w.isend(home, tags::kRankMajorCombine, buf.data(), buf.size()));
+      w.add_network_bytes(0, uint64_t(q));
+      sends.push_back(std::move(r));
     }
-    if (net.ok()) net = wait_all(recvs);
+    return wait_all(recvs);
   }
 
+  // The tokens of channels [cb, ce): DeepEP's order (the two biases, then the ranks
+  // ascending) or V2's (each rank's row and weights, then the fold by the recipe). Returns
+  // the rows read.
+  uint64_t fold_channels(int64_t cb, int64_t ce, const TensorView& dst, float* weights_out) const {
+    const flex::Topology& topo = s.topo;
+    const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
+    const int L = h.num_experts / R;
+    std::vector<float> acc(static_cast<size_t>(H));
+    std::vector<int64_t> cursor(static_cast<size_t>(N));
+    std::vector<const char*> rank_row(static_cast<size_t>(R));
+    std::vector<const float*> rank_w(static_cast<size_t>(R));
+    std::vector<int> last_slot(static_cast<size_t>(R));
+    std::vector<OrderedTerm> terms;
+    OrderedFold fold(dt, H);
+    uint64_t n = 0;
+    for (int64_t c = cb; c < ce; ++c) {
+      for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_pairs[size_t(c) * N + m];
+      for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1];
+           ++t) {
+        if (has(in.bias_0)) {
+          convert_row(in.bias_0.row_ptr(t), in.bias_0.dtype, acc.data(), DType::kF32, size_t(H));
+        } else {
+          std::fill(acc.begin(), acc.end(), 0.0f);
+        }
+        if (has(in.bias_1))
+          accumulate_row_f32(acc.data(), in.bias_1.row_ptr(t), in.bias_1.dtype, size_t(H));
+        float* wout = weights_out + size_t(t) * K;
+        if (in.order_topk) std::fill(rank_row.begin(), rank_row.end(), nullptr);
+        for (int r = 0; r < R; ++r) {
+          const int32_t head = h.send_head[size_t(t) * R + r];
+          if (head < 0) continue;
+          const int m = r / G;
+          const char* row;
+          const float* wr = nullptr;
+          if (m == topo.node) {
+            const Source& sr = src[size_t(r % G)];
+            const int64_t rw =
+                h.rank_begin(topo.rank, r) +
+                (c == 0 ? 0 : h.channel_prefix_matrix[size_t(r) * C + size_t(c - 1)]) + head;
+            row = sr.rows + size_t(rw) * sr.row_stride_bytes;
+            if (K > 0) wr = sr.weights + size_t(rw) * K;
+          } else {
+            row = recv_buf[size_t(m)].data() + size_t(cursor[size_t(m)]++) * piece;
+            if (K > 0) wr = reinterpret_cast<const float*>(row + row_bytes);
+          }
+          ++n;
+          if (in.order_topk) {
+            rank_row[size_t(r)] = row;
+            rank_w[size_t(r)] = wr;
+            continue;
+          }
+          accumulate_row_f32(acc.data(), row, dt, size_t(H));
+          for (int k = 0; k < K; ++k) wout[k] = wout[k] + wr[k];
+        }
+        if (in.order_topk) {
+          const TopkView& o = *in.order_topk;
+          terms.clear();
+          std::fill(last_slot.begin(), last_slot.end(), -1);
+          for (int k = 0; k < o.num_topk; ++k) {
+            const int64_t e = o.at(t, k);
+            if (e < 0) continue;
+            const int r = int(e / L);
+            last_slot[size_t(r)] = k;
+            if (k < K) wout[k] = rank_w[size_t(r)][k];
+          }
+          for (int r = 0; r < R; ++r) {
+            if (rank_row[size_t(r)] != nullptr)
+              terms.push_back({rank_row[size_t(r)], last_slot[size_t(r)], r, r / G});
+          }
+          fold.fold(acc.data(), terms, in.recipe);
+        }
+        store_row(acc.data(), dst.row_ptr(t), dt, size_t(H));
+      }
+    }
+    return n;
+  }
+};
+
+}  // namespace
+
+StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCombineInput& in,
+                                         const Status& caller_error) {
+  World& w = *s.world;
+  const Status local = check_combine(s, in, caller_error);
+  // One collective: the verdicts and the values every rank must share.
+  using F = AgreedField;
+  const AgreedField fields[] = {{"x dtype", int64_t(in.x.dtype), F::kAgreeDType},
+                                {"topk_weights num_topk", in.num_topk, F::kAgree},
+                                {"x hidden", in.x.cols, F::kAgree}};
+  MOED_RETURN_IF_ERROR(agree_in_one(w, local, fields).status());
+
+  RmCombine call(s, in);
+  flex::PublishRound round(w, s.signals, s.epoch, s.in_place, flex::PublishRound::Role::kReads);
+  MOED_RETURN_IF_ERROR(call.publish(round));
+  const Status net = s.topo.num_nodes > 1 ? call.exchange() : ok_status();
+
   NormalCombineOutput out;
-  if (!in.out) out.combined_x = Tensor::empty(dt, T, H);
+  const int64_t T = call.h.num_tokens;
+  if (!in.out) out.combined_x = Tensor::empty(call.dt, T, call.H);
   out.out = in.out;
   const TensorView dst = out.result();
-  out.combined_topk_weights.assign(size_t(T) * K, 0.0f);
-  std::vector<uint64_t> reads(size_t(C), 0);
+  out.combined_topk_weights.assign(size_t(T) * call.K, 0.0f);
+  std::vector<uint64_t> reads(size_t(call.C), 0);
   if (net.ok()) {
-    const int L = h.num_experts / R;
-    w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
-      std::vector<float> acc(static_cast<size_t>(H));
-      std::vector<int64_t> cursor(static_cast<size_t>(N));
-      // V2's order: each rank's row and weights, then the fold by the recipe.
-      std::vector<const char*> rank_row(static_cast<size_t>(R));
-      std::vector<const float*> rank_w(static_cast<size_t>(R));
-      std::vector<int> last_slot(static_cast<size_t>(R));
-      std::vector<OrderedTerm> terms;
-      OrderedFold fold(dt, H);
-      for (int64_t c = cb; c < ce; ++c) {
-        for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_pairs[size_t(c) * N + m];
-        uint64_t n = 0;
-        for (int64_t t = plan.channel_begin[size_t(c)]; t < plan.channel_begin[size_t(c) + 1];
-             ++t) {
-          // DeepEP's order: the two biases first, then the ranks ascending.
-          if (has(in.bias_0)) {
-            convert_row(in.bias_0.row_ptr(t), in.bias_0.dtype, acc.data(), DType::kF32, size_t(H));
-          } else {
-            std::fill(acc.begin(), acc.end(), 0.0f);
-          }
-          if (has(in.bias_1))
-            accumulate_row_f32(acc.data(), in.bias_1.row_ptr(t), in.bias_1.dtype, size_t(H));
-          float* wout = out.combined_topk_weights.data() + size_t(t) * K;
-          if (in.order_topk) std::fill(rank_row.begin(), rank_row.end(), nullptr);
-          for (int r = 0; r < R; ++r) {
-            const int32_t head = h.send_head[size_t(t) * R + r];
-            if (head < 0) continue;
-            const int m = r / G;
-            const char* row;
-            const float* wr = nullptr;
-            if (m == topo.node) {
-              const Source& sr = src[size_t(r % G)];
-              const int64_t rw =
-                  h.rank_begin(topo.rank, r) +
-                  (c == 0 ? 0 : h.channel_prefix_matrix[size_t(r) * C + size_t(c - 1)]) + head;
-              row = sr.rows + size_t(rw) * sr.row_stride_bytes;
-              if (K > 0) wr = sr.weights + size_t(rw) * K;
-            } else {
-              row = recv_buf[size_t(m)].data() + size_t(cursor[size_t(m)]++) * piece;
-              if (K > 0) wr = reinterpret_cast<const float*>(row + row_bytes);
-            }
-            ++n;
-            if (in.order_topk) {
-              rank_row[size_t(r)] = row;
-              rank_w[size_t(r)] = wr;
-              continue;
-            }
-            accumulate_row_f32(acc.data(), row, dt, size_t(H));
-            for (int k = 0; k < K; ++k) wout[k] = wout[k] + wr[k];
-          }
-          if (in.order_topk) {
-            const TopkView& o = *in.order_topk;
-            terms.clear();
-            std::fill(last_slot.begin(), last_slot.end(), -1);
-            for (int k = 0; k < o.num_topk; ++k) {
-              const int64_t e = o.at(t, k);
-              if (e < 0) continue;
-              const int r = int(e / L);
-              last_slot[size_t(r)] = k;
-              if (k < K) wout[k] = rank_w[size_t(r)][k];
-            }
-            for (int r = 0; r < R; ++r) {
-              if (rank_row[size_t(r)] != nullptr)
-                terms.push_back({rank_row[size_t(r)], last_slot[size_t(r)], r, r / G});
-            }
-            fold.fold(acc.data(), terms, in.recipe);
-          }
-          store_row(acc.data(), dst.row_ptr(t), dt, size_t(H));
-        }
-        reads[size_t(c)] = n;
-      }
+    w.pool().parallel_for(call.C, [&](int64_t cb, int64_t ce, int) {
+      reads[size_t(cb)] = call.fold_channels(cb, ce, dst, out.combined_topk_weights.data());
     });
   }
   uint64_t rows = 0;
   for (uint64_t n : reads) rows += n;
-  w.add_shared_bytes(rows * row_bytes, rows);
+  w.add_shared_bytes(rows * call.row_bytes, rows);
   // NOTE: the rows stay untouched until every local rank has read them (PublishRound).
-  const Status sent = wait_all(sends);
+  const Status sent = wait_all(call.sends);
   MOED_RETURN_IF_ERROR(round.close(net.ok() ? sent : net));
   return out;
 }

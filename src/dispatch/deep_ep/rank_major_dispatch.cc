@@ -8,15 +8,13 @@
 // one forwarder, so a running count per receiver is the row). This file: the checks, the count
 // exchange and the handle; the data movement is rank_major_push.cc.
 
+#include "comm/agreement.h"
 #include "dispatch/deep_ep/rank_major.h"
 #include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
 
 namespace {
-
-constexpr size_t kPrefix = 8;          // slots of the first exchange before E
-constexpr size_t kHeld = kPrefix + 1;  // then the receive ring's held mask (OutputRing)
 
 Status check_x(const TokenRows& x) {
   if (x.x.rows < 0 || x.x.cols <= 0) {
@@ -238,8 +236,8 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
   s.num_experts = cached ? (in.handle ? in.handle->num_experts : 0)
                          : int(in.layout.num_tokens_per_expert.size());
   const int E = s.num_experts;
-  // First exchange, fixed size, so it works whatever a bad input looks like: [bad, cached, T,
-  // H, dtype, K, alignment, worst, E]. Cached mode stops here (no count exchange).
+  // First exchange, the agreement (fixed size, so it works whatever a bad input looks like);
+  // cached mode stops there (no count exchange).
   Status local = caller_error;
   if (local.ok() && !cached && (E <= 0 || E % R != 0))
     local =
@@ -247,51 +245,22 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
                          " entries; num_experts must be a positive multiple of the ", R, " ranks");
   if (local.ok()) local = cached ? check_cached(s, in) : check_uncached(s, in);
   if (local.ok() && in.out) local = check_out_rows(in);
-  std::vector<int64_t> mine(kHeld + 1, 0);
-  mine[0] = local.ok() ? 0 : 1;
-  mine[1] = cached ? 1 : 0;
-  if (local.ok()) {
-    mine[2] = in.x.x.rows;
-    mine[3] = in.x.x.cols;
-    mine[4] = int64_t(in.x.x.dtype);
-    mine[5] = in.topk.num_topk;
-  }
-  if (local.ok() && !cached) {
-    mine[6] = in.expert_alignment;
-    mine[7] = in.num_worst_tokens;
-    mine[8] = E;
-  }
-  if (!s.in_place) mine[kHeld] = int64_t(s.recv_ring.held_mask());
-  const size_t fixed = kHeld + 1;
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> head,
-                        all_gather<int64_t>(w, std::span<const int64_t>(mine)));
-  bool any_bad = false;
-  for (int r = 0; r < R; ++r) any_bad |= head[size_t(r) * fixed] != 0;
-  if (any_bad) {
-    MOED_RETURN_IF_ERROR(w.agree(local));
-    return internal_error("rank-major dispatch: a rank reported bad input but agree passed");
-  }
-  for (int r = 1; r < R; ++r) {
-    if (head[size_t(r) * fixed + 1] != head[1]) {
-      return invalid_argument("handle is ", head[1] ? "given" : "not given", " on rank 0 but ",
-                              head[size_t(r) * fixed + 1] ? "given" : "not given", " on rank ", r,
-                              "; cached dispatch must be used by every rank");
-    }
-  }
+  const bool ok = local.ok(), fresh = ok && !cached;
+  using F = AgreedField;
+  // Cached mode agrees on the first four only (the others are 0 on every rank then).
+  const AgreedField fields[] = {
+      {"cached mode (handle given)", cached, F::kAgree},
+      {"hidden", ok ? in.x.x.cols : 0, F::kAgree},
+      {"x dtype", ok ? int64_t(in.x.x.dtype) : 0, F::kAgreeDType},
+      {"num_topk", ok ? in.topk.num_topk : 0, F::kAgree},
+      {"expert_alignment", fresh ? in.expert_alignment : 0, F::kAgree},
+      {"num_worst_tokens", fresh ? in.num_worst_tokens : 0, F::kAgree},
+      {"num_experts", fresh ? E : 0, F::kAgree},
+      {"held receive slots", s.in_place ? 0 : int64_t(s.recv_ring.held_mask()), F::kFree}};
+  MOED_ASSIGN_OR_RETURN(AgreedTable head, agree_in_one(w, local, fields));
   if (!s.in_place) {
-    const auto held_of = [&](int r) { return uint64_t(head[size_t(r) * fixed + kHeld]); };
+    const auto held_of = [&](int r) { return uint64_t(head.row(r)[1 + 7]); };
     MOED_ASSIGN_OR_RETURN(s.recv_slot, s.recv_ring.pick(s.topo, held_of, "rank-major dispatch"));
-  }
-  static const char* kNames[] = {
-      "",           "", "", "hidden", "x dtype", "num_topk", "expert_alignment", "num_worst_tokens",
-      "num_experts"};
-  for (int r = 1; r < R; ++r) {
-    for (size_t i = 3; i < (cached ? size_t(6) : kHeld); ++i) {
-      if (head[size_t(r) * fixed + i] != head[i]) {
-        return invalid_argument(kNames[i], " = ", head[i], " on rank 0 but ",
-                                head[size_t(r) * fixed + i], " on rank ", r);
-      }
-    }
   }
   if (cached) {
     // NOTE: the handle is shared with earlier outputs; the cached push writes no plan into
