@@ -64,71 +64,83 @@ struct RowWriter {
   }
 };
 
-}  // namespace
+// One push, phase by phase (rm_push runs them in order).
+struct RmPush {
+  NormalBuffer::State& s;
+  NormalHandle& h;
+  const TokenRows& x;
+  const TopkView& topk;
+  const bool plan;  // the source indices and the forwarder plans travel too
+  const RmSendPlan send;
+  const RecvLayout lay;
+  const RowWriter writer;
+  std::vector<RecvTarget> target;  // [G] this node's receive blocks
+  std::shared_ptr<Tensor> block;   // in place: this rank's block
+  std::vector<std::vector<char>> recv_buf, send_buf;  // [N] per remote node
+  std::vector<Request> recvs, sends;
 
-StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
-                                       const TopkView& topk, bool with_plan,
-                                       const std::optional<TensorView>& out_rows) {
-  World& w = *s.world;
-  const flex::Topology& topo = s.topo;
-  const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes, C = h.num_channels;
-  const int me = topo.rank, L = s.num_experts / R;
-  const int64_t H = x.x.cols;
-  const DType dt = x.x.dtype;
-  const int64_t worst = h.num_worst_tokens;
-  const bool plan = with_plan;  // the source indices and the forwarder plans travel too
-  const RmSendPlan send = make_rm_send_plan(topo, h, w.pool());
-  const RecvLayout lay =
-      RecvLayout::of(s.node_cap_rows(h, worst), flex::dtype_row_bytes(dt, H),
-                     flex::scale_row_bytes(dt, H), topk.num_topk, R, plan ? C : 0);
-  const int K = lay.num_topk;
+  RmPush(NormalBuffer::State& st, NormalHandle& handle, const TokenRows& rows,
+         const TopkView& routing, bool with_plan)
+      : s(st),
+        h(handle),
+        x(rows),
+        topk(routing),
+        plan(with_plan),
+        send(make_rm_send_plan(st.topo, handle, st.world->pool())),
+        lay(RecvLayout::of(st.node_cap_rows(handle, handle.num_worst_tokens),
+                           flex::dtype_row_bytes(rows.x.dtype, rows.x.cols),
+                           flex::scale_row_bytes(rows.x.dtype, rows.x.cols), routing.num_topk,
+                           st.topo.num_ranks, with_plan ? handle.num_channels : 0)),
+        writer{&lay, rows.x.cols, st.num_experts / st.topo.num_ranks, with_plan},
+        target(size_t(st.topo.ranks_per_node)),
+        recv_buf(size_t(st.topo.num_nodes)),
+        send_buf(size_t(st.topo.num_nodes)) {}
+
+  char* own() const { return target[size_t(s.topo.local_rank)].block; }
 
   // The receive blocks of this node's ranks. A caller's recv_x buffer takes the rows: in the
   // threads world the senders write it (its address is published with the block's); in the
   // MPI world it is filled from the node-shared block at the end.
-  std::shared_ptr<Tensor> block;
-  std::vector<RecvTarget> target(static_cast<size_t>(G));
-  // NOTE: in place, the senders write this rank's block and the caller's recv_x, so the call
-  // returns only once they are done, whichever way it ends (PublishRound).
-  flex::PublishRound round(w, s.signals, s.epoch, s.in_place, flex::PublishRound::Role::kWrites);
-  if (s.in_place) {
-    block = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(lay.bytes)));
-    RecvTarget mine{static_cast<char*>(block->data()), static_cast<char*>(block->data()),
-                    lay.row_bytes};
-    if (out_rows) {
-      mine.rows = static_cast<char*>(out_rows->data);
-      mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(dt);
+  Status open_targets(flex::PublishRound& round, const std::optional<TensorView>& out_rows) {
+    World& w = *s.world;
+    if (s.in_place) {
+      block = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(lay.bytes)));
+      RecvTarget mine{static_cast<char*>(block->data()), static_cast<char*>(block->data()),
+                      lay.row_bytes};
+      if (out_rows) {
+        mine.rows = static_cast<char*>(out_rows->data);
+        mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(x.x.dtype);
+      }
+      return flex::open_with_board(round, s.signals, s.topo.local_rank, mine, target);
     }
-    MOED_RETURN_IF_ERROR(flex::open_with_board(round, s.signals, topo.local_rank, mine, target));
-  } else {
     flex::Region& recv = s.recv_ring.region(s.recv_slot);
     MOED_RETURN_IF_ERROR(recv.ensure(w, lay.bytes));
     // No local rank holds an output of this slot, so nothing reads its buffer before growth.
     recv.release_retired();
-    for (int lr = 0; lr < G; ++lr) {
+    for (int lr = 0; lr < s.topo.ranks_per_node; ++lr) {
       char* b = recv.peer(lr);
       target[size_t(lr)] = {b, b, lay.row_bytes};
     }
+    return ok_status();
   }
-  char* own = target[size_t(topo.local_rank)].block;
-  const RecvTarget& own_rows = target[size_t(topo.local_rank)];
-  const RowWriter writer{&lay, H, L, plan};
 
-  // Network: the forwarder role's receives, then one message per remote node.
-  std::vector<std::vector<char>> recv_buf(static_cast<size_t>(N)), send_buf(static_cast<size_t>(N));
-  std::vector<Request> recvs, sends;
-  const RmMessage none;
-  std::vector<RmMessage> out_msg(size_t(N), none);
-  if (N > 1) {
+  // Across nodes: the forwarder role's receives, then one message per remote node with every
+  // token bound there (its header, row, scales and top-k), packed by channel.
+  Status post_node_messages() {
+    World& w = *s.world;
+    const flex::Topology& topo = s.topo;
+    const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
+    const int C = h.num_channels, K = lay.num_topk;
     for (int m = 0; m < N; ++m) {
       const int64_t n = h.forward_tokens[size_t(m)];
       if (m == topo.node || n == 0) continue;
       recv_buf[size_t(m)].resize(RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
-      MOED_ASSIGN_OR_RETURN(Request r,
-                            w.irecv(topo.forwarder_on(m), tags::kRankMajorDispatch, recv_buf[size_t(m)].data(),
-                                    recv_buf[size_t(m)].size()));
+      MOED_ASSIGN_OR_RETURN(Request r, w.irecv(topo.forwarder_on(m), tags::kRankMajorDispatch,
+                                               recv_buf[size_t(m)].data(),
+                                               recv_buf[size_t(m)].size()));
       recvs.push_back(std::move(r));
     }
+    std::vector<RmMessage> out_msg(static_cast<size_t>(N));
     for (int m = 0; m < N; ++m) {
       const int64_t n = send.node_tokens[size_t(C) * N + m];
       if (m == topo.node || n == 0) continue;
@@ -152,82 +164,103 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
             uint64_t mask = 0;
             for (int lr = 0; lr < G; ++lr) mask |= uint64_t(in[m * G + lr] != 0) << lr;
             if (mask == 0) continue;
-            const RmMessage& ml = out_msg[size_t(m)];
-            char* msg = send_buf[size_t(m)].data();
-            const size_t i = size_t(pos[size_t(m)]++);
-            const RmHeader hd{int32_t(t), 0, mask};
-            std::memcpy(msg + i * sizeof(RmHeader), &hd, sizeof(hd));
-            std::memcpy(msg + ml.rows_off + i * lay.row_bytes, x.x.row_ptr(t), lay.row_bytes);
-            if (lay.scale_bytes) {
-              std::memcpy(msg + ml.scales_off + i * lay.scale_bytes, x.scales.row_ptr(t),
-                          lay.scale_bytes);
-            }
-            for (int k = 0; k < K; ++k) {
-              const int64_t e = topk.at(t, k);
-              std::memcpy(msg + ml.idx_off + (i * K + k) * 8, &e, 8);
-              const float wt = topk.weight(t, k);
-              std::memcpy(msg + ml.weights_off + (i * K + k) * 4, &wt, 4);
-            }
+            pack_message_row(out_msg[size_t(m)], send_buf[size_t(m)].data(),
+                             size_t(pos[size_t(m)]++), t, mask);
           }
         }
       }
     });
     for (int m = 0; m < N; ++m) {
       if (send_buf[size_t(m)].empty()) continue;
-      MOED_ASSIGN_OR_RETURN(Request r,
-                            w.isend(topo.forwarder_on(m), tags::kRankMajorDispatch, send_buf[size_t(m)].data(),
-                                    send_buf[size_t(m)].size()));
+      MOED_ASSIGN_OR_RETURN(Request r, w.isend(topo.forwarder_on(m), tags::kRankMajorDispatch,
+                                               send_buf[size_t(m)].data(),
+                                               send_buf[size_t(m)].size()));
       w.add_network_bytes(0, uint64_t(send.node_tokens[size_t(C) * N + m]));
       sends.push_back(std::move(r));
+    }
+    return ok_status();
+  }
+
+  // Entry i of a node message: token t for the node's ranks in `mask`.
+  void pack_message_row(const RmMessage& ml, char* msg, size_t i, int64_t t, uint64_t mask) const {
+    const int K = lay.num_topk;
+    const RmHeader hd{int32_t(t), 0, mask};
+    std::memcpy(msg + i * sizeof(RmHeader), &hd, sizeof(hd));
+    std::memcpy(msg + ml.rows_off + i * lay.row_bytes, x.x.row_ptr(t), lay.row_bytes);
+    if (lay.scale_bytes) {
+      std::memcpy(msg + ml.scales_off + i * lay.scale_bytes, x.scales.row_ptr(t),
+                  lay.scale_bytes);
+    }
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = topk.at(t, k);
+      std::memcpy(msg + ml.idx_off + (i * K + k) * 8, &e, 8);
+      const float wt = topk.weight(t, k);
+      std::memcpy(msg + ml.weights_off + (i * K + k) * 4, &wt, 4);
     }
   }
 
   // Inside the node: every channel writes its tokens' rows into the receivers' blocks.
-  std::vector<uint64_t> written(size_t(C), 0);
-  w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
-    std::vector<int64_t> row(static_cast<size_t>(G));
-    for (int64_t c = cb; c < ce; ++c) {
-      for (int lr = 0; lr < G; ++lr) {
-        const int r = topo.node * G + lr;
-        row[size_t(lr)] = h.rank_begin(me, r) + channel_start(h, r, int(c));
-      }
-      uint64_t n = 0;
-      for (int64_t t = send.channel_begin[size_t(c)]; t < send.channel_begin[size_t(c) + 1]; ++t) {
-        const uint8_t* in = &h.is_token_in_rank[size_t(t) * R + size_t(topo.node) * G];
-        const void* sc = lay.scale_bytes ? x.scales.row_ptr(t) : nullptr;
+  // Returns the rows written.
+  uint64_t write_in_node() {
+    World& w = *s.world;
+    const flex::Topology& topo = s.topo;
+    const int R = topo.num_ranks, G = topo.ranks_per_node, C = h.num_channels;
+    std::vector<uint64_t> written(size_t(C), 0);
+    w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
+      std::vector<int64_t> row(static_cast<size_t>(G));
+      for (int64_t c = cb; c < ce; ++c) {
         for (int lr = 0; lr < G; ++lr) {
-          if (!in[lr]) continue;
-          writer.write(target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr, x.x.row_ptr(t),
-                       sc, int32_t(t), &topk, t, nullptr, nullptr);
-          ++n;
+          const int r = topo.node * G + lr;
+          row[size_t(lr)] = h.rank_begin(topo.rank, r) + channel_start(h, r, int(c));
         }
+        uint64_t n = 0;
+        for (int64_t t = send.channel_begin[size_t(c)]; t < send.channel_begin[size_t(c) + 1];
+             ++t) {
+          const uint8_t* in = &h.is_token_in_rank[size_t(t) * R + size_t(topo.node) * G];
+          const void* sc = lay.scale_bytes ? x.scales.row_ptr(t) : nullptr;
+          for (int lr = 0; lr < G; ++lr) {
+            if (!in[lr]) continue;
+            writer.write(target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr,
+                         x.x.row_ptr(t), sc, int32_t(t), &topk, t, nullptr, nullptr);
+            ++n;
+          }
+        }
+        written[size_t(c)] = n;
       }
-      written[size_t(c)] = n;
-    }
-  });
-  uint64_t rows = 0;
-  for (uint64_t n : written) rows += n;
-  const size_t row_total = lay.row_bytes + lay.scale_bytes + (plan ? 4 : 0) + size_t(K) * 12;
-  if (plan) {
-    // Receive channel prefix rows: written by the sender (or its forwarder) when it sends the
-    // receiver anything, else by the receiver itself, so each row has one writer.
+    });
+    uint64_t rows = 0;
+    for (uint64_t n : written) rows += n;
+    return rows;
+  }
+
+  // Receive channel prefix rows: written by the sender (or its forwarder) when it sends the
+  // receiver anything, else by the receiver itself, so each row has one writer.
+  void write_channel_prefixes() {
+    const flex::Topology& topo = s.topo;
+    const int R = topo.num_ranks, G = topo.ranks_per_node, C = h.num_channels;
     for (int lr = 0; lr < G; ++lr) {
       const int r = topo.node * G + lr;
-      if (count_to(h, me, r) == 0) continue;
-      auto* rcpm =
-          reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) + size_t(me) * C;
+      if (count_to(h, topo.rank, r) == 0) continue;
+      auto* rcpm = reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) +
+                   size_t(topo.rank) * C;
       for (int c = 0; c < C; ++c) rcpm[c] = channel_start(h, r, c);
     }
-    auto* rcpm = reinterpret_cast<int32_t*>(own + lay.rcpm_off);
+    auto* rcpm = reinterpret_cast<int32_t*>(own() + lay.rcpm_off);
     for (int src = 0; src < R; ++src) {
-      if (count_to(h, src, me) == 0)
+      if (count_to(h, src, topo.rank) == 0)
         std::fill(rcpm + size_t(src) * C, rcpm + size_t(src + 1) * C, 0);
     }
   }
 
-  // The forwarder role: place the rows other nodes' sources sent for this node.
-  if (N > 1) {
+  // The forwarder role: places the rows other nodes' sources sent for this node. Returns the
+  // rows placed.
+  StatusOr<uint64_t> place_forwarded() {
+    World& w = *s.world;
+    const flex::Topology& topo = s.topo;
+    const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
+    const int C = h.num_channels, K = lay.num_topk;
     MOED_RETURN_IF_ERROR(wait_all(recvs));
+    uint64_t rows = 0;
     for (int m = 0; m < N; ++m) {
       const int64_t n = h.forward_tokens[size_t(m)];
       if (m == topo.node || n == 0) continue;
@@ -264,57 +297,92 @@ StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, 
           }
         }
       });
-      uint64_t q = 0;
-      for (uint64_t mk : mask) q += uint64_t(popcount64(mk));
-      rows += q;
+      for (uint64_t mk : mask) rows += uint64_t(popcount64(mk));
       if (plan) {
         h.forward_src_token[size_t(m)] = std::move(src_token);
         h.forward_mask[size_t(m)] = std::move(mask);
       }
     }
     MOED_RETURN_IF_ERROR(wait_all(sends));
+    return rows;
   }
-  w.add_shared_bytes(rows * row_total, rows);
 
   // num_worst_tokens: the rows past the received ones are zero (-1 for indices).
-  if (h.num_rows > h.num_recv_tokens) {
+  void zero_worst_rows() {
+    if (h.num_rows <= h.num_recv_tokens) return;
+    const int K = lay.num_topk;
+    const RecvTarget& own_rows = target[size_t(s.topo.local_rank)];
+    char* o = own();
     const size_t lo = size_t(h.num_recv_tokens), n = size_t(h.num_rows) - lo;
     for (size_t i = lo; i < lo + n; ++i)
       std::memset(own_rows.rows + i * own_rows.rows_stride, 0, lay.row_bytes);
-    if (lay.scale_bytes)
-      std::memset(own + lay.scales_off + lo * lay.scale_bytes, 0, n * lay.scale_bytes);
-    if (plan) std::memset(own + lay.src_idx_off + lo * 4, 0xff, n * 4);
-    std::memset(own + lay.topk_idx_off + lo * size_t(K) * 8, 0xff, n * size_t(K) * 8);
-    std::memset(own + lay.weights_off + lo * size_t(K) * 4, 0, n * size_t(K) * 4);
+    if (lay.scale_bytes) std::memset(o + lay.scales_off + lo * lay.scale_bytes, 0, n * lay.scale_bytes);
+    if (plan) std::memset(o + lay.src_idx_off + lo * 4, 0xff, n * 4);
+    std::memset(o + lay.topk_idx_off + lo * size_t(K) * 8, 0xff, n * size_t(K) * 8);
+    std::memset(o + lay.weights_off + lo * size_t(K) * 4, 0, n * size_t(K) * 4);
   }
-  MOED_RETURN_IF_ERROR(round.close());
 
-  NormalDispatchOutput out;
-  const int64_t nr = h.num_rows;
-  if (out_rows) {
-    if (!s.in_place) {  // MPI world: the rows are in the node-shared block
-      for (int64_t i = 0; i < nr; ++i)
-        std::memcpy(out_rows->row_ptr(i), own + size_t(i) * lay.row_bytes, lay.row_bytes);
+  // The output's views of this rank's block (or the caller's recv_x), and the plan's arrays.
+  NormalDispatchOutput output(const std::optional<TensorView>& out_rows) {
+    const DType dt = x.x.dtype;
+    const int64_t H = x.x.cols, nr = h.num_rows;
+    const int K = lay.num_topk;
+    char* o = own();
+    NormalDispatchOutput out;
+    if (out_rows) {
+      if (!s.in_place) {  // MPI world: the rows are in the node-shared block
+        for (int64_t i = 0; i < nr; ++i)
+          std::memcpy(out_rows->row_ptr(i), o + size_t(i) * lay.row_bytes, lay.row_bytes);
+      }
+      out.recv_x.x = *out_rows;
+    } else {
+      out.recv_x.x = TensorView(o, dt, nr, H);
     }
-    out.recv_x.x = *out_rows;
-  } else {
-    out.recv_x.x = TensorView(own, dt, nr, H);
+    if (dt == DType::kFP8) {
+      out.recv_x.scales = TensorView(o + lay.scales_off, DType::kF32, nr, H / kFp8BlockSize);
+    }
+    if (plan) {
+      const auto* src_idx = reinterpret_cast<const int32_t*>(o + lay.src_idx_off);
+      h.recv_src_idx.assign(src_idx, src_idx + nr);
+      const auto* rcpm = reinterpret_cast<const int32_t*>(o + lay.rcpm_off);
+      h.recv_channel_prefix_matrix.assign(rcpm, rcpm + size_t(s.topo.num_ranks) * h.num_channels);
+    }
+    if (K > 0) {
+      out.recv_topk_idx = {reinterpret_cast<const int64_t*>(o + lay.topk_idx_off), size_t(nr) * K};
+      out.recv_topk_weights = {reinterpret_cast<const float*>(o + lay.weights_off),
+                               size_t(nr) * K};
+    }
+    out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
+    return out;
   }
-  if (dt == DType::kFP8) {
-    out.recv_x.scales = TensorView(own + lay.scales_off, DType::kF32, nr, H / kFp8BlockSize);
+};
+
+}  // namespace
+
+StatusOr<NormalDispatchOutput> rm_push(NormalBuffer::State& s, NormalHandle& h, const TokenRows& x,
+                                       const TopkView& topk, bool with_plan,
+                                       const std::optional<TensorView>& out_rows) {
+  World& w = *s.world;
+  RmPush push(s, h, x, topk, with_plan);
+  // NOTE: in place, the senders write this rank's block and the caller's recv_x, so the call
+  // returns only once they are done, whichever way it ends (PublishRound).
+  flex::PublishRound round(w, s.signals, s.epoch, s.in_place, flex::PublishRound::Role::kWrites);
+  MOED_RETURN_IF_ERROR(push.open_targets(round, out_rows));
+  const bool nodes = s.topo.num_nodes > 1;
+  if (nodes) MOED_RETURN_IF_ERROR(push.post_node_messages());
+  uint64_t rows = push.write_in_node();
+  if (with_plan) push.write_channel_prefixes();
+  if (nodes) {
+    MOED_ASSIGN_OR_RETURN(const uint64_t forwarded, push.place_forwarded());
+    rows += forwarded;
   }
-  if (plan) {
-    const auto* src_idx = reinterpret_cast<const int32_t*>(own + lay.src_idx_off);
-    h.recv_src_idx.assign(src_idx, src_idx + nr);
-    const auto* rcpm = reinterpret_cast<const int32_t*>(own + lay.rcpm_off);
-    h.recv_channel_prefix_matrix.assign(rcpm, rcpm + size_t(R) * C);
-  }
-  if (K > 0) {
-    out.recv_topk_idx = {reinterpret_cast<const int64_t*>(own + lay.topk_idx_off), size_t(nr) * K};
-    out.recv_topk_weights = {reinterpret_cast<const float*>(own + lay.weights_off), size_t(nr) * K};
-  }
-  out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
-  return out;
+  const RecvLayout& lay = push.lay;
+  const size_t row_total =
+      lay.row_bytes + lay.scale_bytes + (with_plan ? 4 : 0) + size_t(lay.num_topk) * 12;
+  w.add_shared_bytes(rows * row_total, rows);
+  push.zero_worst_rows();
+  MOED_RETURN_IF_ERROR(round.close());
+  return push.output(out_rows);
 }
 
 }  // namespace moed::deep_ep
