@@ -92,3 +92,30 @@ def case_v2_index_dtype(group):
 
 def test_v2_index_dtype_follows_torch():
     assert all(run(case_v2_index_dtype, (2, 0)))
+
+
+def _init_dist_worker(local_rank, port, out):
+    """DeepEP's set-up (deep_ep.utils.envs.init_dist) with FutureWarnings as errors: moed's own
+    probe of torch's gloo says nothing, and the stacked all_gather_into_tensor DeepEP's tests
+    call gives every rank's row."""
+    import os
+    import warnings
+    warnings.simplefilter("error", FutureWarning)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="1", RANK="0")
+    from moed.deep_ep.utils.envs import init_dist
+    rank, size, group = init_dist(local_rank, 2)
+    got = torch.empty(size, 3, dtype=torch.int32)
+    with warnings.catch_warnings():  # the caller's own stacked call may warn, as on a GPU
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.distributed.all_gather_into_tensor(got, torch.full((3,), rank, dtype=torch.int32),
+                                                 group=group)
+    torch.save({"rank": rank, "size": size, "got": got}, f"{out}/{local_rank}.pt")
+
+
+def test_deep_ep_init_dist(tmp_path):
+    from test_gloo import free_port
+    torch.multiprocessing.spawn(_init_dist_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    for r in range(2):
+        rec = torch.load(tmp_path / f"{r}.pt")
+        assert rec["rank"] == r and rec["size"] == 2
+        assert torch.equal(rec["got"], torch.tensor([[0] * 3, [1] * 3], dtype=torch.int32))
