@@ -176,59 +176,36 @@ StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffe
   return sources;
 }
 
-}  // namespace
-
-StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
-    const LowLatencyCombineInput& in, const Status& caller_error) {
-  State& st = *state_;
+// Home side: receives from other nodes go straight into this rank's combine slots; both sides
+// know each chunk's size, so they are posted at once and move while the caller works.
+Status post_home_receives(LowLatencyBuffer::State& st, const LowLatencyHandle& handle, int half,
+                          uint64_t seq) {
   World& w = *st.world;
-  const Status local = check_combine(st, in, caller_error);
-  if (st.shrink) return low_latency::shrink_combine(state_, in, local);
-  MOED_ASSIGN_OR_RETURN(std::vector<low_latency::PullSource> sources,
-                        agree_and_publish(st, in, local));
-  // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
-  // entered this combine, so it has reduced the combine two back out of this half.
-
   const SegmentLayout& lay = st.layout;
-  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
-  const size_t row_bytes = size_t(H) * sizeof(bf16);
-  const uint64_t seq = ++st.seq;
-  const int half = int(st.combines++ % 2);
-  CombineHalf& ch = st.combine_half[half];
-  ch.pending = true;
-  ch.sources = std::move(sources);
-  const LowLatencyHandle& handle = *in.handle;
-
-  // Home side: receives from other nodes go straight into this rank's combine slots; both
-  // sides know each chunk's size, so they are posted now and move while the caller works.
-  Status status;
+  const size_t row_bytes = size_t(lay.hidden) * sizeof(bf16);
   std::byte* mine = st.local() + lay.combine_y[half];
-  for (int e = 0; e < lay.num_experts && status.ok(); ++e) {
-    const int d = e / L;
+  for (int e = 0; e < lay.num_experts; ++e) {
+    const int d = e / lay.num_local_experts;
     const int32_t n = handle.send_count[size_t(e)];
-    if (w.same_node(d, me) || n == 0) continue;
-    status = keep_request(
+    if (w.same_node(d, w.rank()) || n == 0) continue;
+    MOED_RETURN_IF_ERROR(keep_request(
         w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
                 mine + size_t(e) * size_t(lay.max_tokens) * row_bytes, size_t(n) * row_bytes),
-        ch.requests);
+        st.combine_half[half].requests));
   }
+  return ok_status();
+}
 
-  // Expert side: chunk (j, s) = rows [begin, begin + count) of expert j, for home s's slots
-  // [e = me * L + j][0, count).
-  const TensorView& x = in.x;
-  const bool strided = !x.contiguous();
-  if (strided) {
-    size_t staged = 0;
-    for (int j = 0; j < L; ++j) {
-      for (int s = 0; s < R; ++s) {
-        if (!w.same_node(s, me)) staged += size_t(handle.layout_range[size_t(j) * R + s].count);
-      }
-    }
-    ch.net_send.resize(staged * row_bytes);
-  }
-  // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
-  // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
-  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
+// Expert side inside the node: chunk (j, s) = rows [begin, begin + count) of expert j goes to
+// home s's slots [e = me * L + j][0, count), unless s reads it in place (pull_rows); then
+// signals the homes that read the slots.
+void copy_in_node(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in, int half,
+                  uint64_t seq, bool pull_rows) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  const LowLatencyHandle& handle = *in.handle;
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
+  const size_t row_bytes = size_t(H) * sizeof(bf16);
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   auto copy_chunks = [&](int64_t c0, int64_t c1, int worker) {
     for (int64_t c = c0; c < c1; ++c) {
@@ -244,7 +221,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
       const int e = me * L + j;
       std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
                       size_t(e) * size_t(lay.max_tokens) * row_bytes;
-      internal::copy_rows(TensorView(to, DType::kBF16, range.count, H), 0, x,
+      internal::copy_rows(TensorView(to, DType::kBF16, range.count, H), 0, in.x,
                           int64_t(j) * lay.rows_per_expert() + range.begin, range.count);
       shared_rows[size_t(worker)] += uint64_t(range.count);
     }
@@ -265,12 +242,33 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   for (int s = 0; s < R && !pull_rows; ++s) {
     if (s != me && w.same_node(s, me)) st.shared->signal(st.local_of(s), seq);
   }
-  // Other nodes: one message per non-empty chunk, in ascending expert order for each home,
-  // which is the order the home posted its receives in.
+}
+
+// Expert side across nodes: one message per non-empty chunk, in ascending expert order for
+// each home, which is the order the home posted its receives in; strided rows are staged.
+Status send_to_other_nodes(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
+                           int half, uint64_t seq) {
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  const LowLatencyHandle& handle = *in.handle;
+  CombineHalf& ch = st.combine_half[half];
+  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
+  const size_t row_bytes = size_t(H) * sizeof(bf16);
+  const TensorView& x = in.x;
+  const bool strided = !x.contiguous();
+  if (strided) {
+    size_t staged = 0;
+    for (int j = 0; j < L; ++j) {
+      for (int s = 0; s < R; ++s) {
+        if (!w.same_node(s, me)) staged += size_t(handle.layout_range[size_t(j) * R + s].count);
+      }
+    }
+    ch.net_send.resize(staged * row_bytes);
+  }
   size_t staged = 0;
-  for (int s = 0; s < R && status.ok(); ++s) {
+  for (int s = 0; s < R; ++s) {
     if (w.same_node(s, me)) continue;
-    for (int j = 0; j < L && status.ok(); ++j) {
+    for (int j = 0; j < L; ++j) {
       const LowLatencyRange range = handle.layout_range[size_t(j) * R + s];
       if (range.count == 0) continue;
       const int64_t from = int64_t(j) * lay.rows_per_expert() + range.begin;
@@ -282,11 +280,39 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
         data = stage;
         staged += size_t(range.count);
       }
-      status = keep_request(w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData), data,
-                                    size_t(range.count) * row_bytes),
-                            ch.requests);
+      MOED_RETURN_IF_ERROR(
+          keep_request(w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
+                               data, size_t(range.count) * row_bytes),
+                       ch.requests));
     }
   }
+  return ok_status();
+}
+
+}  // namespace
+
+StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
+    const LowLatencyCombineInput& in, const Status& caller_error) {
+  State& st = *state_;
+  const Status local = check_combine(st, in, caller_error);
+  if (st.shrink) return low_latency::shrink_combine(state_, in, local);
+  MOED_ASSIGN_OR_RETURN(std::vector<low_latency::PullSource> sources,
+                        agree_and_publish(st, in, local));
+  // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
+  // entered this combine, so it has reduced the combine two back out of this half.
+
+  const uint64_t seq = ++st.seq;
+  const int half = int(st.combines++ % 2);
+  CombineHalf& ch = st.combine_half[half];
+  ch.pending = true;
+  ch.sources = std::move(sources);
+
+  Status status = post_home_receives(st, *in.handle, half, seq);
+  // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
+  // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
+  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
+  copy_in_node(st, in, half, seq, pull_rows);
+  if (status.ok()) status = send_to_other_nodes(st, in, half, seq);
   if (!status.ok()) {
     ch.pending = false;
     low_latency::release_pulled(st, half, low_latency::PullKind::kCombine, seq, ch.sources)
@@ -295,7 +321,9 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   }
 
   LowLatencyCombineOutput out;
-  if (!in.out) out.combined_x = Tensor::empty(DType::kBF16, handle.num_tokens, H);
+  if (!in.out) {
+    out.combined_x = Tensor::empty(DType::kBF16, in.handle->num_tokens, st.layout.hidden);
+  }
   out.out = in.out;
   // The receive reads the weights later (hook mode), so it keeps its own copy of the routing.
   auto receive = [state = state_, handle = in.handle, routing = *in.topk,
