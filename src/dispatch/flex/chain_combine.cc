@@ -89,20 +89,19 @@ std::vector<ChainItem> list_items(const FlexHandle& h, uint32_t bit) {
   return items;
 }
 
-}  // namespace
-
-StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec, int tag) {
-  const FlexHandle& h = *ctx.handle;
-  const Topology& topo = h.topo;
-  const int N = topo.num_nodes, P = topo.etp_size, G = topo.ranks_per_node;
-  const int L = topo.num_local_experts;
-  const int64_t H = h.hidden;
-  const size_t f32_bytes = size_t(H) * sizeof(float), row_bytes = spec.out.row_bytes();
-  ChainOps ops;
-  ops.items = list_items(h, 1u << chain_class(spec.dtype, P));
-  // Per node: fp32 partials and rounded rows in the message from it and in the one to it.
+// Positions of every item in the messages from and to each node, the receives (posted) and
+// the send buffers; out_f32 / out_rows: fp32 partials and rounded rows sent to each node.
+// Returns whether this rank takes turns on its own tokens.
+StatusOr<bool> open_messages(const DispatchContext& ctx, const PullSpec& spec, int tag,
+                             ChainOps& ops, std::vector<int64_t>& out_f32,
+                             std::vector<int64_t>& out_rows) {
+  const Topology& topo = ctx.handle->topo;
+  const int N = topo.num_nodes;
+  const size_t f32_bytes = size_t(ctx.handle->hidden) * sizeof(float);
+  const size_t row_bytes = spec.out.row_bytes();
   std::vector<int64_t> in_f32(size_t(N), 0), in_rows(size_t(N), 0);
-  std::vector<int64_t> out_f32(size_t(N), 0), out_rows(size_t(N), 0);
+  out_f32.assign(size_t(N), 0);
+  out_rows.assign(size_t(N), 0);
   bool own_turns = false;
   for (ChainItem& it : ops.items) {
     if (!it.turn) {
@@ -132,135 +131,162 @@ StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec,
     const size_t bytes = ops.send_rows_off[size_t(n)] + size_t(out_rows[size_t(n)]) * row_bytes;
     if (bytes > 0) ops.send_buffers[size_t(n)] = ctx.net->chain_send(n, bytes);
   }
-  // Rows of this rank's own entries (the home's running count per expert, as in pull).
-  std::vector<int64_t> own_row;
-  if (own_turns) {
+  return own_turns;
+}
+
+// This rank's turns: each adds its node's terms of a token to the running sum.
+struct ChainTurns {
+  const PullSpec& spec;
+  const FlexHandle& h;
+  const Topology& topo;
+  ChainOps& ops;
+  const int P, G;
+  const int64_t H;
+  const size_t f32_bytes, row_bytes;
+  std::vector<int64_t> own_row;  // rows of this rank's own entries (the home's count, as pull's)
+
+  ChainTurns(const DispatchContext& ctx, const PullSpec& s, ChainOps& o, bool own_turns)
+      : spec(s),
+        h(*ctx.handle),
+        topo(h.topo),
+        ops(o),
+        P(topo.etp_size),
+        G(topo.ranks_per_node),
+        H(h.hidden),
+        f32_bytes(size_t(h.hidden) * sizeof(float)),
+        row_bytes(s.out.row_bytes()) {
+    if (!own_turns) return;
     const SparseRouting& r = h.routing;
     own_row.resize(size_t(r.num_entries()));
     std::vector<int64_t> run(size_t(topo.num_experts), 0);
     for (int64_t k = 0; k < r.num_entries(); ++k) {
       const int e = r.expert[size_t(k)];
-      own_row[size_t(k)] = h.layout_of_expert(e).offset(e % L, topo.rank) + run[size_t(e)]++;
+      own_row[size_t(k)] =
+          h.layout_of_expert(e).offset(e % topo.num_local_experts, topo.rank) + run[size_t(e)]++;
     }
   }
-  MOED_RETURN_IF_ERROR(wait_all(ops.recvs_low));
 
-  // A turn that starts the sum (P = 1) folds its rows in one pass (fold_rows, as pull's home
-  // fold does): into the fp32 partial it sends on (an f32 store is exact), or rounded into the
-  // row it sends home or into the output.
-  auto start_turn = [&](const ChainItem& it, std::vector<const void*>* rows,
-                        std::vector<float>* probs) -> uint64_t {
-    rows->clear();
-    probs->clear();
-    auto take = [&](int ex, int64_t row, float prob) {
-      const PullSource& src = spec.sources[size_t(topo.first_rank_of_expert(ex) % G)];
-      rows->push_back(src.rows + size_t(row) * src.row_stride_bytes);
-      probs->push_back(prob);
-    };
+  // Calls fn(expert, row, prob) for each of the item's terms on this node.
+  template <typename Fn>
+  void for_each_term(const ChainItem& it, Fn&& fn) const {
     if (it.plan) {
       const ForwardPlan& f = *it.plan;
       for (int64_t k = f.entry_begin[size_t(it.index)]; k < f.entry_begin[size_t(it.index) + 1];
            ++k)
-        take(f.entry_expert[size_t(k)], f.entry_row[size_t(k)], f.entry_prob[size_t(k)]);
-    } else {
-      const SparseRouting& r = h.routing;
-      for (int64_t k = r.begin[size_t(it.index)]; k < r.begin[size_t(it.index) + 1]; ++k) {
-        const int ex = r.expert[size_t(k)];
-        if (topo.node_of_expert(ex) == topo.node) take(ex, own_row[size_t(k)], r.prob[size_t(k)]);
-      }
+        fn(f.entry_expert[size_t(k)], f.entry_row[size_t(k)], f.entry_prob[size_t(k)]);
+      return;
     }
+    const SparseRouting& r = h.routing;
+    for (int64_t k = r.begin[size_t(it.index)]; k < r.begin[size_t(it.index) + 1]; ++k) {
+      const int ex = r.expert[size_t(k)];
+      if (topo.node_of_expert(ex) == topo.node) fn(ex, own_row[size_t(k)], r.prob[size_t(k)]);
+    }
+  }
+
+  // Where the item's rounded row goes: the output (this rank is the home) or the message home.
+  void* rounded_dst(const ChainItem& it) const {
+    if (it.next < 0) return spec.out.row_ptr(it.token);
+    return ops.send_buffers[size_t(it.next)].data() + ops.send_rows_off[size_t(it.next)] +
+           size_t(it.out_pos) * row_bytes;
+  }
+
+  // A turn that starts the sum (P = 1) folds its rows in one pass (fold_rows, as pull's home
+  // fold does): into the fp32 partial it sends on (an f32 store is exact), or rounded into the
+  // row it sends home or into the output. Returns the rows read.
+  uint64_t start(const ChainItem& it, std::vector<const void*>& rows,
+                 std::vector<float>& probs) const {
+    rows.clear();
+    probs.clear();
+    for_each_term(it, [&](int ex, int64_t row, float prob) {
+      const PullSource& src = spec.sources[size_t(topo.first_rank_of_expert(ex) % G)];
+      rows.push_back(src.rows + size_t(row) * src.row_stride_bytes);
+      probs.push_back(prob);
+    });
     void* dst;
     DType dt = spec.out.dtype;
-    if (it.next < 0) {
-      dst = spec.out.row_ptr(it.token);
-    } else if (it.last) {
-      dst = ops.send_buffers[size_t(it.next)].data() + ops.send_rows_off[size_t(it.next)] +
-            size_t(it.out_pos) * row_bytes;
-    } else {
+    if (it.next >= 0 && !it.last) {
       dst = ops.send_buffers[size_t(it.next)].data() + size_t(it.out_pos) * f32_bytes;
       dt = DType::kF32;
+    } else {
+      dst = rounded_dst(it);
     }
-    internal::row_kernels().fold_rows(rows->data(), spec.dtype,
-                                      spec.weighted ? probs->data() : nullptr, int(rows->size()),
+    internal::row_kernels().fold_rows(rows.data(), spec.dtype,
+                                      spec.weighted ? probs.data() : nullptr, int(rows.size()),
                                       dst, dt, size_t(H), /*stream=*/false);
-    return uint64_t(rows->size());
-  };
+    return uint64_t(rows.size());
+  }
+
+  // Any other turn: continues the received fp32 sum (or starts it from 0) with this node's
+  // terms, each the raw row (P = 1) or the fp32 term of P partials. Returns the rows read.
+  uint64_t run(const ChainItem& it, std::vector<float>& local, std::vector<float>& term) const {
+    // A partial that goes on is summed in place in its outgoing message.
+    float* acc = it.next >= 0 && !it.last
+                     ? reinterpret_cast<float*>(ops.send_buffers[size_t(it.next)].data() +
+                                                size_t(it.out_pos) * f32_bytes)
+                     : local.data();
+    if (it.prev >= 0) {
+      std::memcpy(acc, ops.recv_buffers[size_t(it.prev)].data() + size_t(it.in_pos) * f32_bytes,
+                  f32_bytes);
+    } else {
+      std::fill(acc, acc + H, 0.0f);
+    }
+    uint64_t read = 0;
+    for_each_term(it, [&](int ex, int64_t row, float prob) {
+      const int first = topo.first_rank_of_expert(ex);
+      ++read;
+      if (P == 1) {
+        const PullSource& src = spec.sources[size_t(first % G)];
+        add_term_raw(acc, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype,
+                     spec.weighted, prob, H);
+        return;
+      }
+      std::fill(term.begin(), term.end(), 0.0f);
+      for (int p = 0; p < P; ++p) {
+        const PullSource& src = spec.sources[size_t((first + p) % G)];
+        accumulate_raw(term.data(), src.rows + size_t(row) * src.row_stride_bytes, spec.dtype, H);
+      }
+      add_term_f32(acc, term.data(), spec.weighted, prob, H);
+    });
+    // The one rounding: here when this rank is the home, else into the row sent home.
+    if (it.next < 0 || it.last) store_row(rounded_dst(it), acc, spec.out.dtype, H);
+    return read * uint64_t(P);
+  }
+};
+
+}  // namespace
+
+StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec, int tag) {
+  const FlexHandle& h = *ctx.handle;
+  const Topology& topo = h.topo;
+  ChainOps ops;
+  ops.items = list_items(h, 1u << chain_class(spec.dtype, topo.etp_size));
+  std::vector<int64_t> out_f32, out_rows;
+  MOED_ASSIGN_OR_RETURN(const bool own_turns,
+                        open_messages(ctx, spec, tag, ops, out_f32, out_rows));
+  const ChainTurns turns(ctx, spec, ops, own_turns);
+  MOED_RETURN_IF_ERROR(wait_all(ops.recvs_low));
 
   std::vector<uint64_t> terms_read(ops.items.size(), 0);
   ctx.world->pool().parallel_for(
       int64_t(ops.items.size()),
       [&](int64_t b, int64_t e, int) {
-        std::vector<float> local(static_cast<size_t>(H)), term(static_cast<size_t>(H));
-        auto add = [&](float* acc, int ex, int64_t row, float prob) {
-          const int first = topo.first_rank_of_expert(ex);
-          if (P == 1) {
-            const PullSource& src = spec.sources[size_t(first % G)];
-            add_term_raw(acc, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype,
-                         spec.weighted, prob, H);
-            return;
-          }
-          std::fill(term.begin(), term.end(), 0.0f);
-          for (int p = 0; p < P; ++p) {
-            const PullSource& src = spec.sources[size_t((first + p) % G)];
-            accumulate_raw(term.data(), src.rows + size_t(row) * src.row_stride_bytes, spec.dtype,
-                           H);
-          }
-          add_term_f32(acc, term.data(), spec.weighted, prob, H);
-        };
+        std::vector<float> local(size_t(h.hidden)), term(size_t(h.hidden));
         std::vector<const void*> fold_rows;
         std::vector<float> fold_probs;
         for (int64_t i = b; i < e; ++i) {
           const ChainItem& it = ops.items[size_t(i)];
           if (!it.turn) continue;
-          if (P == 1 && it.prev < 0) {  // the chain starts here: the one-pass fold (same bits)
-            terms_read[size_t(i)] = start_turn(it, &fold_rows, &fold_probs);
-            continue;
-          }
-          // A partial that goes on is summed in place in its outgoing message.
-          float* acc = it.next >= 0 && !it.last
-                           ? reinterpret_cast<float*>(ops.send_buffers[size_t(it.next)].data() +
-                                                      size_t(it.out_pos) * f32_bytes)
-                           : local.data();
-          if (it.prev >= 0) {
-            std::memcpy(acc,
-                        ops.recv_buffers[size_t(it.prev)].data() + size_t(it.in_pos) * f32_bytes,
-                        f32_bytes);
-          } else {
-            std::fill(acc, acc + H, 0.0f);
-          }
-          uint64_t read = 0;
-          if (it.plan) {
-            const ForwardPlan& f = *it.plan;
-            for (int64_t k = f.entry_begin[size_t(it.index)];
-                 k < f.entry_begin[size_t(it.index) + 1]; ++k) {
-              add(acc, f.entry_expert[size_t(k)], f.entry_row[size_t(k)], f.entry_prob[size_t(k)]);
-              ++read;
-            }
-          } else {
-            const SparseRouting& r = h.routing;
-            for (int64_t k = r.begin[size_t(it.index)]; k < r.begin[size_t(it.index) + 1]; ++k) {
-              const int ex = r.expert[size_t(k)];
-              if (topo.node_of_expert(ex) != topo.node) continue;
-              add(acc, ex, own_row[size_t(k)], r.prob[size_t(k)]);
-              ++read;
-            }
-          }
-          terms_read[size_t(i)] = read * uint64_t(P);
-          // The one rounding: here when this rank is the home, else into the row sent home.
-          if (it.next < 0) {
-            store_row(spec.out.row_ptr(it.token), acc, spec.out.dtype, H);
-          } else if (it.last) {
-            store_row(ops.send_buffers[size_t(it.next)].data() +
-                          ops.send_rows_off[size_t(it.next)] + size_t(it.out_pos) * row_bytes,
-                      acc, spec.out.dtype, H);
-          }
+          // The chain starts here with P = 1: the one-pass fold (same bits).
+          terms_read[size_t(i)] = topo.etp_size == 1 && it.prev < 0
+                                      ? turns.start(it, fold_rows, fold_probs)
+                                      : turns.run(it, local, term);
         }
       },
       4);
   uint64_t rows = 0;
   for (uint64_t r : terms_read) rows += r;
-  ctx.world->add_shared_bytes(rows * dtype_row_bytes(spec.dtype, H), rows);
-  for (int n = 0; n < N; ++n) {
+  ctx.world->add_shared_bytes(rows * dtype_row_bytes(spec.dtype, h.hidden), rows);
+  for (int n = 0; n < topo.num_nodes; ++n) {
     const Bytes& buf = ops.send_buffers[size_t(n)];
     if (buf.empty()) continue;
     MOED_ASSIGN_OR_RETURN(Request r,
