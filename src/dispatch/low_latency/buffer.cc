@@ -3,6 +3,7 @@
 #include <array>
 #include <atomic>
 
+#include "comm/agreement.h"
 #include "comm/wait.h"
 #include "dispatch/low_latency/shrink.h"
 #include "dispatch/low_latency/state.h"
@@ -141,29 +142,6 @@ Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint
   return ok_status();
 }
 
-StatusOr<std::vector<int64_t>> gather_pull_rows(World& w, std::span<const int64_t> row,
-                                                const Status& local, const char* call) {
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table, all_gather<int64_t>(w, row));
-  const int R = w.size();
-  const size_t width = row.size();
-  for (int r = 0; r < R; ++r) {
-    if (table[size_t(r) * width] != 0) {
-      // Every rank saw the failure in the table, so every rank calls agree.
-      Status agreed = w.agree(local);
-      if (agreed.ok()) return internal_error("rank ", r, " reported an error that agree() lost");
-      return agreed;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const int64_t hook = table[size_t(r) * width + 1];
-    if (hook != table[1]) {
-      return invalid_argument(call, ": return_recv_hook = ", table[1] != 0, " on rank 0 but ",
-                              hook != 0, " on rank ", r, "; it must be the same on every rank");
-    }
-  }
-  return table;
-}
-
 }  // namespace low_latency
 
 size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,
@@ -203,6 +181,7 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
     local = invalid_argument("max_tokens_per_rank = ", max_tokens_per_rank, " is outside [1, ",
                              INT32_MAX / R, "]");
   } else if (!local.ok()) {
+    // the shrink timeout's error stands
   } else if (hidden <= 0) {
     local = invalid_argument("hidden = ", hidden, " must be positive");
   } else if (num_experts <= 0 || num_experts % R != 0) {
@@ -224,25 +203,14 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
     }
     return make_state(world, max_tokens_per_rank, hidden, num_experts, options);
   }
-  MOED_RETURN_IF_ERROR(world.agree(local));
-
   // The slots are sized by M, H and E, and a sender writes at the receiver's offsets: all three
   // must be the same everywhere. Every rank sees the same table and names the same culprit.
-  const std::array<int64_t, 4> mine = {max_tokens_per_rank, hidden, num_experts,
-                                       int64_t(options.enable_shrink)};
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(world, std::span<const int64_t>(mine)));
-  static const char* const kNames[4] = {"max_tokens_per_rank", "hidden", "num_experts",
-                                        "enable_shrink"};
-  for (int r = 1; r < R; ++r) {
-    for (int i = 0; i < 4; ++i) {
-      const int64_t a = all[size_t(i)], b = all[size_t(r) * 4 + size_t(i)];
-      if (a != b) {
-        return invalid_argument("LowLatencyBuffer: ", kNames[i], " = ", a, " on rank 0 but ", b,
-                                " on rank ", r, "; it must be the same on every rank");
-      }
-    }
-  }
+  using F = AgreedField;
+  const AgreedField fields[] = {{"LowLatencyBuffer: max_tokens_per_rank", max_tokens_per_rank, F::kAgree},
+                                {"LowLatencyBuffer: hidden", hidden, F::kAgree},
+                                {"LowLatencyBuffer: num_experts", num_experts, F::kAgree},
+                                {"LowLatencyBuffer: enable_shrink", options.enable_shrink, F::kAgree}};
+  MOED_RETURN_IF_ERROR(agree_in_one(world, local, fields).status());
 
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<LowLatencyBuffer> buffer,
                         make_state(world, max_tokens_per_rank, hidden, num_experts, options));

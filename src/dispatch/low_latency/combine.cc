@@ -6,6 +6,7 @@
 #include <array>
 #include <cstring>
 
+#include "comm/agreement.h"
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/low_latency/shrink.h"
@@ -153,19 +154,19 @@ StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffe
   }
   // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
   const bool pulled = !in.return_recv_hook;
-  std::array<int64_t, 5> mine = {int64_t(local.code()), int64_t(in.return_recv_hook), 0, 0, 0};
+  std::array<int64_t, 3> mine = {0, 0, 0};  // rows, stride, ranges: [code, hook, mine...]
   if (local.ok()) {
-    mine[2] = int64_t(reinterpret_cast<intptr_t>(in.x.data));
-    mine[3] = int64_t(in.x.row_stride) * int64_t(sizeof(bf16));
-    mine[4] = int64_t(reinterpret_cast<intptr_t>(in.handle->layout_range.data()));
+    mine[0] = int64_t(reinterpret_cast<intptr_t>(in.x.data));
+    mine[1] = int64_t(in.x.row_stride) * int64_t(sizeof(bf16));
+    mine[2] = int64_t(reinterpret_cast<intptr_t>(in.handle->layout_range.data()));
   }
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table,
-                        low_latency::gather_pull_rows(w, std::span<const int64_t>(mine), local,
-                                                      "low_latency_combine"));
+  const AgreedField hook{"low_latency_combine: return_recv_hook", in.return_recv_hook,
+                         AgreedField::kAgree};
+  MOED_ASSIGN_OR_RETURN(AgreedTable table, agree_in_one(w, local, {&hook, 1}, mine));
   const int R = w.size();
   std::vector<low_latency::PullSource> sources(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) {
-    const int64_t* row = table.data() + size_t(r) * mine.size();
+    const int64_t* row = table.row(r);
     low_latency::PullSource& ps = sources[size_t(r)];
     ps.pulled = pulled;
     ps.acked = pulled;

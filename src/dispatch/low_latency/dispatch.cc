@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "comm/agreement.h"
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/low_latency/shrink.h"
@@ -81,28 +82,26 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
                         std::span<const int32_t> send_count = {}) {
   World& w = *st.world;
   const int R = w.size(), E = st.layout.num_experts, L = st.layout.num_local_experts;
-  constexpr size_t kFields = 8;  // code, hook, pulled, acked, rows, stride, tokens, probs
-  const size_t width = kFields + size_t(E);
-  std::vector<int64_t> row(width, 0);
-  row[0] = int64_t(local.code());
-  row[1] = int64_t(in.return_recv_hook);
+  // The agreement's row: [code, hook, pulled, acked, rows, stride, tokens, probs, count [E]].
+  constexpr size_t kFields = 8;
+  std::vector<int64_t> payload(kFields - 2 + size_t(E), 0);
   if (mine != nullptr) {
     // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
-    row[2] = 1;
-    row[3] = int64_t(mine->acked);
-    row[4] = int64_t(reinterpret_cast<intptr_t>(mine->rows));
-    row[5] = int64_t(mine->stride);
-    row[6] = int64_t(reinterpret_cast<intptr_t>(mine->tokens));
-    row[7] = int64_t(reinterpret_cast<intptr_t>(mine->probs));
-    for (int e = 0; e < E; ++e) row[kFields + size_t(e)] = send_count[size_t(e)];
+    payload[0] = 1;
+    payload[1] = int64_t(mine->acked);
+    payload[2] = int64_t(reinterpret_cast<intptr_t>(mine->rows));
+    payload[3] = int64_t(mine->stride);
+    payload[4] = int64_t(reinterpret_cast<intptr_t>(mine->tokens));
+    payload[5] = int64_t(reinterpret_cast<intptr_t>(mine->probs));
+    for (int e = 0; e < E; ++e) payload[kFields - 2 + size_t(e)] = send_count[size_t(e)];
   }
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> table,
-                        low_latency::gather_pull_rows(w, std::span<const int64_t>(row), local,
-                                                      "low_latency_dispatch"));
+  const AgreedField hook{"low_latency_dispatch: return_recv_hook", in.return_recv_hook,
+                         AgreedField::kAgree};
+  MOED_ASSIGN_OR_RETURN(AgreedTable table, agree_in_one(w, local, {&hook, 1}, payload));
   sources.assign(size_t(R), low_latency::PullSource{});
   count.assign(size_t(R) * size_t(L), 0);
   for (int r = 0; r < R; ++r) {
-    const int64_t* t = table.data() + size_t(r) * width;
+    const int64_t* t = table.row(r);
     low_latency::PullSource& ps = sources[size_t(r)];
     ps.pulled = t[2] != 0;
     ps.acked = t[3] != 0;

@@ -306,13 +306,6 @@ Request make_hook(std::function<Status()> receive);
 // (comm/wait.h, poll_released).
 Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq);
 
-// Pull mode's opening collective, the part dispatch and combine share: all-gathers every
-// rank's `row` [code, return_recv_hook, fields...] into a table, rank r's row at
-// r * row.size(). Any rank's error is agreed on every rank (as World::agree, whose message
-// the error path fetches); a return_recv_hook that differs between ranks is an error of `call`.
-StatusOr<std::vector<int64_t>> gather_pull_rows(World& w, std::span<const int64_t> row,
-                                                const Status& local, const char* call);
-
 }  // namespace low_latency
 
 }  // namespace moed
