@@ -2,6 +2,7 @@
 // block and message layouts, and the home side's channel plan of the rank-major receive.
 #include <algorithm>
 
+#include "comm/agreement.h"
 #include "dispatch/deep_ep/rank_major.h"
 
 namespace moed::deep_ep {
@@ -103,19 +104,21 @@ Status NormalBuffer::State::check_handle(const NormalHandle* h) const {
 }
 
 StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int num_channels) {
-  const int64_t mine[2] = {num_channels > 0 ? num_channels : world.pool().num_threads(),
-                           int64_t(world.num_nodes() > 1 && world.ranks_per_node() > 64)};
-  MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
-                        all_gather<int64_t>(world, std::span<const int64_t>(mine, 2)));
-  if (all[1] != 0) {
+  // The world's shape: the same verdict on every rank, with no collective.
+  if (world.num_nodes() > 1 && world.ranks_per_node() > 64) {
     return unimplemented(
         "the rank-major receive across nodes supports up to 64 ranks per node; "
         "ranks_per_node = ",
         world.ranks_per_node());
   }
+  // Rank 0's channel count is everyone's (a rank's default follows its own thread pool).
+  const AgreedField channels{
+      "num_channels", num_channels > 0 ? num_channels : world.pool().num_threads(),
+      AgreedField::kFree};
+  MOED_ASSIGN_OR_RETURN(AgreedTable all, agree_in_one(world, Status(), {&channels, 1}));
   auto s = std::make_unique<State>();
   s->world = &world;
-  s->num_channels = int(std::max<int64_t>(1, all[0]));  // rank 0's count, the same everywhere
+  s->num_channels = int(std::max<int64_t>(1, all.row(0)[1]));
   DispatchConfig cfg;
   cfg.kind = DispatcherKind::kFlex;
   cfg.num_experts = world.size();  // the rank arithmetic used here does not depend on E
