@@ -4,6 +4,7 @@ use them, over torch.distributed's gloo backend, and the domain sizes as moed's 
 WORLD_SIZE > 1 launches share it)."""
 import os
 import random
+import warnings
 from typing import Tuple
 
 import torch
@@ -78,7 +79,11 @@ def _fill_in_gloo_collectives() -> None:
         return
     try:
         probe = torch.empty(dist.get_world_size(), 1, dtype=torch.int32)
-        dist.all_gather_into_tensor(probe, torch.zeros(1, dtype=torch.int32))
+        # torch 2.x warns that the stacked form is deprecated: the caller's own call will say
+        # so, not this probe (nor raise under PYTHONWARNINGS=error).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            dist.all_gather_into_tensor(probe, torch.zeros(1, dtype=torch.int32))
         return
     except RuntimeError:
         pass
