@@ -168,12 +168,12 @@ def split_body(group, shape, kinds, rounds, hidden=0):
             t0 = time.perf_counter()
             box.dispatch_preprocess(x, None, routing_map=rmap, probs=probs, num_topk=K)
             box.token_dispatch(False)
-            ei, sc, pp, tpe, handle = box.dispatch_postprocess()
-            box.combine_preprocess(ei, handle)
+            r = box.dispatch_postprocess()
+            box.combine_preprocess(r.expert_input, r.handle)
             box.token_combine(False)
             y, _ = box.combine_postprocess()
             t1 = time.perf_counter()
-            del ei, sc, pp, tpe, handle, y
+            del r, y
             return t1 - t0
 
         def megatron():

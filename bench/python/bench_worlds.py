@@ -51,7 +51,7 @@ def body(group, shape, kinds, iters, warmup):
     x = torch.randn(T, H, generator=g).bfloat16()
     res = {}
     for kind in kinds:
-        c = _C.TokenDispatcher(group.handle, kind, E)
+        c = _C.TokenDispatcher(group.handle, _C.DispatchConfig(kind=kind, num_experts=E))
         res[kind] = list(c._bench_cpp(x, rmap, probs, K, iters, warmup))
         c.close()
     return res

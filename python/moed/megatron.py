@@ -197,14 +197,15 @@ class MoETokenDispatcher:
         self.config = c
         self.pg_collection = pg_collection
         self.group = as_group(group)  # a moed.Group, a torch ProcessGroup, or None
-        self._box = _C.TokenDispatcher(
-            self.group.handle, self.kind, int(c.num_moe_experts), ep_size=int(c.expert_model_parallel_size),
-            etp_size=int(c.expert_tensor_parallel_size), capacity_factor=c.moe_expert_capacity_factor,
-            drop_policy=c.moe_token_drop_policy, pad_to_capacity=bool(c.moe_pad_expert_input_to_capacity),
+        self._box = _C.TokenDispatcher(self.group.handle, _C.DispatchConfig(
+            kind=self.kind, num_experts=int(c.num_moe_experts),
+            ep_size=int(c.expert_model_parallel_size), etp_size=int(c.expert_tensor_parallel_size),
+            capacity_factor=c.moe_expert_capacity_factor, drop_policy=c.moe_token_drop_policy,
+            pad_to_capacity=bool(c.moe_pad_expert_input_to_capacity),
             expert_alignment=int(c.moe_expert_alignment),
             router_padding_multiple=c.router_padding_multiple(),
             weighted_combine=bool(c.moe_weighted_combine), num_worst_tokens=int(c.moe_num_worst_tokens),
-            num_channels=int(c.moe_num_channels))
+            num_channels=int(c.moe_num_channels)))
         R = self.group.size()
         self.tp_size = int(c.expert_tensor_parallel_size)
         self.ep_size = int(c.expert_model_parallel_size) or R // self.tp_size
@@ -297,8 +298,9 @@ class MoETokenDispatcher:
         """Returns (dispatched_input [rows, H], tokens_per_expert [L] int64, permuted_probs
         [rows] f32), in moed's canonical layout (expert-major, padded as configured)."""
         s = self._need(self._state, "dispatch_postprocess", "dispatch_preprocess")
-        x, scales, pprobs, tpe, handle = self._box.dispatch_postprocess()
-        s.handle = handle
+        r = self._box.dispatch_postprocess()
+        x, scales, pprobs, tpe = r.expert_input, r.scales, r.permuted_probs, r.tokens_per_expert
+        s.handle = r.handle
         self._state = None
         self._last = s
         if (hidden_states.requires_grad or (probs is not None and probs.requires_grad)) and (

@@ -94,23 +94,35 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
   b.keep_out = py::reinterpret_borrow<py::object>(out);
 }
 
-py::tuple dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
+// What a dispatch returns to Python: DispatchOutput's fields as torch tensors.
+struct DispatchResult {
+  py::object expert_input;       // [num_rows, H]: the caller's `out`, or a view of moed's rows
+  py::object scales;             // fp8's [num_rows, H / 128] f32, else None
+  py::object permuted_probs;     // [num_rows] f32
+  py::object tokens_per_expert;  // [L] int64
+  py::object handle;             // a HandleBox, for combine and the backward steps
+};
+
+DispatchResult dispatch_result(DispatcherBox& b, DispatchOutput&& out) {
   // Every dispatcher's storage holds expert_input unchanged and alive (moed/dispatcher.h).
-  py::object x, scales = py::none();
+  DispatchResult r;
+  r.scales = py::none();
   if (!b.keep_out.is_none()) {
     // DispatchInput::out: the rows are in the caller's tensor; fp8 scales stay ours.
-    x = std::move(b.keep_out);
+    r.expert_input = std::move(b.keep_out);
   } else {
-    x = to_torch(out.expert_input.x, out.storage);
+    r.expert_input = to_torch(out.expert_input.x, out.storage);
   }
-  if (out.expert_input.has_scales()) scales = to_torch(out.expert_input.scales, out.storage);
+  if (out.expert_input.has_scales()) r.scales = to_torch(out.expert_input.scales, out.storage);
   b.keep_x = py::object();
   b.keep_scales = py::object();
   b.keep_idx = py::object();
   b.keep_weights = py::object();
   b.keep_out = py::object();
-  return py::make_tuple(x, scales, span_to_torch<float>(out.permuted_probs),
-                        span_to_torch<int64_t>(out.tokens_per_expert), HandleBox{out.handle});
+  r.permuted_probs = span_to_torch<float>(out.permuted_probs);
+  r.tokens_per_expert = span_to_torch<int64_t>(out.tokens_per_expert);
+  r.handle = py::cast(HandleBox{out.handle});
+  return r;
 }
 
 std::shared_ptr<const DispatchHandle> handle_of(py::handle h) {
@@ -191,22 +203,52 @@ void def_dispatch(Class& c, const char* name, F f) {
       py::arg("topk_weights") = py::none(), py::arg("num_topk") = 0, py::arg("out") = py::none());
 }
 
-std::shared_ptr<DispatcherBox> make_dispatcher(
-    std::shared_ptr<WorldHandle> world, const std::string& kind, int num_experts, int ep_size,
-    int etp_size, py::handle capacity_factor, const std::string& drop_policy, bool pad_to_capacity,
-    int expert_alignment, int router_padding_multiple, bool weighted_combine,
-    int64_t num_worst_tokens, int num_channels) {
+// The Megatron seam's configuration: DispatchConfig from the names megatron.py passes
+// (MoEConfig's knobs); capacity_factor None is dropless.
+DispatchConfig make_config(const std::string& kind, int num_experts, int ep_size, int etp_size,
+                           py::handle capacity_factor, const std::string& drop_policy,
+                           bool pad_to_capacity, int expert_alignment, int router_padding_multiple,
+                           bool weighted_combine, int64_t num_worst_tokens, int num_channels) {
   DispatchConfig c;
   c.kind = check(parse_dispatcher_kind(kind));
   set_dispatch_fields(c, num_experts, ep_size, etp_size, capacity_factor, drop_policy,
                       pad_to_capacity, expert_alignment, router_padding_multiple, weighted_combine);
   c.num_worst_tokens = num_worst_tokens;
   c.num_channels = num_channels;
+  return c;
+}
+
+std::shared_ptr<DispatcherBox> make_dispatcher(std::shared_ptr<WorldHandle> world,
+                                               const DispatchConfig& c) {
   World& w = world->get();
   auto d = check(nogil([&] { return TokenDispatcher::create(w, c); }));
   auto box = std::make_shared<DispatcherBox>(world, std::move(d));
   world->add(box);
   return box;
+}
+
+void bind_config_and_result(py::module_& m) {
+  py::class_<DispatchConfig>(m, "DispatchConfig")
+      .def(py::init(&make_config), py::kw_only(), py::arg("kind"), py::arg("num_experts"),
+           py::arg("ep_size") = 0, py::arg("etp_size") = 1,
+           py::arg("capacity_factor") = py::none(), py::arg("drop_policy") = "probs",
+           py::arg("pad_to_capacity") = false, py::arg("expert_alignment") = 1,
+           py::arg("router_padding_multiple") = 0, py::arg("weighted_combine") = false,
+           py::arg("num_worst_tokens") = 0, py::arg("num_channels") = 0)
+      .def_property_readonly(
+          "kind", [](const DispatchConfig& c) { return std::string(dispatcher_kind_name(c.kind)); })
+      .def_readonly("num_experts", &DispatchConfig::num_experts)
+      .def_readonly("ep_size", &DispatchConfig::ep_size)
+      .def_readonly("etp_size", &DispatchConfig::etp_size)
+      .def_readonly("weighted_combine", &DispatchConfig::weighted_combine)
+      .def_readonly("num_worst_tokens", &DispatchConfig::num_worst_tokens)
+      .def_readonly("num_channels", &DispatchConfig::num_channels);
+  py::class_<DispatchResult>(m, "DispatchResult")
+      .def_readonly("expert_input", &DispatchResult::expert_input)
+      .def_readonly("scales", &DispatchResult::scales)
+      .def_readonly("permuted_probs", &DispatchResult::permuted_probs)
+      .def_readonly("tokens_per_expert", &DispatchResult::tokens_per_expert)
+      .def_readonly("handle", &DispatchResult::handle);
 }
 
 std::vector<double> bench_dispatcher_cpp(DispatcherBox& b, py::handle x, py::handle routing_map,
@@ -345,13 +387,10 @@ void bind_dispatch_handle(py::module_& m) {
 void bind_dispatcher(py::module_& m) {
   bind_dispatch_handle(m);
 
+  bind_config_and_result(m);
+
   py::class_<DispatcherBox, std::shared_ptr<DispatcherBox>> cls(m, "TokenDispatcher");
-  cls.def(py::init(&make_dispatcher), py::arg("world"), py::arg("kind"), py::arg("num_experts"),
-          py::arg("ep_size") = 0, py::arg("etp_size") = 1, py::arg("capacity_factor") = py::none(),
-          py::arg("drop_policy") = "probs", py::arg("pad_to_capacity") = false,
-          py::arg("expert_alignment") = 1, py::arg("router_padding_multiple") = 0,
-          py::arg("weighted_combine") = false, py::arg("num_worst_tokens") = 0,
-          py::arg("num_channels") = 0)
+  cls.def(py::init(&make_dispatcher), py::arg("world"), py::arg("config"))
       .def_property_readonly(
           "kind",
           [](DispatcherBox& b) { return std::string(dispatcher_kind_name(b.get().config().kind)); })

@@ -72,8 +72,11 @@ def body(g, kind, H, K, dtype, layout, weighted, async_op, skew, etp=1):
     out = combine_steps(d, eo, async_op)
     (out.float() * w.float()).sum().backward()
     # The C++ API directly (one call per op) on the same inputs, through a second dispatcher.
-    c = _C.TokenDispatcher(g.handle, kind, E, etp_size=etp, weighted_combine=weighted, **ref_layout(layout))
-    cx, _, cpp, ctpe, ch = c.dispatch(x.detach(), routing_map=rmap, probs=probs.detach(), num_topk=K)
+    c = _C.TokenDispatcher(g.handle, _C.DispatchConfig(kind=kind, num_experts=E, etp_size=etp,
+                                                       weighted_combine=weighted,
+                                                       **ref_layout(layout)))
+    d = c.dispatch(x.detach(), routing_map=rmap, probs=probs.detach(), num_topk=K)
+    cx, cpp, ctpe, ch = d.expert_input, d.permuted_probs, d.tokens_per_expert, d.handle
     cout, _ = c.combine(expert_fn(cx, r), ch)
     ceo_grad, cgp_combine = c.combine_backward(w, expert_fn(cx, r) if weighted else None, ch)
     cgx, cgp_dispatch = c.dispatch_backward(expert_fn(ceo_grad, r), None, ch)

@@ -192,10 +192,11 @@ class HybridEPBuffer:
                              f"{tuple(probs.shape)} {probs.dtype}")
         pad = int(pad_multiple or 0)
         box = self._box(pad)
-        x, _, pprobs, tpe, moed_handle = box.dispatch(
+        d = box.dispatch(
             hidden.contiguous(), routing_map=routing_map.contiguous(),
             probs=(probs if with_probs else routing_map.float()).contiguous(),
             num_topk=self._num_topk(routing_map))
+        x, pprobs, tpe, moed_handle = d.expert_input, d.permuted_probs, d.tokens_per_expert, d.handle
         num_rows = int(x.size(0))
         if non_blocking and num_permuted_tokens is None:
             raise ValueError("dispatch_with_permute(non_blocking=True) needs num_permuted_tokens")
@@ -241,8 +242,9 @@ class HybridEPBuffer:
         box = self._boxes.get(pad)
         if box is None:
             E = self.num_local_experts * self.group_size
-            box = _C.TokenDispatcher(self._group.handle, "flex", E, ep_size=self.group_size,
-                                     expert_alignment=max(pad, 1), weighted_combine=False)
+            box = _C.TokenDispatcher(self._group.handle, _C.DispatchConfig(
+                kind="flex", num_experts=E, ep_size=self.group_size,
+                expert_alignment=max(pad, 1), weighted_combine=False))
             self._boxes[pad] = box
         return box
 
