@@ -333,9 +333,11 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   }
   // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more. As
   // Flex's dispatch (flex/layout.cc), a large receive is written with non-temporal stores,
-  // which skip reading the destination lines first.
+  // which skip reading the destination lines first; "large" counts the node's ranks, which
+  // receive alike at once into one last-level cache (FP8 at decode, 7 MB a rank, R = 4).
   const size_t bytes = size_t(received) * rv.f.payload;
   const bool inline_copy = bytes < low_latency::kInlineBytes;
+  const bool stream = bytes * size_t(w.ranks_per_node()) >= internal::kStreamThresholdBytes;
   if (any_slots) {
     w.pool().parallel_for(
         L,
@@ -344,7 +346,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
         },
         inline_copy ? int64_t(L) : 1);
   }
-  pack_pulled(rv, pulled, rb, bytes >= internal::kStreamThresholdBytes, inline_copy);
+  pack_pulled(rv, pulled, rb, stream, inline_copy);
 
   handle.layout_range = rb.layout_range;
   handle.received = true;
