@@ -190,6 +190,8 @@ class TokenDispatcher {
   virtual StatusOr<CombineOutput> combine_postprocess() = 0;
 
   // ---- backward, step by step in reverse order (autograd through the six steps).
+  // The first step of each is local, as the preprocess steps are: errors in its input show in
+  // the token_* step after, on every rank.
   // Backward of dispatch: grad of expert_input -> grad of hidden (an unweighted combine).
   virtual Status dispatch_postprocess_backward(const DispatchGradInput& grad) = 0;
   virtual StatusOr<Request> token_dispatch_backward(bool async) = 0;

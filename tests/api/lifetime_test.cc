@@ -1,7 +1,7 @@
 // The rules of moed/dispatcher.h and moed/world.h that the Python package builds on, for every
 // dispatcher on both worlds: a held output stays bitwise unchanged through later calls,
-// requests are never null, dispatch_preprocess is local, a Flex step makes one collective, the
-// pools are settable.
+// requests are never null, the first step of each group is local, the steps run in order, a
+// Flex step makes one collective, the pools are settable.
 #include <gtest/gtest.h>
 
 #include "api/api_grid.h"
@@ -160,9 +160,11 @@ TEST_P(OutputLifetime, RequestsAreNeverNull) {
 INSTANTIATE_TEST_SUITE_P(Worlds, OutputLifetime, testing::six_step_grid(),
                          testing::six_step_grid_name);
 
-// dispatch_preprocess and combine_preprocess are local in every dispatcher (moed/dispatcher.h):
-// they make no collective, and a bad input on one rank is every rank's error in the step after,
-// where the verdict is agreed. Then the same dispatcher dispatches and combines good inputs.
+// The first step of each group (dispatch_preprocess, combine_preprocess and the backward's
+// dispatch_postprocess_backward, combine_postprocess_backward) is local in every dispatcher
+// (moed/dispatcher.h): it makes no collective, and a bad input on one rank is every rank's
+// error in the step after, where the verdict is agreed. Then the same dispatcher goes on with
+// good inputs.
 class PreprocessIsLocal : public testing::BackendAndKindTest {};
 
 TEST_P(PreprocessIsLocal, NoCollectiveAndTheErrorInTheNextStep) {
@@ -206,13 +208,104 @@ TEST_P(PreprocessIsLocal, NoCollectiveAndTheErrorInTheNextStep) {
         if (d->combine_postprocess().ok())
           return internal_error("combine_postprocess after a failed token_combine succeeded");
         const Tensor good = Tensor::copy_of(out.expert_input.x);
-        return d->combine({.expert_output = {good.view(), {}}, .handle = out.handle}).status();
+        MOED_RETURN_IF_ERROR(
+            d->combine({.expert_output = {good.view(), {}}, .handle = out.handle}).status());
+        // The backward's first steps too, in their communicating step: grad_expert_input, then
+        // grad_hidden, with one column too many on the last rank.
+        auto local_then_every_rank = [&](const char* first, const std::function<Status()>& stage,
+                                         const std::function<StatusOr<Request>()>& token,
+                                         const std::string& name) -> Status {
+          const uint64_t at = w.counters().collectives;
+          MOED_RETURN_IF_ERROR(stage());
+          if (const uint64_t n = w.counters().collectives - at; n != 0)
+            return internal_error(first, " made ", n, " collectives");
+          StatusOr<Request> q = token();
+          const std::string want = "rank " + std::to_string(R - 1) + ": " + name;
+          if (q.ok() || q.status().message().find(want) == std::string::npos)
+            return internal_error("after ", first, ": expected \"", want, "...\", got ",
+                                  q.status().to_string());
+          return ok_status();
+        };
+        MOED_RETURN_IF_ERROR(local_then_every_rank(
+            "dispatch_postprocess_backward",
+            [&] { return d->dispatch_postprocess_backward({y.view(), {}, out.handle}); },
+            [&] { return d->token_dispatch_backward(false); }, "grad_expert_input"));
+        const Tensor gh = Tensor::zeros(DType::kF32, input.hidden.x.rows,
+                                        c.hidden + (w.rank() == R - 1 ? 1 : 0));
+        MOED_RETURN_IF_ERROR(local_then_every_rank(
+            "combine_postprocess_backward",
+            [&] {
+              return d->combine_postprocess_backward({.grad_hidden = gh.view(),
+                                                      .expert_output = {good.view(), {}},
+                                                      .handle = out.handle});
+            },
+            [&] { return d->token_combine_backward(false); }, "grad_hidden"));
+        return d->dispatch_backward({.grad_expert_input = good.view(), .handle = out.handle})
+            .status();
       });
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, PreprocessIsLocal, testing::six_step_grid(),
                          testing::six_step_grid_name);
+
+// The step sequencer (src/dispatch/steps.h) of every dispatcher: a communicating call before
+// its first step, or a last step before it, fails naming the order, with no collective; an
+// async dispatch and combine (on their own thread where the world allows it) give the bits of
+// synchronous ones.
+class StepOrder : public testing::BackendAndKindTest {};
+
+TEST_P(StepOrder, OrderNamedAndAsyncBitsAsSync) {
+  const auto [backend, kind] = GetParam();
+  Status s = run_case(
+      backend, 5, 0, 2,
+      [&](World& w, const testing::DispatchCase& c, const DispatchInput& input) -> Status {
+        MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(
+                                          w, {.kind = kind, .num_experts = c.num_experts}));
+        auto order = [&](const Status& got, const std::string& want) -> Status {
+          if (got.code() == StatusCode::kFailedPrecondition && got.message() == want)
+            return ok_status();
+          return internal_error("expected \"", want, "\", got ", got.to_string());
+        };
+        const uint64_t before = w.counters().collectives;
+        MOED_RETURN_IF_ERROR(order(d->token_dispatch(false).status(),
+                                   "token_dispatch before dispatch_preprocess"));
+        MOED_RETURN_IF_ERROR(
+            order(d->dispatch_postprocess().status(), "token_dispatch has not run"));
+        MOED_RETURN_IF_ERROR(order(d->token_combine(true).status(),
+                                   "token_combine before combine_preprocess"));
+        MOED_RETURN_IF_ERROR(order(d->token_dispatch_backward(false).status(),
+                                   "token_dispatch_backward before dispatch_postprocess_backward"));
+        MOED_RETURN_IF_ERROR(order(d->token_combine_backward(false).status(),
+                                   "token_combine_backward before combine_postprocess_backward"));
+        MOED_RETURN_IF_ERROR(order(d->combine_preprocess_backward().status(),
+                                   "token_combine_backward has not run"));
+        if (const uint64_t n = w.counters().collectives - before; n != 0)
+          return internal_error("out-of-order calls made ", n, " collectives");
+
+        MOED_ASSIGN_OR_RETURN(DispatchOutput sync, d->dispatch(input));
+        const Held want = copy_of(sync);
+        const Tensor y = Tensor::copy_of(sync.expert_input.x);
+        MOED_ASSIGN_OR_RETURN(CombineOutput sync_c,
+                              d->combine({.expert_output = {y.view(), {}}, .handle = sync.handle}));
+        MOED_RETURN_IF_ERROR(d->dispatch_preprocess(input));
+        MOED_ASSIGN_OR_RETURN(Request q, d->token_dispatch(/*async=*/true));
+        MOED_RETURN_IF_ERROR(q->wait());
+        MOED_ASSIGN_OR_RETURN(DispatchOutput async, d->dispatch_postprocess());
+        MOED_RETURN_IF_ERROR(same(async, want, str_cat("rank ", w.rank(), ": async dispatch")));
+        MOED_RETURN_IF_ERROR(
+            d->combine_preprocess({.expert_output = {y.view(), {}}, .handle = async.handle}));
+        MOED_ASSIGN_OR_RETURN(Request cq, d->token_combine(/*async=*/true));
+        MOED_RETURN_IF_ERROR(cq->wait());
+        MOED_ASSIGN_OR_RETURN(CombineOutput async_c, d->combine_postprocess());
+        if (!bitwise_equal(async_c.hidden.view(), sync_c.hidden.view()))
+          return internal_error("rank ", w.rank(), ": async combine differs from sync");
+        return ok_status();
+      });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, StepOrder, testing::six_step_grid(), testing::six_step_grid_name);
 
 // One collective before data moves in each Flex step, in the steady state (same shapes, the
 // previous outputs dropped, so no region grows): dispatch 1, cached dispatch, combine and the

@@ -76,176 +76,85 @@ StatusOr<SparseRouting> gather_routing(World& w, const SparseRouting& mine, cons
   return g;
 }
 
-class AllGatherDispatcher final : public RowExchangeDispatcher {
+// AllGather's move: every rank's tokens, routing and probs gathered; each rank permutes its
+// experts' rows out of them. Its combine backward gathers grad_out and picks the same rows.
+class AllGatherForward final : public ForwardExchange {
  public:
-  AllGatherDispatcher(World& world, const DispatchConfig& config)
-      : RowExchangeDispatcher(world, config) {}
+  DispatcherKind kind() const override { return DispatcherKind::kAllGather; }
+  std::shared_ptr<ExchangeHandle> new_handle() const override {
+    return std::make_shared<AllGatherHandle>();
+  }
+  bool reads_home_rows() const override { return false; }
 
-  Status dispatch_preprocess(const DispatchInput& input,
-                             const Status& caller_error = Status()) override;
-  StatusOr<Request> token_dispatch(bool async) override;
-  StatusOr<DispatchOutput> dispatch_postprocess() override;
+  Status to_experts(World& w, const DispatchConfig& config, const GlobalCounts& counts,
+                    const TokenRows& hidden, ExchangeHandle& handle,
+                    const TokenRows& expert_input) override {
+    auto& h = static_cast<AllGatherHandle&>(handle);
+    h.source_offsets.assign(1, 0);
+    for (int64_t t : counts.num_tokens) h.source_offsets.push_back(h.source_offsets.back() + t);
+    const int64_t N = h.source_offsets.back();
+    TokenRows gathered;
+    gathered.x = gathered_x_.view(h.dtype, N, h.hidden);
+    MOED_RETURN_IF_ERROR(gather_rows(w, hidden.x, counts.num_tokens, gathered.x.data));
+    if (h.dtype == DType::kFP8) {
+      gathered.scales = gathered_scales_.view(DType::kF32, N, h.hidden / kFp8BlockSize);
+      MOED_RETURN_IF_ERROR(gather_rows(w, hidden.scales, counts.num_tokens, gathered.scales.data));
+    }
+    MOED_ASSIGN_OR_RETURN(const SparseRouting routing, gather_routing(w, h.routing, counts));
+    const int first = first_local_expert(config, w.size(), w.rank());
+    PermuteOptions o;
+    o.expert_begin = first;
+    o.expert_end = first + config.num_local_experts(w.size());
+    o.expert_alignment = config.layout.expert_alignment;
+    o.source_offsets = h.source_offsets;
+    if (config.layout.pad_to_capacity) o.source_capacities = counts.capacity;
+    MOED_ASSIGN_OR_RETURN(h.expert, make_permute_layout(routing, o, w.pool()));
+    MOED_CHECK(h.expert.num_rows == h.num_rows, "gathered layout has ", h.expert.num_rows,
+               " rows; the counts gave ", h.num_rows);
+    MOED_RETURN_IF_ERROR(permute_rows_into(gathered, h.expert, expert_input, w.pool()));
+    h.permuted_probs = h.expert.permuted_probs;
+    h.row_src_rank.assign(size_t(h.num_rows), -1);
+    h.row_src_token.assign(size_t(h.num_rows), -1);
+    for (int64_t i = 0; i < h.num_rows; ++i) {
+      const int32_t g = h.expert.sorted_indices[size_t(i)];
+      if (g < 0) continue;
+      const int s = int(std::upper_bound(h.source_offsets.begin(), h.source_offsets.end(), g) -
+                        h.source_offsets.begin()) -
+                    1;
+      h.row_src_rank[size_t(i)] = s;
+      h.row_src_token[size_t(i)] = int32_t(g - h.source_offsets[size_t(s)]);
+    }
+    return ok_status();
+  }
 
-  Status combine_postprocess_backward(const CombineGradInput& grad) override;
-  StatusOr<Request> token_combine_backward(bool async) override;
-  StatusOr<CombineGrad> combine_preprocess_backward() override;
+  StatusOr<Tensor> grad_to_experts(World& w, const DispatchConfig& config,
+                                   const ExchangeHandle& handle, const TensorView& grad_out,
+                                   const TensorView& expert_output, const Tensor&) override {
+    const auto& h = static_cast<const AllGatherHandle&>(handle);
+    std::vector<int64_t> T(size_t(w.size()));
+    for (size_t s = 0; s < T.size(); ++s) T[s] = h.source_offsets[s + 1] - h.source_offsets[s];
+    const TensorView gathered = gathered_x_.view(grad_out.dtype, h.source_offsets.back(), h.hidden);
+    MOED_RETURN_IF_ERROR(gather_rows(w, grad_out, T, gathered.data));
+    const bool weighted = config.weighted_combine;
+    MOED_ASSIGN_OR_RETURN(
+        UnpermuteGrad rows,
+        unpermute_backward(
+            gathered, h.expert.sorted_indices,
+            weighted ? std::span<const float>(h.expert.permuted_probs) : std::span<const float>(),
+            weighted ? expert_output : TensorView(), w.pool()));
+    return std::move(rows.grad_rows);
+  }
 
  private:
-  struct DispatchState {
-    std::shared_ptr<AllGatherHandle> handle;
-    GlobalCounts counts;
-    TokenRows hidden;    // the caller's tokens, valid until token_dispatch returns
-    TokenRows gathered;  // in gathered_x_ / gathered_scales_
-    SparseRouting gathered_routing;
-    std::optional<DispatchOutput> output;  // made by token_dispatch
-    Stage stage = Stage::kIdle;            // kPrepared; kExchanged: gathered and permuted
-  };
-  // The gathered rows permuted into this rank's canonical layout (token_dispatch's second half).
-  StatusOr<DispatchOutput> permute_gathered();
-  struct CombineGradRows {
-    std::shared_ptr<const AllGatherHandle> handle;
-    UnpermuteGrad home;          // weighted: grad_row_probs in home order
-    TensorView gathered;         // every rank's grad_out (in gathered_x_)
-    Stage stage = Stage::kIdle;  // kPrepared: started; kExchanged: gathered
-  };
-
-  DispatchState d_;
-  CombineGradRows cg_;
-  // Kept across calls (see ScratchBuffer); d_ and cg_ hold views into them.
+  // Kept across calls (see ScratchBuffer).
   ScratchBuffer gathered_x_, gathered_scales_;
 };
-
-// ---- dispatch ----
-
-Status AllGatherDispatcher::dispatch_preprocess(const DispatchInput& input,
-                                               const Status& caller_error) {
-  d_ = DispatchState{};
-  stage_dispatch(input, caller_error);
-  d_.hidden = input.hidden;
-  d_.handle = std::make_shared<AllGatherHandle>();
-  d_.stage = Stage::kPrepared;
-  return ok_status();
-}
-
-StatusOr<Request> AllGatherDispatcher::token_dispatch(bool async) {
-  if (d_.stage != Stage::kPrepared)
-    return failed_precondition("token_dispatch before dispatch_preprocess");
-  StatusOr<GlobalCounts> counts = agree_dispatch(*d_.handle);
-  if (!counts.ok()) {
-    d_ = DispatchState{};
-    return counts.status();
-  }
-  d_.counts = std::move(*counts);
-  AllGatherHandle& h = *d_.handle;
-  h.source_offsets.assign(1, 0);
-  for (int64_t t : d_.counts.num_tokens) h.source_offsets.push_back(h.source_offsets.back() + t);
-  const std::span<const int64_t> T = d_.counts.num_tokens;
-  const int64_t N = h.source_offsets.back();
-  d_.gathered.x = gathered_x_.view(h.dtype, N, h.hidden);
-  MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.x, T, d_.gathered.x.data));
-  if (h.dtype == DType::kFP8) {
-    d_.gathered.scales = gathered_scales_.view(DType::kF32, N, h.hidden / kFp8BlockSize);
-    MOED_RETURN_IF_ERROR(gather_rows(*world_, d_.hidden.scales, T, d_.gathered.scales.data));
-  }
-  MOED_ASSIGN_OR_RETURN(d_.gathered_routing, gather_routing(*world_, h.routing, d_.counts));
-  d_.hidden = TokenRows{};
-  // The permute runs here, not in dispatch_postprocess (row_exchange.h says why).
-  MOED_ASSIGN_OR_RETURN(DispatchOutput out, permute_gathered());
-  d_.output = std::move(out);
-  d_.stage = Stage::kExchanged;
-  return completed_request();
-}
-
-StatusOr<DispatchOutput> AllGatherDispatcher::dispatch_postprocess() {
-  return take_result(d_, d_.output, "dispatch_postprocess before token_dispatch");
-}
-
-StatusOr<DispatchOutput> AllGatherDispatcher::permute_gathered() {
-  AllGatherHandle& h = *d_.handle;
-  const int R = world_->size();
-  const int first = first_local_expert(config_, R, world_->rank());
-  PermuteOptions o;
-  o.expert_begin = first;
-  o.expert_end = first + config_.num_local_experts(R);
-  o.expert_alignment = config_.layout.expert_alignment;
-  o.source_offsets = h.source_offsets;
-  if (config_.layout.pad_to_capacity) o.source_capacities = d_.counts.capacity;
-  MOED_ASSIGN_OR_RETURN(h.expert, make_permute_layout(d_.gathered_routing, o, world_->pool()));
-  MOED_CHECK(h.expert.num_rows == h.num_rows, "gathered layout has ", h.expert.num_rows,
-             " rows; the counts gave ", h.num_rows);
-  TokenRows expert_input;
-  std::shared_ptr<void> storage = take_expert_input(h, expert_input);
-  MOED_RETURN_IF_ERROR(permute_rows_into(d_.gathered, h.expert, expert_input, world_->pool()));
-  h.permuted_probs = h.expert.permuted_probs;
-  h.row_src_rank.assign(size_t(h.num_rows), -1);
-  h.row_src_token.assign(size_t(h.num_rows), -1);
-  for (int64_t i = 0; i < h.num_rows; ++i) {
-    const int32_t g = h.expert.sorted_indices[size_t(i)];
-    if (g < 0) continue;
-    const int s = int(std::upper_bound(h.source_offsets.begin(), h.source_offsets.end(), g) -
-                      h.source_offsets.begin()) -
-                  1;
-    h.row_src_rank[size_t(i)] = s;
-    h.row_src_token[size_t(i)] = int32_t(g - h.source_offsets[size_t(s)]);
-  }
-  return dispatch_output(std::move(d_.handle), expert_input, std::move(storage));
-}
-
-// ---- combine backward: all-gather grad_out; each rank picks (and weights) its own rows ----
-
-Status AllGatherDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
-  cg_ = CombineGradRows{};
-  MOED_RETURN_IF_ERROR(start_combine_backward(grad));
-  cg_.handle = std::static_pointer_cast<const AllGatherHandle>(combine_grad_.handle);
-  cg_.stage = Stage::kPrepared;
-  return ok_status();
-}
-
-StatusOr<Request> AllGatherDispatcher::token_combine_backward(bool async) {
-  if (cg_.stage != Stage::kPrepared) {
-    return failed_precondition("token_combine_backward before combine_postprocess_backward");
-  }
-  const AllGatherHandle& h = *cg_.handle;
-  std::vector<int64_t> T(size_t(world_->size()));
-  for (size_t s = 0; s < T.size(); ++s) T[s] = h.source_offsets[s + 1] - h.source_offsets[s];
-  cg_.gathered = gathered_x_.view(combine_grad_.grad_out.dtype, h.source_offsets.back(), h.hidden);
-  MOED_RETURN_IF_ERROR(gather_rows(*world_, combine_grad_.grad_out, T, cg_.gathered.data));
-  // NOTE: grad_probs = dot(grad_out, term_e) needs the fp32 terms (the P partials summed), so
-  // when weighted the expert outputs also go home, as in the combine; the home-order rows it
-  // computes besides are not used here (the expert ranks build theirs from the gather).
-  if (config_.weighted_combine) {
-    MOED_ASSIGN_OR_RETURN(cg_.home, home_combine_backward());
-    cg_.home.grad_rows = Tensor();
-  }
-  cg_.stage = Stage::kExchanged;
-  return completed_request();
-}
-
-StatusOr<CombineGrad> AllGatherDispatcher::combine_preprocess_backward() {
-  if (cg_.stage != Stage::kExchanged) {
-    return failed_precondition("combine_preprocess_backward before token_combine_backward");
-  }
-  const AllGatherHandle& h = *cg_.handle;
-  const bool weighted = config_.weighted_combine;
-  CombineGrad out;
-  MOED_ASSIGN_OR_RETURN(
-      UnpermuteGrad rows,
-      unpermute_backward(
-          cg_.gathered, h.expert.sorted_indices,
-          weighted ? std::span<const float>(h.expert.permuted_probs) : std::span<const float>(),
-          weighted ? combine_grad_.expert_output : TensorView(), world_->pool()));
-  out.grad_expert_output = std::move(rows.grad_rows);
-  MOED_RETURN_IF_ERROR(finish_combine_backward(cg_.home.grad_row_probs, out));
-  cg_ = CombineGradRows{};
-  return out;
-}
 
 }  // namespace
 
 StatusOr<std::unique_ptr<TokenDispatcher>> make_allgather_dispatcher(World& world,
                                                                      const DispatchConfig& config) {
-  return make_row_exchange_dispatcher<AllGatherDispatcher>(world, config,
-                                                           DispatcherKind::kAllGather);
+  return make_row_exchange_dispatcher(world, config, std::make_unique<AllGatherForward>());
 }
 
 }  // namespace moed

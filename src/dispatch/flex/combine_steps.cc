@@ -29,10 +29,10 @@ bool scalars_of_any_rank(const AgreedTable& t, int world_size, int field, int64_
 
 }  // namespace
 
-template <class Step>
-void Dispatcher::start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle,
-                                const char* name, const TensorView& rows, bool expert_side) {
-  step = Step{};
+template <class S>
+void Dispatcher::start_step(S& step, const std::shared_ptr<const DispatchHandle>& handle,
+                            const char* name, const TensorView& rows, bool expert_side) {
+  step = S{};
   step.handle = own_handle(handle, &step.local);
   if (step.local.ok()) {
     const FlexHandle& h = *step.handle;
@@ -40,12 +40,6 @@ void Dispatcher::start_step(Step& step, const std::shared_ptr<const DispatchHand
         check_float_rows(name, rows, expert_side ? h.num_rows : h.routing.num_tokens(), h.hidden);
   }
   step.staged = true;
-}
-
-template <class Step>
-StatusOr<Step> Dispatcher::finish_step(Step& step, const char* name) {
-  MOED_RETURN_IF_ERROR(finished(step.op, name));
-  return std::exchange(step, Step{});
 }
 
 // ---- combine ----
@@ -65,7 +59,7 @@ Status Dispatcher::combine_preprocess(const CombineInput& input, const Status& c
 }
 
 StatusOr<Request> Dispatcher::token_combine(bool async) {
-  return run(async, combine_, "token_combine before combine_preprocess",
+  return run_step(*world_, async, combine_, "token_combine before combine_preprocess",
              [this] { return combine_body(); });
 }
 
@@ -153,7 +147,7 @@ Status Dispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) 
 }
 
 StatusOr<Request> Dispatcher::token_dispatch_backward(bool async) {
-  return run(async, dispatch_grad_, "token_dispatch_backward before dispatch_postprocess_backward",
+  return run_step(*world_, async, dispatch_grad_, "token_dispatch_backward before dispatch_postprocess_backward",
              [this] { return dispatch_backward_body(); });
 }
 
@@ -201,7 +195,7 @@ Status Dispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
 }
 
 StatusOr<Request> Dispatcher::token_combine_backward(bool async) {
-  return run(async, combine_grad_, "token_combine_backward before combine_postprocess_backward",
+  return run_step(*world_, async, combine_grad_, "token_combine_backward before combine_postprocess_backward",
              [this] { return combine_backward_body(); });
 }
 

@@ -41,7 +41,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 
 #include "core/row_kernels.h"
 #include "dispatch/flex/steps.h"
@@ -51,33 +50,6 @@ namespace flex {
 namespace {
 
 std::atomic<uint64_t> g_next_dispatcher_id{1};
-
-// token_* (async = true): the step runs on its own thread; wait() joins it.
-class AsyncOp final : public PendingOp {
- public:
-  AsyncOp(std::function<Status()> body, std::shared_ptr<OpState> state)
-      : state_(std::move(state)), thread_([this, body = std::move(body)] {
-          result_ = body();
-          state_->finished.store(true, std::memory_order_release);
-        }) {}
-  ~AsyncOp() override {
-    if (thread_.joinable()) wait().ignore();
-  }
-  Status wait() override {
-    if (thread_.joinable()) {
-      thread_.join();
-      state_->status = result_;
-      state_->done = true;
-    }
-    return state_->status;
-  }
-  bool ready() override { return state_->finished.load(std::memory_order_acquire); }
-
- private:
-  std::shared_ptr<OpState> state_;
-  Status result_;
-  std::thread thread_;
-};
 
 // The verdict of the dispatch's first field when the ranks disagree on cached mode.
 constexpr const char* kCachedModeName =
@@ -119,13 +91,13 @@ Status Dispatcher::dispatch_preprocess(const DispatchInput& input, const Status&
 }
 
 StatusOr<Request> Dispatcher::token_dispatch(bool async) {
-  return run(async, dispatch_, "token_dispatch before dispatch_preprocess",
+  return run_step(*world_, async, dispatch_, "token_dispatch before dispatch_preprocess",
              [this] { return dispatch_body(); });
 }
 
 StatusOr<DispatchOutput> Dispatcher::dispatch_postprocess() {
   DispatchStep& d = dispatch_;
-  MOED_RETURN_IF_ERROR(finished(d.op, "token_dispatch"));
+  MOED_RETURN_IF_ERROR(step_status(d.op, "token_dispatch"));
   std::shared_ptr<const FlexHandle> h = d.cached ? d.cached : d.fresh;
   DispatchOutput out;
   char* seg = outputs_.region(d.slot).local();
@@ -217,27 +189,6 @@ Status Dispatcher::dispatch_body() {
 }
 
 // ---- shared by the steps ----
-
-StatusOr<Request> Dispatcher::run(bool async, StepState& step, const char* not_staged,
-                                      std::function<Status()> body) {
-  if (!step.staged) return failed_precondition(not_staged);
-  step.staged = false;
-  const std::shared_ptr<OpState> state = step.op = std::make_shared<OpState>();
-  if (async && world_->calls_from_any_thread()) {
-    return Request(std::make_unique<AsyncOp>(std::move(body), state));
-  }
-  state->status = body();
-  state->done = true;
-  state->finished.store(true);
-  if (!state->status.ok()) return state->status;
-  return completed_request();
-}
-
-Status Dispatcher::finished(const std::shared_ptr<OpState>& state, const char* step) {
-  if (!state) return failed_precondition(step, " has not run");
-  if (!state->done) return failed_precondition(step, "(async = true) was not waited on");
-  return state->status;
-}
 
 std::shared_ptr<const FlexHandle> Dispatcher::own_handle(
     const std::shared_ptr<const DispatchHandle>& handle, Status* local) const {

@@ -18,7 +18,7 @@
 
 #include "core/row_kernels.h"
 #include "dispatch/prepare.h"
-#include "dispatch/row_exchange.h"
+#include "dispatch/scratch.h"
 #include "moed/combine_recipe.h"
 #include "moed/dispatch_layout.h"
 #include "moed/dispatcher.h"

@@ -15,17 +15,10 @@
 #include "comm/tags.h"
 #include "dispatch/flex/flex_dispatcher.h"
 #include "dispatch/flex/flex_internal.h"
+#include "dispatch/steps.h"
 #include "moed/flex.h"
 
 namespace moed::flex {
-
-
-// The outcome of one communicating step, read by the step after it.
-struct OpState {
-  std::atomic<bool> finished{false};  // the body returned (ready() of the async request)
-  bool done = false;                  // the status was collected (wait() or a sync run)
-  Status status;
-};
 
 // Width in int64 of a dispatch's agreement row (flex_dispatcher.cc): the code, six fields and
 // notify's counts. Tests use it to tell the agreement's bytes from the payload's.
@@ -59,15 +52,8 @@ class Dispatcher final : public moed::FlexDispatcher {
                                                  const OrderedCombineInput& input);
 
  private:
-  // ---- per-step state (reset by the step's first call) ----
-  // What every step has: the flag run() checks the call order by, this rank's verdict on
-  // its input (agreed in the step's one collective) and the communicating call's progress.
-  struct StepState {
-    bool staged = false;  // preprocess ran, the communicating call not yet
-    Status local;
-    std::shared_ptr<OpState> op;
-  };
-  struct DispatchStep : StepState {
+  // ---- per-step state (reset by the step's first call; the sequencer in dispatch/steps.h) ----
+  struct DispatchStep : Step {
     TokenRows rows;                         // the caller's tokens, until token_dispatch returns
     DType dtype = DType::kF32;              // theirs: a cached dispatch may move another dtype
     int64_t hidden = 0;                     // and rows of another width
@@ -80,20 +66,20 @@ class Dispatcher final : public moed::FlexDispatcher {
     PushLayout layout;
     const FlexHandle& handle() const { return cached ? *cached : *fresh; }
   };
-  struct CombineStep : StepState {
+  struct CombineStep : Step {
     std::shared_ptr<const FlexHandle> handle;
     TensorView rows;  // expert outputs
     Tensor out;
     std::optional<TensorView> user_out;  // CombineInput::out: the result goes there instead
   };
-  struct DispatchBackwardStep : StepState {
+  struct DispatchBackwardStep : Step {
     std::shared_ptr<const FlexHandle> handle;
     TensorView rows;  // grad of expert_input
     std::span<const float> grad_permuted_probs;
     Tensor out;
     std::vector<float> probs;
   };
-  struct CombineBackwardStep : StepState {
+  struct CombineBackwardStep : Step {
     std::shared_ptr<const FlexHandle> handle;
     TensorView grad;  // grad of hidden
     TensorView rows;  // expert outputs (weighted combine)
@@ -101,25 +87,15 @@ class Dispatcher final : public moed::FlexDispatcher {
     std::vector<float> probs;
   };
 
-  // A step's communicating call: an error naming the order (`not_staged`) unless its
-  // preprocess call staged it (step.staged, cleared here); then body, now or in the
-  // background, its progress in step.op.
-  StatusOr<Request> run(bool async, StepState& step, const char* not_staged,
-                        std::function<Status()> body);
-  static Status finished(const std::shared_ptr<OpState>& state, const char* step);
   // The handle if it is this dispatcher's, and in *local why not.
   std::shared_ptr<const FlexHandle> own_handle(const std::shared_ptr<const DispatchHandle>& handle,
                                                Status* local) const;
   // The first call of a step after the dispatch: resets and stages `step`, takes its handle and
   // checks `rows` against it ([num_rows, hidden] on the expert side, else [num_tokens, hidden]),
   // the verdict in step.local.
-  template <class Step>
-  void start_step(Step& step, const std::shared_ptr<const DispatchHandle>& handle, const char* name,
+  template <class S>
+  void start_step(S& step, const std::shared_ptr<const DispatchHandle>& handle, const char* name,
                   const TensorView& rows, bool expert_side);
-  // The last call of a step: the communicating call's status (finished), then the step's state,
-  // the member reset for the next step.
-  template <class Step>
-  static StatusOr<Step> finish_step(Step& step, const char* name);
   Status check_cached(const DispatchInput& input);
 
   int64_t node_cap_rows(const FlexHandle& h) const;

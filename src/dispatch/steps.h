@@ -1,0 +1,54 @@
+// The step sequencer of every TokenDispatcher (design.md §1.1). A step's first call stages it:
+// local, it keeps this rank's verdict on its input instead of returning it. Its communicating
+// call runs the step's body, which agrees on the verdict first (one rank's bad input is every
+// rank's error), now or on its own thread. Its last call collects the body's status and the
+// step's state, leaving the member reset for the next step.
+//
+//   struct CombineStep : Step { TensorView rows; };
+//   combine_ = CombineStep{}; combine_.local = check(input); combine_.staged = true;
+//   return run_step(*world_, async, combine_, "token_combine before combine_preprocess",
+//                   [this] { return combine_body(); });
+//   MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, "token_combine"));
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <utility>
+
+#include "moed/status.h"
+#include "moed/world.h"
+
+namespace moed {
+
+// The outcome of one communicating call, read by the step's last call.
+struct StepOp {
+  std::atomic<bool> finished{false};  // the body returned (ready() of the async request)
+  bool done = false;                  // the status was collected (wait() or a sync run)
+  Status status;
+};
+
+// What every step's state has; each dispatcher's per-step structs derive from it.
+struct Step {
+  bool staged = false;  // the first call ran, the communicating call not yet
+  Status local;         // this rank's verdict on the step's input, agreed by the body
+  std::shared_ptr<StepOp> op;
+};
+
+// The communicating call: the error `not_staged` unless the first call staged `step` (cleared
+// here); then `body`, on its own thread when async and the world allows calls from any thread
+// (World::calls_from_any_thread), else now. The request is never null.
+StatusOr<Request> run_step(World& world, bool async, Step& step, const char* not_staged,
+                           std::function<Status()> body);
+
+// The body's status, or an error naming `call` when it has not run or was not waited on.
+Status step_status(const std::shared_ptr<StepOp>& op, const char* call);
+
+// The last call: the body's status, then the step's state (the member reset).
+template <class S>
+StatusOr<S> finish_step(S& step, const char* call) {
+  MOED_RETURN_IF_ERROR(step_status(step.op, call));
+  return std::exchange(step, S{});
+}
+
+}  // namespace moed
