@@ -61,6 +61,8 @@ struct NormalBuffer::State {
   flex::OutputRing recv_ring;
   int recv_slot = 0;
   flex::Region pull_region;
+  // The messages to and from other nodes, kept between calls (dispatch and combine apart).
+  flex::NetScratch dispatch_net, combine_net;
   uint64_t epoch = 0;
 
   // The handle's dispatch ran over this world with this channel split, so its arrays fit

@@ -87,7 +87,7 @@ struct RmCombine {
   const int64_t H;
   const size_t row_bytes, wbytes, piece;  // piece: a row and its weights, as sent
   std::vector<Source> src;                // [G] every local rank's rows
-  std::vector<std::vector<char>> recv_buf, send_buf;  // [N] per remote node
+  std::vector<flex::Bytes> recv_buf, send_buf;  // [N] per remote node, in s.combine_net
   std::vector<Request> recvs, sends;
 
   RmCombine(NormalBuffer::State& st, const NormalCombineInput& input)
@@ -150,7 +150,7 @@ struct RmCombine {
     for (int m = 0; m < N; ++m) {
       const int64_t q = plan.node_pairs[size_t(C) * N + m];
       if (m == topo.node || q == 0) continue;
-      recv_buf[size_t(m)].resize(size_t(q) * piece);
+      recv_buf[size_t(m)] = s.combine_net.recv(m, size_t(q) * piece);
       MOED_ASSIGN_OR_RETURN(Request r, w.irecv(topo.forwarder_on(m), tags::kRankMajorCombine,
                                                recv_buf[size_t(m)].data(),
                                                recv_buf[size_t(m)].size()));
@@ -163,8 +163,7 @@ struct RmCombine {
       const std::vector<uint64_t>& mask = h.forward_mask[size_t(m)];
       int64_t q = 0;
       for (uint64_t mk : mask) q += popcount64(mk);
-      std::vector<char>& buf = send_buf[size_t(m)];
-      buf.resize(size_t(q) * piece);
+      const flex::Bytes buf = send_buf[size_t(m)] = s.combine_net.send(m, size_t(q) * piece);
       std::vector<int64_t> row(static_cast<size_t>(G));
       for (int lr = 0; lr < G; ++lr) row[size_t(lr)] = h.rank_begin(home, topo.node * G + lr);
       int64_t k = 0;

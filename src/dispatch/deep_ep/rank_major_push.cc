@@ -76,7 +76,7 @@ struct RmPush {
   const RowWriter writer;
   std::vector<RecvTarget> target;  // [G] this node's receive blocks
   std::shared_ptr<Tensor> block;   // in place: this rank's block
-  std::vector<std::vector<char>> recv_buf, send_buf;  // [N] per remote node
+  std::vector<flex::Bytes> recv_buf, send_buf;  // [N] per remote node, in s.dispatch_net
   std::vector<Request> recvs, sends;
 
   RmPush(NormalBuffer::State& st, NormalHandle& handle, const TokenRows& rows,
@@ -134,7 +134,8 @@ struct RmPush {
     for (int m = 0; m < N; ++m) {
       const int64_t n = h.forward_tokens[size_t(m)];
       if (m == topo.node || n == 0) continue;
-      recv_buf[size_t(m)].resize(RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
+      recv_buf[size_t(m)] =
+          s.dispatch_net.recv(m, RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
       MOED_ASSIGN_OR_RETURN(Request r, w.irecv(topo.forwarder_on(m), tags::kRankMajorDispatch,
                                                recv_buf[size_t(m)].data(),
                                                recv_buf[size_t(m)].size()));
@@ -145,7 +146,7 @@ struct RmPush {
       const int64_t n = send.node_tokens[size_t(C) * N + m];
       if (m == topo.node || n == 0) continue;
       out_msg[size_t(m)] = RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C);
-      send_buf[size_t(m)].resize(out_msg[size_t(m)].bytes);
+      send_buf[size_t(m)] = s.dispatch_net.send(m, out_msg[size_t(m)].bytes);
       auto* cpm =
           reinterpret_cast<int32_t*>(send_buf[size_t(m)].data() + out_msg[size_t(m)].cpm_off);
       for (int lr = 0; lr < G; ++lr) {
