@@ -10,6 +10,7 @@ StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
                                    std::span<const AgreedField> fields,
                                    std::span<const int64_t> payload) {
   AgreedTable t;
+  t.num_fields = fields.size();
   t.width = 1 + fields.size() + payload.size();
   std::vector<int64_t> mine(t.width, 0);
   mine[0] = int64_t(local.code());
@@ -19,7 +20,7 @@ StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
   const int R = world.size();
   for (int r = 1; r < R; ++r) {
     for (size_t i = 0; i < fields.size(); ++i) {
-      const int64_t a = t.row(0)[1 + i], b = t.row(r)[1 + i];
+      const int64_t a = t.field(0, i), b = t.field(r, i);
       if (fields[i].kind == AgreedField::kFirst && a != b) {
         return invalid_argument(fields[i].name, " = ", a, " on rank 0 but ", b, " on rank ", r);
       }
@@ -37,7 +38,7 @@ StatusOr<AgreedTable> agree_in_one(World& world, const Status& local,
   for (int r = 1; r < R; ++r) {
     for (size_t i = 0; i < fields.size(); ++i) {
       const AgreedField& f = fields[i];
-      const int64_t a = t.row(0)[1 + i], b = t.row(r)[1 + i];
+      const int64_t a = t.field(0, i), b = t.field(r, i);
       if (f.kind == AgreedField::kFree || f.kind == AgreedField::kFirst || a == b) continue;
       if (f.kind == AgreedField::kAgreeDType) {
         return invalid_argument(f.name, " is ", dtype_name(DType(a)), " on rank 0 but ",

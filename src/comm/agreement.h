@@ -28,7 +28,11 @@ struct AgreedField {
 struct AgreedTable {
   std::vector<int64_t> table;
   size_t width = 0;
+  size_t num_fields = 0;
   const int64_t* row(int r) const { return &table[size_t(r) * width]; }
+  // Rank r's value of fields[i], and its payload.
+  int64_t field(int r, size_t i) const { return row(r)[1 + i]; }
+  const int64_t* payload(int r) const { return row(r) + 1 + num_fields; }
 };
 
 // All-gathers [code, fields..., payload...] of every rank. Any rank's local error: every rank

@@ -56,7 +56,7 @@ StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& confi
   c.capacity.resize(size_t(R));
   c.out_rows.resize(size_t(R));
   for (int s = 0; s < R; ++s) {
-    const int64_t* row = all.row(s) + 1 + std::size(fields);
+    const int64_t* row = all.payload(s);
     std::copy(row, row + E, c.counts.begin() + size_t(s) * E);
     c.num_tokens[size_t(s)] = row[E];
     c.capacity[size_t(s)] = row[E + 1];

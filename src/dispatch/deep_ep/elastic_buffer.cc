@@ -270,9 +270,10 @@ StatusOr<ElasticDispatchOutput> ElasticBuffer::dispatch(const ElasticDispatchInp
                                 {"num_topk", call.num_topk, F::kAgree},
                                 {"do_cpu_sync", call.cpu_sync, F::kAgree},
                                 {"weights", call.weights, F::kFree}};
-  constexpr size_t kWeights = 1 + 7;
   MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(w, local, fields));
-  for (int r = 0; r < w.size(); ++r) call.weights = call.weights || t.row(r)[kWeights] != 0;
+  for (int r = 0; r < w.size(); ++r) {
+    call.weights = call.weights || t.field(r, std::size(fields) - 1) != 0;
+  }
 
   const ElasticHandle* cached = in.handle.get();
   // The routing: the caller's, or the handle's in cached mode (with the caller's weights).

@@ -118,7 +118,7 @@ StatusOr<std::unique_ptr<NormalBuffer>> NormalBuffer::create(World& world, int n
   MOED_ASSIGN_OR_RETURN(AgreedTable all, agree_in_one(world, Status(), {&channels, 1}));
   auto s = std::make_unique<State>();
   s->world = &world;
-  s->num_channels = int(std::max<int64_t>(1, all.row(0)[1]));
+  s->num_channels = int(std::max<int64_t>(1, all.field(0, 0)));
   DispatchConfig cfg;
   cfg.kind = DispatcherKind::kFlex;
   cfg.num_experts = world.size();  // the rank arithmetic used here does not depend on E

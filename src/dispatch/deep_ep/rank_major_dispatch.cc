@@ -259,7 +259,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
       {"held receive slots", s.in_place ? 0 : int64_t(s.recv_ring.held_mask()), F::kFree}};
   MOED_ASSIGN_OR_RETURN(AgreedTable head, agree_in_one(w, local, fields));
   if (!s.in_place) {
-    const auto held_of = [&](int r) { return uint64_t(head.row(r)[1 + 7]); };
+    const auto held_of = [&](int r) { return uint64_t(head.field(r, std::size(fields) - 1)); };
     MOED_ASSIGN_OR_RETURN(s.recv_slot, s.recv_ring.pick(s.topo, held_of, "rank-major dispatch"));
   }
   if (cached) {

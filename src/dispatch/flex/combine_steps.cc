@@ -14,12 +14,15 @@ using moed::internal::check_float_rows;
 
 namespace {
 
-// Per-row scalars flow when any rank gives them (agreement field `field` nonzero there): then
-// a rank that gives none passes zeros for its `rows` rows, kept in `zeros`. Whether they flow.
-bool scalars_of_any_rank(const AgreedTable& t, int world_size, int field, int64_t rows,
+// Per-row scalars flow when any rank gives them (the agreement's last field nonzero there):
+// then a rank that gives none passes zeros for its `rows` rows, kept in `zeros`. Whether they
+// flow.
+bool scalars_of_any_rank(const AgreedTable& t, int world_size, int64_t rows,
                          std::span<const float>& scalars, std::vector<float>& zeros) {
   bool with_scalars = false;
-  for (int r = 0; r < world_size; ++r) with_scalars = with_scalars || t.row(r)[field] != 0;
+  for (int r = 0; r < world_size; ++r) {
+    with_scalars = with_scalars || t.field(r, t.num_fields - 1) != 0;
+  }
   if (with_scalars && scalars.empty()) {
     zeros.assign(size_t(rows), 0.0f);
     scalars = zeros;
@@ -113,7 +116,7 @@ StatusOr<OrderedCombineOutput> Dispatcher::ordered_combine(
   MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, local, fields));
   std::vector<float> zeros;
   std::span<const float> scalars = in.row_weights;
-  const bool with_scalars = scalars_of_any_rank(t, world_->size(), 3, h->num_rows, scalars, zeros);
+  const bool with_scalars = scalars_of_any_rank(t, world_->size(), h->num_rows, scalars, zeros);
   OrderedCombineOutput out;
   if (!in.out) out.combined = Tensor::empty(in.rows.dtype, T, H);
   if (with_scalars) out.slot_weights.assign(size_t(T) * size_t(in.num_topk), 0.0f);
@@ -162,7 +165,7 @@ Status Dispatcher::dispatch_backward_body() {
   const FlexHandle& h = *g.handle;
   std::vector<float> zeros;
   std::span<const float> scalars = g.grad_permuted_probs;
-  const bool with_scalars = scalars_of_any_rank(t, world_->size(), 2, h.num_rows, scalars, zeros);
+  const bool with_scalars = scalars_of_any_rank(t, world_->size(), h.num_rows, scalars, zeros);
   g.out = Tensor::empty(g.rows.dtype, h.routing.num_tokens(), h.hidden);
   g.probs.assign(size_t(h.routing.num_tokens()) * topo_.num_experts, 0.0f);
   PullSpec spec;

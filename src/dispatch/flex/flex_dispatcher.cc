@@ -140,19 +140,19 @@ Status Dispatcher::dispatch_body() {
       {"held outputs", int64_t(outputs_.held_mask()), AgreedField::kFree},
       {"out rows", d.out ? d.out->rows : -1, AgreedField::kFree},
   };
-  constexpr size_t kHeld = 5, kOutRows = 6, kCounts = 1 + std::size(fields);
+  constexpr size_t kHeld = 4, kOutRows = 5, kCounts = 1 + std::size(fields);
   MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, d.local, fields, counts));
   MOED_CHECK(t.width == dispatch_agreement_width(topo_));
 
   // Every rank checks every node's ring, so a full ring is every rank's error.
-  const auto held_of = [&](int r) { return uint64_t(t.row(r)[kHeld]); };
+  const auto held_of = [&](int r) { return uint64_t(t.field(r, kHeld)); };
   MOED_ASSIGN_OR_RETURN(d.slot, outputs_.pick(topo_, held_of, "Flex"));
   if (d.fresh) MOED_RETURN_IF_ERROR(notify_finish(config_, *d.fresh, t.table, t.width, kCounts));
 
   const FlexHandle& h = d.handle();
   // Every rank's `out` against the rows it receives: the same table, so the same verdict.
   for (int r = 0; r < world_->size(); ++r) {
-    const int64_t got = t.row(r)[kOutRows];
+    const int64_t got = t.field(r, kOutRows);
     const int64_t want =
         config_.num_worst_tokens > 0 ? config_.num_worst_tokens : h.global->exact_rows[size_t(r)];
     if (got >= 0 && got != want) {

@@ -154,7 +154,7 @@ StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffe
   }
   // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
   const bool pulled = !in.return_recv_hook;
-  std::array<int64_t, 3> mine = {0, 0, 0};  // rows, stride, ranges: [code, hook, mine...]
+  std::array<int64_t, 3> mine = {0, 0, 0};  // the payload: rows, stride, ranges
   if (local.ok()) {
     mine[0] = int64_t(reinterpret_cast<intptr_t>(in.x.data));
     mine[1] = int64_t(in.x.row_stride) * int64_t(sizeof(bf16));
@@ -166,13 +166,13 @@ StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffe
   const int R = w.size();
   std::vector<low_latency::PullSource> sources(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) {
-    const int64_t* row = table.row(r);
+    const int64_t* row = table.payload(r);
     low_latency::PullSource& ps = sources[size_t(r)];
     ps.pulled = pulled;
     ps.acked = pulled;
-    ps.rows = reinterpret_cast<const std::byte*>(intptr_t(row[2]));
-    ps.stride = size_t(row[3]);
-    ps.ranges = reinterpret_cast<const LowLatencyRange*>(intptr_t(row[4]));
+    ps.rows = reinterpret_cast<const std::byte*>(intptr_t(row[0]));
+    ps.stride = size_t(row[1]);
+    ps.ranges = reinterpret_cast<const LowLatencyRange*>(intptr_t(row[2]));
   }
   return sources;
 }

@@ -82,9 +82,9 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
                         std::span<const int32_t> send_count = {}) {
   World& w = *st.world;
   const int R = w.size(), E = st.layout.num_experts, L = st.layout.num_local_experts;
-  // The agreement's row: [code, hook, pulled, acked, rows, stride, tokens, probs, count [E]].
-  constexpr size_t kFields = 8;
-  std::vector<int64_t> payload(kFields - 2 + size_t(E), 0);
+  // The agreement's payload: [pulled, acked, rows, stride, tokens, probs, count [E]].
+  constexpr size_t kCounts = 6;
+  std::vector<int64_t> payload(kCounts + size_t(E), 0);
   if (mine != nullptr) {
     // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
     payload[0] = 1;
@@ -93,7 +93,7 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
     payload[3] = int64_t(mine->stride);
     payload[4] = int64_t(reinterpret_cast<intptr_t>(mine->tokens));
     payload[5] = int64_t(reinterpret_cast<intptr_t>(mine->probs));
-    for (int e = 0; e < E; ++e) payload[kFields - 2 + size_t(e)] = send_count[size_t(e)];
+    for (int e = 0; e < E; ++e) payload[kCounts + size_t(e)] = send_count[size_t(e)];
   }
   const AgreedField hook{"low_latency_dispatch: return_recv_hook", in.return_recv_hook,
                          AgreedField::kAgree};
@@ -101,16 +101,16 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
   sources.assign(size_t(R), low_latency::PullSource{});
   count.assign(size_t(R) * size_t(L), 0);
   for (int r = 0; r < R; ++r) {
-    const int64_t* t = table.row(r);
+    const int64_t* t = table.payload(r);
     low_latency::PullSource& ps = sources[size_t(r)];
-    ps.pulled = t[2] != 0;
-    ps.acked = t[3] != 0;
-    ps.rows = reinterpret_cast<const std::byte*>(intptr_t(t[4]));
-    ps.stride = size_t(t[5]);
-    ps.tokens = reinterpret_cast<const int32_t*>(intptr_t(t[6]));
-    ps.probs = reinterpret_cast<const float*>(intptr_t(t[7]));
+    ps.pulled = t[0] != 0;
+    ps.acked = t[1] != 0;
+    ps.rows = reinterpret_cast<const std::byte*>(intptr_t(t[2]));
+    ps.stride = size_t(t[3]);
+    ps.tokens = reinterpret_cast<const int32_t*>(intptr_t(t[4]));
+    ps.probs = reinterpret_cast<const float*>(intptr_t(t[5]));
     for (int j = 0; j < L; ++j) {
-      count[size_t(r) * L + j] = int32_t(t[kFields + size_t(w.rank() * L + j)]);
+      count[size_t(r) * L + j] = int32_t(t[kCounts + size_t(w.rank() * L + j)]);
     }
   }
   return ok_status();
