@@ -165,6 +165,12 @@ Status check_expert_rows(const char* what, const TensorView& rows, const Dispatc
   return ok_status();
 }
 
+// NOTE: AllGather's and AlltoAll's communicating steps run at once whatever `async` says. On
+// its own thread a step makes World calls while the caller may make others on the same world
+// (creating a low-latency buffer, say; test_ownership.py does), which the world allows from one
+// thread at a time; Flex's async steps leave that rule to the caller (moed/dispatcher.h).
+constexpr bool kRunAtOnce = false;
+
 class RowExchangeDispatcher final : public TokenDispatcher {
  public:
   RowExchangeDispatcher(World& world, const DispatchConfig& config,
@@ -173,45 +179,45 @@ class RowExchangeDispatcher final : public TokenDispatcher {
 
   Status dispatch_preprocess(const DispatchInput& input,
                              const Status& caller_error = Status()) override;
-  StatusOr<Request> token_dispatch(bool async) override {
-    return run_step(*world_, async, dispatch_, "token_dispatch before dispatch_preprocess",
+  StatusOr<Request> token_dispatch(bool /*async*/) override {
+    return run_step(*world_, kRunAtOnce, dispatch_, "token_dispatch before dispatch_preprocess",
                     [this] { return dispatch_body(); });
   }
   StatusOr<DispatchOutput> dispatch_postprocess() override {
     MOED_ASSIGN_OR_RETURN(DispatchStep d, finish_step(dispatch_, "token_dispatch"));
-    return std::move(*d.result);
+    return std::move(d.result);
   }
   Status combine_preprocess(const CombineInput& input,
                             const Status& caller_error = Status()) override;
-  StatusOr<Request> token_combine(bool async) override {
-    return run_step(*world_, async, combine_, "token_combine before combine_preprocess",
+  StatusOr<Request> token_combine(bool /*async*/) override {
+    return run_step(*world_, kRunAtOnce, combine_, "token_combine before combine_preprocess",
                     [this] { return combine_body(); });
   }
   StatusOr<CombineOutput> combine_postprocess() override {
     MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, "token_combine"));
-    return std::move(*c.result);
+    return std::move(c.result);
   }
 
   Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
-  StatusOr<Request> token_dispatch_backward(bool async) override {
-    return run_step(*world_, async, dispatch_grad_,
+  StatusOr<Request> token_dispatch_backward(bool /*async*/) override {
+    return run_step(*world_, kRunAtOnce, dispatch_grad_,
                     "token_dispatch_backward before dispatch_postprocess_backward",
                     [this] { return dispatch_grad_body(); });
   }
   StatusOr<DispatchGrad> dispatch_preprocess_backward() override {
     MOED_ASSIGN_OR_RETURN(DispatchGradStep g,
                           finish_step(dispatch_grad_, "token_dispatch_backward"));
-    return std::move(*g.result);
+    return std::move(g.result);
   }
   Status combine_postprocess_backward(const CombineGradInput& grad) override;
-  StatusOr<Request> token_combine_backward(bool async) override {
-    return run_step(*world_, async, combine_grad_,
+  StatusOr<Request> token_combine_backward(bool /*async*/) override {
+    return run_step(*world_, kRunAtOnce, combine_grad_,
                     "token_combine_backward before combine_postprocess_backward",
                     [this] { return combine_grad_body(); });
   }
   StatusOr<CombineGrad> combine_preprocess_backward() override {
     MOED_ASSIGN_OR_RETURN(CombineGradStep g, finish_step(combine_grad_, "token_combine_backward"));
-    return std::move(*g.result);
+    return std::move(g.result);
   }
 
  private:
@@ -220,25 +226,25 @@ class RowExchangeDispatcher final : public TokenDispatcher {
     PreparedInput prepared;
     TokenRows hidden;               // the caller's tokens, until token_dispatch returns
     std::optional<TensorView> out;  // DispatchInput::out
-    std::optional<DispatchOutput> result;
+    DispatchOutput result;  // made by the body
   };
   struct CombineStep : Step {
     std::shared_ptr<const ExchangeHandle> handle;
     TensorView expert_output;       // caller-owned until token_combine returns
     std::optional<TensorView> out;  // CombineInput::out
-    std::optional<CombineOutput> result;
+    CombineOutput result;  // made by the body
   };
   struct DispatchGradStep : Step {
     std::shared_ptr<const ExchangeHandle> handle;
     TensorView rows;           // grad of expert_input
     std::vector<float> probs;  // grad_permuted_probs, zeros where none were given
-    std::optional<DispatchGrad> result;
+    DispatchGrad result;  // made by the body
   };
   struct CombineGradStep : Step {
     std::shared_ptr<const ExchangeHandle> handle;
     TensorView grad_out;       // [T, H]
     TensorView expert_output;  // when weighted
-    std::optional<CombineGrad> result;
+    CombineGrad result;  // made by the body
   };
 
   Status dispatch_body();

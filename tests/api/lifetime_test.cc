@@ -251,8 +251,8 @@ INSTANTIATE_TEST_SUITE_P(Worlds, PreprocessIsLocal, testing::six_step_grid(),
 
 // The step sequencer (src/dispatch/steps.h) of every dispatcher: a communicating call before
 // its first step, or a last step before it, fails naming the order, with no collective; an
-// async dispatch and combine (on their own thread where the world allows it) give the bits of
-// synchronous ones.
+// async dispatch and combine (on their own thread in Flex where the world allows it) give the
+// bits of synchronous ones.
 class StepOrder : public testing::BackendAndKindTest {};
 
 TEST_P(StepOrder, OrderNamedAndAsyncBitsAsSync) {
