@@ -6,15 +6,15 @@ namespace moed {
 
 namespace {
 
-// A communicating call with async = true: the body runs on its own thread; wait() joins it.
-class AsyncStep final : public PendingOp {
+// BodyRun::kBackground: the body runs on its own thread; wait() joins it.
+class BackgroundBody final : public PendingOp {
  public:
-  AsyncStep(std::function<Status()> body, std::shared_ptr<StepOp> op)
+  BackgroundBody(std::function<Status()> body, std::shared_ptr<StepOp> op)
       : op_(std::move(op)), thread_([this, body = std::move(body)] {
           result_ = body();
           op_->finished.store(true, std::memory_order_release);
         }) {}
-  ~AsyncStep() override {
+  ~BackgroundBody() override {
     if (thread_.joinable()) wait().ignore();
   }
   Status wait() override {
@@ -33,21 +33,56 @@ class AsyncStep final : public PendingOp {
   std::thread thread_;
 };
 
+// BodyRun::kOnWait: the body runs inside the first wait(), or when the request is dropped.
+class BodyOnWait final : public PendingOp {
+ public:
+  BodyOnWait(std::function<Status()> body, std::shared_ptr<StepOp> op)
+      : body_(std::move(body)), op_(std::move(op)) {}
+  ~BodyOnWait() override {
+    if (body_) wait().ignore();
+  }
+  Status wait() override {
+    if (body_) {
+      op_->status = std::exchange(body_, nullptr)();
+      op_->done = true;
+      op_->finished.store(true, std::memory_order_release);
+    }
+    return op_->status;
+  }
+  bool ready() override { return op_->done; }  // the body runs inside wait()
+
+ private:
+  std::function<Status()> body_;
+  std::shared_ptr<StepOp> op_;
+};
+
 }  // namespace
+
+Request run_body(BodyRun how, std::function<Status()> body, std::shared_ptr<StepOp> op) {
+  if (!op) op = std::make_shared<StepOp>();
+  switch (how) {
+    case BodyRun::kBackground:
+      return std::make_unique<BackgroundBody>(std::move(body), std::move(op));
+    case BodyRun::kOnWait:
+      return std::make_unique<BodyOnWait>(std::move(body), std::move(op));
+    case BodyRun::kNow:
+      break;
+  }
+  op->status = body();
+  op->done = true;
+  op->finished.store(true, std::memory_order_release);
+  return completed_request(op->status);
+}
 
 StatusOr<Request> run_step(World& world, bool async, Step& step, const char* not_staged,
                            std::function<Status()> body) {
   if (!step.staged) return failed_precondition(not_staged);
   step.staged = false;
-  const std::shared_ptr<StepOp> op = step.op = std::make_shared<StepOp>();
-  if (async && world.calls_from_any_thread()) {
-    return Request(std::make_unique<AsyncStep>(std::move(body), op));
-  }
-  op->status = body();
-  op->done = true;
-  op->finished.store(true);
-  if (!op->status.ok()) return op->status;
-  return completed_request();
+  step.op = std::make_shared<StepOp>();
+  const bool background = async && world.calls_from_any_thread();
+  Request r = run_body(background ? BodyRun::kBackground : BodyRun::kNow, std::move(body), step.op);
+  if (!background && !step.op->status.ok()) return step.op->status;
+  return r;
 }
 
 Status step_status(const std::shared_ptr<StepOp>& op, const char* call) {

@@ -2,7 +2,8 @@
 // local, it keeps this rank's verdict on its input instead of returning it. Its communicating
 // call runs the step's body, which agrees on the verdict first (one rank's bad input is every
 // rank's error), now or on its own thread. Its last call collects the body's status and the
-// step's state, leaving the member reset for the next step.
+// step's state, leaving the member reset for the next step. Low-latency mode's receive phase
+// runs on the same body runner (run_body), inside its hook's wait().
 //
 //   struct CombineStep : Step { TensorView rows; };
 //   combine_ = CombineStep{}; combine_.local = check(input); combine_.staged = true;
@@ -35,9 +36,17 @@ struct Step {
   std::shared_ptr<StepOp> op;
 };
 
+// How a communicating body runs: now (the request is complete; its wait() returns the body's
+// status); on its own thread (wait() joins it); or inside the request's first wait() (a
+// receive hook, design.md §6.4: a request dropped unwaited runs it in its destructor, so
+// what the body frees is freed). `op`, when given, also gets the outcome. Never null.
+enum class BodyRun { kNow, kBackground, kOnWait };
+Request run_body(BodyRun how, std::function<Status()> body,
+                 std::shared_ptr<StepOp> op = nullptr);
+
 // The communicating call: the error `not_staged` unless the first call staged `step` (cleared
 // here); then `body`, on its own thread when async and the world allows calls from any thread
-// (World::calls_from_any_thread), else now. The request is never null.
+// (World::calls_from_any_thread), else now, its error then returned.
 StatusOr<Request> run_step(World& world, bool async, Step& step, const char* not_staged,
                            std::function<Status()> body);
 

@@ -1,5 +1,4 @@
-// LowLatencyBuffer: creation (checked across ranks), the segment layout, the size hint and the
-// receive hook.
+// LowLatencyBuffer: creation (checked across ranks), the segment layout and the size hint.
 #include <array>
 #include <atomic>
 
@@ -11,34 +10,6 @@
 namespace moed {
 
 namespace low_latency {
-
-namespace {
-
-class ReceiveHook final : public PendingOp {
- public:
-  explicit ReceiveHook(std::function<Status()> receive) : receive_(std::move(receive)) {}
-  // NOTE: a hook dropped without wait() still receives, so that the half it holds is freed
-  // and the next operation's signals are not confused with this one's.
-  ~ReceiveHook() override {
-    if (!done_) wait().ignore();
-  }
-  Status wait() override {
-    if (!done_) {
-      done_ = true;
-      result_ = receive_();
-      receive_ = nullptr;
-    }
-    return result_;
-  }
-  bool ready() override { return done_; }  // the receive runs inside wait()
-
- private:
-  std::function<Status()> receive_;
-  bool done_ = false;
-  Status result_;
-};
-
-}  // namespace
 
 SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
                                   bool shrink) {
@@ -77,10 +48,6 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
   }
   l.total = off;
   return l;
-}
-
-Request make_hook(std::function<Status()> receive) {
-  return std::make_unique<ReceiveHook>(std::move(receive));
 }
 
 std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, int half,

@@ -11,6 +11,7 @@
 
 #include "comm/wait.h"
 #include "dispatch/low_latency/state.h"
+#include "dispatch/steps.h"
 
 namespace moed {
 
@@ -161,16 +162,12 @@ class PullRelease {
 };
 
 // The receive phase: run now (hook = an already-completed request), or handed back as `hook`
-// when the caller asked for one (return_recv_hook).
+// when the caller asked for one (return_recv_hook); a hook dropped unwaited still receives, so
+// the buffer's halves and the peers' signals stay in step.
 template <typename Receive>
 Status receive_now_or_hook(bool return_hook, Receive receive, Request& hook) {
-  if (return_hook) {
-    hook = make_hook(std::move(receive));
-    return ok_status();
-  }
-  Status s = receive();
-  hook = completed_request(s);
-  return s;
+  hook = run_body(return_hook ? BodyRun::kOnWait : BodyRun::kNow, std::move(receive));
+  return return_hook ? ok_status() : hook->wait();
 }
 
 }  // namespace low_latency

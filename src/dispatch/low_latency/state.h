@@ -1,5 +1,5 @@
 // Internal state of a LowLatencyBuffer, shared by its phase files:
-//   buffer.cc    creation, the segment layout, the size hint, the receive hook
+//   buffer.cc    creation, the segment layout, the size hint
 //   dispatch.cc  low_latency_dispatch: send phase (slot writes / network) and receive phase
 //   combine.cc   low_latency_combine: send phase and the reducing receive phase
 //
@@ -296,10 +296,6 @@ std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, in
 // The output's views of `block` and the storage that holds them.
 void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<ReceiveBlock> block,
                         LowLatencyDispatchOutput& out);
-
-// A receive phase to run once: by wait() (the hook), or at destruction if never waited on, so
-// the buffer's halves and the peers' signals stay in step.
-Request make_hook(std::function<Status()> receive);
 
 // Pull mode: waits until every in-node peer has acked operation `seq` of `half` in this rank's
 // segment, that is, read its rows; through a failed world too, bounded by the timeout
