@@ -125,16 +125,23 @@ struct Received {
   uint64_t seq;
   low_latency::RowFormat f;
   std::vector<int32_t> count;
+  // [(L + 1) * R]: the row of (j, s) in source s's network message; at j = L, its rows.
+  std::vector<int64_t> first;
   int32_t at(int j, int s) const { return count[size_t(j) * st.layout.num_ranks + s]; }
-  int64_t rows_from(int s) const {  // rows of source s's network message
-    int64_t n = 0;
-    for (int j = 0; j < st.layout.num_local_experts; ++j) n += at(j, s);
-    return n;
+  int64_t row_in_message(int j, int s) const { return first[size_t(j) * st.layout.num_ranks + s]; }
+  int64_t rows_from(int s) const { return row_in_message(st.layout.num_local_experts, s); }
+  void index_messages() {
+    const int R = st.layout.num_ranks, L = st.layout.num_local_experts;
+    first.assign(size_t(L + 1) * R, 0);
+    for (int j = 0; j < L; ++j) {
+      for (int s = 0; s < R; ++s) first[size_t(j + 1) * R + s] = row_in_message(j, s) + at(j, s);
+    }
   }
 };
 
-// Fills rv.count: in-node sources published their counts in this rank's segment before their
-// signal (or with the opening collective, in pull mode); other nodes sent them as a header.
+// Fills rv.count and rv.first: in-node sources published their counts in this rank's segment
+// before their signal (or with the opening collective, in pull mode); other nodes sent them as
+// a header.
 Status receive_counts(Received& rv) {
   LowLatencyBuffer::State& st = rv.st;
   World& w = *st.world;
@@ -161,6 +168,7 @@ Status receive_counts(Received& rv) {
       count[size_t(j) * R] = int32_t(v & 0xffffffffu);
     }
   }
+  rv.index_messages();
   return ok_status();
 }
 
@@ -208,12 +216,10 @@ void pack_slots_and_messages(const Received& rv, std::span<const size_t> block,
             low_latency::RowSpan::slots(st.local(), lay, rv.half, lay.fixed_row(j, s, 0), rv.f));
         continue;
       }
-      size_t first = 0;  // row of (j, s) inside the source's message
-      for (int j2 = 0; j2 < j; ++j2) first += size_t(rv.at(j2, s));
       const low_latency::NetRows m{rv.dh.net_recv.data() + block[size_t(s)],
                                    size_t(rv.rows_from(s)), rv.f};
       low_latency::pack_rows(rb, to, size_t(range.count), rv.f,
-                             low_latency::RowSpan::message(m, first));
+                             low_latency::RowSpan::message(m, size_t(rv.row_in_message(j, s))));
     }
   }
 }

@@ -100,6 +100,13 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     }
     rb.recv_count[size_t(j)] = begin;
   }
+  // first[j * R + s]: the row of (j, s) in source s's message; at j = L, its rows.
+  std::vector<int64_t> first(size_t(L + 1) * R, 0);
+  for (int j = 0; j < L; ++j) {
+    for (int s = 0; s < R; ++s) {
+      first[size_t(j + 1) * R + s] = first[size_t(j) * R + s] + count[size_t(j) * R + s];
+    }
+  }
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
     for (int64_t c = c0; c < c1; ++c) {
       const int j = int(c / R), s = int(c % R);
@@ -112,13 +119,8 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
                   RowSpan::slots(st.segment(st.local_of(s)), lay, half, from, f));
         continue;
       }
-      int64_t rows = 0, first = 0;
-      for (int j2 = 0; j2 < L; ++j2) {
-        if (j2 < j) first += count[size_t(j2) * R + s];
-        rows += count[size_t(j2) * R + s];
-      }
-      const NetRows m{dh.net_recv.data() + block[size_t(s)], size_t(rows), f};
-      pack_rows(rb, to, size_t(range.count), f, RowSpan::message(m, size_t(first)));
+      const NetRows m{dh.net_recv.data() + block[size_t(s)], size_t(first[size_t(L) * R + s]), f};
+      pack_rows(rb, to, size_t(range.count), f, RowSpan::message(m, size_t(first[size_t(c)])));
     }
   });
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kDispatch, half, n, from_segment));
