@@ -392,6 +392,11 @@ void Report::add(nlohmann::json r) {
           r.value("stream_write_gbps", 0.0), r.value("stream_nt_write", false) ? " (nt)" : "",
           r.value("stream_copy_gbps", 0.0), r.value("stream_nt_copy", false) ? " (nt)" : "");
     }
+    if (r.contains("warm_seconds")) {
+      std::printf("    warm (back to back): %.1f us, %.2f x the floor of %.1f us\n",
+                  r.value("warm_seconds", 0.0) * 1e6, r.value("warm_floor_ratio", 0.0),
+                  r.value("floor_seconds", 0.0) * 1e6);
+    }
     for (const nlohmann::json& c : r.value("comparisons", nlohmann::json::array())) {
       std::printf("    %s: %.3f [%.3f, %.3f] over %d paired iterations, target <= %.2f: %s\n",
                   c["name"].get<std::string>().c_str(), c["median"].get<double>(),

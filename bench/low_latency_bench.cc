@@ -9,7 +9,8 @@
 //
 // Every record carries the latency floor measured at the start of the run (floor_seconds: the
 // larger of a bare signal round trip between ranks 0 and 1 and one empty collective; both are
-// in the record too) and floor_ratio = seconds / floor_seconds.
+// in the record too) and floor_ratio = seconds / floor_seconds; a whole call also its time
+// back to back, warm as the floor is (warm_seconds, warm_floor_ratio).
 //
 // A multi-rank time is the maximum over ranks of one iteration (every rank starts after a
 // barrier); figures are medians over iterations. Bandwidth counts the rows every rank received
@@ -46,6 +47,7 @@ struct Figure {
   int64_t num_tokens = 0;  // T per rank
   std::string dispatcher, phase, dtype;
   Paired times;                // the kernel's, each with the STREAM sample taken before it
+  std::vector<double> warm;    // the whole call back to back (time_halves), max over ranks
   int64_t rows = 0;            // rows received, summed over ranks
   size_t row_bytes = 0;        // payload bytes per row
   uint64_t network_bytes = 0;  // per iteration, summed over ranks
@@ -106,9 +108,12 @@ bool fp8_rows_ok(const LowLatencyDispatchOutput& d, int ranks, int64_t T, int H)
 // both halves are paired with the operation before the send. With `beside` (Flex's call of the
 // same phase): an operation and one call of it too, after the whole call in even iterations
 // and before it in odd ones, so that the two are compared iteration by iteration under the
-// same load, neither always finding the other's rows in the caches.
+// same load, neither always finding the other's rows in the caches. Then `iters` whole calls
+// back to back (each followed by one of `beside`), warm as the floor is timed: each call above
+// starts after a STREAM operation has evicted the caches, which at T = 1 is most of its time.
 struct HalfTimes {
   Paired one, send, recv, beside;
+  std::vector<double> warm, beside_warm;
 };
 StatusOr<HalfTimes> time_halves(World& w, int iters, Stream& stream,
                                 const std::function<Status(bool hook)>& call,
@@ -136,6 +141,13 @@ StatusOr<HalfTimes> time_halves(World& w, int iters, Stream& stream,
     t.one.add(one, c1);
     t.send.add(send, c2);
     t.recv.add(recv, c2);
+  }
+  for (int i = 0; i < iters; ++i) {
+    MOED_ASSIGN_OR_RETURN(const double one, time_max(w, [&] { return call(false); }));
+    t.warm.push_back(one);
+    if (!beside) continue;
+    MOED_ASSIGN_OR_RETURN(const double b, time_max(w, beside));
+    t.beside_warm.push_back(b);
   }
   return t;
 }
@@ -233,8 +245,9 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
                         const HalfTimes& t, int64_t rows, uint64_t net, bool verified) {
     for (auto [suffix, times] :
          {std::pair{"", &t.one}, std::pair{"_send", &t.send}, std::pair{"_recv", &t.recv}}) {
-      Figure f{0, "low_latency", op + suffix, dtype, {}, 0, row_bytes};
+      Figure f{0, "low_latency", op + suffix, dtype, {}, {}, 0, row_bytes};
       f.verified = verified;
+      if (times == &t.one) f.warm = t.warm;
       add(f, *times, rows, net);
     }
   };
@@ -267,10 +280,10 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
   };
   MOED_ASSIGN_OR_RETURN(const Traffic fct, traffic_of(w, flex_combine, "flex combine"));
   MOED_ASSIGN_OR_RETURN(const bool fok, all_ranks_ok(w, round_trip_ok(x, topk, fc.hidden.view())));
-  auto add_flex = [&](const char* phase, const Paired& times, uint64_t net) {
-    Figure f{0, "flex", phase, "bf16", {}, 0, size_t(H) * 2};
+  auto add_flex = [&](const char* phase, const HalfTimes& t, uint64_t net) {
+    Figure f{0, "flex", phase, "bf16", {}, t.beside_warm, 0, size_t(H) * 2};
     f.verified = fok;
-    add(f, times, frows, net);
+    add(f, t.beside, frows, net);
   };
 
   for (const bool fp8 : {false, true}) {
@@ -297,7 +310,7 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
     MOED_ASSIGN_OR_RETURN(const bool rows_ok, all_ranks_ok(w, !fp8 || fp8_rows_ok(d, R, T, H)));
     add_halves("dispatch", dtype, row_bytes, dtimes, rows, dt.network_bytes, rows_ok);
     if (fp8) continue;
-    add_flex("dispatch", dtimes.beside, fdt.network_bytes);
+    add_flex("dispatch", dtimes, fdt.network_bytes);
 
     // Combine of the bf16 dispatch: the received rows are the expert outputs.
     // NOTE: read in place (no copy of the [L * R * M, H] slots, 470 MB a rank at decode): the
@@ -320,7 +333,7 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
         const HalfTimes ctimes,
         time_halves(w, iters, stream, combine, [&] { return c.hook->wait(); }, flex_combine));
     add_halves("combine", "bf16", size_t(H) * 2, ctimes, rows, ct.network_bytes, ok);
-    add_flex("combine", ctimes.beside, fct.network_bytes);
+    add_flex("combine", ctimes, fct.network_bytes);
     if (root) {
       for (Figure& f : *figures) {
         if (f.dispatcher == "low_latency" && f.dtype == "bf16") f.verified = ok;
@@ -432,6 +445,11 @@ void run(const Args& a) {
     const double seconds = rec["seconds"].get<double>();
     rec["microseconds"] = seconds * 1e6;
     rec["floor_ratio"] = floor.seconds() > 0 ? seconds / floor.seconds() : 0.0;
+    if (!f.warm.empty()) {
+      const double warm = median(f.warm);
+      rec["warm_seconds"] = warm;
+      rec["warm_floor_ratio"] = floor.seconds() > 0 ? warm / floor.seconds() : 0.0;
+    }
     report.add(std::move(rec));
   }
   if (!a.json) {
