@@ -4,14 +4,9 @@
 
 #include "comm/agreement.h"
 #include "dispatch/deep_ep/rank_major.h"
+#include "dispatch/sections.h"
 
 namespace moed::deep_ep {
-
-namespace {
-
-size_t up64(size_t b) { return (b + 63) / 64 * 64; }
-
-}  // namespace
 
 LayoutView LayoutView::of(const DispatchLayout& l) {
   LayoutView v;
@@ -33,12 +28,14 @@ RecvLayout RecvLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes
   l.num_topk = num_topk;
   l.num_ranks = num_ranks;
   l.num_channels = num_channels;
-  l.scales_off = up64(rows * row_bytes);
-  l.src_idx_off = up64(l.scales_off + rows * scale_bytes);
-  l.topk_idx_off = up64(l.src_idx_off + rows * 4);
-  l.weights_off = up64(l.topk_idx_off + rows * size_t(num_topk) * 8);
-  l.rcpm_off = up64(l.weights_off + rows * size_t(num_topk) * 4);
-  l.bytes = up64(l.rcpm_off + size_t(num_ranks) * size_t(num_channels) * 4);
+  Sections s(64);
+  s.add(rows * row_bytes);
+  l.scales_off = s.add(rows * scale_bytes);
+  l.src_idx_off = s.add(rows * 4);
+  l.topk_idx_off = s.add(rows * size_t(num_topk) * 8);
+  l.weights_off = s.add(rows * size_t(num_topk) * 4);
+  l.rcpm_off = s.add(size_t(num_ranks) * size_t(num_channels) * 4);
+  l.bytes = s.aligned_end();
   return l;
 }
 
@@ -47,13 +44,14 @@ RmMessage RmMessage::of(int64_t n, size_t row_bytes, size_t scale_bytes, int num
   RmMessage m;
   const size_t t = size_t(n);
   // Each section starts on 8 bytes, so its int64 / float / int32 entries are aligned.
-  auto up8 = [](size_t v) { return (v + 7) / 8 * 8; };
-  m.rows_off = t * sizeof(RmHeader);
-  m.scales_off = up8(m.rows_off + t * row_bytes);
-  m.idx_off = up8(m.scales_off + t * scale_bytes);
-  m.weights_off = up8(m.idx_off + t * size_t(num_topk) * 8);
-  m.cpm_off = up8(m.weights_off + t * size_t(num_topk) * 4);
-  m.bytes = m.cpm_off + size_t(ranks_per_node) * size_t(num_channels) * 4;
+  Sections s(8);
+  s.add(t * sizeof(RmHeader));
+  m.rows_off = s.add(t * row_bytes);
+  m.scales_off = s.add(t * scale_bytes);
+  m.idx_off = s.add(t * size_t(num_topk) * 8);
+  m.weights_off = s.add(t * size_t(num_topk) * 4);
+  m.cpm_off = s.add(size_t(ranks_per_node) * size_t(num_channels) * 4);
+  m.bytes = s.end();
   return m;
 }
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "dispatch/flex/flex_internal.h"
+#include "dispatch/sections.h"
 
 namespace moed {
 
@@ -69,16 +70,18 @@ ChainLink chain_link(std::span<const int> nodes, uint32_t classes, int m, int ho
 
 MessageLayout MessageLayout::of(int64_t tokens, int64_t entries, size_t row_bytes,
                                 size_t scale_bytes) {
+  const size_t t = size_t(tokens);
+  Sections s;  // packed
   MessageLayout l;
-  l.entries_off = size_t(tokens) * sizeof(MessageHeader);
-  l.payload_off = l.entries_off + size_t(entries) * sizeof(MessageEntry);
-  l.scales_off = l.payload_off + size_t(tokens) * row_bytes;
-  l.bytes = l.scales_off + size_t(tokens) * scale_bytes;
+  s.add(t * sizeof(MessageHeader));
+  l.entries_off = s.add(size_t(entries) * sizeof(MessageEntry));
+  l.payload_off = s.add(t * row_bytes);
+  l.scales_off = s.add(t * scale_bytes);
+  l.bytes = s.end();
   return l;
 }
 
 PushLayout PushLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, bool meta) {
-  auto up = [](size_t b) { return (b + 63) / 64 * 64; };
   PushLayout l;
   l.cap_rows = cap_rows;
   l.row_bytes = row_bytes;
@@ -86,13 +89,15 @@ PushLayout PushLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes
   l.meta = meta;
   const size_t rows = size_t(cap_rows);
   l.stream = rows * row_bytes >= internal::kStreamThresholdBytes;
-  l.scales_off = up(rows * row_bytes);
-  l.prob_off = up(l.scales_off + rows * scale_bytes);
   const size_t meta_bytes = meta ? rows * 4 : 0;
-  l.src_rank_off = up(l.prob_off + meta_bytes);
-  l.src_token_off = up(l.src_rank_off + meta_bytes);
-  l.src_slot_off = up(l.src_token_off + meta_bytes);
-  l.bytes = std::max<size_t>(64, up(l.src_slot_off + meta_bytes));
+  Sections s(64);
+  s.add(rows * row_bytes);
+  l.scales_off = s.add(rows * scale_bytes);
+  l.prob_off = s.add(meta_bytes);
+  l.src_rank_off = s.add(meta_bytes);
+  l.src_token_off = s.add(meta_bytes);
+  l.src_slot_off = s.add(meta_bytes);
+  l.bytes = std::max<size_t>(64, s.aligned_end());
   return l;
 }
 

@@ -6,6 +6,7 @@
 #include "comm/wait.h"
 #include "dispatch/low_latency/shrink.h"
 #include "dispatch/low_latency/state.h"
+#include "dispatch/sections.h"
 
 namespace moed {
 
@@ -21,32 +22,22 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
   l.num_local_experts = num_experts / num_ranks;
   l.num_scales = hidden % kFp8BlockSize == 0 ? hidden / kFp8BlockSize : 0;
   const size_t rows = size_t(num_experts) * size_t(max_tokens);
-  size_t off = 0;
+  Sections s(64);
   for (int h = 0; h < 2; ++h) {
-    l.counts[h] = off;
-    off += align64(size_t(num_experts) * sizeof(uint64_t));
-    l.dispatch_x[h] = off;
-    off += align64(rows * size_t(hidden) * sizeof(bf16));
-    l.dispatch_scales[h] = off;
-    off += align64(rows * size_t(l.num_scales) * sizeof(float));
-    l.dispatch_src[h] = off;
-    off += align64(rows * sizeof(int32_t));
-    l.dispatch_prob[h] = off;
-    off += align64(rows * sizeof(float));
-    l.combine_y[h] = off;
-    off += align64(rows * size_t(hidden) * sizeof(bf16));
-    l.acks[h] = off;
-    off += align64(2 * size_t(num_ranks) * sizeof(uint64_t));  // G <= R
+    l.counts[h] = s.add(size_t(num_experts) * sizeof(uint64_t));
+    l.dispatch_x[h] = s.add(rows * size_t(hidden) * sizeof(bf16));
+    l.dispatch_scales[h] = s.add(rows * size_t(l.num_scales) * sizeof(float));
+    l.dispatch_src[h] = s.add(rows * sizeof(int32_t));
+    l.dispatch_prob[h] = s.add(rows * sizeof(float));
+    l.combine_y[h] = s.add(rows * size_t(hidden) * sizeof(bf16));
+    l.acks[h] = s.add(2 * size_t(num_ranks) * sizeof(uint64_t));  // G <= R
     if (shrink) {
-      l.shrink_ranges[h] = off;
-      off += align64(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
+      l.shrink_ranges[h] =
+          s.add(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
     }
   }
-  if (shrink) {
-    l.shrink_words = off;
-    off += align64((kShrinkWords + size_t(num_ranks)) * sizeof(uint64_t));
-  }
-  l.total = off;
+  if (shrink) l.shrink_words = s.add((kShrinkWords + size_t(num_ranks)) * sizeof(uint64_t));
+  l.total = s.aligned_end();
   return l;
 }
 

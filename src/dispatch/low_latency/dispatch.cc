@@ -11,12 +11,12 @@
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/low_latency/shrink.h"
+#include "dispatch/sections.h"
 
 namespace moed {
 
 namespace {
 
-using low_latency::align64;
 using low_latency::DispatchHalf;
 using low_latency::keep_request;
 using low_latency::SegmentLayout;
@@ -178,13 +178,12 @@ Status post_message_receives(Received& rv, std::vector<size_t>& block,
                              std::vector<Request>& requests) {
   World& w = *rv.st.world;
   const int R = rv.st.layout.num_ranks, me = w.rank();
-  size_t total = 0;
+  Sections messages(64);
   for (int s = 0; s < R; ++s) {
     if (w.same_node(s, me)) continue;
-    block[size_t(s)] = total;
-    total += align64(size_t(rv.rows_from(s)) * rv.f.net_row_bytes());
+    block[size_t(s)] = messages.add(size_t(rv.rows_from(s)) * rv.f.net_row_bytes());
   }
-  rv.dh.net_recv.resize(total);
+  rv.dh.net_recv.resize(messages.aligned_end());
   for (int s = 0; s < R; ++s) {
     const int64_t n = w.same_node(s, me) ? 0 : rv.rows_from(s);
     if (n == 0) continue;
@@ -373,17 +372,16 @@ struct NetPlan {
         chunk_row(size_t(st.layout.num_experts), 0) {
     const World& w = *st.world;
     const int L = st.layout.num_local_experts;
-    size_t total = 0;
+    Sections messages(64);
     for (int d = 0; d < st.layout.num_ranks; ++d) {
       if (w.same_node(d, w.rank())) continue;
-      block[size_t(d)] = total;
       for (int j = 0; j < L; ++j) {
         chunk_row[size_t(d) * L + j] = rows[size_t(d)];
         rows[size_t(d)] += h.send_count[size_t(d) * L + j];
       }
-      total += align64(size_t(rows[size_t(d)]) * f.net_row_bytes());
+      block[size_t(d)] = messages.add(size_t(rows[size_t(d)]) * f.net_row_bytes());
     }
-    dh.net_send.resize(total);
+    dh.net_send.resize(messages.aligned_end());
   }
   low_latency::NetRows message(DispatchHalf& dh, int d, const low_latency::RowFormat& f) const {
     return {dh.net_send.data() + block[size_t(d)], size_t(rows[size_t(d)]), f};

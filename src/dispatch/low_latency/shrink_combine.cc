@@ -5,6 +5,7 @@
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/shrink.h"
 #include "dispatch/low_latency/shrink_peers.h"
+#include "dispatch/sections.h"
 
 namespace moed::low_latency {
 
@@ -124,15 +125,14 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
   // Home side: one message from each unmasked expert rank of another node, its size known from
   // this rank's dispatch.
   ch.net_block.assign(size_t(R), 0);
-  size_t total = 0;
+  Sections messages(64);  // each [verdict, 64 bytes][rows]
   for (int d = 0; d < R && handle != nullptr; ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
     int64_t rows = 0;
     for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
-    ch.net_block[size_t(d)] = total;
-    total += 64 + align64(size_t(rows) * row_bytes);
+    ch.net_block[size_t(d)] = messages.add(64 + size_t(rows) * row_bytes);
   }
-  ch.net_recv.resize(total);
+  ch.net_recv.resize(messages.aligned_end());
   for (int d = 0; d < R && handle != nullptr; ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
     int64_t rows = 0;

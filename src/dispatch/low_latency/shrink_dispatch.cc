@@ -5,6 +5,7 @@
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/shrink.h"
 #include "dispatch/low_latency/shrink_peers.h"
+#include "dispatch/sections.h"
 
 namespace moed::low_latency {
 
@@ -39,7 +40,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   std::vector<bool> from_segment(size_t(R), false);
   std::vector<size_t> block(size_t(R), 0);
   std::vector<Request> data(static_cast<size_t>(R));
-  size_t net_total = 0;
+  Sections messages(64);
   for (int s = 0; s < R; ++s) {
     if (peers.masked(s)) continue;
     uint64_t verdict = 0;
@@ -61,8 +62,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
                 ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
       int64_t rows = 0;
       for (int j = 0; j < L; ++j) rows += (count[size_t(j) * R + s] = header[1 + j]);
-      block[size_t(s)] = net_total;
-      net_total += align64(size_t(rows) * f.net_row_bytes());
+      block[size_t(s)] = messages.add(size_t(rows) * f.net_row_bytes());
     }
     Status v = verdict_error("low_latency_dispatch", n, s, verdict, fp8);
     if (!v.ok()) {
@@ -70,7 +70,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = 0;
     }
   }
-  dh.net_recv.resize(net_total);
+  dh.net_recv.resize(messages.aligned_end());
   for (int s = 0; s < R; ++s) {
     int64_t rows = 0;
     for (int j = 0; j < L && !peers.in_node(s); ++j) rows += count[size_t(j) * R + s];
@@ -160,7 +160,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   auto* counts = reinterpret_cast<std::atomic<uint64_t>*>(seg + lay.counts[half]);
   std::vector<size_t> block(size_t(R), 0);
   std::vector<int64_t> block_rows(size_t(R), 0), chunk_row(size_t(lay.num_experts), 0);
-  size_t net_total = 0;
+  Sections messages(64);
   for (int d = 0; d < R; ++d) {
     const bool live = !peers.masked(d);
     for (int j = 0; j < L; ++j) {
@@ -174,11 +174,10 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
       }
     }
     if (!peers.in_node(d)) {
-      block[size_t(d)] = net_total;
-      net_total += align64(size_t(block_rows[size_t(d)]) * f.net_row_bytes());
+      block[size_t(d)] = messages.add(size_t(block_rows[size_t(d)]) * f.net_row_bytes());
     }
   }
-  dh.net_send.resize(net_total);
+  dh.net_send.resize(messages.aligned_end());
   const bool has_weights =
       ok && in.topk->topk_weights.size() == size_t(T) * size_t(in.topk->num_topk);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int) {

@@ -48,9 +48,7 @@ namespace moed {
 
 namespace low_latency {
 
-// Segment regions and network message blocks start on 64-byte boundaries.
-inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
-
+// Every region starts on 64 bytes (dispatch/sections.h).
 struct SegmentLayout {
   int64_t max_tokens = 0;     // M
   int hidden = 0;             // H
