@@ -177,11 +177,12 @@ class TokenDispatcher {
   virtual Status dispatch_preprocess(const DispatchInput& input,
                                      const Status& caller_error = Status()) = 0;
   // Communicates. async = true may return before the data has moved: wait on the request
-  // before dispatch_postprocess (run the shared expert meanwhile, but no other call on this
-  // world: the step may be using it on its own thread). Flex's steps run in the background
-  // where the world allows calls from any thread (World::calls_from_any_thread); elsewhere,
-  // and in AllGather and AlltoAll, the step runs now. async = false runs now. The request is
-  // never null (ready() polls).
+  // before dispatch_postprocess (run the shared expert meanwhile). Flex's steps run in the
+  // background where the world allows calls from any thread (World::calls_from_any_thread);
+  // a later call on the world, from any thread, waits until the steps started before it are
+  // done (World::AsyncSteps), so every rank's calls keep their order. Elsewhere, and in
+  // AllGather and AlltoAll, the step runs now. async = false runs now. The request is never
+  // null (ready() polls).
   // Errors in the input of the preprocess step show here (or in wait()), on every rank.
   virtual StatusOr<Request> token_dispatch(bool async) = 0;
   virtual StatusOr<DispatchOutput> dispatch_postprocess() = 0;  // local only

@@ -240,6 +240,16 @@ class World {
   // its rendezvous store (Python's moed.Group.shrink); elsewhere kUnimplemented.
   virtual StatusOr<ShrunkWorld> shrink();
 
+  // ---- async steps ----
+  // TokenDispatcher steps running on their own threads (token_*(async = true)) take tickets
+  // in call order; a call on this world from any thread waits until every step ticketed
+  // before it has finished, so this rank's calls keep their order (src/comm/backend.h).
+  struct AsyncSteps {
+    std::atomic<uint64_t> taken{0};
+    std::atomic<uint64_t> finished{0};
+  };
+  AsyncSteps& async_steps() { return async_steps_; }
+
   // ---- counters ----
   TrafficCounters& counters() { return counters_; }
   void reset_counters() { counters_ = TrafficCounters{}; }
@@ -269,6 +279,7 @@ class World {
   std::chrono::milliseconds timeout_;
   std::unique_ptr<ThreadPool> pool_;
   TrafficCounters counters_;
+  AsyncSteps async_steps_;
 };
 
 // ---- typed templates over the byte interface ----

@@ -12,26 +12,56 @@
 #include <span>
 #include <vector>
 
+#include "comm/wait.h"
 #include "moed/status.h"
 #include "moed/world.h"
 
 namespace moed::internal {
 
+// The async step this thread runs (dispatch/steps.cc): its world and ticket; none elsewhere.
+struct AsyncStepThread {
+  const World* world = nullptr;
+  uint64_t ticket = 0;
+};
+inline thread_local AsyncStepThread t_async_step;
+
+// Every call on a world waits its turn first: until every async step ticketed before it has
+// finished (on an async step's own thread, the steps before that one). Steps run one at a time
+// in ticket order, so they finish in it. Bounded by the world's timeout.
+inline Status wait_turn(World& w) {
+  World::AsyncSteps& steps = w.async_steps();
+  const uint64_t before = t_async_step.world == &w ? t_async_step.ticket - 1
+                                                   : steps.taken.load(std::memory_order_acquire);
+  if (steps.finished.load(std::memory_order_acquire) >= before) return ok_status();
+  return poll_until(
+      w, [&] { return steps.finished.load(std::memory_order_acquire) >= before; },
+      [&] {
+        return str_cat("rank ", w.rank(),
+                       ": a call on this world waited for an async step (token_*(async = true)) "
+                       "still running on it; wait on the step's request first");
+      });
+}
+
 // Every collective starts so: a world that has failed fails the call; else it is counted.
 inline Status start_collective(World& w) {
+  MOED_RETURN_IF_ERROR(wait_turn(w));
   MOED_RETURN_IF_ERROR(w.failure());
   ++w.counters().collectives;
   return ok_status();
 }
 
-// Point to point starts so: posting fails only when the peer itself has failed (another rank's
-// failure shows in the wait, which the low-latency shrink mode may ask to go on past it).
-// The error is the world's first failure, the root cause (a peer that failed after it
-// usually echoes it).
+// Point to point starts so (start_p2p): its turn, then posting fails only when the peer itself
+// has failed (another rank's failure shows in the wait, which the low-latency shrink mode may
+// ask to go on past it). The error is the world's first failure, the root cause (a peer that
+// failed after it usually echoes it).
 inline Status peer_failure(const World& w, int peer) {
   if (peer < 0 || peer >= w.size() || !w.rank_failed(peer)) return ok_status();
   Status first = w.failure();
   return first.ok() ? aborted("rank ", peer, " failed") : first;
+}
+inline Status start_p2p(World& w, int peer) {
+  MOED_RETURN_IF_ERROR(wait_turn(w));
+  return peer_failure(w, peer);
 }
 
 // World::shrink's nodes: G' = the gcd of the survivors per old node, so that runs of G'

@@ -165,10 +165,8 @@ Status check_expert_rows(const char* what, const TensorView& rows, const Dispatc
   return ok_status();
 }
 
-// NOTE: AllGather's and AlltoAll's communicating steps run at once whatever `async` says. On
-// its own thread a step makes World calls while the caller may make others on the same world
-// (creating a low-latency buffer, say; test_ownership.py does), which the world allows from one
-// thread at a time; Flex's async steps leave that rule to the caller (moed/dispatcher.h).
+// NOTE: AllGather's and AlltoAll's communicating steps run at once whatever `async` says, as
+// Megatron's do on a CPU (their overlap comes from CUDA streams there).
 constexpr bool kRunAtOnce = false;
 
 class RowExchangeDispatcher final : public TokenDispatcher {

@@ -2,16 +2,24 @@
 
 #include <thread>
 
+#include "comm/backend.h"
+
 namespace moed {
 
 namespace {
 
-// BodyRun::kBackground: the body runs on its own thread; wait() joins it.
+// BodyRun::kBackground: the body runs on its own thread, in its turn among the world's async
+// steps (comm/backend.h, wait_turn); wait() joins it.
 class BackgroundBody final : public PendingOp {
  public:
-  BackgroundBody(std::function<Status()> body, std::shared_ptr<StepOp> op)
-      : op_(std::move(op)), thread_([this, body = std::move(body)] {
-          result_ = body();
+  BackgroundBody(World& world, std::function<Status()> body, std::shared_ptr<StepOp> op)
+      : op_(std::move(op)),
+        ticket_(world.async_steps().taken.fetch_add(1, std::memory_order_acq_rel) + 1),
+        thread_([this, &world, body = std::move(body)] {
+          internal::t_async_step = {&world, ticket_};
+          result_ = internal::wait_turn(world);
+          if (result_.ok()) result_ = body();
+          world.async_steps().finished.fetch_add(1, std::memory_order_acq_rel);
           op_->finished.store(true, std::memory_order_release);
         }) {}
   ~BackgroundBody() override {
@@ -29,6 +37,7 @@ class BackgroundBody final : public PendingOp {
 
  private:
   std::shared_ptr<StepOp> op_;
+  const uint64_t ticket_;
   Status result_;
   std::thread thread_;
 };
@@ -58,11 +67,13 @@ class BodyOnWait final : public PendingOp {
 
 }  // namespace
 
-Request run_body(BodyRun how, std::function<Status()> body, std::shared_ptr<StepOp> op) {
+Request run_body(BodyRun how, std::function<Status()> body, std::shared_ptr<StepOp> op,
+                 World* world) {
   if (!op) op = std::make_shared<StepOp>();
   switch (how) {
     case BodyRun::kBackground:
-      return std::make_unique<BackgroundBody>(std::move(body), std::move(op));
+      MOED_CHECK(world != nullptr, "a background body needs its world");
+      return std::make_unique<BackgroundBody>(*world, std::move(body), std::move(op));
     case BodyRun::kOnWait:
       return std::make_unique<BodyOnWait>(std::move(body), std::move(op));
     case BodyRun::kNow:
@@ -80,7 +91,8 @@ StatusOr<Request> run_step(World& world, bool async, Step& step, const char* not
   step.staged = false;
   step.op = std::make_shared<StepOp>();
   const bool background = async && world.calls_from_any_thread();
-  Request r = run_body(background ? BodyRun::kBackground : BodyRun::kNow, std::move(body), step.op);
+  Request r = run_body(background ? BodyRun::kBackground : BodyRun::kNow, std::move(body), step.op,
+                       &world);
   if (!background && !step.op->status.ok()) return step.op->status;
   return r;
 }

@@ -37,12 +37,14 @@ struct Step {
 };
 
 // How a communicating body runs: now (the request is complete; its wait() returns the body's
-// status); on its own thread (wait() joins it); or inside the request's first wait() (a
-// receive hook, design.md §6.4: a request dropped unwaited runs it in its destructor, so
-// what the body frees is freed). `op`, when given, also gets the outcome. Never null.
+// status); on its own thread of `world` (wait() joins it), in its turn: after the async steps
+// started before it, and every later call on the world after it (World::AsyncSteps); or inside
+// the request's first wait() (a receive hook, design.md §6.4: a request dropped unwaited runs
+// it in its destructor, so what the body frees is freed). `op`, when given, also gets the
+// outcome. Never null.
 enum class BodyRun { kNow, kBackground, kOnWait };
-Request run_body(BodyRun how, std::function<Status()> body,
-                 std::shared_ptr<StepOp> op = nullptr);
+Request run_body(BodyRun how, std::function<Status()> body, std::shared_ptr<StepOp> op = nullptr,
+                 World* world = nullptr);
 
 // The communicating call: the error `not_staged` unless the first call staged `step` (cleared
 // here); then `body`, on its own thread when async and the world allows calls from any thread

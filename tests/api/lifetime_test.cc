@@ -307,6 +307,50 @@ TEST_P(StepOrder, OrderNamedAndAsyncBitsAsSync) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, StepOrder, testing::six_step_grid(), testing::six_step_grid_name);
 
+// Async steps keep each rank's order (World::AsyncSteps): a Flex dispatch left running on its
+// own thread while the caller makes other calls on the world (a barrier, an all-gather, a
+// second dispatcher's async dispatch) gives the bits of synchronous calls, and so do the calls.
+class AsyncTurns : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(AsyncTurns, OtherCallsWaitForTheStepsBeforeThem) {
+  Status s = run_case(
+      GetParam(), 4, 0, 4,
+      [&](World& w, const testing::DispatchCase& c, const DispatchInput& input) -> Status {
+        const DispatchConfig config{.kind = DispatcherKind::kFlex, .num_experts = c.num_experts};
+        MOED_ASSIGN_OR_RETURN(auto d1, TokenDispatcher::create(w, config));
+        MOED_ASSIGN_OR_RETURN(auto d2, TokenDispatcher::create(w, config));
+        MOED_ASSIGN_OR_RETURN(DispatchOutput sync, d1->dispatch(input));
+        const Held want = copy_of(sync);
+        sync = DispatchOutput{};
+        for (int round = 0; round < 3; ++round) {
+          MOED_RETURN_IF_ERROR(d1->dispatch_preprocess(input));
+          MOED_ASSIGN_OR_RETURN(Request q1, d1->token_dispatch(/*async=*/true));
+          MOED_RETURN_IF_ERROR(w.barrier());
+          const int64_t mine = w.rank() * 10 + round;
+          MOED_ASSIGN_OR_RETURN(std::vector<int64_t> all,
+                                all_gather<int64_t>(w, std::span<const int64_t>(&mine, 1)));
+          for (int r = 0; r < w.size(); ++r) {
+            if (all[size_t(r)] != r * 10 + round)
+              return internal_error("rank ", w.rank(), ": the all-gather beside the step read ",
+                                    all[size_t(r)], " from rank ", r);
+          }
+          MOED_RETURN_IF_ERROR(d2->dispatch_preprocess(input));
+          MOED_ASSIGN_OR_RETURN(Request q2, d2->token_dispatch(/*async=*/true));
+          MOED_RETURN_IF_ERROR(q2->wait());
+          MOED_RETURN_IF_ERROR(q1->wait());
+          MOED_ASSIGN_OR_RETURN(DispatchOutput o1, d1->dispatch_postprocess());
+          MOED_ASSIGN_OR_RETURN(DispatchOutput o2, d2->dispatch_postprocess());
+          MOED_RETURN_IF_ERROR(same(o1, want, str_cat("rank ", w.rank(), ": async dispatch 1")));
+          MOED_RETURN_IF_ERROR(same(o2, want, str_cat("rank ", w.rank(), ": async dispatch 2")));
+        }
+        return ok_status();
+      });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, AsyncTurns, ::testing::ValuesIn(testing::backends()),
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
+
 // One collective before data moves in each Flex step, in the steady state (same shapes, the
 // previous outputs dropped, so no region grows): dispatch 1, cached dispatch, combine and the
 // backward steps at most 1; on one node and on two.
