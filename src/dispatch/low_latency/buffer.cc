@@ -164,10 +164,11 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
   // The slots are sized by M, H and E, and a sender writes at the receiver's offsets: all three
   // must be the same everywhere. Every rank sees the same table and names the same culprit.
   using F = AgreedField;
-  const AgreedField fields[] = {{"LowLatencyBuffer: max_tokens_per_rank", max_tokens_per_rank, F::kAgree},
-                                {"LowLatencyBuffer: hidden", hidden, F::kAgree},
-                                {"LowLatencyBuffer: num_experts", num_experts, F::kAgree},
-                                {"LowLatencyBuffer: enable_shrink", options.enable_shrink, F::kAgree}};
+  const AgreedField fields[] = {
+      {"LowLatencyBuffer: max_tokens_per_rank", max_tokens_per_rank, F::kAgree},
+      {"LowLatencyBuffer: hidden", hidden, F::kAgree},
+      {"LowLatencyBuffer: num_experts", num_experts, F::kAgree},
+      {"LowLatencyBuffer: enable_shrink", options.enable_shrink, F::kAgree}};
   MOED_RETURN_IF_ERROR(agree_in_one(world, local, fields).status());
 
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<LowLatencyBuffer> buffer,

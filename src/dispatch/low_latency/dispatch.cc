@@ -9,9 +9,8 @@
 
 #include "comm/agreement.h"
 #include "core/row_kernels.h"
-#include "dispatch/low_latency/phases.h"
+#include "dispatch/low_latency/dispatch_rows.h"
 #include "dispatch/low_latency/shrink.h"
-#include "dispatch/sections.h"
 
 namespace moed {
 
@@ -19,6 +18,8 @@ namespace {
 
 using low_latency::DispatchHalf;
 using low_latency::keep_request;
+using low_latency::NetPlan;
+using low_latency::Received;
 using low_latency::SegmentLayout;
 
 Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
@@ -116,29 +117,6 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
   return ok_status();
 }
 
-// The receive phase's view of one dispatch: its half, its row format and every (local expert
-// j, source s) count, [L][R].
-struct Received {
-  LowLatencyBuffer::State& st;
-  DispatchHalf& dh;
-  int half;
-  uint64_t seq;
-  low_latency::RowFormat f;
-  std::vector<int32_t> count;
-  // [(L + 1) * R]: the row of (j, s) in source s's network message; at j = L, its rows.
-  std::vector<int64_t> first;
-  int32_t at(int j, int s) const { return count[size_t(j) * st.layout.num_ranks + s]; }
-  int64_t row_in_message(int j, int s) const { return first[size_t(j) * st.layout.num_ranks + s]; }
-  int64_t rows_from(int s) const { return row_in_message(st.layout.num_local_experts, s); }
-  void index_messages() {
-    const int R = st.layout.num_ranks, L = st.layout.num_local_experts;
-    first.assign(size_t(L + 1) * R, 0);
-    for (int j = 0; j < L; ++j) {
-      for (int s = 0; s < R; ++s) first[size_t(j + 1) * R + s] = row_in_message(j, s) + at(j, s);
-    }
-  }
-};
-
 // Fills rv.count and rv.first: in-node sources published their counts in this rank's segment
 // before their signal (or with the opening collective, in pull mode); other nodes sent them as
 // a header.
@@ -173,21 +151,13 @@ Status receive_counts(Received& rv) {
 }
 
 // Posts the receive of one message from every non-empty source on another node, into
-// dh.net_recv at block[s].
-Status post_message_receives(Received& rv, std::vector<size_t>& block,
-                             std::vector<Request>& requests) {
+// dh.net_recv.
+Status post_message_receives(Received& rv, std::vector<Request>& requests) {
   World& w = *rv.st.world;
-  const int R = rv.st.layout.num_ranks, me = w.rank();
-  Sections messages(64);
-  for (int s = 0; s < R; ++s) {
-    if (w.same_node(s, me)) continue;
-    block[size_t(s)] = messages.add(size_t(rv.rows_from(s)) * rv.f.net_row_bytes());
-  }
-  rv.dh.net_recv.resize(messages.aligned_end());
-  for (int s = 0; s < R; ++s) {
-    const int64_t n = w.same_node(s, me) ? 0 : rv.rows_from(s);
-    if (n == 0) continue;
-    const low_latency::NetRows m{rv.dh.net_recv.data() + block[size_t(s)], size_t(n), rv.f};
+  rv.size_messages();
+  for (int s = 0; s < rv.st.layout.num_ranks; ++s) {
+    const low_latency::NetRows m = rv.message(s);
+    if (w.same_node(s, w.rank()) || m.rows == 0) continue;
     MOED_RETURN_IF_ERROR(keep_request(
         w.irecv(s, tags::low_latency(rv.seq, tags::LowLatencyKind::kDispatchData), m.base,
                 m.bytes()),
@@ -197,29 +167,17 @@ Status post_message_receives(Received& rv, std::vector<size_t>& block,
 }
 
 // Packs expert j's rows in [j0, j1) from this rank's slots (in-node senders wrote there) and
-// from the network messages (at block[s]), skipping the sources read in place.
-void pack_slots_and_messages(const Received& rv, std::span<const size_t> block,
+// from the network messages, skipping the sources read in place.
+void pack_slots_and_messages(const Received& rv,
                              std::span<const low_latency::PullSource* const> pulled,
                              low_latency::ReceiveBlock& rb, int j0, int j1) {
-  const LowLatencyBuffer::State& st = rv.st;
-  const SegmentLayout& lay = st.layout;
-  const int R = lay.num_ranks, me = st.world->rank();
+  const SegmentLayout& lay = rv.st.layout;
+  auto slot_row = [&](int j, int s) {
+    return low_latency::RowSpan::slots(rv.st.local(), lay, rv.half, lay.fixed_row(j, s, 0), rv.f);
+  };
+  auto is_pulled = [&](int s) { return pulled[size_t(s)] != nullptr; };
   for (int j = j0; j < j1; ++j) {
-    for (int s = 0; s < R; ++s) {
-      const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
-      if (range.count == 0 || pulled[size_t(s)] != nullptr) continue;
-      const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
-      if (st.world->same_node(s, me)) {
-        low_latency::pack_rows(
-            rb, to, size_t(range.count), rv.f,
-            low_latency::RowSpan::slots(st.local(), lay, rv.half, lay.fixed_row(j, s, 0), rv.f));
-        continue;
-      }
-      const low_latency::NetRows m{rv.dh.net_recv.data() + block[size_t(s)],
-                                   size_t(rv.rows_from(s)), rv.f};
-      low_latency::pack_rows(rb, to, size_t(range.count), rv.f,
-                             low_latency::RowSpan::message(m, size_t(rv.row_in_message(j, s))));
-    }
+    for (int s = 0; s < lay.num_ranks; ++s) rv.pack(rb, j, s, slot_row, is_pulled);
   }
 }
 
@@ -301,11 +259,10 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   dh.pending = false;
   low_latency::PullRelease release(st, half, low_latency::PullKind::kDispatch, seq, dh.sources);
 
-  Received rv{st, dh, half, seq, low_latency::RowFormat::of(lay, fp8), {}};
-  std::vector<size_t> block(size_t(R), 0);
+  Received rv{st, dh, half, seq, low_latency::RowFormat::of(lay, fp8)};
   std::vector<Request> data_requests;
   Status status = receive_counts(rv);
-  if (status.ok()) status = post_message_receives(rv, block, data_requests);
+  if (status.ok()) status = post_message_receives(rv, data_requests);
   // NOTE: post the data receives before waiting on this rank's own sends: a send completes
   // only once its receiver has posted the matching receive.
   Status recv_status = wait_all(data_requests);
@@ -316,17 +273,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   MOED_RETURN_IF_ERROR(recv_status);
   MOED_RETURN_IF_ERROR(send_status);
 
-  // Packed layout: expert j's rows from source s start at begin(j, s) = rows of sources < s.
-  int64_t received = 0;
-  for (int j = 0; j < L; ++j) {
-    int32_t begin = 0;
-    for (int s = 0; s < R; ++s) {
-      rb.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, rv.at(j, s)};
-      begin += rv.at(j, s);
-    }
-    rb.recv_count[size_t(j)] = begin;
-    received += begin;
-  }
+  const int64_t received = rv.set_layout(rb);
   std::vector<const low_latency::PullSource*> pulled(size_t(R), nullptr);
   bool any_slots = false;  // rows in this rank's slots or messages
   for (int s = 0; s < R; ++s) {
@@ -347,7 +294,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
     w.pool().parallel_for(
         L,
         [&](int64_t j0, int64_t j1, int) {
-          pack_slots_and_messages(rv, block, pulled, rb, int(j0), int(j1));
+          pack_slots_and_messages(rv, pulled, rb, int(j0), int(j1));
         },
         inline_copy ? int64_t(L) : 1);
   }
@@ -358,84 +305,11 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   return release.finish();
 }
 
-// Where the send phase puts the rows for other nodes: one message per remote rank d at
-// block[d] of the half's net_send, its chunk of local expert j starting at row chunk_row[e].
-struct NetPlan {
-  std::vector<size_t> block;       // [R]
-  std::vector<int64_t> rows;       // [R]
-  std::vector<int64_t> chunk_row;  // [E]
-
-  NetPlan(const LowLatencyBuffer::State& st, const LowLatencyHandle& h,
-          const low_latency::RowFormat& f, DispatchHalf& dh)
-      : block(size_t(st.layout.num_ranks), 0),
-        rows(size_t(st.layout.num_ranks), 0),
-        chunk_row(size_t(st.layout.num_experts), 0) {
-    const World& w = *st.world;
-    const int L = st.layout.num_local_experts;
-    Sections messages(64);
-    for (int d = 0; d < st.layout.num_ranks; ++d) {
-      if (w.same_node(d, w.rank())) continue;
-      for (int j = 0; j < L; ++j) {
-        chunk_row[size_t(d) * L + j] = rows[size_t(d)];
-        rows[size_t(d)] += h.send_count[size_t(d) * L + j];
-      }
-      block[size_t(d)] = messages.add(size_t(rows[size_t(d)]) * f.net_row_bytes());
-    }
-    dh.net_send.resize(messages.aligned_end());
-  }
-  low_latency::NetRows message(DispatchHalf& dh, int d, const low_latency::RowFormat& f) const {
-    return {dh.net_send.data() + block[size_t(d)], size_t(rows[size_t(d)]), f};
-  }
-};
-
 // How the send phase hands this rank's rows to the receivers on its node.
 struct SendMode {
   bool pull_rows = false;  // receivers that read in place (st.pulls) copy the rows themselves
   bool own_rows = false;   // they read this half's copy (FP8 rows, staged bf16), not x
 };
-
-// Writes every (token, expert) row where its receiver reads it: the receiver's slot on this
-// node, the message for its node, or (pull mode) the token and prob beside this rank's rows.
-// Counts the rows that cross into another rank's memory per worker.
-void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
-               const LowLatencyHandle& h, int half, const low_latency::RowFormat& f,
-               const NetPlan& plan, SendMode mode, std::vector<uint64_t>& shared_rows) {
-  World& w = *st.world;
-  const SegmentLayout& lay = st.layout;
-  DispatchHalf& dh = st.dispatch_half[half];
-  const TopkRouting& routing = *in.topk;
-  const int L = lay.num_local_experts, K = routing.num_topk, me = w.rank();
-  const int64_t T = in.x.rows;
-  const bool fp8 = in.use_fp8;
-  const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
-  w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
-                                 : static_cast<const std::byte*>(in.x.row_ptr(t));
-      for (int k = 0; k < K; ++k) {
-        const int32_t e = routing.idx(t, k);
-        if (e < 0) continue;
-        const int d = e / L, j = e % L;
-        const int64_t i = h.slot[size_t(t) * K + k];
-        const float p = has_weights ? routing.weight(t, k) : 0.0f;
-        if (mode.pull_rows && st.pulls(d)) {
-          // d copies the row itself, from here (receive_dispatch).
-          dh.pull_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
-          dh.pull_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
-          // NOTE: counted here, by the rank whose row crosses the node (as when it writes it
-          // itself, and as the planning model counts NVLink bytes), not by the reader.
-          ++shared_rows[size_t(worker)];
-        } else if (w.same_node(d, me)) {
-          low_latency::put_slot(st.segment(st.local_of(d)), lay, half, lay.fixed_row(j, me, i),
-                                f, row, int32_t(t), p);
-          ++shared_rows[size_t(worker)];
-        } else {
-          plan.message(dh, d, f).put(size_t(plan.chunk_row[size_t(e)] + i), row, int32_t(t), p);
-        }
-      }
-    }
-  });
-}
 
 // Pull mode: where this rank's in-node receivers find its rows.
 low_latency::PullSource pull_source(const DispatchHalf& dh, const LowLatencyDispatchInput& in,
@@ -528,7 +402,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, *in.topk, T);
   const low_latency::RowFormat f = low_latency::RowFormat::of(st.layout, fp8);
   if (fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
-  const NetPlan plan(st, *handle, f, dh);
+  const NetPlan plan(st, handle->send_count, f, dh);
 
   SendMode mode;
   mode.pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
@@ -542,7 +416,10 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
     }
   }
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
-  send_rows(st, in, *handle, half, f, plan, mode, shared_rows);
+  low_latency::send_rows(st, in, *handle, half, f, plan,
+                         mode.pull_rows ? low_latency::InNode::kPulled
+                                        : low_latency::InNode::kReceiverSlots,
+                         {}, shared_rows);
   if (early) {
     const low_latency::PullSource ps = pull_source(dh, in, f, mode);
     Status published =

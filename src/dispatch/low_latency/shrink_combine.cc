@@ -183,9 +183,10 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
       }
       rows += size_t(r.count);
     }
-    peers.post_send(
-        s, w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData), m, 64 + rows * row_bytes),
-        ch.requests, ch.send_peers);
+    peers.post_send(s,
+                    w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData), m,
+                            64 + rows * row_bytes),
+                    ch.requests, ch.send_peers);
     at += 64 + rows * row_bytes;
   }
 
@@ -230,10 +231,9 @@ Status shrink_clean(State& st) {
   std::vector<uint64_t> in(static_cast<size_t>(R), 0);
   for (int d = 0; d < R; ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
-    peers.post(d, w.isend(d, tags::low_latency(seq, tags::LowLatencyKind::kClean), &k, sizeof(k)),
-               sends[size_t(d)]);
-    peers.post(d, w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kClean), &in[size_t(d)], sizeof(k)),
-               recvs[size_t(d)]);
+    const int tag = tags::low_latency(seq, tags::LowLatencyKind::kClean);
+    peers.post(d, w.isend(d, tag, &k, sizeof(k)), sends[size_t(d)]);
+    peers.post(d, w.irecv(d, tag, &in[size_t(d)], sizeof(k)), recvs[size_t(d)]);
   }
   for (int p = 0; p < R; ++p) {
     if (p == me || !peers.in_node(p)) continue;

@@ -3,9 +3,9 @@
 #include <cstring>
 
 #include "core/row_kernels.h"
+#include "dispatch/low_latency/dispatch_rows.h"
 #include "dispatch/low_latency/shrink.h"
 #include "dispatch/low_latency/shrink_peers.h"
-#include "dispatch/sections.h"
 
 namespace moed::low_latency {
 
@@ -28,19 +28,14 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   const SegmentLayout& lay = st.layout;
   DispatchHalf& dh = st.dispatch_half[half];
   const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank();
-  const int64_t M = lay.max_tokens;
-  const RowFormat f = RowFormat::of(lay, fp8);
   dh.pending = false;
   Peers peers(st, "low_latency_dispatch");
   Status bad;  // the first source whose verdict is an error
 
   // Counts of every (local expert j, source s): in-node sources in their segment, the others
   // in their header; then the rows of other nodes.
-  std::vector<int32_t> count(size_t(L) * R, 0);
+  Received rv{st, dh, half, seq, RowFormat::of(lay, fp8), std::vector<int32_t>(size_t(L) * R, 0)};
   std::vector<bool> from_segment(size_t(R), false);
-  std::vector<size_t> block(size_t(R), 0);
-  std::vector<Request> data(static_cast<size_t>(R));
-  Sections messages(64);
   for (int s = 0; s < R; ++s) {
     if (peers.masked(s)) continue;
     uint64_t verdict = 0;
@@ -52,7 +47,8 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       const auto* c = reinterpret_cast<const std::atomic<uint64_t>*>(st.segment(st.local_of(s)) +
                                                                      lay.counts[half]);
       for (int j = 0; j < L; ++j) {
-        count[size_t(j) * R + s] = int32_t(c[size_t(me) * L + j].load(std::memory_order_relaxed));
+        const uint64_t v = c[size_t(me) * L + j].load(std::memory_order_relaxed);
+        rv.count[size_t(j) * R + s] = int32_t(v);
       }
       from_segment[size_t(s)] = true;
     } else {
@@ -60,67 +56,45 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       const int32_t* header = dh.recv_header.data() + size_t(s) * (L + 1);
       verdict = uint64_t(uint32_t(header[0] & ~kHeaderFp8Flag)) |
                 ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
-      int64_t rows = 0;
-      for (int j = 0; j < L; ++j) rows += (count[size_t(j) * R + s] = header[1 + j]);
-      block[size_t(s)] = messages.add(size_t(rows) * f.net_row_bytes());
+      for (int j = 0; j < L; ++j) rv.count[size_t(j) * R + s] = header[1 + j];
     }
     Status v = verdict_error("low_latency_dispatch", n, s, verdict, fp8);
     if (!v.ok()) {
       if (bad.ok()) bad = v;
-      for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = 0;
+      rv.drop(s);
     }
   }
-  dh.net_recv.resize(messages.aligned_end());
+  rv.index_messages();
+  rv.size_messages();
+  std::vector<Request> data(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
-    int64_t rows = 0;
-    for (int j = 0; j < L && !peers.in_node(s); ++j) rows += count[size_t(j) * R + s];
-    if (rows == 0 || peers.masked(s)) continue;
+    const NetRows m = rv.message(s);
+    if (peers.in_node(s) || m.rows == 0 || peers.masked(s)) continue;
     peers.post(s,
-               w.irecv(s, tags::low_latency(seq, tags::LowLatencyKind::kDispatchData),
-                       dh.net_recv.data() + block[size_t(s)], size_t(rows) * f.net_row_bytes()),
+               w.irecv(s, tags::low_latency(seq, tags::LowLatencyKind::kDispatchData), m.base,
+                       m.bytes()),
                data[size_t(s)]);
   }
   for (int s = 0; s < R; ++s) {
-    if (data[size_t(s)] && !peers.wait(s, data[size_t(s)])) {
-      for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = 0;
-    }
+    if (data[size_t(s)] && !peers.wait(s, data[size_t(s)])) rv.drop(s);
   }
   peers.wait_sends(dh.send_requests, dh.send_peers);
   dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
   dh.header_requests.resize(size_t(R));
 
-  // Packed layout: expert j's rows from source s start at begin(j, s) = rows of sources < s;
-  // a source masked above after its counts were read adds none.
-  for (int j = 0; j < L; ++j) {
-    int32_t begin = 0;
-    for (int s = 0; s < R; ++s) {
-      const int32_t c = peers.masked(s) ? 0 : count[size_t(j) * R + s];
-      rb.layout_range[size_t(j) * R + s] = LowLatencyRange{begin, c};
-      begin += c;
-    }
-    rb.recv_count[size_t(j)] = begin;
+  // A source masked above after its counts were read adds no rows (its messages' places in
+  // net_recv stay as indexed).
+  for (int s = 0; s < R; ++s) {
+    if (peers.masked(s)) rv.drop(s);
   }
-  // first[j * R + s]: the row of (j, s) in source s's message; at j = L, its rows.
-  std::vector<int64_t> first(size_t(L + 1) * R, 0);
-  for (int j = 0; j < L; ++j) {
-    for (int s = 0; s < R; ++s) {
-      first[size_t(j + 1) * R + s] = first[size_t(j) * R + s] + count[size_t(j) * R + s];
-    }
-  }
+  rv.set_layout(rb);
+  auto slot_row = [&](int j, int s) {  // the sender's own slots (e, i)
+    const int64_t from = (int64_t(me) * L + j) * lay.max_tokens;
+    return RowSpan::slots(st.segment(st.local_of(s)), lay, half, from, rv.f);
+  };
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
     for (int64_t c = c0; c < c1; ++c) {
-      const int j = int(c / R), s = int(c % R);
-      const LowLatencyRange range = rb.layout_range[size_t(c)];
-      if (range.count == 0) continue;
-      const int64_t to = int64_t(j) * lay.rows_per_expert() + range.begin;
-      if (from_segment[size_t(s)]) {
-        const int64_t from = (int64_t(me) * L + j) * M;  // the sender's slots (e, i)
-        pack_rows(rb, to, size_t(range.count), f,
-                  RowSpan::slots(st.segment(st.local_of(s)), lay, half, from, f));
-        continue;
-      }
-      const NetRows m{dh.net_recv.data() + block[size_t(s)], size_t(first[size_t(L) * R + s]), f};
-      pack_rows(rb, to, size_t(range.count), f, RowSpan::message(m, size_t(first[size_t(c)])));
+      rv.pack(rb, int(c / R), int(c % R), slot_row, [](int) { return false; });
     }
   });
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kDispatch, half, n, from_segment));
@@ -140,7 +114,6 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   Peers peers(st, "low_latency_dispatch");
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, L = lay.num_local_experts;
-  const int64_t M = lay.max_tokens;
   MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, PullKind::kDispatch, st.dispatches,
                                                    st.dispatch_half, local));
   const int half = call.half;
@@ -156,50 +129,19 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   if (ok && fp8) cast_fp8_rows(st, in, dh.fp8_rows);
 
   // Counts and rows for in-node ranks in this rank's segment; one message per other node's rank.
-  std::byte* seg = st.local();
-  auto* counts = reinterpret_cast<std::atomic<uint64_t>*>(seg + lay.counts[half]);
-  std::vector<size_t> block(size_t(R), 0);
-  std::vector<int64_t> block_rows(size_t(R), 0), chunk_row(size_t(lay.num_experts), 0);
-  Sections messages(64);
-  for (int d = 0; d < R; ++d) {
-    const bool live = !peers.masked(d);
-    for (int j = 0; j < L; ++j) {
-      const int e = d * L + j;
-      const int32_t c = live ? handle->send_count[size_t(e)] : 0;
-      if (peers.in_node(d)) {
-        counts[e].store(uint64_t(c), std::memory_order_relaxed);
-      } else {
-        chunk_row[size_t(e)] = block_rows[size_t(d)];
-        block_rows[size_t(d)] += c;
-      }
-    }
-    if (!peers.in_node(d)) {
-      block[size_t(d)] = messages.add(size_t(block_rows[size_t(d)]) * f.net_row_bytes());
+  std::vector<uint8_t> live(static_cast<size_t>(R));
+  std::vector<int32_t> count(size_t(lay.num_experts), 0);  // send_count to live ranks
+  auto* counts = reinterpret_cast<std::atomic<uint64_t>*>(st.local() + lay.counts[half]);
+  for (int e = 0; e < lay.num_experts; ++e) {
+    live[size_t(e / L)] = !peers.masked(e / L);
+    if (live[size_t(e / L)]) count[size_t(e)] = handle->send_count[size_t(e)];
+    if (peers.in_node(e / L)) {
+      counts[e].store(uint64_t(count[size_t(e)]), std::memory_order_relaxed);
     }
   }
-  dh.net_send.resize(messages.aligned_end());
-  const bool has_weights =
-      ok && in.topk->topk_weights.size() == size_t(T) * size_t(in.topk->num_topk);
-  w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int) {
-    const TopkRouting& routing = *in.topk;
-    for (int64_t t = t0; t < t1; ++t) {
-      const std::byte* row = fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
-                                 : static_cast<const std::byte*>(in.x.row_ptr(t));
-      for (int k = 0; k < routing.num_topk; ++k) {
-        const int32_t e = routing.idx(t, k);
-        if (e < 0 || peers.masked(e / L)) continue;
-        const int d = e / L;
-        const int64_t i = handle->slot[size_t(t) * routing.num_topk + k];
-        const float p = has_weights ? routing.weight(t, k) : 0.0f;
-        if (peers.in_node(d)) {
-          put_slot(seg, lay, half, int64_t(e) * M + i, f, row, int32_t(t), p);
-        } else {
-          const NetRows m{dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]), f};
-          m.put(size_t(chunk_row[size_t(e)] + i), row, int32_t(t), p);
-        }
-      }
-    }
-  });
+  const NetPlan plan(st, count, f, dh);
+  std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
+  if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
   publish(st, PullKind::kDispatch, half, n, local, fp8);
   for (int d = 0; d < R; ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
@@ -211,22 +153,15 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
                       dh.send_peers);
     };
     send(header, size_t(L + 1) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
-    if (block_rows[size_t(d)] > 0) {
-      send(dh.net_send.data() + block[size_t(d)], size_t(block_rows[size_t(d)]) * f.net_row_bytes(),
-           tags::LowLatencyKind::kDispatchData);
-    }
+    const NetRows m = plan.message(dh, d, f);
+    if (m.rows > 0) send(m.base, m.bytes(), tags::LowLatencyKind::kDispatchData);
     peers.post(
         d,
         w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
                 dh.recv_header.data() + size_t(d) * (L + 1), size_t(L + 1) * sizeof(int32_t)),
         dh.header_requests[size_t(d)]);
   }
-  uint64_t shared_rows = 0;
-  for (int e = 0; e < lay.num_experts; ++e) {
-    if (peers.in_node(e / L) && !peers.masked(e / L))
-      shared_rows += uint64_t(handle->send_count[size_t(e)]);
-  }
-  w.add_shared_bytes(shared_rows * f.row_bytes(), shared_rows);
+  add_shared_rows(w, shared_rows, f.row_bytes());
 
   std::shared_ptr<ReceiveBlock> rb = take_receive_block(st, half, fp8);
   LowLatencyDispatchOutput out;
