@@ -124,20 +124,8 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
         int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
     return reinterpret_cast<const bf16*>(p.rows + size_t(row) * p.stride);
   };
-  // One fold_rows per token (acc = 0, acc + w * y per expert ascending, rounded once: the
-  // chain above, the sum kept in registers), one token behind (FoldAhead).
-  w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
-    std::vector<low_latency::Term> terms;
-    internal::FoldAhead fold(DType::kBF16, DType::kBF16, size_t(H), /*weighted=*/true,
-                             /*stream=*/false);
-    for (int64_t t = t0; t < t1; ++t) {
-      low_latency::token_terms(
-          handle, routing, order, t, [](int32_t) { return true; }, terms);
-      for (const low_latency::Term& term : terms) fold.add(row_of(term.e, term.slot), term.weight);
-      fold.push(out.row<bf16>(t));
-    }
-    fold.flush();
-  });
+  low_latency::reduce_tokens(
+      w, handle, routing, order, [](int32_t) { return true; }, row_of, out);
   return release.finish();
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "comm/wait.h"
+#include "core/row_kernels.h"
 #include "dispatch/low_latency/state.h"
 #include "dispatch/steps.h"
 
@@ -88,6 +89,25 @@ void token_terms(const LowLatencyHandle& handle, const TopkRouting& routing,
   }
   std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) {
     return a.key != b.key ? a.key < b.key : a.e < b.e;
+  });
+}
+
+// A combine's receive: out[t] = the sum over t's terms (token_terms, `keep`) of weight * the
+// expert's row (row_of(e, slot)), fp32 from 0, each product and sum rounded on its own (the sum
+// kept in registers, rounded once to bf16), one token behind (FoldAhead).
+template <typename Keep, typename RowOf>
+void reduce_tokens(World& w, const LowLatencyHandle& handle, const TopkRouting& routing,
+                   std::span<const int32_t> order, Keep&& keep, RowOf&& row_of, TensorView out) {
+  w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
+    std::vector<Term> terms;
+    internal::FoldAhead fold(DType::kBF16, DType::kBF16, size_t(out.cols), /*weighted=*/true,
+                             /*stream=*/false);
+    for (int64_t t = t0; t < t1; ++t) {
+      token_terms(handle, routing, order, t, keep, terms);
+      for (const Term& term : terms) fold.add(row_of(term.e, term.slot), term.weight);
+      fold.push(out.row<bf16>(t));
+    }
+    fold.flush();
   });
 }
 

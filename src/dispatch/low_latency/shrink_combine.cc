@@ -81,20 +81,11 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
   ch.recvs.resize(size_t(R));
 
   // out[t] = sum over t's experts e of unmasked ranks, ascending, of w * y (as the normal path).
-  w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
-    std::vector<Term> terms;
-    internal::FoldAhead fold(DType::kBF16, DType::kBF16, size_t(H), /*weighted=*/true,
-                             /*stream=*/false);
-    auto live = [&](int32_t e) { return first_row[size_t(e)] != nullptr && !peers.masked(e / L); };
-    for (int64_t t = t0; t < t1; ++t) {
-      token_terms(handle, routing, order, t, live, terms);
-      for (const Term& term : terms) {
-        fold.add(first_row[size_t(term.e)] + size_t(term.slot) * row_bytes, term.weight);
-      }
-      fold.push(out.row<bf16>(t));
-    }
-    fold.flush();
-  });
+  reduce_tokens(
+      w, handle, routing, order,
+      [&](int32_t e) { return first_row[size_t(e)] != nullptr && !peers.masked(e / L); },
+      [&](int32_t e, int32_t slot) { return first_row[size_t(e)] + size_t(slot) * row_bytes; },
+      out);
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kCombine, half, n, from_segment));
   MOED_RETURN_IF_ERROR(ch.shrink_local);
   return bad;
