@@ -7,13 +7,13 @@
 
 namespace moed {
 
-namespace {
-
 std::vector<int64_t> prefix(std::span<const int64_t> n) {
   std::vector<int64_t> off(n.size() + 1, 0);
   for (size_t i = 0; i < n.size(); ++i) off[i + 1] = off[i] + n[i];
   return off;
 }
+
+namespace {
 
 // all_to_all_v of whole rows: send_rows[d] rows at row send_offsets[d] go to rank d (offsets
 // may repeat: the same rows to several ranks); rank s's rows land packed in rank order.

@@ -69,6 +69,9 @@ struct RowExchangePlan {
   std::vector<int64_t> home_rows_of_rank;    // [R] home rows for the experts of ep(g)
   std::vector<int64_t> home_offset_of_rank;  // [R] where those rows start in `home`
 };
+// [n.size() + 1]: where each of n's runs starts when they are laid back to back, then the end.
+std::vector<int64_t> prefix(std::span<const int64_t> n);
+
 StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, World& world,
                                                  const GlobalCounts& counts,
                                                  const SparseRouting& effective);

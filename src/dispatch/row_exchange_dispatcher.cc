@@ -58,13 +58,6 @@ Status send_home(World& world, const RowExchangePlan& plan, const TensorView& ro
                           sizeof(float));
 }
 
-// where rank g's rows start in what exchange_to_home received, [R]
-std::vector<int64_t> received_offsets(const RowExchangePlan& plan) {
-  std::vector<int64_t> off(plan.home_rows_of_rank.size(), 0);
-  for (size_t g = 1; g < off.size(); ++g) off[g] = off[g - 1] + plan.home_rows_of_rank[g - 1];
-  return off;
-}
-
 // fp32 terms of design.md §4.1 in home order (0 + partials in p order): [home.num_rows, H] f32.
 // NOTE: rows arrive rank-major, [g][j][t] with g = ep * P + p; home order is [ep][j][t]. With
 // P = 1 the two are the same and the received rows are already the terms (terms() returns
@@ -75,7 +68,7 @@ Tensor sum_partials(ThreadPool& pool, const RowExchangePlan& plan, const ReturnR
   const int P = plan.etp_size, R = plan.world_size;
   if (P == 1) return Tensor();
   const int64_t H = r.received.cols;
-  const std::vector<int64_t> recv_off = received_offsets(plan);
+  const std::vector<int64_t> recv_off = prefix(plan.home_rows_of_rank);  // where rank g starts
   Tensor out = Tensor::empty(DType::kF32, plan.home.num_rows, H);
   const internal::RowKernels& kernels = internal::row_kernels();
   pool.parallel_for(
@@ -104,7 +97,7 @@ Tensor sum_partials(ThreadPool& pool, const RowExchangePlan& plan, const ReturnR
 std::vector<float> sum_partial_values(const RowExchangePlan& plan, const ReturnRows& r) {
   const int P = plan.etp_size, R = plan.world_size;
   if (P == 1) return r.received_values;
-  const std::vector<int64_t> recv_off = received_offsets(plan);
+  const std::vector<int64_t> recv_off = prefix(plan.home_rows_of_rank);  // where rank g starts
   std::vector<float> out(size_t(plan.home.num_rows), 0.0f);
   for (int g0 = 0; g0 < R; g0 += P) {
     for (int64_t k = 0; k < plan.home_rows_of_rank[size_t(g0)]; ++k) {
@@ -456,8 +449,9 @@ Status RowExchangeDispatcher::dispatch_grad_body() {
   MOED_ASSIGN_OR_RETURN(out.grad_hidden,
                         reduce_home(plan.home, terms(plan, dispatch_grad_rows_, summed), {},
                                     dispatch_grad_rows_.received.dtype, world_->pool()));
-  MOED_ASSIGN_OR_RETURN(out.grad_probs,
-                        row_values_to_map(plan.home, sum_partial_values(plan, dispatch_grad_rows_)));
+  MOED_ASSIGN_OR_RETURN(
+      out.grad_probs,
+      row_values_to_map(plan.home, sum_partial_values(plan, dispatch_grad_rows_)));
   g.result = std::move(out);
   return ok_status();
 }
