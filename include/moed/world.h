@@ -250,6 +250,15 @@ class World {
   };
   AsyncSteps& async_steps() { return async_steps_; }
 
+  // ---- fault injection ----
+  // Runs first in every call on this world (collectives, alloc_shared, isend, irecv), from
+  // whichever thread makes it, with the call's name ("barrier", "isend", ...); an error it
+  // returns fails the call. Tests make a rank fail at its nth call with it (tests/faults).
+  // None by default; set it while no call is in flight.
+  using CallHook = std::function<Status(const char* call)>;
+  void set_call_hook(CallHook hook) { call_hook_ = std::move(hook); }
+  const CallHook& call_hook() const { return call_hook_; }
+
   // ---- counters ----
   TrafficCounters& counters() { return counters_; }
   void reset_counters() { counters_ = TrafficCounters{}; }
@@ -280,6 +289,7 @@ class World {
   std::unique_ptr<ThreadPool> pool_;
   TrafficCounters counters_;
   AsyncSteps async_steps_;
+  CallHook call_hook_;
 };
 
 // ---- typed templates over the byte interface ----

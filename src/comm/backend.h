@@ -42,9 +42,15 @@ inline Status wait_turn(World& w) {
       });
 }
 
-// Every collective starts so: a world that has failed fails the call; else it is counted.
-inline Status start_collective(World& w) {
+// Every call starts with its turn, then the world's call hook (World::set_call_hook).
+inline Status enter_call(World& w, const char* call) {
   MOED_RETURN_IF_ERROR(wait_turn(w));
+  return w.call_hook() ? w.call_hook()(call) : ok_status();
+}
+
+// Every collective `call` starts so: a world that has failed fails it; else it is counted.
+inline Status start_collective(World& w, const char* call) {
+  MOED_RETURN_IF_ERROR(enter_call(w, call));
   MOED_RETURN_IF_ERROR(w.failure());
   ++w.counters().collectives;
   return ok_status();
@@ -59,8 +65,8 @@ inline Status peer_failure(const World& w, int peer) {
   Status first = w.failure();
   return first.ok() ? aborted("rank ", peer, " failed") : first;
 }
-inline Status start_p2p(World& w, int peer) {
-  MOED_RETURN_IF_ERROR(wait_turn(w));
+inline Status start_p2p(World& w, int peer, const char* call) {
+  MOED_RETURN_IF_ERROR(enter_call(w, call));
   return peer_failure(w, peer);
 }
 

@@ -1,6 +1,6 @@
 // A rank that fails in the middle of a dispatch or a combine, on both worlds, for every
 // dispatcher (allgather, alltoall, flex; low-latency through its buffer): at every world call
-// the rank makes during dispatch + combine (FaultWorld: after the count exchange, between the
+// the rank makes during dispatch + combine (FaultHook: after the count exchange, between the
 // pushes, before the combine reads) and at every boundary between the six steps. Every other
 // rank must return an error naming the failed rank (kAborted "rank 2 failed: ..."), within the
 // world's timeout (a hang shows as kDeadlineExceeded, which fails the test), or, where it no
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "faults/fault_world.h"
+#include "faults/fault_hook.h"
 #include "moed/dispatcher.h"
 #include "moed/low_latency.h"
 #include "moed/routing.h"
@@ -24,7 +24,7 @@ namespace moed {
 namespace {
 
 using ::moed::testing::Backend;
-using ::moed::testing::FaultWorld;
+using ::moed::testing::FaultHook;
 
 constexpr int kRanks = 4;
 constexpr int kVictim = 2;
@@ -77,39 +77,40 @@ struct Outcome {
   Tensor output;  // the combine's output, on success
 };
 
-// The victim's failure: the boundary kind, or the fault armed in FaultWorld.
-Status boundary_failure(FaultWorld& fw, const Fault& f, int step) {
-  if (fw.rank() != kVictim || f.boundary != step) return ok_status();
+// The victim's failure: the boundary kind, or the fault armed in FaultHook.
+Status boundary_failure(World& w, const Fault& f, int step) {
+  if (w.rank() != kVictim || f.boundary != step) return ok_status();
   Status reason = internal_error(kReason, " after step ", step);
-  fw.abort(reason);
+  w.abort(reason);
   return reason;
 }
 
 // Dispatch + combine through the six steps with TokenDispatcher::create(kind).
-Status run_token_dispatcher(FaultWorld& fw, DispatcherKind kind, const Fault& f, Tensor* output) {
+Status run_token_dispatcher(World& w, FaultHook& faults, DispatcherKind kind, const Fault& f,
+                            Tensor* output) {
   DispatchConfig cfg;
   cfg.kind = kind;
   cfg.num_experts = kExperts;
-  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(fw, cfg));
-  const Input in = make_input(fw.rank());
-  if (fw.rank() == kVictim) fw.arm(f.call, internal_error(kReason));
+  MOED_ASSIGN_OR_RETURN(std::unique_ptr<TokenDispatcher> d, TokenDispatcher::create(w, cfg));
+  const Input in = make_input(w.rank());
+  if (w.rank() == kVictim) faults.arm(f.call, internal_error(kReason));
   DispatchInput din;
   din.hidden = TokenRows{in.x.view(), {}};
   din.topk = &in.topk;
   MOED_RETURN_IF_ERROR(d->dispatch_preprocess(din));
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 0));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 0));
   MOED_ASSIGN_OR_RETURN(Request r, d->token_dispatch(false));
   if (r) MOED_RETURN_IF_ERROR(r->wait());
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 1));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 1));
   MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch_postprocess());
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 2));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 2));
   // The experts: y = x (bf16 in, bf16 out).
   MOED_RETURN_IF_ERROR(
       d->combine_preprocess(CombineInput{TokenRows{out.expert_input.x, {}}, out.handle}));
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 3));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 3));
   MOED_ASSIGN_OR_RETURN(Request c, d->token_combine(false));
   if (c) MOED_RETURN_IF_ERROR(c->wait());
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 4));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 4));
   MOED_ASSIGN_OR_RETURN(CombineOutput co, d->combine_postprocess());
   if (co.hidden.rows() != in.x.rows())
     return internal_error("combine returned ", co.hidden.rows(), " rows");
@@ -118,25 +119,25 @@ Status run_token_dispatcher(FaultWorld& fw, DispatcherKind kind, const Fault& f,
 
 // Low-latency dispatch + combine, both with the receive hook: boundaries are after the send
 // phase (0), after the receive (1), after the combine's send phase (3).
-Status run_low_latency(FaultWorld& fw, const Fault& f, Tensor* output) {
+Status run_low_latency(World& w, FaultHook& faults, const Fault& f, Tensor* output) {
   MOED_ASSIGN_OR_RETURN(std::unique_ptr<LowLatencyBuffer> buffer,
-                        LowLatencyBuffer::create(fw, 16, kHidden, kExperts));
-  const Input in = make_input(fw.rank());
-  if (fw.rank() == kVictim) fw.arm(f.call, internal_error(kReason));
+                        LowLatencyBuffer::create(w, 16, kHidden, kExperts));
+  const Input in = make_input(w.rank());
+  if (w.rank() == kVictim) faults.arm(f.call, internal_error(kReason));
   MOED_ASSIGN_OR_RETURN(
       LowLatencyDispatchOutput d,
       buffer->low_latency_dispatch({.x = in.x.view(), .topk = &in.topk, .return_recv_hook = true}));
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 0));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 0));
   MOED_RETURN_IF_ERROR(d.hook->wait());
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 1));
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 2));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 1));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 2));
   MOED_ASSIGN_OR_RETURN(
       LowLatencyCombineOutput c,
       buffer->low_latency_combine(
           {.x = d.recv.x, .topk = &in.topk, .handle = d.handle, .return_recv_hook = true}));
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 3));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 3));
   MOED_RETURN_IF_ERROR(c.hook->wait());
-  MOED_RETURN_IF_ERROR(boundary_failure(fw, f, 4));
+  MOED_RETURN_IF_ERROR(boundary_failure(w, f, 4));
   *output = std::move(c.combined_x);
   return ok_status();
 }
@@ -156,22 +157,22 @@ std::vector<Outcome> run_with_fault(Backend b, const std::string& name, int g, c
   Status all = testing::run_world(
       b, kRanks, g,
       [&](World& w) -> Status {
-        FaultWorld fw(w);
+        FaultHook faults(w);
         Status s;
         Tensor output;
         if (name == "low-latency") {
-          s = run_low_latency(fw, f, &output);
+          s = run_low_latency(w, faults, f, &output);
         } else {
           StatusOr<DispatcherKind> kind = parse_dispatcher_kind(name);
-          s = kind.ok() ? run_token_dispatcher(fw, *kind, f, &output) : kind.status();
+          s = kind.ok() ? run_token_dispatcher(w, faults, *kind, f, &output) : kind.status();
         }
-        int calls = fw.calls();
+        int calls = faults.calls();
         if (f.call == 0 && f.boundary < 0 && s.ok()) {
           // The clean run: every rank learns how many calls the victim made.
           s = broadcast<int>(w, std::span<int>(&calls, 1), kVictim);
         }
         std::lock_guard<std::mutex> lock(mu);
-        outcomes[size_t(w.rank())] = Outcome{true, s, fw.fired(), calls, std::move(output)};
+        outcomes[size_t(w.rank())] = Outcome{true, s, faults.fired(), calls, std::move(output)};
         return s;
       },
       opts);

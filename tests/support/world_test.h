@@ -37,7 +37,7 @@
 //   - Inside `namespace moed`, write gtest's namespace as ::testing (moed::testing is this).
 //   - MPI: run_world announces a body's error after the body returns, i.e. after its locals
 //     (dispatchers, buffers) are dropped. A body that fails on purpose calls World::abort first
-//     (tests/faults/fault_world.h does), so the others hear kAborted naming it at once.
+//     (tests/faults/fault_hook.h does), so the others hear kAborted naming it at once.
 #pragma once
 
 #include <cstring>

@@ -23,7 +23,7 @@ struct Call {
   std::vector<uint64_t> words;
 };
 StatusOr<Call> start_call(GlooWorld& w, const uint64_t* mine, size_t n, const char* op) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(w));
+  MOED_RETURN_IF_ERROR(internal::start_collective(w, op));
   Call call{w.next_slot(), w.all_ranks(), std::vector<uint64_t>(n * size_t(w.size()))};
   MOED_RETURN_IF_ERROR(
       w.gather(call.ranks, call.slot, mine, n * sizeof(uint64_t), call.words.data(), op));
@@ -33,7 +33,7 @@ StatusOr<Call> start_call(GlooWorld& w, const uint64_t* mine, size_t n, const ch
 }  // namespace
 
 Status GlooWorld::barrier() {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "barrier"));
   const std::vector<int> ranks = all_ranks();
   const char mine = 1;
   std::vector<char> all(static_cast<size_t>(size_));

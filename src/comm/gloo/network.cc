@@ -108,7 +108,7 @@ void forget_mailbox(const World* w) {
 }
 
 StatusOr<Request> GlooWorld::isend(int dst, int tag, const void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst));
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst, "isend"));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "isend", "dst", dst, tag, data, bytes));
   if (dst == rank_) {
     std::lock_guard<std::mutex> lock(g_mailbox_mu);
@@ -122,7 +122,7 @@ StatusOr<Request> GlooWorld::isend(int dst, int tag, const void* data, size_t by
 }
 
 StatusOr<Request> GlooWorld::irecv(int src, int tag, void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, src));
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, src, "irecv"));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "irecv", "src", src, tag, data, bytes));
   if (src == rank_) {
     std::lock_guard<std::mutex> lock(g_mailbox_mu);

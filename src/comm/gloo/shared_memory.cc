@@ -145,7 +145,7 @@ Status GlooWorld::host_gather(const void* mine, size_t n, void* out, const char*
 }
 
 StatusOr<std::shared_ptr<SharedBuffer>> GlooWorld::alloc_shared(size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "alloc_shared"));
   const int g = ranks_per_node_;
   const int lr = local_rank();
   const std::vector<int> ranks = node_ranks();

@@ -39,7 +39,7 @@ StatusOr<const uint64_t*> gather_words(MpiWorld& w, CallBuffers& buf, const uint
 }  // namespace
 
 Status MpiWorld::barrier() {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "barrier"));
   MPI_Request req;
   MOED_RETURN_IF_ERROR(check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier"));
   auto what = [&] { return str_cat("rank ", rank_, " in barrier"); };
@@ -47,7 +47,7 @@ Status MpiWorld::barrier() {
 }
 
 Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "broadcast"));
   // Everyone's (root, bytes), so every rank can name the disagreement.
   CallBuffers buf;
   const uint64_t root_and_bytes[2] = {uint64_t(int64_t(root)), bytes};
@@ -70,7 +70,7 @@ Status MpiWorld::broadcast_bytes(void* data, size_t bytes, int root) {
 
 Status MpiWorld::all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
                                     std::span<const size_t> recv_bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "all_gather_v"));
   auto what = [&] { return str_cat("rank ", rank_, " in all_gather_v"); };
   CallBuffers buf;
   const uint64_t mine = send_bytes;
@@ -100,7 +100,7 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
                                     std::span<const size_t> send_offsets, void* recv,
                                     std::span<const size_t> recv_bytes,
                                     std::span<const size_t> recv_offsets) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "all_to_all_v"));
   auto what = [&] { return str_cat("rank ", rank_, " in all_to_all_v"); };
   const size_t n = size_t(size_);
   Status local = internal::check_exchange_lengths("all_to_all_v", rank_, n, send_bytes,
@@ -143,7 +143,7 @@ Status MpiWorld::all_to_all_v_bytes(const void* send, std::span<const size_t> se
 
 Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
                                       float* recv) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "reduce_scatter_v_f32"));
   auto what = [&] { return str_cat("rank ", rank_, " in reduce_scatter_v_f32"); };
   const size_t n = size_t(size_);
   Status local = internal::check_counts_length(rank_, counts.size(), n);
@@ -183,7 +183,7 @@ Status MpiWorld::reduce_scatter_v_f32(const float* send, std::span<const size_t>
 }
 
 Status MpiWorld::all_reduce_f32(const float* send, float* recv, size_t count) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "all_reduce_f32"));
   auto what = [&] { return str_cat("rank ", rank_, " in all_reduce_f32"); };
   CallBuffers buf;
   const uint64_t mine = count;

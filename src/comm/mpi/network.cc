@@ -132,7 +132,7 @@ Status check_p2p(const MpiWorld& w, const char* op, const char* peer_name, int p
 }  // namespace
 
 StatusOr<Request> MpiWorld::isend(int dst, int tag, const void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst));
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst, "isend"));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "isend", "dst", dst, tag, data, bytes));
   MPI_Request req;
   MOED_RETURN_IF_ERROR(
@@ -142,7 +142,7 @@ StatusOr<Request> MpiWorld::isend(int dst, int tag, const void* data, size_t byt
 }
 
 StatusOr<Request> MpiWorld::irecv(int src, int tag, void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, src));
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, src, "irecv"));
   MOED_RETURN_IF_ERROR(check_p2p(*this, "irecv", "src", src, tag, data, bytes));
   MPI_Request req;
   MOED_RETURN_IF_ERROR(

@@ -88,7 +88,7 @@ StatusOr<void*> map_segment(const std::string& name, size_t part, bool create) {
 }  // namespace
 
 StatusOr<std::shared_ptr<SharedBuffer>> MpiWorld::alloc_shared(size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "alloc_shared"));
   static std::atomic<uint64_t> next_seq{0};
   const int g = ranks_per_node_;
   const int lr = local_rank();

@@ -13,7 +13,7 @@ namespace moed::threads {
 
 template <typename Check, typename Work>
 Status ThreadsWorld::collective(const Slot& mine, Check&& check, Work&& work) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, op_name(mine.op)));
   ctx_->slots[size_t(rank_)] = mine;
   MOED_RETURN_IF_ERROR(internal_barrier(mine.op));
   const std::vector<Slot>& slots = ctx_->slots;

@@ -143,14 +143,14 @@ Request post(ThreadsWorld& w, int src, int dst, int tag, const void* send, void*
 }  // namespace
 
 StatusOr<Request> ThreadsWorld::isend(int dst, int tag, const void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst));
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst, "isend"));
   MOED_RETURN_IF_ERROR(check_args("isend", "dst", dst, size_, tag, data, bytes));
   count_send(dst, bytes);
   return post(*this, rank_, dst, tag, data, nullptr, bytes, /*is_recv=*/false);
 }
 
 StatusOr<Request> ThreadsWorld::irecv(int src, int tag, void* data, size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, src));
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, src, "irecv"));
   MOED_RETURN_IF_ERROR(check_args("irecv", "src", src, size_, tag, data, bytes));
   return post(*this, src, rank_, tag, nullptr, data, bytes, /*is_recv=*/true);
 }

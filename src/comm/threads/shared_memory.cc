@@ -20,7 +20,7 @@ SharedAlloc::~SharedAlloc() {
 }
 
 StatusOr<std::shared_ptr<SharedBuffer>> ThreadsWorld::alloc_shared(size_t bytes) {
-  MOED_RETURN_IF_ERROR(internal::start_collective(*this));
+  MOED_RETURN_IF_ERROR(internal::start_collective(*this, "alloc_shared"));
   const int g = ranks_per_node_;
   const int lr = local_rank();
   const uint64_t call = ++allocs_;
