@@ -52,6 +52,19 @@ struct Avx2 {
     const I packed = _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   }
+  // Per 128-bit half h the packs give the dwords (a, b, c, d)[4h .. 4h + 3]; the permute
+  // interleaves the halves back into order.
+  static void store_u8x4(uint8_t* p, I a, I b, I c, I d) {
+    const I bytes = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+    const I order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permutevar8x32_epi32(bytes, order));
+  }
+  static float hmaxf(F v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ps(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+  }
 
   // Signed compare; every caller compares values in [0, 2^31).
   static M gt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }

@@ -12,7 +12,8 @@
 //   loadf storef streamf load_u16 load_u8 store_u16 store_u8 set1f set1i
 //   addf mulf maxf add sub and_ or_ srli<k> slli<k> min gt select castf casti cvtf
 //   isnan (lane mask), store_u16x2 (two vectors of values < 2^16, a's lanes then b's),
-//   stream_u16x2 (the same, non-temporal).
+//   stream_u16x2 (the same, non-temporal), store_u8x4 (four vectors of values < 2^8, in
+//   order), hmaxf (the largest lane of a vector without NaN).
 #pragma once
 
 #include <cstddef>
@@ -58,14 +59,6 @@ struct Simd {
   using I = typename V::I;
 
   static F absf(F a) { return V::castf(V::and_(V::casti(a), V::set1i(0x7fffffff))); }
-  // Horizontal max of non-NaN lanes.
-  static float hmaxf(F v) {
-    alignas(64) float lanes[V::kWidth];
-    V::storef(lanes, v);
-    float m = lanes[0];
-    for (int i = 1; i < V::kWidth; ++i) m = lanes[i] > m ? lanes[i] : m;
-    return m;
-  }
 
   // bf16 -> f32: the bits shifted into the high half.
   static F decode_bf16(I u16) { return V::castf(V::template slli<16>(u16)); }
@@ -105,9 +98,9 @@ struct Simd {
     // (t >> 20) - (120 << 3) rebiases the exponent in place.
     const I lsb = V::and_(V::template srli<20>(a), V::set1i(1));
     const I t = V::add(a, V::add(V::set1i(0x7ffff), lsb));
+    // The min saturates 448 and above, inf included, at 0x7e (448).
     const I normal = V::min(V::sub(V::template srli<20>(t), V::set1i(120 << 3)), V::set1i(0x7e));
     I r = V::select(V::gt(V::set1i(0x3c800000), a), subnormal, normal);
-    r = V::select(V::gt(a, V::set1i(0x43dfffff)), V::set1i(0x7e), r);  // >= 448, inf
     r = V::select(V::gt(a, V::set1i(0x7f800000)), V::set1i(0x7f), r);  // NaN
     return V::or_(r, sign);
   }
@@ -407,18 +400,24 @@ struct Simd {
   template <DType S>
   static void quantize_fp8_typed(const void* x, bool round_scale, fp8_e4m3* out, float* scales_inv,
                                  size_t n) {
-    static_assert(kFp8BlockSize % V::kWidth == 0);
+    // A block is read once: its amax, then its codes, four vectors to a store, from registers.
+    constexpr int kVectors = kFp8BlockSize / V::kWidth;
+    static_assert(kFp8BlockSize % V::kWidth == 0 && kVectors % 4 == 0);
+    auto* codes = reinterpret_cast<uint8_t*>(out);
     for (size_t b = 0; b < n / kFp8BlockSize; ++b) {
       const size_t base = b * kFp8BlockSize;
+      F v[kVectors];
       F vmax = V::set1f(0.0f);
-      // maxf(v, acc) returns acc when v is NaN: NaN inputs do not take part, as in scalar.
-      for (int i = 0; i < kFp8BlockSize; i += V::kWidth) {
-        vmax = V::maxf(absf(load<S>(x, base + i)), vmax);
+      for (int i = 0; i < kVectors; ++i) {
+        v[i] = load<S>(x, base + size_t(i) * V::kWidth);
+        // maxf(v, acc) returns acc when v is NaN: NaN inputs do not take part, as in scalar.
+        vmax = V::maxf(absf(v[i]), vmax);
       }
-      const F scale = V::set1f(fp8_block_scale(hmaxf(vmax), round_scale, &scales_inv[b]));
-      for (int i = 0; i < kFp8BlockSize; i += V::kWidth) {
-        V::store_u8(reinterpret_cast<uint8_t*>(out) + base + i,
-                    encode_fp8(V::mulf(load<S>(x, base + i), scale)));
+      const F scale = V::set1f(fp8_block_scale(V::hmaxf(vmax), round_scale, &scales_inv[b]));
+      for (int i = 0; i < kVectors; i += 4) {
+        V::store_u8x4(codes + base + size_t(i) * V::kWidth, encode_fp8(V::mulf(v[i], scale)),
+                      encode_fp8(V::mulf(v[i + 1], scale)), encode_fp8(V::mulf(v[i + 2], scale)),
+                      encode_fp8(V::mulf(v[i + 3], scale)));
       }
     }
   }
