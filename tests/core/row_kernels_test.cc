@@ -146,6 +146,27 @@ TEST_P(RowTables, ConvertEqualsScalar) {
   }
 }
 
+// f32 -> FP8 where the encoder changes rule (subnormal codes up to 2^-6, saturation from 448,
+// inf and NaN), both signs: every float near each boundary, and a stride over the ranges
+// around them. The vector encoder's shortcuts (the min that saturates) against the scalar rule.
+TEST_P(RowTables, Fp8EncodeEqualsScalarAtTheEdges) {
+  const RowKernels& k = *GetParam();
+  std::vector<float> src;
+  auto add = [&](uint32_t lo, uint32_t hi, uint32_t step) {
+    for (uint64_t u = lo; u <= hi; u += step) {
+      for (uint32_t sign : {0u, 0x80000000u}) src.push_back(bits_to_float(uint32_t(u) | sign));
+    }
+  };
+  add(0x3a800000, 0x3d000000, 61);    // 2^-10 .. 2^-5
+  add(0x3c7f0000, 0x3c810000, 1);     // around 2^-6, the smallest normal
+  add(0x43700000, 0x44800000, 29);    // 240 .. 1024
+  add(0x43dfff00, 0x43e80100, 1);     // 448 .. 464, where the codes run out
+  add(0x7f000000, 0x7fffffff, 4099);  // the largest floats, inf and the NaNs
+  expect_same_output(k, src.size(), "f32 -> fp8 at the edges", [&](const RowKernels& r, void* d) {
+    r.convert(src.data(), DType::kF32, d, DType::kFP8, src.size());
+  });
+}
+
 // accumulate, accumulate_weighted, start, start_weighted, add_term, add_term_weighted.
 TEST_P(RowTables, AccumulateFamilyEqualsScalar) {
   const RowKernels& k = *GetParam();
