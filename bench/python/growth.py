@@ -5,9 +5,10 @@ fraction of the physical limit and memory per rank, one `moed bench dispatch` pr
     python3 bench/python/growth.py --moed build/bin/moed --ranks 2,4,8 --tokens 64,256 \\
         --shape mixtral --svg growth.svg --json growth.json
 
-Memory per rank is the process's peak RSS over R (the threads world is one process), and the
-parts the bench names: the dispatcher's resident growth (its buffers and outputs), the inputs,
-the reference and the STREAM arrays, each over R. Points whose inputs and reference would pass
+Memory per rank is the process's peak RSS over R (the threads world is one process; under
+`--world mpi` rank 0's process, which also rebuilds every rank's inputs and the reference), and
+the parts the bench names: the dispatcher's resident growth (its buffers and outputs), the
+inputs, the reference and the STREAM arrays, each over R. Points whose inputs and reference would pass
 --max-gb are skipped (said on stderr).
 """
 import argparse
@@ -28,8 +29,13 @@ def run_point(a, R, T):
         out = os.path.join(tmp, "records.json")
         cmd = [a.moed, "bench", "dispatch", "--dispatcher", a.dispatcher, "--ranks", str(R),
                "--shape", a.shape, "--tokens", str(T), "--iters", str(a.iters), "--json-out", out]
+        env = None
+        if a.world == "mpi":
+            cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(R)] + cmd + \
+                ["--world", "mpi"]
+            env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         print("$", " ".join(cmd), file=sys.stderr, flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
         records = json.load(open(out))
     point = {"ranks": R, "tokens": T}
     for r in records:
@@ -38,7 +44,9 @@ def run_point(a, R, T):
         point[f"{p}_fraction"] = r["fraction_of_limit"]
         point[f"{p}_verified"] = r["verified"]
         m = r["memory"]
-        point["peak_rss_mb_per_rank"] = r["peak_rss_bytes"] / R / 1e6
+        # The threads world is one process; under MPI the figure is rank 0's process.
+        per_process = R if a.world == "threads" else 1
+        point["peak_rss_mb_per_rank"] = r["peak_rss_bytes"] / per_process / 1e6
         point["dispatcher_mb_per_rank"] = m["dispatcher_rss_bytes"] / R / 1e6
         point["inputs_mb_per_rank"] = m["inputs_bytes"] / R / 1e6
         point["reference_mb_per_rank"] = m["reference_bytes"] / R / 1e6
@@ -57,7 +65,7 @@ def svg(points, a):
            f'font-family="sans-serif" font-size="11">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{W / 2}" y="22" font-size="15" text-anchor="middle" font-weight="bold">'
-           f'{a.dispatcher}, {a.shape} (H and K fixed, E moved up to R), threads world: how cost grows with R and T'
+           f'{a.dispatcher}, {a.shape} (H and K fixed, E moved up to R), {a.world} world: how cost grows with R and T'
            f'</text>']
     ranks = sorted({p["ranks"] for p in points})
     tokens = sorted({p["tokens"] for p in points})
@@ -102,13 +110,14 @@ def svg(points, a):
                 for x, y in pts:
                     out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.5" fill="{colour}"/>')
     ly = H - 22
+    rss = "peak RSS / R" if a.world == "threads" else "rank 0's peak RSS"
     for c, T in enumerate(tokens):
         colour = COLOURS[c % len(COLOURS)]
         x = left + c * 110
         out.append(f'<line x1="{x}" y1="{ly}" x2="{x + 24}" y2="{ly}" stroke="{colour}" stroke-width="2"/>')
         out.append(f'<text x="{x + 30}" y="{ly + 4}">T = {T}</text>')
     out.append(f'<text x="{left + len(tokens) * 110 + 10}" y="{ly + 4}">solid: dispatch; dashed: '
-               f'combine (memory: solid peak RSS / R, dashed the dispatcher\'s own growth / R)</text>')
+               f'combine (memory: solid {rss}, dashed the dispatcher\'s own growth / R)</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
@@ -117,6 +126,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--moed", default="build/bin/moed")
     p.add_argument("--dispatcher", default="flex")
+    p.add_argument("--world", default="threads", choices=["threads", "mpi"],
+                   help="threads: one process of R rank threads; mpi: R processes (mpirun)")
     p.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     p.add_argument("--ranks", default="2,4,8,16,32,64")
     p.add_argument("--tokens", default="128,512,2048")
