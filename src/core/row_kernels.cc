@@ -296,6 +296,38 @@ void stream_copy(void* dst, const void* src, size_t bytes) {
 #endif
 }
 
+void stream_copy_rows(const RowCopy* rows, size_t count, size_t bytes) {
+#if defined(__SSE2__)
+  bool aligned = true;
+  for (size_t r = 0; r < count; ++r) {
+    aligned &= (reinterpret_cast<uintptr_t>(rows[r].dst) & 15) == 0;
+  }
+  if (aligned) {
+    size_t off = 0;
+    for (; off + 64 <= bytes; off += 64) {
+      for (size_t r = 0; r < count; ++r) {
+        const char* s = static_cast<const char*>(rows[r].src) + off;
+        char* d = static_cast<char*>(rows[r].dst) + off;
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+        const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+        _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+        _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+      }
+    }
+    for (size_t r = 0; r < count; ++r) {
+      std::memcpy(static_cast<char*>(rows[r].dst) + off,
+                  static_cast<const char*>(rows[r].src) + off, bytes - off);
+    }
+    return;
+  }
+#endif
+  for (size_t r = 0; r < count; ++r) stream_copy(rows[r].dst, rows[r].src, bytes);
+}
+
 void stream_fence() {
 #if defined(__SSE2__)
   _mm_sfence();

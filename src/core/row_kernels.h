@@ -96,6 +96,15 @@ inline float fp8_block_scale(float amax, bool round_scale, float* scale_inv) {
 // caches. Call stream_fence() before the data is handed to another thread.
 void stream_copy(void* dst, const void* src, size_t bytes);
 void stream_fence();
+// stream_copy of several rows of `bytes` each, walked side by side a line at a time: a core
+// keeps more misses in flight over several streams than over one (a dispatch writing 4
+// tokens' rows so, each row read once and written twice, ran 2.24 ms where one row after the
+// other ran 2.79 ms, 2 threads, 16 MiB of rows each, on the AVX-512 VM).
+struct RowCopy {
+  void* dst;
+  const void* src;
+};
+void stream_copy_rows(const RowCopy* rows, size_t count, size_t bytes);
 // Asks for a row about to be read (rows land at random places, so the hardware prefetchers,
 // which stop at page boundaries, find them late).
 inline void prefetch_row(const void* p, size_t bytes) {

@@ -1,8 +1,12 @@
 // copy_rows (core/row_kernels.h): the rows land where asked, bytes outside them (other rows,
 // a strided side's padding) stay untouched, packed and strided alike, on this thread and
-// split across a pool, below and past the size from which it streams.
+// split across a pool, below and past the size from which it streams. stream_copy_rows: every
+// row count of a batch, row sizes around the 16-byte stores and 64-byte lines, destinations
+// aligned and not.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -52,6 +56,40 @@ TEST(CopyRows, PackedStridedPooledAndStreamed) {
   for (const Case& c : cases) {
     check(c, nullptr);
     check(c, &pool);
+  }
+}
+
+TEST(StreamCopyRows, EveryRowLandsAndNothingElseMoves) {
+  constexpr size_t kGuard = 64;
+  std::mt19937 rng(5);
+  for (size_t count = 0; count <= 8; ++count) {
+    for (size_t bytes : {size_t(0), size_t(1), size_t(15), size_t(16), size_t(63), size_t(64),
+                         size_t(65), size_t(4100), size_t(8192)}) {
+      for (size_t misalign : {size_t(0), size_t(4), size_t(16)}) {
+        SCOPED_TRACE(::testing::Message() << count << " rows of " << bytes << " bytes, dst + "
+                                          << misalign);
+        const size_t stride = (bytes + 2 * kGuard + 63) / 64 * 64;
+        std::vector<unsigned char> src(count * stride + 64), dst(count * stride + 64);
+        for (unsigned char& b : src) b = static_cast<unsigned char>(rng());
+        std::fill(dst.begin(), dst.end(), 0xAB);
+        unsigned char* s0 = src.data() + (64 - reinterpret_cast<uintptr_t>(src.data()) % 64);
+        unsigned char* d0 = dst.data() + (64 - reinterpret_cast<uintptr_t>(dst.data()) % 64);
+        std::vector<internal::RowCopy> rows;
+        // Rows in reverse order, one of them (the second) unaligned where misalign says.
+        for (size_t r = 0; r < count; ++r) {
+          const size_t at = (count - 1 - r) * stride + kGuard + (r == 1 ? misalign : 0);
+          rows.push_back({d0 + at, s0 + r * stride});
+        }
+        internal::stream_copy_rows(rows.data(), rows.size(), bytes);
+        internal::stream_fence();
+        std::vector<unsigned char> want(dst.size(), 0xAB);
+        for (const internal::RowCopy& row : rows) {
+          std::memcpy(want.data() + (static_cast<unsigned char*>(row.dst) - dst.data()), row.src,
+                      bytes);
+        }
+        ASSERT_EQ(std::memcmp(dst.data(), want.data(), dst.size()), 0);
+      }
+    }
   }
 }
 

@@ -3,6 +3,7 @@
 // receiving ranks' node-shared segments. The row of (token t, expert e) is the chunk offset
 // from the rank prefix matrix plus the channel's prefix plus a running count, so channels
 // never collide and the expert-major order of design.md §3.1 needs no sort and no staging copy.
+#include <array>
 #include <cstring>
 
 #include "dispatch/flex/flex_internal.h"
@@ -11,11 +12,9 @@ namespace moed::flex {
 
 namespace {
 
-// One output row: payload (copied, or scaled by the prob for the combine backward), its
-// scales, and in the forward dispatch the prob and source.
-inline void write_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
-                      const void* scales, bool scale_by_prob, DType dt, int64_t hidden, float prob,
-                      int32_t src_rank, int32_t src_token, int32_t src_slot) {
+// One output row's payload: copied, or scaled by the prob for the combine backward.
+inline void write_payload(char* segment, const PushLayout& l, int64_t row, const void* payload,
+                          bool scale_by_prob, DType dt, int64_t hidden, float prob) {
   char* dst = segment + size_t(row) * l.row_bytes;
   if (scale_by_prob) {
     scale_row(dst, payload, dt, prob, hidden);
@@ -24,6 +23,11 @@ inline void write_row(char* segment, const PushLayout& l, int64_t row, const voi
   } else {
     std::memcpy(dst, payload, l.row_bytes);
   }
+}
+
+// The rest of the row: its scales, and in the forward dispatch the prob and source.
+inline void write_extras(char* segment, const PushLayout& l, int64_t row, const void* scales,
+                         float prob, int32_t src_rank, int32_t src_token, int32_t src_slot) {
   if (l.scale_bytes) {
     std::memcpy(segment + l.scales_off + size_t(row) * l.scale_bytes, scales, l.scale_bytes);
   }
@@ -35,13 +39,34 @@ inline void write_row(char* segment, const PushLayout& l, int64_t row, const voi
   }
 }
 
+// Streamed payload copies, a few rows at a time side by side (internal::stream_copy_rows).
+class StreamBatch {
+ public:
+  explicit StreamBatch(size_t row_bytes) : row_bytes_(row_bytes) {}
+  void add(void* dst, const void* src) {
+    rows_[count_++] = {dst, src};
+    if (count_ == rows_.size()) flush();
+  }
+  void flush() {
+    if (count_ == 0) return;
+    internal::stream_copy_rows(rows_.data(), count_, row_bytes_);
+    count_ = 0;
+  }
+
+ private:
+  // 4 tokens' rows at top-2; more streams than this gained nothing on the VMs.
+  std::array<internal::RowCopy, 8> rows_;
+  size_t count_ = 0;
+  size_t row_bytes_;
+};
+
 }  // namespace
 
 void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
                          const void* scales, bool scale_by_prob, DType dt, int64_t hidden,
                          float prob, int32_t src_rank, int32_t src_token, int32_t src_slot) {
-  write_row(segment, l, row, payload, scales, scale_by_prob, dt, hidden, prob, src_rank, src_token,
-            src_slot);
+  write_payload(segment, l, row, payload, scale_by_prob, dt, hidden, prob);
+  write_extras(segment, l, row, scales, prob, src_rank, src_token, src_slot);
 }
 
 void push_local(const DispatchContext& ctx, const PushSpec& spec) {
@@ -54,8 +79,10 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
   const size_t row_total = l.row_bytes + l.scale_bytes + (l.meta ? PushLayout::kMetaBytes : 0);
   const bool slots = !h.routing.slot.empty();
   std::vector<uint64_t> rows_written(size_t(C), 0);
+  const bool batched = l.stream && !spec.scale_by_prob;
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> run(static_cast<size_t>(E));
+    StreamBatch batch(l.row_bytes);
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());
@@ -71,14 +98,21 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
           const int32_t slot = slots ? h.routing.slot[size_t(k)] : -1;
           for (int p = 0; p < P; ++p) {
             const int lr = (topo.first_rank_of_expert(e) + p) % topo.ranks_per_node;
-            write_row(spec.target->peer(lr), l, row, payload, scales, spec.scale_by_prob,
-                      spec.rows.x.dtype, spec.rows.x.cols, prob, topo.rank, int32_t(t), slot);
+            char* segment = spec.target->peer(lr);
+            if (batched) {
+              batch.add(segment + size_t(row) * l.row_bytes, payload);
+            } else {
+              write_payload(segment, l, row, payload, spec.scale_by_prob, spec.rows.x.dtype,
+                            spec.rows.x.cols, prob);
+            }
+            write_extras(segment, l, row, scales, prob, topo.rank, int32_t(t), slot);
             ++written;
           }
         }
       }
       rows_written[size_t(c)] = written;
     }
+    batch.flush();
     if (l.stream) internal::stream_fence();  // before the owners are signalled
   });
   uint64_t rows = 0;
