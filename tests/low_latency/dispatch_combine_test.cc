@@ -85,7 +85,8 @@ TensorView strided_copy(const Tensor& t, Tensor* keep) {
 }
 
 // The corners the sweep leaves out: R = 5 and 7, every rank with T = 0, hidden sizes that are
-// not a multiple of 16 (bf16 only; FP8 needs H % 128 == 0), and strided x and expert outputs.
+// not a multiple of 16 (bf16 only; FP8 needs H % 128 == 0), strided x and expert outputs, and
+// rows enough that the receive streams them, several side by side.
 TEST_P(LowLatencyTest, EdgesMatchTheReference) {
   const Case cases[] = {
       {5, 0, 10, 17, 2, 4, 41},
@@ -94,6 +95,7 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
       {7, 0, 14, 4099, 2, 2, 44},
       {3, 0, 6, 128, 2, 4, 45, false, true},
       {5, 0, 5, 17, 2, 3, 46, false, true},
+      {2, 0, 4, 4104, 2, 1024, 47},  // a receive past the size at which rows stream
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << "R=" << c.ranks << " G=" << c.per_node << " E="

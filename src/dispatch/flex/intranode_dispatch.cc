@@ -3,7 +3,6 @@
 // receiving ranks' node-shared segments. The row of (token t, expert e) is the chunk offset
 // from the rank prefix matrix plus the channel's prefix plus a running count, so channels
 // never collide and the expert-major order of design.md §3.1 needs no sort and no staging copy.
-#include <array>
 #include <cstring>
 
 #include "dispatch/flex/flex_internal.h"
@@ -39,27 +38,6 @@ inline void write_extras(char* segment, const PushLayout& l, int64_t row, const 
   }
 }
 
-// Streamed payload copies, a few rows at a time side by side (internal::stream_copy_rows).
-class StreamBatch {
- public:
-  explicit StreamBatch(size_t row_bytes) : row_bytes_(row_bytes) {}
-  void add(void* dst, const void* src) {
-    rows_[count_++] = {dst, src};
-    if (count_ == rows_.size()) flush();
-  }
-  void flush() {
-    if (count_ == 0) return;
-    internal::stream_copy_rows(rows_.data(), count_, row_bytes_);
-    count_ = 0;
-  }
-
- private:
-  // 4 tokens' rows at top-2; more streams than this gained nothing on the VMs.
-  std::array<internal::RowCopy, 8> rows_;
-  size_t count_ = 0;
-  size_t row_bytes_;
-};
-
 }  // namespace
 
 void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
@@ -82,7 +60,7 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
   const bool batched = l.stream && !spec.scale_by_prob;
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> run(static_cast<size_t>(E));
-    StreamBatch batch(l.row_bytes);
+    internal::StreamBatch batch(l.row_bytes);
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());

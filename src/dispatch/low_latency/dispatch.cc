@@ -225,13 +225,14 @@ void pack_pulled(const Received& rv, std::span<const low_latency::PullSource* co
   auto* xs = static_cast<std::byte*>(rb.x.data());
   auto* scales = static_cast<std::byte*>(rb.scales.data());
   auto pull = [&](int64_t r0, int64_t r1, int) {
+    internal::StreamBatch batch(payload);
     for (int64_t r = r0; r < r1; ++r) {
       const PullRow& pr = rows[size_t(r)];
       const low_latency::PullSource& ps = *pulled[size_t(pr.source)];
       const std::byte* row = ps.rows + size_t(pr.token) * ps.stride;
       std::byte* to = xs + size_t(pr.to) * payload;
       if (stream) {
-        internal::stream_copy(to, row, payload);
+        batch.add(to, row);
       } else {
         std::memcpy(to, row, payload);
       }
@@ -241,6 +242,7 @@ void pack_pulled(const Received& rv, std::span<const low_latency::PullSource* co
       rb.src[size_t(pr.to)] = pr.token;
       rb.prob[size_t(pr.to)] = ps.probs[pr.from];
     }
+    batch.flush();
     if (stream) internal::stream_fence();  // the caller's threads read the rows next
   };
   st.world->pool().parallel_for(int64_t(rows.size()), pull,
