@@ -273,6 +273,22 @@ void FoldAhead::flush() {
   dst_ = nullptr;
 }
 
+#if defined(__SSE2__)
+namespace {
+// One 64-byte line with non-temporal stores; d is 16-byte aligned.
+void stream_line(char* d, const char* s) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+  const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+}
+}  // namespace
+#endif
+
 void stream_copy(void* dst, const void* src, size_t bytes) {
 #if defined(__SSE2__)
   char* d = static_cast<char*>(dst);
@@ -280,16 +296,7 @@ void stream_copy(void* dst, const void* src, size_t bytes) {
   const size_t head = std::min(bytes, (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
   std::memcpy(d, s, head);
   d += head, s += head, bytes -= head;
-  for (; bytes >= 64; d += 64, s += 64, bytes -= 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
-  }
+  for (; bytes >= 64; d += 64, s += 64, bytes -= 64) stream_line(d, s);
   std::memcpy(d, s, bytes);
 #else
   std::memcpy(dst, src, bytes);
@@ -306,16 +313,8 @@ void stream_copy_rows(const RowCopy* rows, size_t count, size_t bytes) {
     size_t off = 0;
     for (; off + 64 <= bytes; off += 64) {
       for (size_t r = 0; r < count; ++r) {
-        const char* s = static_cast<const char*>(rows[r].src) + off;
-        char* d = static_cast<char*>(rows[r].dst) + off;
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
-        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
-        const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
-        _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
-        _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+        stream_line(static_cast<char*>(rows[r].dst) + off,
+                    static_cast<const char*>(rows[r].src) + off);
       }
     }
     for (size_t r = 0; r < count; ++r) {
