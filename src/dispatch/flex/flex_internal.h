@@ -405,10 +405,23 @@ struct PushSpec {
 // owner zeroes its own padding rows. Adds shared bytes/rows to the world's counters.
 void push_local(const DispatchContext& ctx, const PushSpec& spec);
 void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec);
-// One output row written by a forwarder (same format as the local path).
-void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
-                         const void* scales, bool scale_by_prob, DType dt, int64_t hidden,
-                         float prob, int32_t src_rank, int32_t src_token, int32_t src_slot);
+// Writes output rows into a segment of the push target, for the local path and the
+// forwarders alike: payload (copied, or scaled by the prob for the combine backward), scales,
+// and in the forward dispatch the prob and source. Streamed payloads go out a few at a time
+// side by side (internal::StreamBatch); finish() before the owners are signalled.
+class RowWriter {
+ public:
+  explicit RowWriter(const PushSpec& spec)
+      : spec_(spec), l_(spec.layout), batch_(spec.layout.row_bytes) {}
+  void write(char* segment, int64_t row, const void* payload, const void* scales, float prob,
+             int32_t src_rank, int32_t src_token, int32_t src_slot);
+  void finish();
+
+ private:
+  const PushSpec& spec_;
+  const PushLayout& l_;
+  internal::StreamBatch batch_;
+};
 // Remote nodes, in two halves so the local copies overlap the network: start posts the
 // receives of the forwarder role and packs and sends this rank's tokens (one message per
 // remote node); finish waits for the messages, places the forwarded rows into the local

@@ -196,6 +196,7 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
     ctx.world->pool().parallel_for(
         n,
         [&](int64_t b, int64_t e, int) {
+          RowWriter writer(spec);
           for (int64_t i = b; i < e; ++i) {
             const char* payload = msg + ml.payload_off + size_t(i) * l.row_bytes;
             const char* scales =
@@ -204,14 +205,13 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
               const int ex = f->entry_expert[size_t(k)];
               for (int p = 0; p < P; ++p) {
                 const int lr = (topo.first_rank_of_expert(ex) + p) % topo.ranks_per_node;
-                write_forwarded_row(spec.target->peer(lr), l, f->entry_row[size_t(k)], payload,
-                                    scales, spec.scale_by_prob, spec.rows.x.dtype, spec.rows.x.cols,
-                                    f->entry_prob[size_t(k)], src, f->src_token[size_t(i)],
-                                    f->entry_slot[size_t(k)]);
+                writer.write(spec.target->peer(lr), f->entry_row[size_t(k)], payload, scales,
+                             f->entry_prob[size_t(k)], src, f->src_token[size_t(i)],
+                             f->entry_slot[size_t(k)]);
               }
             }
           }
-          if (l.stream) internal::stream_fence();  // before the owners are signalled
+          writer.finish();  // before the owners are signalled
         },
         16);
     rows += uint64_t(q) * uint64_t(P);

@@ -9,42 +9,30 @@
 
 namespace moed::flex {
 
-namespace {
-
-// One output row's payload: copied, or scaled by the prob for the combine backward.
-inline void write_payload(char* segment, const PushLayout& l, int64_t row, const void* payload,
-                          bool scale_by_prob, DType dt, int64_t hidden, float prob) {
-  char* dst = segment + size_t(row) * l.row_bytes;
-  if (scale_by_prob) {
-    scale_row(dst, payload, dt, prob, hidden);
-  } else if (l.stream) {
-    internal::stream_copy(dst, payload, l.row_bytes);
+void RowWriter::write(char* segment, int64_t row, const void* payload, const void* scales,
+                      float prob, int32_t src_rank, int32_t src_token, int32_t src_slot) {
+  char* dst = segment + size_t(row) * l_.row_bytes;
+  if (spec_.scale_by_prob) {
+    scale_row(dst, payload, spec_.rows.x.dtype, prob, spec_.rows.x.cols);
+  } else if (l_.stream) {
+    batch_.add(dst, payload);
   } else {
-    std::memcpy(dst, payload, l.row_bytes);
+    std::memcpy(dst, payload, l_.row_bytes);
+  }
+  if (l_.scale_bytes) {
+    std::memcpy(segment + l_.scales_off + size_t(row) * l_.scale_bytes, scales, l_.scale_bytes);
+  }
+  if (l_.meta) {
+    reinterpret_cast<float*>(segment + l_.prob_off)[row] = prob;
+    reinterpret_cast<int32_t*>(segment + l_.src_rank_off)[row] = src_rank;
+    reinterpret_cast<int32_t*>(segment + l_.src_token_off)[row] = src_token;
+    reinterpret_cast<int32_t*>(segment + l_.src_slot_off)[row] = src_slot;
   }
 }
 
-// The rest of the row: its scales, and in the forward dispatch the prob and source.
-inline void write_extras(char* segment, const PushLayout& l, int64_t row, const void* scales,
-                         float prob, int32_t src_rank, int32_t src_token, int32_t src_slot) {
-  if (l.scale_bytes) {
-    std::memcpy(segment + l.scales_off + size_t(row) * l.scale_bytes, scales, l.scale_bytes);
-  }
-  if (l.meta) {
-    reinterpret_cast<float*>(segment + l.prob_off)[row] = prob;
-    reinterpret_cast<int32_t*>(segment + l.src_rank_off)[row] = src_rank;
-    reinterpret_cast<int32_t*>(segment + l.src_token_off)[row] = src_token;
-    reinterpret_cast<int32_t*>(segment + l.src_slot_off)[row] = src_slot;
-  }
-}
-
-}  // namespace
-
-void write_forwarded_row(char* segment, const PushLayout& l, int64_t row, const void* payload,
-                         const void* scales, bool scale_by_prob, DType dt, int64_t hidden,
-                         float prob, int32_t src_rank, int32_t src_token, int32_t src_slot) {
-  write_payload(segment, l, row, payload, scale_by_prob, dt, hidden, prob);
-  write_extras(segment, l, row, scales, prob, src_rank, src_token, src_slot);
+void RowWriter::finish() {
+  batch_.flush();
+  if (l_.stream) internal::stream_fence();
 }
 
 void push_local(const DispatchContext& ctx, const PushSpec& spec) {
@@ -57,10 +45,9 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
   const size_t row_total = l.row_bytes + l.scale_bytes + (l.meta ? PushLayout::kMetaBytes : 0);
   const bool slots = !h.routing.slot.empty();
   std::vector<uint64_t> rows_written(size_t(C), 0);
-  const bool batched = l.stream && !spec.scale_by_prob;
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> run(static_cast<size_t>(E));
-    internal::StreamBatch batch(l.row_bytes);
+    RowWriter writer(spec);
     for (int64_t c = cb; c < ce; ++c) {
       std::copy(plan.expert_prefix.begin() + c * E, plan.expert_prefix.begin() + (c + 1) * E,
                 run.begin());
@@ -76,22 +63,15 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
           const int32_t slot = slots ? h.routing.slot[size_t(k)] : -1;
           for (int p = 0; p < P; ++p) {
             const int lr = (topo.first_rank_of_expert(e) + p) % topo.ranks_per_node;
-            char* segment = spec.target->peer(lr);
-            if (batched) {
-              batch.add(segment + size_t(row) * l.row_bytes, payload);
-            } else {
-              write_payload(segment, l, row, payload, spec.scale_by_prob, spec.rows.x.dtype,
-                            spec.rows.x.cols, prob);
-            }
-            write_extras(segment, l, row, scales, prob, topo.rank, int32_t(t), slot);
+            writer.write(spec.target->peer(lr), row, payload, scales, prob, topo.rank,
+                         int32_t(t), slot);
             ++written;
           }
         }
       }
       rows_written[size_t(c)] = written;
     }
-    batch.flush();
-    if (l.stream) internal::stream_fence();  // before the owners are signalled
+    writer.finish();  // before the owners are signalled
   });
   uint64_t rows = 0;
   for (uint64_t r : rows_written) rows += r;
