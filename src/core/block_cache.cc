@@ -156,6 +156,10 @@ void* allocate_block(size_t bytes) {
 void release_block(void* p, size_t bytes) {
   if (p != nullptr) BlockCache::get().release(p, bytes);
 }
+void advise_sparse(void* p, size_t bytes) {
+  // Only blocks from kMinHuge up asked for huge pages, and only they are 2 MiB aligned.
+  if (p != nullptr && rounded_size(bytes) >= kMinHuge) madvise(p, bytes, MADV_NOHUGEPAGE);
+}
 }  // namespace internal
 
 void set_tensor_cache_limit(size_t bytes) { BlockCache::get().set_limit(bytes); }

@@ -12,5 +12,9 @@ namespace moed::internal {
 void* allocate_block(size_t bytes);
 // `bytes` as passed to allocate_block.
 void release_block(void* p, size_t bytes);
+// A block whose rows are written sparsely (a few rows at the start of each of many slots):
+// small pages from here on, so a touched row costs its own pages, not the 2 MiB page around
+// it that large blocks ask for (allocate_block).
+void advise_sparse(void* p, size_t bytes);
 
 }  // namespace moed::internal

@@ -4,6 +4,7 @@
 
 #include "comm/agreement.h"
 #include "comm/wait.h"
+#include "core/block_cache.h"
 #include "dispatch/low_latency/shrink.h"
 #include "dispatch/low_latency/state.h"
 #include "dispatch/sections.h"
@@ -59,6 +60,10 @@ std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, in
   auto fresh = std::make_shared<ReceiveBlock>();
   fresh->x = Tensor::empty(type, rows, lay.hidden);
   if (fp8) fresh->scales = Tensor::empty(DType::kF32, rows, lay.num_scales);
+  // Each expert's rows fill the start of its R * M slots: small pages, or every expert's
+  // first rows would each touch (and the kernel clear) a 2 MiB page.
+  internal::advise_sparse(fresh->x.data(), fresh->x.bytes());
+  if (fp8) internal::advise_sparse(fresh->scales.data(), fresh->scales.bytes());
   fresh->src.assign(size_t(rows), 0);
   fresh->prob.assign(size_t(rows), 0.0f);
   fresh->recv_count.assign(size_t(lay.num_local_experts), 0);
