@@ -8,6 +8,7 @@
 // exactly the unweighted sum. Backward reuses the same two calls: the combine's backward is a
 // low-latency dispatch of grad_output, the dispatch's backward a unit-weight low-latency
 // combine of the row gradients; the probs' gradients go home by one all-to-all.
+#include "core/block_cache.h"
 #include "moe/layer_internal.h"
 
 namespace moed::moe {
@@ -98,6 +99,7 @@ StatusOr<Tensor> ll_forward(MoELayer::State& s, const TensorView& x) {
 
   t0 = Clock::now();
   s.expert_y = Tensor::empty(s.config.dtype, L * rpe, H);
+  internal::advise_sparse(s.expert_y.data(), s.expert_y.bytes());  // only recv_count[j] rows
   expert_forward(d.recv.x, s.ll_probs, ll_segments(d), views(s.weights.fc1), views(s.weights.fc2),
                  pool, &s.experts, s.expert_y.view());
   s.stats.experts_s = seconds_since(t0);
