@@ -8,8 +8,8 @@ fraction of the physical limit and memory per rank, one `moed bench dispatch` pr
 Memory per rank is the process's peak RSS over R (the threads world is one process; under
 `--world mpi` rank 0's process, which also rebuilds every rank's inputs and the reference), and
 the parts the bench names: the dispatcher's resident growth (its buffers and outputs), the
-inputs, the reference and the STREAM arrays, each over R. Points whose inputs and reference would pass
---max-gb are skipped (said on stderr).
+inputs, the reference and the STREAM arrays, each over R. Points whose inputs and reference
+would pass --max-gb are skipped (said on stderr).
 """
 import argparse
 import json

@@ -98,9 +98,8 @@ inline float fp8_block_scale(float amax, bool round_scale, float* scale_inv) {
 void stream_copy(void* dst, const void* src, size_t bytes);
 void stream_fence();
 // stream_copy of several rows of `bytes` each, walked side by side a line at a time: a core
-// keeps more misses in flight over several streams than over one (a dispatch writing 4
-// tokens' rows so, each row read once and written twice, ran 2.24 ms where one row after the
-// other ran 2.79 ms, 2 threads, 16 MiB of rows each, on the AVX-512 VM).
+// keeps more misses in flight over several streams than over one (docs/benchmarks.md,
+// "Measurements behind design choices").
 struct RowCopy {
   void* dst;
   const void* src;
@@ -120,7 +119,7 @@ class StreamBatch {
   }
 
  private:
-  std::array<RowCopy, 8> rows_;  // 4 tokens' rows at top-2; more gained nothing on the VMs
+  std::array<RowCopy, 8> rows_;  // 4 tokens' rows at top-2
   size_t count_ = 0;
   size_t row_bytes_;
 };
