@@ -119,7 +119,7 @@ class StreamBatch {
   }
 
  private:
-  std::array<RowCopy, 8> rows_;  // 4 tokens' rows at top-2
+  std::array<RowCopy, 8> rows_;  // 4 tokens' rows at top-2; 4 or 16 were slower
   size_t count_ = 0;
   size_t row_bytes_;
 };
