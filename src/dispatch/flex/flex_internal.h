@@ -411,15 +411,13 @@ void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec);
 // side by side (internal::StreamBatch); finish() before the owners are signalled.
 class RowWriter {
  public:
-  explicit RowWriter(const PushSpec& spec)
-      : spec_(spec), l_(spec.layout), batch_(spec.layout.row_bytes) {}
+  explicit RowWriter(const PushSpec& spec) : spec_(spec), batch_(spec.layout.row_bytes) {}
   void write(char* segment, int64_t row, const void* payload, const void* scales, float prob,
              int32_t src_rank, int32_t src_token, int32_t src_slot);
   void finish();
 
  private:
   const PushSpec& spec_;
-  const PushLayout& l_;
   internal::StreamBatch batch_;
 };
 // Remote nodes, in two halves so the local copies overlap the network: start posts the

@@ -11,28 +11,29 @@ namespace moed::flex {
 
 void RowWriter::write(char* segment, int64_t row, const void* payload, const void* scales,
                       float prob, int32_t src_rank, int32_t src_token, int32_t src_slot) {
-  char* dst = segment + size_t(row) * l_.row_bytes;
+  const PushLayout& l = spec_.layout;
+  char* dst = segment + size_t(row) * l.row_bytes;
   if (spec_.scale_by_prob) {
     scale_row(dst, payload, spec_.rows.x.dtype, prob, spec_.rows.x.cols);
-  } else if (l_.stream) {
+  } else if (l.stream) {
     batch_.add(dst, payload);
   } else {
-    std::memcpy(dst, payload, l_.row_bytes);
+    std::memcpy(dst, payload, l.row_bytes);
   }
-  if (l_.scale_bytes) {
-    std::memcpy(segment + l_.scales_off + size_t(row) * l_.scale_bytes, scales, l_.scale_bytes);
+  if (l.scale_bytes) {
+    std::memcpy(segment + l.scales_off + size_t(row) * l.scale_bytes, scales, l.scale_bytes);
   }
-  if (l_.meta) {
-    reinterpret_cast<float*>(segment + l_.prob_off)[row] = prob;
-    reinterpret_cast<int32_t*>(segment + l_.src_rank_off)[row] = src_rank;
-    reinterpret_cast<int32_t*>(segment + l_.src_token_off)[row] = src_token;
-    reinterpret_cast<int32_t*>(segment + l_.src_slot_off)[row] = src_slot;
+  if (l.meta) {
+    reinterpret_cast<float*>(segment + l.prob_off)[row] = prob;
+    reinterpret_cast<int32_t*>(segment + l.src_rank_off)[row] = src_rank;
+    reinterpret_cast<int32_t*>(segment + l.src_token_off)[row] = src_token;
+    reinterpret_cast<int32_t*>(segment + l.src_slot_off)[row] = src_slot;
   }
 }
 
 void RowWriter::finish() {
   batch_.flush();
-  if (l_.stream) internal::stream_fence();
+  if (spec_.layout.stream) internal::stream_fence();
 }
 
 void push_local(const DispatchContext& ctx, const PushSpec& spec) {
