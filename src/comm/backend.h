@@ -16,6 +16,24 @@
 #include "moed/status.h"
 #include "moed/world.h"
 
+// The transport every backend defines (moed/world.h says what each does), declared once:
+// `class XWorld final : public World { public: MOED_WORLD_TRANSPORT_OVERRIDES ... };`.
+#define MOED_WORLD_TRANSPORT_OVERRIDES                                                        \
+  Status barrier() override;                                                                  \
+  Status broadcast_bytes(void* data, size_t bytes, int root) override;                        \
+  Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,                  \
+                            std::span<const size_t> recv_bytes) override;                     \
+  Status all_to_all_v_bytes(const void* send, std::span<const size_t> send_bytes,             \
+                            std::span<const size_t> send_offsets, void* recv,                 \
+                            std::span<const size_t> recv_bytes,                               \
+                            std::span<const size_t> recv_offsets) override;                   \
+  Status reduce_scatter_v_f32(const float* send, std::span<const size_t> counts, float* recv) \
+      override;                                                                               \
+  Status all_reduce_f32(const float* send, float* recv, size_t count) override;               \
+  StatusOr<std::shared_ptr<SharedBuffer>> alloc_shared(size_t bytes) override;                \
+  StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) override;         \
+  StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
+
 namespace moed::internal {
 
 // The async step this thread runs (dispatch/steps.cc): its world and ticket; none elsewhere.

@@ -136,20 +136,7 @@ class ThreadsWorld final : public World {
   const char* backend_name() const override { return "threads"; }
   bool shares_address_space() const override { return true; }
   bool calls_from_any_thread() const override { return true; }
-  Status barrier() override;
-  Status broadcast_bytes(void* data, size_t bytes, int root) override;
-  Status all_gather_v_bytes(const void* send, size_t send_bytes, void* recv,
-                            std::span<const size_t> recv_bytes) override;
-  Status all_to_all_v_bytes(const void* send, std::span<const size_t> send_bytes,
-                            std::span<const size_t> send_offsets, void* recv,
-                            std::span<const size_t> recv_bytes,
-                            std::span<const size_t> recv_offsets) override;
-  Status reduce_scatter_v_f32(const float* send, std::span<const size_t> counts,
-                              float* recv) override;
-  Status all_reduce_f32(const float* send, float* recv, size_t count) override;
-  StatusOr<std::shared_ptr<SharedBuffer>> alloc_shared(size_t bytes) override;
-  StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) override;
-  StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) override;
+  MOED_WORLD_TRANSPORT_OVERRIDES
   void abort(const Status& reason) override;
   Status failure() const override { return ctx_->failure(); }
   bool rank_failed(int r) const override { return ctx_->rank_failed(r); }
