@@ -174,22 +174,24 @@ Stream::~Stream() {
 StatusOr<double> Stream::run(StreamOp op, bool nt) {
   const int64_t lines = int64_t(share_ / kLine);
   auto pass = [&] {
-                          pool_.parallel_for(
-                              lines,
-                              [&](int64_t b, int64_t e, int) {
-                                const size_t at = size_t(b) * kLine, n = size_t(e - b) * kLine;
-                                switch (op) {
-                                  case StreamOp::kRead:
-                                    read_sink.fetch_add(read_lines(src_ + at, n),
-                                                        std::memory_order_relaxed);
-                                    break;
-                                  case StreamOp::kWrite: write_lines(dst_ + at, n, nt); break;
-                                  case StreamOp::kCopy: copy_lines(dst_ + at, src_ + at, n, nt);
-                                }
-                              },
-                              kMinLinesPerTask);
-                          return ok_status();
-                        };
+    pool_.parallel_for(
+        lines,
+        [&](int64_t b, int64_t e, int) {
+          const size_t at = size_t(b) * kLine, n = size_t(e - b) * kLine;
+          switch (op) {
+            case StreamOp::kRead:
+              read_sink.fetch_add(read_lines(src_ + at, n), std::memory_order_relaxed);
+              break;
+            case StreamOp::kWrite:
+              write_lines(dst_ + at, n, nt);
+              break;
+            case StreamOp::kCopy:
+              copy_lines(dst_ + at, src_ + at, n, nt);
+          }
+        },
+        kMinLinesPerTask);
+    return ok_status();
+  };
   double seconds = 0;
   if (w_ != nullptr) {
     MOED_ASSIGN_OR_RETURN(seconds, time_span(*w_, pass));
@@ -289,7 +291,8 @@ TrafficModel dispatch_model(const std::vector<TopkRouting>& topk, int num_expert
       m.read_bytes += in_row_bytes;
       m.write_bytes += picks * (out_row_bytes + 8);
       nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
-      const auto remote = std::count_if(nodes.begin(), nodes.end(), [&](int n) { return n != home; });
+      const auto remote =
+          std::count_if(nodes.begin(), nodes.end(), [&](int n) { return n != home; });
       m.network_bytes += double(remote) * (out_row_bytes + 8.0 * r.num_topk);
     }
   }

@@ -158,10 +158,6 @@ Status check_expert_rows(const char* what, const TensorView& rows, const Dispatc
   return ok_status();
 }
 
-// NOTE: AllGather's and AlltoAll's communicating steps run at once whatever `async` says, as
-// Megatron's do on a CPU (their overlap comes from CUDA streams there).
-constexpr bool kRunAtOnce = false;
-
 class RowExchangeDispatcher final : public TokenDispatcher {
  public:
   RowExchangeDispatcher(World& world, const DispatchConfig& config,
@@ -171,44 +167,33 @@ class RowExchangeDispatcher final : public TokenDispatcher {
   Status dispatch_preprocess(const DispatchInput& input,
                              const Status& caller_error = Status()) override;
   StatusOr<Request> token_dispatch(bool /*async*/) override {
-    return run_step(*world_, kRunAtOnce, dispatch_, "token_dispatch before dispatch_preprocess",
-                    [this] { return dispatch_body(); });
+    return run(dispatch_, kDispatchCalls, &RowExchangeDispatcher::dispatch_body);
   }
   StatusOr<DispatchOutput> dispatch_postprocess() override {
-    MOED_ASSIGN_OR_RETURN(DispatchStep d, finish_step(dispatch_, "token_dispatch"));
-    return std::move(d.result);
+    return finish_result(dispatch_, kDispatchCalls);
   }
   Status combine_preprocess(const CombineInput& input,
                             const Status& caller_error = Status()) override;
   StatusOr<Request> token_combine(bool /*async*/) override {
-    return run_step(*world_, kRunAtOnce, combine_, "token_combine before combine_preprocess",
-                    [this] { return combine_body(); });
+    return run(combine_, kCombineCalls, &RowExchangeDispatcher::combine_body);
   }
   StatusOr<CombineOutput> combine_postprocess() override {
-    MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, "token_combine"));
-    return std::move(c.result);
+    return finish_result(combine_, kCombineCalls);
   }
 
   Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
   StatusOr<Request> token_dispatch_backward(bool /*async*/) override {
-    return run_step(*world_, kRunAtOnce, dispatch_grad_,
-                    "token_dispatch_backward before dispatch_postprocess_backward",
-                    [this] { return dispatch_grad_body(); });
+    return run(dispatch_grad_, kDispatchBackwardCalls, &RowExchangeDispatcher::dispatch_grad_body);
   }
   StatusOr<DispatchGrad> dispatch_preprocess_backward() override {
-    MOED_ASSIGN_OR_RETURN(DispatchGradStep g,
-                          finish_step(dispatch_grad_, "token_dispatch_backward"));
-    return std::move(g.result);
+    return finish_result(dispatch_grad_, kDispatchBackwardCalls);
   }
   Status combine_postprocess_backward(const CombineGradInput& grad) override;
   StatusOr<Request> token_combine_backward(bool /*async*/) override {
-    return run_step(*world_, kRunAtOnce, combine_grad_,
-                    "token_combine_backward before combine_postprocess_backward",
-                    [this] { return combine_grad_body(); });
+    return run(combine_grad_, kCombineBackwardCalls, &RowExchangeDispatcher::combine_grad_body);
   }
   StatusOr<CombineGrad> combine_preprocess_backward() override {
-    MOED_ASSIGN_OR_RETURN(CombineGradStep g, finish_step(combine_grad_, "token_combine_backward"));
-    return std::move(g.result);
+    return finish_result(combine_grad_, kCombineBackwardCalls);
   }
 
  private:
@@ -242,6 +227,13 @@ class RowExchangeDispatcher final : public TokenDispatcher {
   Status combine_body();
   Status dispatch_grad_body();
   Status combine_grad_body();
+  // A communicating call. NOTE: AllGather's and AlltoAll's run their body at once whatever
+  // `async` says, as Megatron's do on a CPU (their overlap comes from CUDA streams there).
+  StatusOr<Request> run(Step& step, const StepCalls& calls,
+                        Status (RowExchangeDispatcher::*body)()) {
+    return run_step(*world_, /*async=*/false, step, calls,
+                    [this, body] { return (this->*body)(); });
+  }
 
   // The handle given to a later step if this dispatcher's kind made it in this world.
   StatusOr<std::shared_ptr<const ExchangeHandle>> check_handle(

@@ -85,9 +85,9 @@ Request run_body(BodyRun how, std::function<Status()> body, std::shared_ptr<Step
   return completed_request(op->status);
 }
 
-StatusOr<Request> run_step(World& world, bool async, Step& step, const char* not_staged,
+StatusOr<Request> run_step(World& world, bool async, Step& step, const StepCalls& calls,
                            std::function<Status()> body) {
-  if (!step.staged) return failed_precondition(not_staged);
+  if (!step.staged) return failed_precondition(calls.token, " before ", calls.first);
   step.staged = false;
   step.op = std::make_shared<StepOp>();
   const bool background = async && world.calls_from_any_thread();

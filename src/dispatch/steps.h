@@ -7,9 +7,8 @@
 //
 //   struct CombineStep : Step { TensorView rows; };
 //   combine_ = CombineStep{}; combine_.local = check(input); combine_.staged = true;
-//   return run_step(*world_, async, combine_, "token_combine before combine_preprocess",
-//                   [this] { return combine_body(); });
-//   MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, "token_combine"));
+//   return run_step(*world_, async, combine_, kCombineCalls, [this] { return combine_body(); });
+//   MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, kCombineCalls));
 #pragma once
 
 #include <atomic>
@@ -29,6 +28,18 @@ struct StepOp {
   Status status;
 };
 
+// A step's first and communicating calls, as TokenDispatcher names them (moed/dispatcher.h).
+struct StepCalls {
+  const char* first;  // stages the step
+  const char* token;  // communicates
+};
+inline constexpr StepCalls kDispatchCalls{"dispatch_preprocess", "token_dispatch"};
+inline constexpr StepCalls kCombineCalls{"combine_preprocess", "token_combine"};
+inline constexpr StepCalls kDispatchBackwardCalls{"dispatch_postprocess_backward",
+                                                  "token_dispatch_backward"};
+inline constexpr StepCalls kCombineBackwardCalls{"combine_postprocess_backward",
+                                                 "token_combine_backward"};
+
 // What every step's state has; each dispatcher's per-step structs derive from it.
 struct Step {
   bool staged = false;  // the first call ran, the communicating call not yet
@@ -46,10 +57,10 @@ enum class BodyRun { kNow, kBackground, kOnWait };
 Request run_body(BodyRun how, std::function<Status()> body, std::shared_ptr<StepOp> op = nullptr,
                  World* world = nullptr);
 
-// The communicating call: the error `not_staged` unless the first call staged `step` (cleared
-// here); then `body`, on its own thread when async and the world allows calls from any thread
-// (World::calls_from_any_thread), else now, its error then returned.
-StatusOr<Request> run_step(World& world, bool async, Step& step, const char* not_staged,
+// The communicating call: an error naming the order unless the first call staged `step`
+// (cleared here); then `body`, on its own thread when async and the world allows calls from any
+// thread (World::calls_from_any_thread), else now, its error then returned.
+StatusOr<Request> run_step(World& world, bool async, Step& step, const StepCalls& calls,
                            std::function<Status()> body);
 
 // The body's status, or an error naming `call` when it has not run or was not waited on.
@@ -57,9 +68,16 @@ Status step_status(const std::shared_ptr<StepOp>& op, const char* call);
 
 // The last call: the body's status, then the step's state (the member reset).
 template <class S>
-StatusOr<S> finish_step(S& step, const char* call) {
-  MOED_RETURN_IF_ERROR(step_status(step.op, call));
+StatusOr<S> finish_step(S& step, const StepCalls& calls) {
+  MOED_RETURN_IF_ERROR(step_status(step.op, calls.token));
   return std::exchange(step, S{});
+}
+
+// The last call of a step whose body makes what that call returns (S::result).
+template <class S>
+StatusOr<decltype(S::result)> finish_result(S& step, const StepCalls& calls) {
+  MOED_ASSIGN_OR_RETURN(S done, finish_step(step, calls));
+  return std::move(done.result);
 }
 
 }  // namespace moed

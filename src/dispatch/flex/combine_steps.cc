@@ -62,8 +62,7 @@ Status Dispatcher::combine_preprocess(const CombineInput& input, const Status& c
 }
 
 StatusOr<Request> Dispatcher::token_combine(bool async) {
-  return run_step(*world_, async, combine_, "token_combine before combine_preprocess",
-             [this] { return combine_body(); });
+  return run_step(*world_, async, combine_, kCombineCalls, [this] { return combine_body(); });
 }
 
 Status Dispatcher::combine_body() {
@@ -83,7 +82,7 @@ Status Dispatcher::combine_body() {
 }
 
 StatusOr<CombineOutput> Dispatcher::combine_postprocess() {
-  MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, "token_combine"));
+  MOED_ASSIGN_OR_RETURN(CombineStep c, finish_step(combine_, kCombineCalls));
   return CombineOutput{std::move(c.out), c.handle->routing.prob_sums(), c.user_out};
 }
 
@@ -150,8 +149,8 @@ Status Dispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) 
 }
 
 StatusOr<Request> Dispatcher::token_dispatch_backward(bool async) {
-  return run_step(*world_, async, dispatch_grad_, "token_dispatch_backward before dispatch_postprocess_backward",
-             [this] { return dispatch_backward_body(); });
+  return run_step(*world_, async, dispatch_grad_, kDispatchBackwardCalls,
+                  [this] { return dispatch_backward_body(); });
 }
 
 Status Dispatcher::dispatch_backward_body() {
@@ -179,7 +178,7 @@ Status Dispatcher::dispatch_backward_body() {
 
 StatusOr<DispatchGrad> Dispatcher::dispatch_preprocess_backward() {
   MOED_ASSIGN_OR_RETURN(DispatchBackwardStep g,
-                        finish_step(dispatch_grad_, "token_dispatch_backward"));
+                        finish_step(dispatch_grad_, kDispatchBackwardCalls));
   return DispatchGrad{std::move(g.out), std::move(g.probs)};
 }
 
@@ -198,8 +197,8 @@ Status Dispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
 }
 
 StatusOr<Request> Dispatcher::token_combine_backward(bool async) {
-  return run_step(*world_, async, combine_grad_, "token_combine_backward before combine_postprocess_backward",
-             [this] { return combine_backward_body(); });
+  return run_step(*world_, async, combine_grad_, kCombineBackwardCalls,
+                  [this] { return combine_backward_body(); });
 }
 
 Status Dispatcher::combine_backward_body() {
@@ -231,15 +230,14 @@ Status Dispatcher::combine_backward_body() {
 }
 
 StatusOr<CombineGrad> Dispatcher::combine_preprocess_backward() {
-  MOED_ASSIGN_OR_RETURN(CombineBackwardStep g,
-                        finish_step(combine_grad_, "token_combine_backward"));
+  MOED_ASSIGN_OR_RETURN(CombineBackwardStep g, finish_step(combine_grad_, kCombineBackwardCalls));
   return CombineGrad{std::move(g.out), std::move(g.probs)};
 }
 
 // Pull: publish this rank's rows (and scalars) to its node, fold, then hold the rows until
 // every local reader is done with them (the caller may free them when the step returns).
 Status Dispatcher::pull_step(const FlexHandle& h, const TensorView& rows,
-                                 std::span<const float> scalars, PullSpec spec, int tag) {
+                             std::span<const float> scalars, PullSpec spec, int tag) {
   const int G = topo_.ranks_per_node, me = topo_.local_rank;
   PullSource mine;
   if (in_place_) {

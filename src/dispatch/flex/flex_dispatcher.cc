@@ -91,13 +91,12 @@ Status Dispatcher::dispatch_preprocess(const DispatchInput& input, const Status&
 }
 
 StatusOr<Request> Dispatcher::token_dispatch(bool async) {
-  return run_step(*world_, async, dispatch_, "token_dispatch before dispatch_preprocess",
-             [this] { return dispatch_body(); });
+  return run_step(*world_, async, dispatch_, kDispatchCalls, [this] { return dispatch_body(); });
 }
 
 StatusOr<DispatchOutput> Dispatcher::dispatch_postprocess() {
   DispatchStep& d = dispatch_;
-  MOED_RETURN_IF_ERROR(step_status(d.op, "token_dispatch"));
+  MOED_RETURN_IF_ERROR(step_status(d.op, kDispatchCalls.token));
   std::shared_ptr<const FlexHandle> h = d.cached ? d.cached : d.fresh;
   DispatchOutput out;
   char* seg = outputs_.region(d.slot).local();
