@@ -74,6 +74,15 @@ def spawn(scenario, nprocs, ranks_per_node=0, budget=240.0, timeout=TIMEOUT, sta
     return codes, recs
 
 
+def spawn_ok(scenario, nprocs, ranks_per_node=0):
+    """spawn, every rank exiting 0 with its record ok: the records."""
+    codes, recs = spawn(scenario, nprocs, ranks_per_node)
+    assert codes == [0] * nprocs, (codes, [r and r.get("error") for r in recs])
+    for r, rec in enumerate(recs):
+        assert rec["ok"], f"rank {r}: {rec['error']}"
+    return recs
+
+
 def threads_dispatchers(R, G):
     from test_megatron import LAYOUTS, body
 
@@ -108,10 +117,8 @@ def equal(a, b, where):
 def test_matches_threads_world(world):
     R, G = world
     before = segments()
-    codes, recs = spawn("all", R, G)
-    assert codes == [0] * R, (codes, [r and r.get("error") for r in recs])
-    for r, rec in enumerate(recs):
-        assert rec["ok"], f"rank {r}: {rec['error']}"
+    recs = spawn_ok("all", R, G)
+    for rec in recs:
         assert rec["backend"] == "gloo" and rec["nodes"] == (R // G if G else 1)
     want = threads_dispatchers(R, G)
     for r, rec in enumerate(recs):
@@ -130,10 +137,7 @@ def test_results_are_the_callers(world):
     Buffer is gone, a zero-copy buffer outliving its Buffer) in gloo processes, test_ownership.RUNS runs each."""
     R, G = world
     before = segments()
-    codes, recs = spawn("ownership", R, G)
-    assert codes == [0] * R, (codes, [r and r.get("error") for r in recs])
-    for r, rec in enumerate(recs):
-        assert rec["ok"], f"rank {r}: {rec['error']}"
+    spawn_ok("ownership", R, G)
     assert segments() == before
 
 
@@ -148,15 +152,13 @@ def test_large_payloads_through_shared_memory(single_copy, monkeypatch):
         monkeypatch.setenv("MOED_GLOO_SINGLE_COPY", single_copy)
     R = 3
     before = segments()
-    codes, recs = spawn("large", R)
-    assert codes == [0] * R, (codes, [r and r.get("error") for r in recs])
+    recs = spawn_ok("large", R)
     ins = [gloo_workers.large_inputs(r) for r in range(R)]
     want = moed.launch(lambda g: {kind: body(g, kind, 20_001, 2, torch.float32,
                                              LAYOUTS["dropless"], True, False, True)
                                   for kind in ("allgather", "alltoall", "flex")},
                        R, timeout=60.0, threads_per_rank=1)
     for r, rec in enumerate(recs):
-        assert rec["ok"], f"rank {r}: {rec['error']}"
         res = rec["result"]
         for i, got in enumerate(res["sums"]):
             acc = torch.zeros_like(got)
@@ -177,12 +179,10 @@ def test_groups_of_new_group_and_device_mesh():
     2 x 2 device_mesh (init_device_mesh("cpu", ...)); each 2-rank world gives the threads
     world's bits."""
     before = segments()
-    codes, recs = spawn("groups", 4)
-    assert codes == [0] * 4, (codes, [r and r.get("error") for r in recs])
+    recs = spawn_ok("groups", 4)
     want = moed.launch(gloo_workers.subgroup_body, 2, timeout=60.0, threads_per_rank=1)
     names = ["new_group"] + (["mesh_ep", "mesh_dp"] if int(torch.__version__.split(".")[0]) >= 2 else [])
     for r, rec in enumerate(recs):
-        assert rec["ok"], f"rank {r}: {rec['error']}"
         assert list(rec["result"]) == names
         for name, got in rec["result"].items():
             equal(got["result"], want[got["rank"]], f"rank {r} {name}")
@@ -193,10 +193,7 @@ def test_groups_of_new_group_and_device_mesh():
 def test_compiled_caller():
     """torch.compile'd code that calls moed (graph breaks at each call) gives the eager bits,
     on 2 gloo processes (compiling is per process: Dynamo is not for concurrent threads)."""
-    codes, recs = spawn("compile", 2)
-    assert codes == [0, 0], (codes, [r and r.get("error") for r in recs])
-    for r, rec in enumerate(recs):
-        assert rec["ok"], f"rank {r}: {rec['error']}"
+    spawn_ok("compile", 2)
 
 
 @pytest.mark.parametrize("scenario", ["raise", "raise_plain", "kill"])

@@ -55,6 +55,40 @@ def bits(t):
     return t.view(torch.int16)
 
 
+# The threads-world tests' decode steps: E experts over `ranks` ranks, T tokens of H, K picks.
+E, H, T, K = 8, 128, 5, 2
+
+
+def step_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randint(-8, 9, (T, H), generator=g).float() / 4).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return x, idx, torch.full((T, K), 0.5)
+
+
+def shrink_buffer(group, ranks):
+    return deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, ranks, E),
+                          low_latency_mode=True, enable_shrink=True, shrink_timeout=30.0)
+
+
+def decode_step(buf, x, idx, w):
+    recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
+    out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+    return out
+
+
+def masked_reference(x, idx, w, masked, ranks):
+    """The combine with the masked ranks' experts' terms left out, in expert order."""
+    want = torch.empty_like(x)
+    for t in range(T):
+        acc = torch.zeros(H)
+        for k in sorted(range(K), key=lambda k: int(idx[t, k])):
+            if int(idx[t, k]) // (E // ranks) not in masked:
+                acc = acc + w[t, k] * x[t].float()
+        want[t] = acc.to(torch.bfloat16)
+    return want
+
+
 def spawn_shrink(scenario, continue_stopped=False, budget=180.0):
     """Runs gloo_workers.main(scenario) in R processes; returns (exit codes, records, the
     fault's time). With continue_stopped, rank 1 (stopped) is continued once the others have
@@ -127,28 +161,18 @@ def test_stopped_rank_is_told_it_was_removed():
 def test_raising_rank_thread_is_masked():
     """Threads world: rank 1 raises before step 2; the others see it fail at once (no timeout)
     and finish every step, equal to the masked reference."""
-    E, H, T, K = 8, 128, 5, 2
     got = {}
-
-    def inputs(r, i):
-        g = torch.Generator().manual_seed(10 * r + i)
-        x = (torch.randint(-8, 9, (T, H), generator=g).float() / 4).to(torch.bfloat16)
-        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-        return x, idx, torch.full((T, K), 0.5)
 
     def body(group):
         r = group.rank()
-        buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, 4, E),
-                             low_latency_mode=True, enable_shrink=True, shrink_timeout=30.0)
+        buf = shrink_buffer(group, 4)
         mask = torch.zeros(4, dtype=torch.int)
         outs = []
         t0 = time.monotonic()
         for i in range(4):
             if r == 1 and i == 2:
                 raise RuntimeError("rank 1 gives up")
-            x, idx, w = inputs(r, i)
-            recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
-            out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
+            out = decode_step(buf, *step_inputs(10 * r + i))
             buf.low_latency_query_mask_buffer(mask)
             outs.append((out.clone(), mask.clone()))
         got[r] = (outs, time.monotonic() - t0)
@@ -161,14 +185,7 @@ def test_raising_rank_thread_is_masked():
         for i, (out, mask) in enumerate(outs):
             masked = {1} if i >= 2 else set()
             assert mask.tolist() == [int(q in masked) for q in range(4)], (r, i)
-            x, idx, w = inputs(r, i)
-            want = torch.empty_like(x)
-            for t in range(T):
-                acc = torch.zeros(H)
-                for k in sorted(range(K), key=lambda k: int(idx[t, k])):
-                    if int(idx[t, k]) // 2 not in masked:
-                        acc = acc + w[t, k] * x[t].float()
-                want[t] = acc.to(torch.bfloat16)
+            want = masked_reference(*step_inputs(10 * r + i), masked, 4)
             assert torch.equal(bits(out), bits(want)), (r, i)
 
 
@@ -179,20 +196,12 @@ def test_a_rank_may_mask_itself(everywhere):
     on_every_rank: every rank masks rank 2 (a coordinator's order), rank 2 included: the others
     get the masked reference, and rank 2 is told it was removed. Nobody waits for the 30 s
     shrink timeout."""
-    E, H, T, K, R = 8, 128, 5, 2, 4
     victim = 2 if everywhere else 0
     got = {}
 
-    def inputs(r, i):
-        g = torch.Generator().manual_seed(100 * r + i)
-        x = (torch.randint(-8, 9, (T, H), generator=g).float() / 4).to(torch.bfloat16)
-        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-        return x, idx, torch.full((T, K), 0.5)
-
     def body(group):
         r = group.rank()
-        buf = deep_ep.Buffer(group, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, E),
-                             low_latency_mode=True, enable_shrink=True, shrink_timeout=30.0)
+        buf = shrink_buffer(group, R)
         if everywhere or r == victim:
             buf.low_latency_update_mask_buffer(victim, True)
         mask = torch.zeros(R, dtype=torch.int)
@@ -200,10 +209,7 @@ def test_a_rank_may_mask_itself(everywhere):
         outs, error, t0 = [], None, time.monotonic()
         try:
             for i in range(2):
-                x, idx, w = inputs(r, i)
-                recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False)
-                out, _, _ = buf.low_latency_combine(recv_x, idx, w, handle)
-                outs.append(out.clone())
+                outs.append(decode_step(buf, *step_inputs(100 * r + i)).clone())
         except moed.AbortedError as e:
             error = str(e)
         got[r] = (mask.tolist(), outs, error, time.monotonic() - t0)
@@ -219,14 +225,7 @@ def test_a_rank_may_mask_itself(everywhere):
             continue
         assert error is None and len(outs) == 2, (r, error)
         for i, out in enumerate(outs):
-            x, idx, w = inputs(r, i)
-            want = torch.empty_like(x)
-            for t in range(T):
-                acc = torch.zeros(H)
-                for k in sorted(range(K), key=lambda k: int(idx[t, k])):
-                    if int(idx[t, k]) // (E // R) not in masked:
-                        acc = acc + w[t, k] * x[t].float()
-                want[t] = acc.to(torch.bfloat16)
+            want = masked_reference(*step_inputs(100 * r + i), masked, R)
             assert torch.equal(bits(out), bits(want)), (r, i)
 
 
