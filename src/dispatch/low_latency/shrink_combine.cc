@@ -14,9 +14,8 @@ using shrink_protocol::finish_receive;
 using shrink_protocol::open_call;
 using shrink_protocol::Peers;
 using shrink_protocol::publish;
+using shrink_protocol::receive_parts;
 using shrink_protocol::State;
-using shrink_protocol::verdict_error;
-using shrink_protocol::wait_published;
 using shrink_protocol::word;
 
 namespace {
@@ -35,13 +34,9 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
   // the others' rows come in one message, local experts in order.
   std::vector<const std::byte*> first_row(size_t(lay.num_experts), nullptr);
   std::vector<bool> from_segment(size_t(R), false);
-  for (int d = 0; d < R; ++d) {
-    if (peers.masked(d)) continue;
+  auto read_rows = [&](int d, std::optional<uint64_t> published) -> StatusOr<uint64_t> {
     uint64_t verdict = 0;
-    if (peers.in_node(d)) {
-      MOED_ASSIGN_OR_RETURN(std::optional<uint64_t> published,
-                            wait_published(st, peers, PullKind::kCombine, half, n, d));
-      if (!published) continue;
+    if (published) {
       verdict = *published;
       const std::byte* seg = st.segment(st.local_of(d));
       const auto* ranges = reinterpret_cast<const LowLatencyRange*>(seg + lay.shrink_ranges[half]);
@@ -59,23 +54,22 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
             seg + lay.combine_y[half] +
             size_t(int64_t(j) * lay.rows_per_expert() + r.begin) * row_bytes;
       }
-      from_segment[size_t(d)] = true;
-    } else {
-      if (!peers.wait(d, ch.recvs[size_t(d)])) continue;
-      const std::byte* m = ch.net_recv.data() + ch.net_block[size_t(d)];
-      std::memcpy(&verdict, m, sizeof(verdict));
-      m += 64;
-      for (int j = 0; j < L; ++j) {
-        first_row[size_t(d) * L + j] = m;
-        m += size_t(handle.send_count[size_t(d) * L + j]) * row_bytes;
-      }
+      return verdict;
     }
-    Status v = verdict_error("low_latency_combine", n, d, verdict, false);
-    if (!v.ok()) {
-      if (bad.ok()) bad = v;
-      for (int j = 0; j < L; ++j) first_row[size_t(d) * L + j] = nullptr;
+    const std::byte* m = ch.net_recv.data() + ch.net_block[size_t(d)];
+    std::memcpy(&verdict, m, sizeof(verdict));
+    m += 64;
+    for (int j = 0; j < L; ++j) {
+      first_row[size_t(d) * L + j] = m;
+      m += size_t(handle.send_count[size_t(d) * L + j]) * row_bytes;
     }
-  }
+    return verdict;
+  };
+  MOED_RETURN_IF_ERROR(receive_parts(st, peers, PullKind::kCombine, half, n, false, ch.recvs,
+                                     from_segment, bad, read_rows, [&](int d) {
+                                       for (int j = 0; j < L; ++j)
+                                         first_row[size_t(d) * L + j] = nullptr;
+                                     }));
   peers.wait_sends(ch.requests, ch.send_peers);
   ch.recvs.clear();  // dropped: cancelled where a masked peer never sent
   ch.recvs.resize(size_t(R));

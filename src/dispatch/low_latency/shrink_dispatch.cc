@@ -16,9 +16,8 @@ using shrink_protocol::kHeaderFp8Flag;
 using shrink_protocol::open_call;
 using shrink_protocol::Peers;
 using shrink_protocol::publish;
+using shrink_protocol::receive_parts;
 using shrink_protocol::State;
-using shrink_protocol::verdict_error;
-using shrink_protocol::wait_published;
 
 namespace {
 
@@ -36,34 +35,24 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   // in their header; then the rows of other nodes.
   Received rv{st, dh, half, seq, RowFormat::of(lay, fp8), std::vector<int32_t>(size_t(L) * R, 0)};
   std::vector<bool> from_segment(size_t(R), false);
-  for (int s = 0; s < R; ++s) {
-    if (peers.masked(s)) continue;
-    uint64_t verdict = 0;
-    if (peers.in_node(s)) {
-      MOED_ASSIGN_OR_RETURN(std::optional<uint64_t> published,
-                            wait_published(st, peers, PullKind::kDispatch, half, n, s));
-      if (!published) continue;
-      verdict = *published;
+  auto read_counts = [&](int s, std::optional<uint64_t> published) -> StatusOr<uint64_t> {
+    if (published) {
       const auto* c = reinterpret_cast<const std::atomic<uint64_t>*>(st.segment(st.local_of(s)) +
                                                                      lay.counts[half]);
       for (int j = 0; j < L; ++j) {
-        const uint64_t v = c[size_t(me) * L + j].load(std::memory_order_relaxed);
-        rv.count[size_t(j) * R + s] = int32_t(v);
+        rv.count[size_t(j) * R + s] =
+            int32_t(c[size_t(me) * L + j].load(std::memory_order_relaxed));
       }
-      from_segment[size_t(s)] = true;
-    } else {
-      if (!peers.wait(s, dh.header_requests[size_t(s)])) continue;
-      const int32_t* header = dh.recv_header.data() + size_t(s) * (L + 1);
-      verdict = uint64_t(uint32_t(header[0] & ~kHeaderFp8Flag)) |
-                ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
-      for (int j = 0; j < L; ++j) rv.count[size_t(j) * R + s] = header[1 + j];
+      return *published;
     }
-    Status v = verdict_error("low_latency_dispatch", n, s, verdict, fp8);
-    if (!v.ok()) {
-      if (bad.ok()) bad = v;
-      rv.drop(s);
-    }
-  }
+    const int32_t* header = dh.recv_header.data() + size_t(s) * (L + 1);
+    for (int j = 0; j < L; ++j) rv.count[size_t(j) * R + s] = header[1 + j];
+    return uint64_t(uint32_t(header[0] & ~kHeaderFp8Flag)) |
+           ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
+  };
+  MOED_RETURN_IF_ERROR(receive_parts(st, peers, PullKind::kDispatch, half, n, fp8,
+                                     dh.header_requests, from_segment, bad, read_counts,
+                                     [&](int s) { rv.drop(s); }));
   rv.index_messages();
   rv.size_messages();
   std::vector<Request> data(static_cast<size_t>(R));

@@ -215,6 +215,49 @@ inline StatusOr<std::optional<uint64_t>> wait_published(State& st, Peers& peers,
       word(st, r, kVerdict, kind, half)->load(std::memory_order_relaxed));
 }
 
+// A source's verdict as this rank's error (OK when it checked its input fine and used the same
+// FP8 setting).
+inline Status verdict_error(const char* call, uint64_t n, int source, uint64_t verdict, bool fp8) {
+  const auto code = StatusCode(uint32_t(verdict & 0xffffffffu));
+  if (code != StatusCode::kOk) {
+    return Status(code, str_cat("rank ", source, ": its input of ", call, " #", n,
+                                " was rejected there (see that rank's error)"));
+  }
+  if (((verdict & kFp8Flag) != 0) != fp8) {
+    return invalid_argument(call, " #", n, ": use_fp8 = ", (verdict & kFp8Flag) != 0, " on rank ",
+                            source, " but ", fp8, " here; it must be the same on every rank");
+  }
+  return ok_status();
+}
+
+// A receive's walk over the sources of call n in half `half`, in rank order: each unmasked
+// in-node peer once it has published (from_segment[r] set), each other node's once its first
+// message first[r] is in. read(r, published) takes the source's part and returns its verdict
+// (`published`: the in-node peer's; none for another node's, whose message holds it). A source
+// whose verdict is an error is dropped (drop(r)) and, the first, kept in `bad`.
+template <typename Read, typename Drop>
+Status receive_parts(State& st, Peers& peers, PullKind kind, int half, uint64_t n, bool fp8,
+                     std::vector<Request>& first, std::vector<bool>& from_segment, Status& bad,
+                     Read&& read, Drop&& drop) {
+  for (int r = 0; r < st.world->size(); ++r) {
+    if (peers.masked(r)) continue;
+    std::optional<uint64_t> published;
+    if (peers.in_node(r)) {
+      MOED_ASSIGN_OR_RETURN(published, wait_published(st, peers, kind, half, n, r));
+      if (!published) continue;
+      from_segment[size_t(r)] = true;
+    } else if (!peers.wait(r, first[size_t(r)])) {
+      continue;
+    }
+    MOED_ASSIGN_OR_RETURN(const uint64_t verdict, read(r, published));
+    Status v = verdict_error(peers.call(), n, r, verdict, fp8);
+    if (v.ok()) continue;
+    if (bad.ok()) bad = v;
+    drop(r);
+  }
+  return ok_status();
+}
+
 // Ends this rank's receive of call n: done with half `half`. A peer it read from (from_segment)
 // that masked this rank meanwhile may have written the half again: what was read from it is
 // not to be trusted, and this rank is out.
@@ -234,21 +277,6 @@ inline void publish(State& st, PullKind kind, int half, uint64_t n, const Status
   word(st, me, kVerdict, kind, half)
       ->store(uint64_t(uint32_t(local.code())) | (fp8 ? kFp8Flag : 0), std::memory_order_relaxed);
   word(st, me, kSent, kind, half)->store(n, std::memory_order_release);
-}
-
-// A source's verdict as this rank's error (OK when it checked its input fine and used the same
-// FP8 setting).
-inline Status verdict_error(const char* call, uint64_t n, int source, uint64_t verdict, bool fp8) {
-  const auto code = StatusCode(uint32_t(verdict & 0xffffffffu));
-  if (code != StatusCode::kOk) {
-    return Status(code, str_cat("rank ", source, ": its input of ", call, " #", n,
-                                " was rejected there (see that rank's error)"));
-  }
-  if (((verdict & kFp8Flag) != 0) != fp8) {
-    return invalid_argument(call, " #", n, ": use_fp8 = ", (verdict & kFp8Flag) != 0, " on rank ",
-                            source, " but ", fp8, " here; it must be the same on every rank");
-  }
-  return ok_status();
 }
 
 }  // namespace moed::low_latency::shrink_protocol
