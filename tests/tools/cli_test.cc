@@ -377,6 +377,10 @@ TEST(CliErrors, NameTheFileAndTheValue) {
        "moed route: " + dir / "bias.npy" + ": shape (4,); logits are [tokens, experts]"},
       {"route --logits " + dir / "logits.npy" + " --topk 9" + out,
        "moed route: num_topk = 9 is outside [1, 8]"},
+      // A layer no machine holds fails at once, before anything is allocated.
+      {"run --preset tiny --hidden 65536 --ffn 1048576 --experts 4096",
+       "moed run: FAILED_PRECONDITION: --preset tiny with 4 ranks (hidden 65536, ffn 1048576, "
+       "4096 experts, tokens 64, f32, flex) needs at least"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);

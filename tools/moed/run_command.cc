@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -28,6 +29,7 @@
 #include "cli/world_choice.h"
 #include "lost_rank.h"
 #include "moed/dtype.h"
+#include "moed/low_latency.h"
 #include "moed/moe_layer.h"
 #include "moed/threads_world.h"
 
@@ -211,6 +213,46 @@ MoEConfig configure(const RunArgs& a, int64_t* tokens) {
   c.seed = a.seed;
   if (*tokens < 0) fail(invalid_argument("--tokens = ", *tokens, " must be >= 0"));
   return c;
+}
+
+// Bytes of memory the kernel says it can still give (MemAvailable); 0 when unknown.
+uint64_t available_bytes() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  unsigned long long kb = 0;
+  char line[256];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+  }
+  std::fclose(f);
+  return uint64_t(kb) * 1024;
+}
+
+// A run this machine cannot hold fails here, saying so, instead of being killed for memory
+// halfway. The bound is what it must hold at least: the experts' weights and their f32
+// gradients of this process's ranks (all of them in the threads world) and, in low-latency
+// mode, each rank's buffer.
+void check_memory(const Job& job, const RunArgs& a) {
+  const MoEConfig& c = job.c;
+  const int ranks = job.world == "threads" ? job.ranks : 1;
+  const double expert_params = 3.0 * double(c.hidden) * double(c.ffn_hidden) *
+                               double(c.num_experts) / double(job.ranks) * ranks;
+  double need = expert_params * double(dtype_size(c.dtype) + sizeof(float));
+  if (c.dispatcher == DispatcherKind::kLowLatency) {
+    need +=
+        double(get_low_latency_size_hint(job.tokens, c.hidden, job.ranks, c.num_experts)) * ranks;
+  }
+  const uint64_t have = available_bytes();
+  if (have == 0 || need <= double(have)) return;
+  fail(failed_precondition(
+      "--preset ", a.preset, " with ", job.ranks, " ranks (hidden ", c.hidden, ", ffn ",
+      c.ffn_hidden, ", ", c.num_experts, " experts, tokens ", job.tokens, ", ", dtype_name(c.dtype),
+      ", ", dispatcher_kind_name(c.dispatcher), ") needs at least ",
+      fmt::format("{:.1f}", need / 1e9), " GB in this process (expert weights and gradients",
+      c.dispatcher == DispatcherKind::kLowLatency ? ", low-latency buffers" : "", "), but only ",
+      fmt::format("{:.1f}", double(have) / 1e9),
+      " GB are available; take a smaller --preset or fewer --experts, "
+      "--ffn, --hidden or --tokens"));
 }
 
 // What one rank saw in its steps, before the gather.
@@ -489,6 +531,7 @@ void run(const RunArgs& a) {
   job.steps = a.steps.value_or(3);
   job.json = a.json;
   if (Status s = job.c.validate(job.ranks); !s.ok()) fail(s);
+  check_memory(job, a);
   for (int r = 0; r < job.ranks; ++r) {
     const uint64_t seed = a.seed * 1000003u + uint64_t(r);
     job.xs.push_back(random_rows(job.c.dtype, job.tokens, job.c.hidden, seed));
