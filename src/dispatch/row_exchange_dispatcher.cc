@@ -238,6 +238,23 @@ class RowExchangeDispatcher final : public TokenDispatcher {
   // The handle given to a later step if this dispatcher's kind made it in this world.
   StatusOr<std::shared_ptr<const ExchangeHandle>> check_handle(
       const std::shared_ptr<const DispatchHandle>& handle, const char* step) const;
+  // The first call of a step after the dispatch: resets and stages `step` and takes its handle
+  // (check_handle); null, the verdict in step.local, when the caller or the handle failed.
+  template <class S>
+  const ExchangeHandle* start_step(S& step, const std::shared_ptr<const DispatchHandle>& handle,
+                                   const Status& caller_error, const char* name) {
+    step = S{};
+    step.staged = true;
+    step.local = caller_error;
+    if (!step.local.ok()) return nullptr;
+    StatusOr<std::shared_ptr<const ExchangeHandle>> h = check_handle(handle, name);
+    if (!h.ok()) {
+      step.local = h.status();
+      return nullptr;
+    }
+    step.handle = *std::move(h);
+    return step.handle.get();
+  }
   // The staged DispatchInput::out against the rows every rank receives (each rank's layout
   // from the gathered counts: the same verdict on every rank, no collective).
   Status check_dispatch_out(const GlobalCounts& counts, int64_t hidden) const;
@@ -368,23 +385,17 @@ std::shared_ptr<void> RowExchangeDispatcher::take_expert_input(
 
 Status RowExchangeDispatcher::combine_preprocess(const CombineInput& input,
                                                  const Status& caller_error) {
-  CombineStep& c = combine_ = CombineStep{};
-  c.staged = true;
-  c.local = caller_error;
-  if (!c.local.ok()) return ok_status();
-  auto h = check_handle(input.handle, "combine");
-  c.local = h.ok() ? check_expert_rows("expert_output", input.expert_output.x, **h) : h.status();
+  CombineStep& c = combine_;
+  const ExchangeHandle* h = start_step(c, input.handle, caller_error, "combine");
+  if (h == nullptr) return ok_status();  // agreed in token_combine
+  c.local = check_expert_rows("expert_output", input.expert_output.x, *h);
   if (c.local.ok() && input.out) {
-    c.local = internal::check_out_buffer("out", *input.out, (*h)->plan.home.num_tokens,
-                                         (*h)->hidden, input.expert_output.x.dtype,
-                                         "expert_output");
+    c.local = internal::check_out_buffer("out", *input.out, h->plan.home.num_tokens, h->hidden,
+                                         input.expert_output.x.dtype, "expert_output");
   }
-  if (c.local.ok()) {
-    c.handle = *h;
-    c.expert_output = input.expert_output.x;
-    c.out = input.out;
-  }
-  return ok_status();  // agreed in token_combine
+  c.expert_output = input.expert_output.x;
+  c.out = input.out;
+  return ok_status();
 }
 
 Status RowExchangeDispatcher::combine_body() {
@@ -409,19 +420,16 @@ Status RowExchangeDispatcher::combine_body() {
 // ---- dispatch backward: an unweighted combine of the row gradients ----
 
 Status RowExchangeDispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) {
-  DispatchGradStep& g = dispatch_grad_ = DispatchGradStep{};
-  g.staged = true;
-  auto h = check_handle(grad.handle, "dispatch backward");
-  g.local =
-      h.ok() ? check_expert_rows("grad_expert_input", grad.grad_expert_input, **h) : h.status();
+  DispatchGradStep& g = dispatch_grad_;
+  const ExchangeHandle* h = start_step(g, grad.handle, ok_status(), "dispatch backward");
+  if (h == nullptr) return ok_status();  // agreed in token_dispatch_backward
+  g.local = check_expert_rows("grad_expert_input", grad.grad_expert_input, *h);
   if (g.local.ok() && !grad.grad_permuted_probs.empty() &&
-      int64_t(grad.grad_permuted_probs.size()) != (*h)->num_rows) {
+      int64_t(grad.grad_permuted_probs.size()) != h->num_rows) {
     g.local = invalid_argument("grad_permuted_probs has ", grad.grad_permuted_probs.size(),
-                               " values but the dispatch gave this rank ", (*h)->num_rows,
-                               " rows");
+                               " values but the dispatch gave this rank ", h->num_rows, " rows");
   }
-  if (!g.local.ok()) return ok_status();  // agreed in token_dispatch_backward
-  g.handle = *h;
+  if (!g.local.ok()) return ok_status();
   g.rows = grad.grad_expert_input;
   // NOTE: the values always travel (zeros when none were given), so every rank takes part in
   // the same exchanges whether or not its caller passed grad_permuted_probs.
@@ -451,12 +459,9 @@ Status RowExchangeDispatcher::dispatch_grad_body() {
 // ---- combine backward: grad_out to the experts (the ForwardExchange's move) ----
 
 Status RowExchangeDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
-  CombineGradStep& g = combine_grad_ = CombineGradStep{};
-  g.staged = true;
-  auto h = check_handle(grad.handle, "combine backward");
-  g.local = h.ok() ? ok_status() : h.status();
-  if (g.local.ok()) {
-    const DispatchHandle& d = **h;
+  CombineGradStep& g = combine_grad_;
+  if (const ExchangeHandle* h = start_step(g, grad.handle, ok_status(), "combine backward")) {
+    const DispatchHandle& d = *h;
     const TensorView& x = grad.grad_hidden;
     if (x.dtype != DType::kF32 && x.dtype != DType::kBF16) {
       g.local = invalid_argument("grad_hidden is ", dtype_name(x.dtype), "; must be f32 or bf16");
@@ -472,7 +477,6 @@ Status RowExchangeDispatcher::combine_postprocess_backward(const CombineGradInpu
     }
   }
   if (!g.local.ok()) return ok_status();  // agreed in token_combine_backward
-  g.handle = *h;
   g.grad_out = grad.grad_hidden;
   if (config_.weighted_combine) g.expert_output = grad.expert_output.x;
   return ok_status();

@@ -61,10 +61,6 @@ Status Dispatcher::combine_preprocess(const CombineInput& input, const Status& c
   return ok_status();  // agreed in token_combine, so every rank reports the same error
 }
 
-StatusOr<Request> Dispatcher::token_combine(bool async) {
-  return run_step(*world_, async, combine_, kCombineCalls, [this] { return combine_body(); });
-}
-
 Status Dispatcher::combine_body() {
   CombineStep& c = combine_;
   const AgreedField fields[] = {
@@ -148,11 +144,6 @@ Status Dispatcher::dispatch_postprocess_backward(const DispatchGradInput& grad) 
   return ok_status();
 }
 
-StatusOr<Request> Dispatcher::token_dispatch_backward(bool async) {
-  return run_step(*world_, async, dispatch_grad_, kDispatchBackwardCalls,
-                  [this] { return dispatch_backward_body(); });
-}
-
 Status Dispatcher::dispatch_backward_body() {
   DispatchBackwardStep& g = dispatch_grad_;
   // NOTE: a rank with no rows passes no grad_permuted_probs even when the others do, so the
@@ -194,11 +185,6 @@ Status Dispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
   g.grad = grad.grad_hidden;
   g.rows = grad.expert_output.x;
   return ok_status();
-}
-
-StatusOr<Request> Dispatcher::token_combine_backward(bool async) {
-  return run_step(*world_, async, combine_grad_, kCombineBackwardCalls,
-                  [this] { return combine_backward_body(); });
 }
 
 Status Dispatcher::combine_backward_body() {

@@ -90,10 +90,6 @@ Status Dispatcher::dispatch_preprocess(const DispatchInput& input, const Status&
   return ok_status();  // the verdict is agreed in token_dispatch's one collective
 }
 
-StatusOr<Request> Dispatcher::token_dispatch(bool async) {
-  return run_step(*world_, async, dispatch_, kDispatchCalls, [this] { return dispatch_body(); });
-}
-
 StatusOr<DispatchOutput> Dispatcher::dispatch_postprocess() {
   DispatchStep& d = dispatch_;
   MOED_RETURN_IF_ERROR(step_status(d.op, kDispatchCalls.token));

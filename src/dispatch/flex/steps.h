@@ -33,17 +33,27 @@ class Dispatcher final : public moed::FlexDispatcher {
 
   Status dispatch_preprocess(const DispatchInput& input,
                              const Status& caller_error = Status()) override;
-  StatusOr<Request> token_dispatch(bool async) override;
+  StatusOr<Request> token_dispatch(bool async) override {
+    return run_step(*world_, async, dispatch_, kDispatchCalls, [this] { return dispatch_body(); });
+  }
   StatusOr<DispatchOutput> dispatch_postprocess() override;
   Status combine_preprocess(const CombineInput& input,
                             const Status& caller_error = Status()) override;
-  StatusOr<Request> token_combine(bool async) override;
+  StatusOr<Request> token_combine(bool async) override {
+    return run_step(*world_, async, combine_, kCombineCalls, [this] { return combine_body(); });
+  }
   StatusOr<CombineOutput> combine_postprocess() override;
   Status dispatch_postprocess_backward(const DispatchGradInput& grad) override;
-  StatusOr<Request> token_dispatch_backward(bool async) override;
+  StatusOr<Request> token_dispatch_backward(bool async) override {
+    return run_step(*world_, async, dispatch_grad_, kDispatchBackwardCalls,
+                    [this] { return dispatch_backward_body(); });
+  }
   StatusOr<DispatchGrad> dispatch_preprocess_backward() override;
   Status combine_postprocess_backward(const CombineGradInput& grad) override;
-  StatusOr<Request> token_combine_backward(bool async) override;
+  StatusOr<Request> token_combine_backward(bool async) override {
+    return run_step(*world_, async, combine_grad_, kCombineBackwardCalls,
+                    [this] { return combine_backward_body(); });
+  }
   StatusOr<CombineGrad> combine_preprocess_backward() override;
 
   StatusOr<TensorView> expert_output_buffer(const DispatchHandle& handle, DType dtype) override;
