@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "dispatch/flex/flex_dispatcher.h"
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/layout.h"
 #include "moed/elastic_buffer.h"
 
 namespace moed::deep_ep {

@@ -1,6 +1,7 @@
 // Flex's rank-major receive layout (DeepEP's normal mode, moed/deep_ep.h): the buffer's
 // state, the layout of one rank's receive block and the two-hop message format. Built from
-// Flex's pieces: the topology, node-shared regions and per-pair signals (flex_internal.h).
+// Flex's pieces: the topology, node-shared regions and per-pair signals (flex/topology.h,
+// flex/buffers.h).
 #pragma once
 
 #include <cstddef>
@@ -9,7 +10,9 @@
 #include <optional>
 #include <vector>
 
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/buffers.h"
+#include "dispatch/flex/layout.h"
+#include "dispatch/flex/topology.h"
 #include "moed/deep_ep.h"
 
 namespace moed::deep_ep {

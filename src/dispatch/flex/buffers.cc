@@ -5,7 +5,7 @@
 #include <bit>
 
 #include "comm/wait.h"
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/buffers.h"
 
 namespace moed::flex {
 

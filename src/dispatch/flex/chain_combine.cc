@@ -23,7 +23,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/engines.h"
 
 namespace moed::flex {
 

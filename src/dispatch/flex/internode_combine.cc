@@ -12,7 +12,7 @@
 // Tokens for which a chain of fp32 partials is smaller (chain_combine.cc) send no terms here.
 #include <cstring>
 
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/engines.h"
 
 namespace moed::flex {
 

@@ -4,7 +4,7 @@
 // The forwarder places it over shared memory into each needed rank's canonical row.
 //
 // The header also carries the destination node's place in the token's combine chain
-// (ChainLink, flex_internal.h), kept in the forward plan so cached dispatches and every
+// (ChainLink, flex/topology.h), kept in the forward plan so cached dispatches and every
 // combine of the handle reuse it.
 //
 // NOTE: the forwarder learns a token's rows from a running count per expert over the
@@ -12,7 +12,7 @@
 // node m goes through the same forwarder, so the count is the token's index in its chunk.
 #include <cstring>
 
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/engines.h"
 
 namespace moed::flex {
 

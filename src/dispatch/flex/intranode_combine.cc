@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "comm/tags.h"
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/engines.h"
 #include "dispatch/ordered_fold.h"
 
 namespace moed::flex {

@@ -5,7 +5,7 @@
 // never collide and the expert-major order of design.md §3.1 needs no sort and no staging copy.
 #include <cstring>
 
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/engines.h"
 
 namespace moed::flex {
 

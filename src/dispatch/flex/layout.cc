@@ -4,7 +4,8 @@
 // (DeepEP's get_dispatch_layout) is routing's (src/routing/dispatch_layout.cc); notify uses it.
 #include <algorithm>
 
-#include "dispatch/flex/flex_internal.h"
+#include "core/row_kernels.h"
+#include "dispatch/flex/layout.h"
 #include "dispatch/sections.h"
 
 namespace moed {

@@ -5,7 +5,7 @@
 // every message it will send or receive. Nothing else is exchanged before the data moves.
 #include <algorithm>
 
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/engines.h"
 #include "routing/dispatch_layout.h"
 
 namespace moed::flex {

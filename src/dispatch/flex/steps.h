@@ -14,7 +14,7 @@
 #include "comm/agreement.h"
 #include "comm/tags.h"
 #include "dispatch/flex/flex_dispatcher.h"
-#include "dispatch/flex/flex_internal.h"
+#include "dispatch/flex/engines.h"
 #include "dispatch/steps.h"
 #include "moed/flex.h"
 
