@@ -1,6 +1,6 @@
 // A rank that leaves in the middle of a loop of calls, dropping its inputs and its buffer at
 // once, never leaves another rank reading or writing its released memory: in the threads world
-// the peers read each other's rows where they are (low-latency pull mode, Flex's pull, the
+// the peers read each other's rows where they are (low-latency in-place mode, Flex's pull, the
 // rank-major combine) and write each other's receive blocks (the rank-major push). Every
 // other rank returns an error naming the rank that left; under AddressSanitizer a read of its
 // memory would be reported. The loop runs many times, since the hazard is a race.

@@ -87,7 +87,7 @@ void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<Recei
   out.storage = std::move(block);
 }
 
-Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq) {
+Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq) {
   World& w = *st.world;
   const int me = w.local_rank();
   std::atomic<uint64_t>* acks = st.acks(me, half, kind);
@@ -96,7 +96,7 @@ Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint
     MOED_RETURN_IF_ERROR(internal::poll_released(
         w, [&] { return acks[p].load(std::memory_order_acquire) >= seq; },
         [&] {
-          return str_cat("low-latency ", kind == PullKind::kDispatch ? "dispatch" : "combine",
+          return str_cat("low-latency ", kind == CallKind::kDispatch ? "dispatch" : "combine",
                          ": waiting for local rank ", p,
                          " to read this rank's rows (every rank must pass the same "
                          "return_recv_hook)");
@@ -124,7 +124,7 @@ LowLatencyBuffer::State::~State() {
   // reading it when this rank leaves (after an error, say); the halves hold that copy.
   for (int h = 0; h < 2; ++h) {
     if (dispatch_half[h].own_rows_seq != 0) {
-      low_latency::wait_pull_acks(*this, h, low_latency::PullKind::kDispatch,
+      low_latency::wait_in_place_acks(*this, h, low_latency::CallKind::kDispatch,
                                   dispatch_half[h].own_rows_seq)
           .ignore();
     }
@@ -200,7 +200,7 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
     MOED_ASSIGN_OR_RETURN(state->shared, world.alloc_shared(state->layout.total));
   }
   // Shrink mode reads and writes no caller memory across ranks (shrink_peers.h).
-  state->pull = world.shares_address_space() && !options.enable_shrink;
+  state->in_place = world.shares_address_space() && !options.enable_shrink;
   state->shrink = options.enable_shrink;
   state->shrink_timeout = options.shrink_timeout;
   // Counts start at sequence 0, which no operation uses.
@@ -214,14 +214,14 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
     if (!options.segment) {
       std::atomic<uint64_t>* c = state->counts(world.local_rank(), h);
       for (int e = 0; e < num_experts; ++e) c[e].store(0, std::memory_order_relaxed);
-      for (auto k : {low_latency::PullKind::kDispatch, low_latency::PullKind::kCombine}) {
+      for (auto k : {low_latency::CallKind::kDispatch, low_latency::CallKind::kCombine}) {
         std::atomic<uint64_t>* a = state->acks(world.local_rank(), h, k);
         for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
       }
     }
-    if (state->pull) {
-      dh.pull_tokens.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0);
-      dh.pull_probs.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0.0f);
+    if (state->in_place) {
+      dh.in_place_tokens.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0);
+      dh.in_place_probs.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0.0f);
     }
     if (state->shrink) {
       dh.recv_header.assign(size_t(R) * (L + 1), 0);

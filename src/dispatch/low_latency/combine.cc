@@ -98,13 +98,13 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   CombineHalf& ch = st.combine_half[half];
   const int R = lay.num_ranks, me = w.rank(), H = lay.hidden;
   ch.pending = false;
-  low_latency::PullRelease release(st, half, low_latency::PullKind::kCombine, seq, ch.sources);
-  // Pull mode: where in-node experts' outputs are (the call's collective published them).
-  auto pulled_from = [&](int d) { return st.pulls(d) && ch.sources[size_t(d)].pulled; };
+  low_latency::InPlaceRelease release(st, half, low_latency::CallKind::kCombine, seq, ch.sources);
+  // In-place mode: where in-node experts' outputs are (the call's collective published them).
+  auto in_place_from = [&](int d) { return st.reads_in_place(d) && ch.sources[size_t(d)].in_place; };
   Status status;
   for (int s = 0; s < R && status.ok(); ++s) {
     // A rank that leaves its rows to be read sends no signal: the collective said where they are.
-    if (s != me && w.same_node(s, me) && !pulled_from(s)) {
+    if (s != me && w.same_node(s, me) && !in_place_from(s)) {
       status = st.shared->wait_signal(st.local_of(s), seq);
     }
   }
@@ -115,11 +115,11 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
 
   const auto* y = reinterpret_cast<const bf16*>(st.local() + lay.combine_y[half]);
   const int L = lay.num_local_experts;
-  const std::vector<low_latency::PullSource>& peer = ch.sources;
+  const std::vector<low_latency::InPlaceRows>& peer = ch.sources;
   auto row_of = [&](int32_t e, int32_t slot) -> const bf16* {
     const int d = e / L, j = e % L;
-    if (!pulled_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
-    const low_latency::PullSource& p = peer[size_t(d)];
+    if (!in_place_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
+    const low_latency::InPlaceRows& p = peer[size_t(d)];
     const int64_t row =
         int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
     return reinterpret_cast<const bf16*>(p.rows + size_t(row) * p.stride);
@@ -130,18 +130,18 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
 }
 
 // The combine's opening collective: agrees on every rank's inputs (as World::agree, whose
-// message the error path fetches) and on return_recv_hook, and in pull mode gathers every
-// rank's PullSource, so that no signal has to say where the rows are.
-StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffer::State& st,
+// message the error path fetches) and on return_recv_hook, and in in-place mode gathers every
+// rank's InPlaceRows, so that no signal has to say where the rows are.
+StatusOr<std::vector<low_latency::InPlaceRows>> agree_and_publish(LowLatencyBuffer::State& st,
                                                                  const LowLatencyCombineInput& in,
                                                                  const Status& local) {
   World& w = *st.world;
-  if (!st.pull) {
+  if (!st.in_place) {
     MOED_RETURN_IF_ERROR(w.agree(local));
-    return std::vector<low_latency::PullSource>();
+    return std::vector<low_latency::InPlaceRows>();
   }
-  // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
-  const bool pulled = !in.return_recv_hook;
+  // NOTE: pointers cross ranks as integers: in-place mode is one address space (state.h).
+  const bool in_place = !in.return_recv_hook;
   std::array<int64_t, 3> mine = {0, 0, 0};  // the payload: rows, stride, ranges
   if (local.ok()) {
     mine[0] = int64_t(reinterpret_cast<intptr_t>(in.x.data));
@@ -152,12 +152,12 @@ StatusOr<std::vector<low_latency::PullSource>> agree_and_publish(LowLatencyBuffe
                          AgreedField::kAgree};
   MOED_ASSIGN_OR_RETURN(AgreedTable table, agree_in_one(w, local, {&hook, 1}, mine));
   const int R = w.size();
-  std::vector<low_latency::PullSource> sources(static_cast<size_t>(R));
+  std::vector<low_latency::InPlaceRows> sources(static_cast<size_t>(R));
   for (int r = 0; r < R; ++r) {
     const int64_t* row = table.payload(r);
-    low_latency::PullSource& ps = sources[size_t(r)];
-    ps.pulled = pulled;
-    ps.acked = pulled;
+    low_latency::InPlaceRows& ps = sources[size_t(r)];
+    ps.in_place = in_place;
+    ps.acked = in_place;
     ps.rows = reinterpret_cast<const std::byte*>(intptr_t(row[0]));
     ps.stride = size_t(row[1]);
     ps.ranges = reinterpret_cast<const LowLatencyRange*>(intptr_t(row[2]));
@@ -186,10 +186,10 @@ Status post_home_receives(LowLatencyBuffer::State& st, const LowLatencyHandle& h
 }
 
 // Expert side inside the node: chunk (j, s) = rows [begin, begin + count) of expert j goes to
-// home s's slots [e = me * L + j][0, count), unless s reads it in place (pull_rows); then
+// home s's slots [e = me * L + j][0, count), unless s reads it in place (rows_in_place); then
 // signals the homes that read the slots.
 void copy_in_node(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in, int half,
-                  uint64_t seq, bool pull_rows) {
+                  uint64_t seq, bool rows_in_place) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   const LowLatencyHandle& handle = *in.handle;
@@ -201,7 +201,7 @@ void copy_in_node(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
       const int j = int(c / R), s = int(c % R);
       const LowLatencyRange range = handle.layout_range[size_t(c)];
       if (range.count == 0 || !w.same_node(s, me)) continue;
-      if (pull_rows && st.pulls(s)) {
+      if (rows_in_place && st.reads_in_place(s)) {
         // The home reads these rows itself; counted here, by the rank whose rows cross the
         // node (as when it writes them, and as the planning model counts NVLink bytes).
         shared_rows[size_t(worker)] += uint64_t(range.count);
@@ -215,12 +215,12 @@ void copy_in_node(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
       shared_rows[size_t(worker)] += uint64_t(range.count);
     }
   };
-  // Rows this rank copies itself (none where every in-node home pulls): a few go on this
+  // Rows this rank copies itself (none where every in-node home reads in place): a few go on this
   // thread, as waking the pool costs more.
   size_t copied = 0;
   for (int64_t c = 0; c < int64_t(L) * R; ++c) {
     const int s = int(c % R);
-    if (w.same_node(s, me) && !(pull_rows && st.pulls(s))) {
+    if (w.same_node(s, me) && !(rows_in_place && st.reads_in_place(s))) {
       copied += size_t(handle.layout_range[size_t(c)].count);
     }
   }
@@ -228,7 +228,7 @@ void copy_in_node(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
                         copied * row_bytes < low_latency::kInlineBytes ? int64_t(L) * R : 1);
   low_latency::add_shared_rows(w, shared_rows, row_bytes);
   // In-node homes that read this rank's rows in place learnt where from the collective.
-  for (int s = 0; s < R && !pull_rows; ++s) {
+  for (int s = 0; s < R && !rows_in_place; ++s) {
     if (s != me && w.same_node(s, me)) st.shared->signal(st.local_of(s), seq);
   }
 }
@@ -285,7 +285,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   State& st = *state_;
   const Status local = check_combine(st, in, caller_error);
   if (st.shrink) return low_latency::shrink_combine(state_, in, local);
-  MOED_ASSIGN_OR_RETURN(std::vector<low_latency::PullSource> sources,
+  MOED_ASSIGN_OR_RETURN(std::vector<low_latency::InPlaceRows> sources,
                         agree_and_publish(st, in, local));
   // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
   // entered this combine, so it has reduced the combine two back out of this half.
@@ -299,12 +299,12 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   Status status = post_home_receives(st, *in.handle, half, seq);
   // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
   // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
-  const bool pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
-  copy_in_node(st, in, half, seq, pull_rows);
+  const bool rows_in_place = st.in_place && !in.return_recv_hook;  // see state.h, in-place mode
+  copy_in_node(st, in, half, seq, rows_in_place);
   if (status.ok()) status = send_to_other_nodes(st, in, half, seq);
   if (!status.ok()) {
     ch.pending = false;
-    low_latency::release_pulled(st, half, low_latency::PullKind::kCombine, seq, ch.sources)
+    low_latency::release_in_place(st, half, low_latency::CallKind::kCombine, seq, ch.sources)
         .ignore();
     return status;
   }

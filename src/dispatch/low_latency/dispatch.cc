@@ -73,21 +73,21 @@ Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatc
   return ok_status();
 }
 
-// Pull mode's opening collective: agrees on every rank's inputs (as World::agree, whose
+// In-place mode's opening collective: agrees on every rank's inputs (as World::agree, whose
 // message the error path fetches) and on return_recv_hook, and gathers every rank's
-// PullSource and its count per expert (`mine` null: this rank has none, as with a hook).
+// InPlaceRows and its count per expert (`mine` null: this rank has none, as with a hook).
 // Fills `sources` [R] and `count` [R][L], source s's count for this rank's expert j.
 Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
-                        const Status& local, const low_latency::PullSource* mine,
-                        std::vector<low_latency::PullSource>& sources, std::vector<int32_t>& count,
+                        const Status& local, const low_latency::InPlaceRows* mine,
+                        std::vector<low_latency::InPlaceRows>& sources, std::vector<int32_t>& count,
                         std::span<const int32_t> send_count = {}) {
   World& w = *st.world;
   const int R = w.size(), E = st.layout.num_experts, L = st.layout.num_local_experts;
-  // The agreement's payload: [pulled, acked, rows, stride, tokens, probs, count [E]].
+  // The agreement's payload: [in_place, acked, rows, stride, tokens, probs, count [E]].
   constexpr size_t kCounts = 6;
   std::vector<int64_t> payload(kCounts + size_t(E), 0);
   if (mine != nullptr) {
-    // NOTE: pointers cross ranks as integers: pull mode is one address space (state.h).
+    // NOTE: pointers cross ranks as integers: in-place mode is one address space (state.h).
     payload[0] = 1;
     payload[1] = int64_t(mine->acked);
     payload[2] = int64_t(reinterpret_cast<intptr_t>(mine->rows));
@@ -99,12 +99,12 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
   const AgreedField hook{"low_latency_dispatch: return_recv_hook", in.return_recv_hook,
                          AgreedField::kAgree};
   MOED_ASSIGN_OR_RETURN(AgreedTable table, agree_in_one(w, local, {&hook, 1}, payload));
-  sources.assign(size_t(R), low_latency::PullSource{});
+  sources.assign(size_t(R), low_latency::InPlaceRows{});
   count.assign(size_t(R) * size_t(L), 0);
   for (int r = 0; r < R; ++r) {
     const int64_t* t = table.payload(r);
-    low_latency::PullSource& ps = sources[size_t(r)];
-    ps.pulled = t[0] != 0;
+    low_latency::InPlaceRows& ps = sources[size_t(r)];
+    ps.in_place = t[0] != 0;
     ps.acked = t[1] != 0;
     ps.rows = reinterpret_cast<const std::byte*>(intptr_t(t[2]));
     ps.stride = size_t(t[3]);
@@ -118,7 +118,7 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
 }
 
 // Fills rv.count and rv.first: in-node sources published their counts in this rank's segment
-// before their signal (or with the opening collective, in pull mode); other nodes sent them as
+// before their signal (or with the opening collective, when read in place); other nodes sent them as
 // a header.
 Status receive_counts(Received& rv) {
   LowLatencyBuffer::State& st = rv.st;
@@ -133,7 +133,7 @@ Status receive_counts(Received& rv) {
       for (int j = 0; j < L; ++j) count[size_t(j) * R] = dh.recv_header[size_t(s) * L + j];
       continue;
     }
-    if (!dh.sources.empty() && dh.sources[size_t(s)].pulled) {
+    if (!dh.sources.empty() && dh.sources[size_t(s)].in_place) {
       for (int j = 0; j < L; ++j) count[size_t(j) * R] = dh.published_count[size_t(s) * L + j];
       continue;
     }
@@ -169,15 +169,15 @@ Status post_message_receives(Received& rv, std::vector<Request>& requests) {
 // Packs expert j's rows in [j0, j1) from this rank's slots (in-node senders wrote there) and
 // from the network messages, skipping the sources read in place.
 void pack_slots_and_messages(const Received& rv,
-                             std::span<const low_latency::PullSource* const> pulled,
+                             std::span<const low_latency::InPlaceRows* const> in_place,
                              low_latency::ReceiveBlock& rb, int j0, int j1) {
   const SegmentLayout& lay = rv.st.layout;
   auto slot_row = [&](int j, int s) {
     return low_latency::RowSpan::slots(rv.st.local(), lay, rv.half, lay.fixed_row(j, s, 0), rv.f);
   };
-  auto is_pulled = [&](int s) { return pulled[size_t(s)] != nullptr; };
+  auto is_in_place = [&](int s) { return in_place[size_t(s)] != nullptr; };
   for (int j = j0; j < j1; ++j) {
-    for (int s = 0; s < lay.num_ranks; ++s) rv.pack(rb, j, s, slot_row, is_pulled);
+    for (int s = 0; s < lay.num_ranks; ++s) rv.pack(rb, j, s, slot_row, is_in_place);
   }
 }
 
@@ -185,7 +185,7 @@ void pack_slots_and_messages(const Received& rv,
 // token bound for several of this rank's experts is read from its source once, the later
 // copies hitting the cache (expert order would read it again from memory). After the slots
 // and messages, which these rows may land on.
-void pack_pulled(const Received& rv, std::span<const low_latency::PullSource* const> pulled,
+void pack_in_place(const Received& rv, std::span<const low_latency::InPlaceRows* const> in_place,
                  low_latency::ReceiveBlock& rb, bool stream, bool inline_copy) {
   const LowLatencyBuffer::State& st = rv.st;
   const SegmentLayout& lay = st.layout;
@@ -194,12 +194,12 @@ void pack_pulled(const Received& rv, std::span<const low_latency::PullSource* co
   struct PullRow {
     int32_t source, token;
     int64_t to;   // packed row
-    size_t from;  // entry of the source's PullSource::tokens / probs
+    size_t from;  // entry of the source's InPlaceRows::tokens / probs
   };
   std::vector<PullRow> rows;
   std::vector<int32_t> first(size_t(lay.max_tokens) + 1);
   for (int s = 0; s < R; ++s) {
-    const low_latency::PullSource* ps = pulled[size_t(s)];
+    const low_latency::InPlaceRows* ps = in_place[size_t(s)];
     if (ps == nullptr) continue;
     // Counting sort of the source's (expert, slot) rows by token.
     std::fill(first.begin(), first.end(), 0);
@@ -224,11 +224,11 @@ void pack_pulled(const Received& rv, std::span<const low_latency::PullSource* co
   }
   auto* xs = static_cast<std::byte*>(rb.x.data());
   auto* scales = static_cast<std::byte*>(rb.scales.data());
-  auto pull = [&](int64_t r0, int64_t r1, int) {
+  auto read_rows = [&](int64_t r0, int64_t r1, int) {
     internal::StreamBatch batch(payload);
     for (int64_t r = r0; r < r1; ++r) {
       const PullRow& pr = rows[size_t(r)];
-      const low_latency::PullSource& ps = *pulled[size_t(pr.source)];
+      const low_latency::InPlaceRows& ps = *in_place[size_t(pr.source)];
       const std::byte* row = ps.rows + size_t(pr.token) * ps.stride;
       std::byte* to = xs + size_t(pr.to) * payload;
       if (stream) {
@@ -245,7 +245,7 @@ void pack_pulled(const Received& rv, std::span<const low_latency::PullSource* co
     batch.flush();
     if (stream) internal::stream_fence();  // the caller's threads read the rows next
   };
-  st.world->pool().parallel_for(int64_t(rows.size()), pull,
+  st.world->pool().parallel_for(int64_t(rows.size()), read_rows,
                                 inline_copy ? std::max<int64_t>(1, int64_t(rows.size())) : 1);
 }
 
@@ -259,7 +259,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   // Whatever happens below, this half is no longer in flight, and the peers whose rows this
   // rank reads in place learn that it is done with them.
   dh.pending = false;
-  low_latency::PullRelease release(st, half, low_latency::PullKind::kDispatch, seq, dh.sources);
+  low_latency::InPlaceRelease release(st, half, low_latency::CallKind::kDispatch, seq, dh.sources);
 
   Received rv{st, dh, half, seq, low_latency::RowFormat::of(lay, fp8)};
   std::vector<Request> data_requests;
@@ -276,11 +276,11 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   MOED_RETURN_IF_ERROR(send_status);
 
   const int64_t received = rv.set_layout(rb);
-  std::vector<const low_latency::PullSource*> pulled(size_t(R), nullptr);
+  std::vector<const low_latency::InPlaceRows*> in_place(size_t(R), nullptr);
   bool any_slots = false;  // rows in this rank's slots or messages
   for (int s = 0; s < R; ++s) {
-    if (st.pulls(s) && !dh.sources.empty() && dh.sources[size_t(s)].pulled) {
-      pulled[size_t(s)] = &dh.sources[size_t(s)];
+    if (st.reads_in_place(s) && !dh.sources.empty() && dh.sources[size_t(s)].in_place) {
+      in_place[size_t(s)] = &dh.sources[size_t(s)];
     } else {
       for (int j = 0; j < L; ++j) any_slots |= rv.at(j, s) > 0;
     }
@@ -296,11 +296,11 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
     w.pool().parallel_for(
         L,
         [&](int64_t j0, int64_t j1, int) {
-          pack_slots_and_messages(rv, pulled, rb, int(j0), int(j1));
+          pack_slots_and_messages(rv, in_place, rb, int(j0), int(j1));
         },
         inline_copy ? int64_t(L) : 1);
   }
-  pack_pulled(rv, pulled, rb, stream, inline_copy);
+  pack_in_place(rv, in_place, rb, stream, inline_copy);
 
   handle.layout_range = rb.layout_range;
   handle.received = true;
@@ -309,15 +309,15 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
 
 // How the send phase hands this rank's rows to the receivers on its node.
 struct SendMode {
-  bool pull_rows = false;  // receivers that read in place (st.pulls) copy the rows themselves
+  bool rows_in_place = false;  // receivers that read in place (st.reads_in_place) copy the rows themselves
   bool own_rows = false;   // they read this half's copy (FP8 rows, staged bf16), not x
 };
 
-// Pull mode: where this rank's in-node receivers find its rows.
-low_latency::PullSource pull_source(const DispatchHalf& dh, const LowLatencyDispatchInput& in,
+// In-place mode: where this rank's in-node receivers find its rows.
+low_latency::InPlaceRows in_place_rows(const DispatchHalf& dh, const LowLatencyDispatchInput& in,
                                     const low_latency::RowFormat& f, SendMode mode) {
-  low_latency::PullSource ps;
-  ps.pulled = true;
+  low_latency::InPlaceRows ps;
+  ps.in_place = true;
   ps.acked = !mode.own_rows;
   ps.rows = in.use_fp8     ? dh.fp8_rows.data()
             : mode.own_rows ? dh.staged_rows.data()
@@ -325,8 +325,8 @@ low_latency::PullSource pull_source(const DispatchHalf& dh, const LowLatencyDisp
   ps.stride = in.use_fp8     ? f.row_bytes()
               : mode.own_rows ? f.payload
                               : size_t(in.x.row_stride) * sizeof(bf16);
-  ps.tokens = dh.pull_tokens.data();
-  ps.probs = dh.pull_probs.data();
+  ps.tokens = dh.in_place_tokens.data();
+  ps.probs = dh.in_place_probs.data();
   return ps;
 }
 
@@ -335,11 +335,11 @@ low_latency::PullSource pull_source(const DispatchHalf& dh, const LowLatencyDisp
 // header of L counts and its message, and posts the receive of its header.
 Status post_counts_and_messages(LowLatencyBuffer::State& st, const LowLatencyHandle& h, int half,
                                 uint64_t seq, const low_latency::RowFormat& f, const NetPlan& plan,
-                                bool pull_rows) {
+                                bool rows_in_place) {
   World& w = *st.world;
   DispatchHalf& dh = st.dispatch_half[half];
   const int R = st.layout.num_ranks, L = st.layout.num_local_experts, me = w.rank();
-  for (int d = 0; d < R && !pull_rows; ++d) {
+  for (int d = 0; d < R && !rows_in_place; ++d) {
     if (!w.same_node(d, me)) continue;
     std::atomic<uint64_t>* c = st.counts(st.local_of(d), half);
     for (int j = 0; j < L; ++j) {
@@ -376,16 +376,16 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   World& w = *st.world;
   const Status local = check_dispatch(st, in, caller_error);
   if (st.shrink) return low_latency::shrink_dispatch(state_, in, local);
-  // Pull mode without a hook: this rank writes only its own memory (the rows and tokens its
+  // In-place mode without a hook: this rank writes only its own memory (the rows and tokens its
   // in-node receivers read, the messages for other nodes), so it does so first and the
   // collective then publishes them with the counts (publish_dispatch): no signal round.
   // NOTE: its half's previous readers are done: they read it in the dispatch two back, inside
   // their own call (no hook then either, or nothing was left to read), before the agreement of
   // the dispatch one back let this rank through.
-  const bool early = st.pull && !in.return_recv_hook && local.ok();
-  std::vector<low_latency::PullSource> sources;
+  const bool early = st.in_place && !in.return_recv_hook && local.ok();
+  std::vector<low_latency::InPlaceRows> sources;
   std::vector<int32_t> published_count;
-  if (!st.pull) {
+  if (!st.in_place) {
     MOED_RETURN_IF_ERROR(w.agree(local));
   } else if (!early) {
     MOED_RETURN_IF_ERROR(publish_dispatch(st, in, local, nullptr, sources, published_count));
@@ -407,10 +407,10 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   const NetPlan plan(st, handle->send_count, f, dh);
 
   SendMode mode;
-  mode.pull_rows = st.pull && !in.return_recv_hook;  // see state.h, pull mode
+  mode.rows_in_place = st.in_place && !in.return_recv_hook;  // see state.h, in-place mode
   // Receivers read this half's own rows (no acks to wait for): the FP8 rows always, a few
   // bf16 rows once copied here; else the caller's x.
-  mode.own_rows = mode.pull_rows && (fp8 || size_t(T) * f.payload <= low_latency::kStageBytes);
+  mode.own_rows = mode.rows_in_place && (fp8 || size_t(T) * f.payload <= low_latency::kStageBytes);
   if (mode.own_rows && !fp8) {
     dh.staged_rows.resize(size_t(T) * f.payload);
     for (int64_t t = 0; t < T; ++t) {
@@ -419,11 +419,11 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   }
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   low_latency::send_rows(st, in, *handle, half, f, plan,
-                         mode.pull_rows ? low_latency::InNode::kPulled
+                         mode.rows_in_place ? low_latency::InNode::kInPlace
                                         : low_latency::InNode::kReceiverSlots,
                          {}, shared_rows);
   if (early) {
-    const low_latency::PullSource ps = pull_source(dh, in, f, mode);
+    const low_latency::InPlaceRows ps = in_place_rows(dh, in, f, mode);
     Status published =
         publish_dispatch(st, in, local, &ps, sources, published_count, handle->send_count);
     if (!published.ok()) {
@@ -439,10 +439,10 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   dh.published_count = std::move(published_count);
   dh.own_rows_seq = early && mode.own_rows ? seq : 0;
 
-  Status status = post_counts_and_messages(st, *handle, half, seq, f, plan, mode.pull_rows);
+  Status status = post_counts_and_messages(st, *handle, half, seq, f, plan, mode.rows_in_place);
   if (!status.ok()) {
     dh.pending = false;
-    low_latency::release_pulled(st, half, low_latency::PullKind::kDispatch, seq, dh.sources)
+    low_latency::release_in_place(st, half, low_latency::CallKind::kDispatch, seq, dh.sources)
         .ignore();
     return status;
   }

@@ -48,12 +48,12 @@ struct NetPlan {
 // Where the send phase writes the rows for its own node.
 enum class InNode {
   kReceiverSlots,  // into the receiver's slot (j, this rank, i)
-  kPulled,         // nowhere: the receiver reads them in place (st.pulls; pull mode)
+  kInPlace,         // nowhere: the receiver reads them in place (st.reads_in_place)
   kOwnSegment,     // into this rank's slot (e, i), read once its sequence word says so (shrink)
 };
 
 // Writes every (token, expert) row where its receiver reads it: on this node as `in_node`
-// says (pull mode records the token and prob beside this rank's rows instead), the message
+// says (in-place mode records the token and prob beside this rank's rows instead), the message
 // for another node as `plan` says. Rows for a rank whose `live` entry is 0 (shrink mode's
 // masked ranks; empty: all live) are not sent. Counts the rows that cross into another rank's
 // memory per worker.
@@ -82,12 +82,12 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
           plan.message(dh, d, f).put(size_t(plan.chunk_row[size_t(e)] + i), row, int32_t(t), p);
           continue;
         }
-        // NOTE: a pulled row is counted here, by the rank whose row crosses the node (as when
+        // NOTE: a in_place row is counted here, by the rank whose row crosses the node (as when
         // it writes it itself, and as the planning model counts NVLink bytes), not by the reader.
         ++shared_rows[size_t(worker)];
-        if (in_node == InNode::kPulled && st.pulls(d)) {
-          dh.pull_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
-          dh.pull_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
+        if (in_node == InNode::kInPlace && st.reads_in_place(d)) {
+          dh.in_place_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
+          dh.in_place_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
         } else if (in_node == InNode::kOwnSegment) {
           put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, int32_t(t), p);
         } else {

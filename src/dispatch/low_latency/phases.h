@@ -127,57 +127,57 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// Pull mode, on every way out of a call whose opening collective published where every rank's
+// In-place mode, on every way out of a call whose opening collective published where every rank's
 // rows are, error or not: acks every in-node peer that left rows to be read, then, if this rank
-// left its caller's rows (its PullSource says acked), waits until every in-node peer has acked,
+// left its caller's rows (its InPlaceRows says acked), waits until every in-node peer has acked,
 // through a failed world too (poll_released), since the caller may free its rows once the call
 // returns. A peer that took part in the collective acks on each of its ways out, so the wait is
 // short even when a third rank has failed. Ranks that used the hook copied their rows and wait
 // for nobody; a rank whose peers read its own copy (acked = false) waits for them only when
-// its buffer goes (State::~State). `published`: every rank's PullSource ([R]) as the opening
+// its buffer goes (State::~State). `published`: every rank's InPlaceRows ([R]) as the opening
 // collective gathered it (empty: nothing was published).
-inline Status release_pulled(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
-                             std::span<const PullSource> published) {
+inline Status release_in_place(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq,
+                             std::span<const InPlaceRows> published) {
   World& w = *st.world;
   if (published.empty()) return ok_status();
   const int G = w.ranks_per_node(), me = w.local_rank();
-  MOED_CHECK(published.size() == size_t(w.size()), "release_pulled: ", published.size(),
+  MOED_CHECK(published.size() == size_t(w.size()), "release_in_place: ", published.size(),
              " published sources for ", w.size(), " ranks");
-  auto source = [&](int p) -> const PullSource& {
+  auto source = [&](int p) -> const InPlaceRows& {
     return published[size_t(w.node()) * size_t(G) + size_t(p)];
   };
   for (int p = 0; p < G; ++p) {
-    if (p != me && source(p).pulled)
+    if (p != me && source(p).in_place)
       st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
   }
-  const PullSource& own = source(me);
-  if (!own.pulled || !own.acked) return ok_status();
-  return wait_pull_acks(st, half, kind, seq);
+  const InPlaceRows& own = source(me);
+  if (!own.in_place || !own.acked) return ok_status();
+  return wait_in_place_acks(st, half, kind, seq);
 }
 
-// Runs release_pulled once: by finish() on the way out of a receive that went well, or when
+// Runs release_in_place once: by finish() on the way out of a receive that went well, or when
 // dropped on any other way out.
-class PullRelease {
+class InPlaceRelease {
  public:
-  PullRelease(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq,
-              std::span<const PullSource> published)
+  InPlaceRelease(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq,
+              std::span<const InPlaceRows> published)
       : st_(st), half_(half), kind_(kind), seq_(seq), published_(published) {}
-  PullRelease(const PullRelease&) = delete;
-  PullRelease& operator=(const PullRelease&) = delete;
-  ~PullRelease() {
+  InPlaceRelease(const InPlaceRelease&) = delete;
+  InPlaceRelease& operator=(const InPlaceRelease&) = delete;
+  ~InPlaceRelease() {
     if (armed_) finish().ignore();
   }
   Status finish() {
     armed_ = false;
-    return release_pulled(st_, half_, kind_, seq_, published_);
+    return release_in_place(st_, half_, kind_, seq_, published_);
   }
 
  private:
   LowLatencyBuffer::State& st_;
   int half_;
-  PullKind kind_;
+  CallKind kind_;
   uint64_t seq_;
-  std::span<const PullSource> published_;
+  std::span<const InPlaceRows> published_;
   bool armed_ = true;
 };
 

@@ -65,7 +65,7 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
     }
     return verdict;
   };
-  MOED_RETURN_IF_ERROR(receive_parts(st, peers, PullKind::kCombine, half, n, false, ch.recvs,
+  MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kCombine, half, n, false, ch.recvs,
                                      from_segment, bad, read_rows, [&](int d) {
                                        for (int j = 0; j < L; ++j)
                                          first_row[size_t(d) * L + j] = nullptr;
@@ -80,7 +80,7 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
       [&](int32_t e) { return first_row[size_t(e)] != nullptr && !peers.masked(e / L); },
       [&](int32_t e, int32_t slot) { return first_row[size_t(e)] + size_t(slot) * row_bytes; },
       out);
-  MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kCombine, half, n, from_segment));
+  MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kCombine, half, n, from_segment));
   MOED_RETURN_IF_ERROR(ch.shrink_local);
   return bad;
 }
@@ -96,7 +96,7 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
   const size_t row_bytes = size_t(H) * sizeof(bf16);
-  MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, PullKind::kCombine, st.combines,
+  MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, CallKind::kCombine, st.combines,
                                                    st.combine_half, local));
   const int half = call.half;
   const uint64_t n = call.n, seq = call.seq;
@@ -145,7 +145,7 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
     std::memcpy(seg + lay.shrink_ranges[half], handle->layout_range.data(),
                 handle->layout_range.size() * sizeof(LowLatencyRange));
   }
-  publish(st, PullKind::kCombine, half, n, local, false);
+  publish(st, CallKind::kCombine, half, n, local, false);
   size_t staged = 0;
   for (int s = 0; s < R && handle != nullptr; ++s) {
     if (!peers.in_node(s)) {
@@ -191,7 +191,7 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
       receive_combine(st, *handle, routing, {}, half, n, scratch.view()).ignore();
     } else {
       ch.pending = false;
-      word(st, me, kDone, PullKind::kCombine, half)->store(n, std::memory_order_release);
+      word(st, me, kDone, CallKind::kCombine, half)->store(n, std::memory_order_release);
     }
     return local;
   }

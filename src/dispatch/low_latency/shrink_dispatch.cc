@@ -50,7 +50,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     return uint64_t(uint32_t(header[0] & ~kHeaderFp8Flag)) |
            ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
   };
-  MOED_RETURN_IF_ERROR(receive_parts(st, peers, PullKind::kDispatch, half, n, fp8,
+  MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kDispatch, half, n, fp8,
                                      dh.header_requests, from_segment, bad, read_counts,
                                      [&](int s) { rv.drop(s); }));
   rv.index_messages();
@@ -86,7 +86,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       rv.pack(rb, int(c / R), int(c % R), slot_row, [](int) { return false; });
     }
   });
-  MOED_RETURN_IF_ERROR(finish_receive(st, peers, PullKind::kDispatch, half, n, from_segment));
+  MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kDispatch, half, n, from_segment));
   handle.layout_range = rb.layout_range;
   handle.received = true;
   MOED_RETURN_IF_ERROR(dh.shrink_local);
@@ -103,7 +103,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   Peers peers(st, "low_latency_dispatch");
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, L = lay.num_local_experts;
-  MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, PullKind::kDispatch, st.dispatches,
+  MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, CallKind::kDispatch, st.dispatches,
                                                    st.dispatch_half, local));
   const int half = call.half;
   const uint64_t n = call.n, seq = call.seq;
@@ -131,7 +131,7 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   const NetPlan plan(st, count, f, dh);
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
-  publish(st, PullKind::kDispatch, half, n, local, fp8);
+  publish(st, CallKind::kDispatch, half, n, local, fp8);
   for (int d = 0; d < R; ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
     int32_t* header = dh.send_header.data() + size_t(d) * (L + 1);

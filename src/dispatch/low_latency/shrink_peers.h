@@ -144,13 +144,13 @@ class Peers {
   const char* call_;
 };
 
-inline std::atomic<uint64_t>* word(const State& st, int rank, ShrinkWord w, PullKind k, int half) {
+inline std::atomic<uint64_t>* word(const State& st, int rank, ShrinkWord w, CallKind k, int half) {
   return st.shrink_word(st.local_of(rank), shrink_index(w, k, half));
 }
 
 // Before this rank writes half `half` for call n: every unmasked in-node peer is done with
 // call n - 2 of that half.
-inline Status wait_half_free(State& st, Peers& peers, PullKind kind, int half, uint64_t n) {
+inline Status wait_half_free(State& st, Peers& peers, CallKind kind, int half, uint64_t n) {
   World& w = *st.world;
   if (n <= 2) return ok_status();
   for (int p = 0; p < w.size(); ++p) {
@@ -181,7 +181,7 @@ struct Call {
 // A failed precondition (two calls in flight): the call does not happen here, and the peers
 // mask this rank if it never does.
 template <typename Half>
-StatusOr<Call> open_call(State& st, Peers& peers, PullKind kind, uint64_t& calls, Half (&halves)[2],
+StatusOr<Call> open_call(State& st, Peers& peers, CallKind kind, uint64_t& calls, Half (&halves)[2],
                          const Status& local) {
   if (local.code() == StatusCode::kFailedPrecondition) return local;
   MOED_RETURN_IF_ERROR(peers.check_removed());
@@ -200,7 +200,7 @@ StatusOr<Call> open_call(State& st, Peers& peers, PullKind kind, uint64_t& calls
 
 // Waits until in-node peer r has published its part of call n in half `half`: its verdict;
 // none once r is masked.
-inline StatusOr<std::optional<uint64_t>> wait_published(State& st, Peers& peers, PullKind kind,
+inline StatusOr<std::optional<uint64_t>> wait_published(State& st, Peers& peers, CallKind kind,
                                                         int half, uint64_t n, int r) {
   std::atomic<uint64_t>* sent = word(st, r, kSent, kind, half);
   MOED_ASSIGN_OR_RETURN(bool ready,
@@ -236,7 +236,7 @@ inline Status verdict_error(const char* call, uint64_t n, int source, uint64_t v
 // (`published`: the in-node peer's; none for another node's, whose message holds it). A source
 // whose verdict is an error is dropped (drop(r)) and, the first, kept in `bad`.
 template <typename Read, typename Drop>
-Status receive_parts(State& st, Peers& peers, PullKind kind, int half, uint64_t n, bool fp8,
+Status receive_parts(State& st, Peers& peers, CallKind kind, int half, uint64_t n, bool fp8,
                      std::vector<Request>& first, std::vector<bool>& from_segment, Status& bad,
                      Read&& read, Drop&& drop) {
   for (int r = 0; r < st.world->size(); ++r) {
@@ -261,7 +261,7 @@ Status receive_parts(State& st, Peers& peers, PullKind kind, int half, uint64_t 
 // Ends this rank's receive of call n: done with half `half`. A peer it read from (from_segment)
 // that masked this rank meanwhile may have written the half again: what was read from it is
 // not to be trusted, and this rank is out.
-inline Status finish_receive(State& st, Peers& peers, PullKind kind, int half, uint64_t n,
+inline Status finish_receive(State& st, Peers& peers, CallKind kind, int half, uint64_t n,
                              const std::vector<bool>& from_segment) {
   for (size_t r = 0; r < from_segment.size(); ++r) {
     if (from_segment[r]) MOED_RETURN_IF_ERROR(peers.removed_by(int(r)));
@@ -272,7 +272,7 @@ inline Status finish_receive(State& st, Peers& peers, PullKind kind, int half, u
 
 // Publishes this rank's part of call n: its verdict, then the sequence word (release: the
 // rows and counts written before it are complete for whoever reads it).
-inline void publish(State& st, PullKind kind, int half, uint64_t n, const Status& local, bool fp8) {
+inline void publish(State& st, CallKind kind, int half, uint64_t n, const Status& local, bool fp8) {
   const int me = st.world->rank();
   word(st, me, kVerdict, kind, half)
       ->store(uint64_t(uint32_t(local.code())) | (fp8 ? kFp8Flag : 0), std::memory_order_relaxed);

@@ -13,12 +13,12 @@
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
 //   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
-//                    which that peer has finished reading this rank's memory (pull mode)
+//                    which that peer has finished reading this rank's memory (in-place mode)
 //
-// Pull mode (the threads world, where every rank's memory is readable by its node; calls
+// In-place mode (the threads world, where every rank's memory is readable by its node; calls
 // without a receive hook): in-node rows are not copied by the sender into the receiver's slots
 // (a copy the receiver would then pack again); the call's opening collective gathers where
-// every rank's rows are (PullSource) and, for dispatch, its counts, so no signal round follows,
+// every rank's rows are (InPlaceRows) and, for dispatch, its counts, so no signal round follows,
 // and the receiver copies them once, straight into their packed
 // place (dispatch), or reduces them where they are (combine). Every receive in the threads world
 // then acks its in-node peers, on every way out of the call, error or not, and waits for their
@@ -144,12 +144,12 @@ struct RowSpan {
   }
 };
 
-// What an in-node peer reads from this rank in pull mode, published in this rank's segment
+// What an in-node peer reads in place from this rank, published in this rank's segment
 // before the counts (dispatch) or the signal (combine) that make it visible.
-struct PullSource {
+struct InPlaceRows {
   // The sender left its in-node rows for the receivers to read (a call without a receive
   // hook); else it copied them into their slots.
-  bool pulled = false;
+  bool in_place = false;
   // The rows read are the caller's memory, so the call returns only after every receiver has
   // acked; else they are this half's own copy, which the agreement opening the call two later
   // (every rank has received this one by then) releases.
@@ -161,13 +161,13 @@ struct PullSource {
   const float* probs = nullptr;     // dispatch: [E][M] its prob
   const LowLatencyRange* ranges = nullptr;  // combine: [L][R] this rank's dispatch layout
 };
-enum class PullKind : int { kDispatch = 0, kCombine = 1 };
+enum class CallKind : int { kDispatch = 0, kCombine = 1 };
 
 // Shrink mode: the words of a rank's shrink_words region (shrink_peers.h says what each means), per
 // (kind, half) where they have one; the mask [R] follows at kMask.
 enum ShrinkWord : size_t { kSent = 0, kVerdict = 4, kDone = 8, kCleaned = 12, kMask = 13 };
 inline constexpr size_t kShrinkWords = kMask;
-inline size_t shrink_index(ShrinkWord w, PullKind k, int half) {
+inline size_t shrink_index(ShrinkWord w, CallKind k, int half) {
   return size_t(w) + size_t(k) * 2 + size_t(half);
 }
 
@@ -199,7 +199,7 @@ inline void pack_rows(ReceiveBlock& rb, int64_t to, size_t n, const RowFormat& f
 // What a dispatch half keeps between its send and receive phases.
 struct DispatchHalf {
   bool pending = false;  // send phase done, receive not yet
-  // Pull mode: the dispatch whose in-node receivers read this half's own copy of the rows
+  // In-place mode: the dispatch whose in-node receivers read this half's own copy of the rows
   // (fp8_rows or staged_rows; 0 = none), waited for when the buffer goes.
   uint64_t own_rows_seq = 0;
   std::shared_ptr<ReceiveBlock> received;  // this half's last receive (take_receive_block)
@@ -213,12 +213,12 @@ struct DispatchHalf {
   std::vector<Request> send_requests;    // this op's sends
   std::vector<int> send_peers;           // shrink mode: the rank of each send
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
-  std::vector<std::byte> staged_rows;    // pull mode, few bf16 rows: [T] copies of x's rows
-  std::vector<int32_t> pull_tokens;      // pull mode: [E][M], PullSource::tokens
-  std::vector<float> pull_probs;         // pull mode: [E][M], PullSource::probs
-  // Pull mode: every rank's PullSource and counts for this rank's experts ([R][L]), gathered
+  std::vector<std::byte> staged_rows;    // in-place mode, few bf16 rows: [T] copies of x's rows
+  std::vector<int32_t> in_place_tokens;      // in-place mode: [E][M], InPlaceRows::tokens
+  std::vector<float> in_place_probs;         // in-place mode: [E][M], InPlaceRows::probs
+  // In-place mode: every rank's InPlaceRows and counts for this rank's experts ([R][L]), gathered
   // by the call's opening collective (dispatch.cc, publish_dispatch).
-  std::vector<PullSource> sources;
+  std::vector<InPlaceRows> sources;
   std::vector<int32_t> published_count;
   Status shrink_local;  // shrink mode: the call's verdict (this rank's input check)
 };
@@ -232,8 +232,8 @@ struct CombineHalf {
   std::vector<int> send_peers;      // shrink mode: the rank of each of `requests` (sends)
   std::vector<std::byte> net_send;  // staged rows when the expert output is strided
   std::vector<Request> requests;
-  // Pull mode: every rank's PullSource, gathered by the call's opening collective (combine.cc).
-  std::vector<PullSource> sources;  // [R]
+  // In-place mode: every rank's InPlaceRows, gathered by the call's opening collective (combine.cc).
+  std::vector<InPlaceRows> sources;  // [R]
 };
 
 }  // namespace low_latency
@@ -242,7 +242,7 @@ struct LowLatencyBuffer::State {
   State() = default;
   State(const State&) = delete;
   State& operator=(const State&) = delete;
-  // Pull mode: first waits until the in-node peers have read this rank's own copies of rows
+  // In-place mode: first waits until the in-node peers have read this rank's own copies of rows
   // (DispatchHalf::own_rows_seq), which the halves hold.
   ~State();
 
@@ -250,7 +250,7 @@ struct LowLatencyBuffer::State {
   uint64_t id = 0;
   low_latency::SegmentLayout layout;
   std::shared_ptr<SharedBuffer> shared;
-  bool pull = false;  // in-node peers read each other's memory (World::shares_address_space)
+  bool in_place = false;  // in-node peers read each other's memory (World::shares_address_space)
   // Shrink mode (shrink_peers.h): no collectives in the calls; a peer that misses a call's deadline
   // is masked. `removed`: a peer masked this rank; every later call returns it.
   bool shrink = false;
@@ -273,13 +273,13 @@ struct LowLatencyBuffer::State {
   }
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
   // In-node peer `rank` can read this rank's memory directly (the threads world).
-  bool pulls(int rank) const { return pull && world->same_node(rank, world->rank()); }
+  bool reads_in_place(int rank) const { return in_place && world->same_node(rank, world->rank()); }
   // Shrink mode: word `index` of local rank `local_rank`'s shrink words (shrink_peers.h).
   std::atomic<uint64_t>* shrink_word(int local_rank, size_t index) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.shrink_words) +
            index;
   }
-  std::atomic<uint64_t>* acks(int local_rank, int half, low_latency::PullKind k) const {
+  std::atomic<uint64_t>* acks(int local_rank, int half, low_latency::CallKind k) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]) +
            size_t(k) * size_t(world->ranks_per_node());
   }
@@ -295,10 +295,10 @@ std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, in
 void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<ReceiveBlock> block,
                         LowLatencyDispatchOutput& out);
 
-// Pull mode: waits until every in-node peer has acked operation `seq` of `half` in this rank's
+// In-place mode: waits until every in-node peer has acked operation `seq` of `half` in this rank's
 // segment, that is, read its rows; through a failed world too, bounded by the timeout
 // (comm/wait.h, poll_released).
-Status wait_pull_acks(LowLatencyBuffer::State& st, int half, PullKind kind, uint64_t seq);
+Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq);
 
 }  // namespace low_latency
 
