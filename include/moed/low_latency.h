@@ -143,8 +143,9 @@ class LowLatencyBuffer {
   LowLatencyBuffer(const LowLatencyBuffer&) = delete;
   LowLatencyBuffer& operator=(const LowLatencyBuffer&) = delete;
 
-  // Collective. Sends each token's row to the ranks of its experts (in-node: a copy into the
-  // receiver's slots; other nodes: the network), then receives (now, or in the hook).
+  // Collective. Sends each token's row to the ranks of its experts (in-node: a copy into this
+  // rank's node-shared slots, or none where the peers read x in place; other nodes: the
+  // network), then receives (now, or in the hook).
   // caller_error: an error the caller found in its own arguments (a binding's parsing),
   // reported on every rank through the call's agreement, which it makes anyway, so no rank
   // waits for it.

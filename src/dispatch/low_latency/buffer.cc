@@ -5,7 +5,7 @@
 #include "comm/agreement.h"
 #include "comm/wait.h"
 #include "core/block_cache.h"
-#include "dispatch/low_latency/shrink.h"
+#include "dispatch/low_latency/segment.h"
 #include "dispatch/low_latency/state.h"
 #include "dispatch/sections.h"
 
@@ -13,8 +13,7 @@ namespace moed {
 
 namespace low_latency {
 
-SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
-                                  bool shrink) {
+SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts) {
   SegmentLayout l;
   l.max_tokens = max_tokens;
   l.hidden = hidden;
@@ -32,12 +31,9 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
     l.dispatch_prob[h] = s.add(rows * sizeof(float));
     l.combine_y[h] = s.add(rows * size_t(hidden) * sizeof(bf16));
     l.acks[h] = s.add(2 * size_t(num_ranks) * sizeof(uint64_t));  // G <= R
-    if (shrink) {
-      l.shrink_ranges[h] =
-          s.add(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
-    }
+    l.ranges[h] = s.add(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
   }
-  if (shrink) l.shrink_words = s.add((kShrinkWords + size_t(num_ranks)) * sizeof(uint64_t));
+  l.words = s.add((kWords + size_t(num_ranks)) * sizeof(uint64_t));
   l.total = s.aligned_end();
   return l;
 }
@@ -110,8 +106,7 @@ Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, CallKind kind, 
 size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,
                                  int num_experts) {
   if (max_tokens_per_rank <= 0 || hidden <= 0 || num_ranks <= 0 || num_experts <= 0) return 0;
-  return low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, num_ranks, num_experts,
-                                          /*shrink=*/true)
+  return low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, num_ranks, num_experts)
       .total;
 }
 
@@ -125,7 +120,7 @@ LowLatencyBuffer::State::~State() {
   for (int h = 0; h < 2; ++h) {
     if (dispatch_half[h].own_rows_seq != 0) {
       low_latency::wait_in_place_acks(*this, h, low_latency::CallKind::kDispatch,
-                                  dispatch_half[h].own_rows_seq)
+                                      dispatch_half[h].own_rows_seq)
           .ignore();
     }
   }
@@ -154,9 +149,8 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
   if (options.segment) {
     // No collective: this rank's checks are its own (the caller passes the same shape).
     MOED_RETURN_IF_ERROR(local);
-    const size_t need = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R,
-                                                         num_experts, options.enable_shrink)
-                            .total;
+    const size_t need =
+        low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts).total;
     if (options.segment->bytes() < need) {
       return invalid_argument(
           "the segment has ", options.segment->bytes(),
@@ -192,23 +186,22 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   static std::atomic<uint64_t> next_id{1};
   // Ids only tell handles of different buffers apart on one rank; they need not agree.
   state->id = next_id.fetch_add(1, std::memory_order_relaxed);
-  state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts,
-                                                   options.enable_shrink);
+  state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts);
   if (options.segment) {
     state->shared = options.segment;
   } else {
     MOED_ASSIGN_OR_RETURN(state->shared, world.alloc_shared(state->layout.total));
   }
-  // Shrink mode reads and writes no caller memory across ranks (shrink_peers.h).
+  // Shrink mode reads and writes no caller memory across ranks (segment_peers.h).
   state->in_place = world.shares_address_space() && !options.enable_shrink;
   state->shrink = options.enable_shrink;
   state->shrink_timeout = options.shrink_timeout;
-  // Counts start at sequence 0, which no operation uses.
   const int L = num_experts / R;
   for (int h = 0; h < 2; ++h) {
     low_latency::DispatchHalf& dh = state->dispatch_half[h];
-    dh.recv_header.assign(size_t(R) * L, 0);
-    dh.send_header.assign(size_t(R) * L, 0);
+    // [R][L + 1]: a segment call's headers lead with the verdict (segment_peers.h).
+    dh.recv_header.assign(size_t(R) * (L + 1), 0);
+    dh.send_header.assign(size_t(R) * (L + 1), 0);
     // A segment given by the caller was zeroed by every rank before: a peer may be writing
     // its own part already.
     if (!options.segment) {
@@ -223,22 +216,16 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
       dh.in_place_tokens.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0);
       dh.in_place_probs.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0.0f);
     }
-    if (state->shrink) {
-      dh.recv_header.assign(size_t(R) * (L + 1), 0);
-      dh.send_header.assign(size_t(R) * (L + 1), 0);
-      dh.header_requests.resize(size_t(R));
-      state->combine_half[h].recvs.resize(size_t(R));
-    }
   }
-  if (state->shrink && !options.segment) {
-    for (size_t i = 0; i < low_latency::kShrinkWords + size_t(R); ++i)
-      state->shrink_word(world.local_rank(), i)->store(0, std::memory_order_relaxed);
+  if (!options.segment) {
+    for (size_t i = 0; i < low_latency::kWords + size_t(R); ++i)
+      state->segment_word(world.local_rank(), i)->store(0, std::memory_order_relaxed);
   }
   return std::unique_ptr<LowLatencyBuffer>(new LowLatencyBuffer(std::move(state)));
 }
 
 Status LowLatencyBuffer::clean() {
-  if (state_->shrink) return low_latency::shrink_clean(*state_);
+  if (state_->shrink) return low_latency::segment_clean(*state_);
   return state_->world->barrier();
 }
 
@@ -247,8 +234,9 @@ std::vector<int32_t> LowLatencyBuffer::query_mask() const {
   std::vector<int32_t> mask(size_t(st.layout.num_ranks), 0);
   if (!st.shrink) return mask;
   for (int r = 0; r < st.layout.num_ranks; ++r) {
-    mask[size_t(r)] = int32_t(st.shrink_word(st.world->local_rank(), low_latency::kMask + size_t(r))
-                                  ->load(std::memory_order_acquire));
+    mask[size_t(r)] =
+        int32_t(st.segment_word(st.world->local_rank(), low_latency::kMask + size_t(r))
+                    ->load(std::memory_order_acquire));
   }
   return mask;
 }
@@ -264,7 +252,7 @@ Status LowLatencyBuffer::update_mask(int rank, bool mask) {
   }
   // NOTE: a rank may mask itself, as in DeepEP: it then skips its traffic with itself (its own
   // tokens to its own experts); its peers' masks are theirs, so none of them waits on this one.
-  st.shrink_word(st.world->local_rank(), low_latency::kMask + size_t(rank))
+  st.segment_word(st.world->local_rank(), low_latency::kMask + size_t(rank))
       ->store(mask ? 1 : 0, std::memory_order_release);
   return ok_status();
 }

@@ -9,7 +9,7 @@
 #include "comm/agreement.h"
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
-#include "dispatch/low_latency/shrink.h"
+#include "dispatch/low_latency/segment.h"
 #include "dispatch/out_buffer.h"
 
 namespace moed {
@@ -99,26 +99,18 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   const int R = lay.num_ranks, me = w.rank(), H = lay.hidden;
   ch.pending = false;
   low_latency::InPlaceRelease release(st, half, low_latency::CallKind::kCombine, seq, ch.sources);
-  // In-place mode: where in-node experts' outputs are (the call's collective published them).
-  auto in_place_from = [&](int d) { return st.reads_in_place(d) && ch.sources[size_t(d)].in_place; };
-  Status status;
-  for (int s = 0; s < R && status.ok(); ++s) {
-    // A rank that leaves its rows to be read sends no signal: the collective said where they are.
-    if (s != me && w.same_node(s, me) && !in_place_from(s)) {
-      status = st.shared->wait_signal(st.local_of(s), seq);
-    }
-  }
   Status net = wait_all(ch.requests);
   ch.requests.clear();
-  MOED_RETURN_IF_ERROR(status);
   MOED_RETURN_IF_ERROR(net);
 
   const auto* y = reinterpret_cast<const bf16*>(st.local() + lay.combine_y[half]);
   const int L = lay.num_local_experts;
   const std::vector<low_latency::InPlaceRows>& peer = ch.sources;
+  // In-node experts' outputs are where the call's collective said; other nodes' came into this
+  // rank's slots.
   auto row_of = [&](int32_t e, int32_t slot) -> const bf16* {
     const int d = e / L, j = e % L;
-    if (!in_place_from(d)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
+    if (!w.same_node(d, me)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
     const low_latency::InPlaceRows& p = peer[size_t(d)];
     const int64_t row =
         int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
@@ -133,8 +125,8 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
 // message the error path fetches) and on return_recv_hook, and in in-place mode gathers every
 // rank's InPlaceRows, so that no signal has to say where the rows are.
 StatusOr<std::vector<low_latency::InPlaceRows>> agree_and_publish(LowLatencyBuffer::State& st,
-                                                                 const LowLatencyCombineInput& in,
-                                                                 const Status& local) {
+                                                                  const LowLatencyCombineInput& in,
+                                                                  const Status& local) {
   World& w = *st.world;
   if (!st.in_place) {
     MOED_RETURN_IF_ERROR(w.agree(local));
@@ -185,52 +177,16 @@ Status post_home_receives(LowLatencyBuffer::State& st, const LowLatencyHandle& h
   return ok_status();
 }
 
-// Expert side inside the node: chunk (j, s) = rows [begin, begin + count) of expert j goes to
-// home s's slots [e = me * L + j][0, count), unless s reads it in place (rows_in_place); then
-// signals the homes that read the slots.
-void copy_in_node(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in, int half,
-                  uint64_t seq, bool rows_in_place) {
+// The rows the in-node homes read in place from this rank, counted here, by the rank whose rows
+// cross the node (as when it writes them, and as the planning model counts NVLink bytes).
+void count_in_node_rows(LowLatencyBuffer::State& st, const LowLatencyHandle& handle) {
   World& w = *st.world;
-  const SegmentLayout& lay = st.layout;
-  const LowLatencyHandle& handle = *in.handle;
-  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
-  const size_t row_bytes = size_t(H) * sizeof(bf16);
-  std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
-  auto copy_chunks = [&](int64_t c0, int64_t c1, int worker) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int j = int(c / R), s = int(c % R);
-      const LowLatencyRange range = handle.layout_range[size_t(c)];
-      if (range.count == 0 || !w.same_node(s, me)) continue;
-      if (rows_in_place && st.reads_in_place(s)) {
-        // The home reads these rows itself; counted here, by the rank whose rows cross the
-        // node (as when it writes them, and as the planning model counts NVLink bytes).
-        shared_rows[size_t(worker)] += uint64_t(range.count);
-        continue;
-      }
-      const int e = me * L + j;
-      std::byte* to = st.segment(st.local_of(s)) + lay.combine_y[half] +
-                      size_t(e) * size_t(lay.max_tokens) * row_bytes;
-      internal::copy_rows(TensorView(to, DType::kBF16, range.count, H), 0, in.x,
-                          int64_t(j) * lay.rows_per_expert() + range.begin, range.count);
-      shared_rows[size_t(worker)] += uint64_t(range.count);
-    }
-  };
-  // Rows this rank copies itself (none where every in-node home reads in place): a few go on this
-  // thread, as waking the pool costs more.
-  size_t copied = 0;
-  for (int64_t c = 0; c < int64_t(L) * R; ++c) {
-    const int s = int(c % R);
-    if (w.same_node(s, me) && !(rows_in_place && st.reads_in_place(s))) {
-      copied += size_t(handle.layout_range[size_t(c)].count);
-    }
+  const int R = st.layout.num_ranks;
+  uint64_t rows = 0;
+  for (size_t c = 0; c < handle.layout_range.size(); ++c) {
+    if (w.same_node(int(c % size_t(R)), w.rank())) rows += uint64_t(handle.layout_range[c].count);
   }
-  w.pool().parallel_for(int64_t(L) * R, copy_chunks,
-                        copied * row_bytes < low_latency::kInlineBytes ? int64_t(L) * R : 1);
-  low_latency::add_shared_rows(w, shared_rows, row_bytes);
-  // In-node homes that read this rank's rows in place learnt where from the collective.
-  for (int s = 0; s < R && !rows_in_place; ++s) {
-    if (s != me && w.same_node(s, me)) st.shared->signal(st.local_of(s), seq);
-  }
+  low_latency::add_shared_rows(w, {&rows, 1}, size_t(st.layout.hidden) * sizeof(bf16));
 }
 
 // Expert side across nodes: one message per non-empty chunk, in ascending expert order for
@@ -284,11 +240,13 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     const LowLatencyCombineInput& in, const Status& caller_error) {
   State& st = *state_;
   const Status local = check_combine(st, in, caller_error);
-  if (st.shrink) return low_latency::shrink_combine(state_, in, local);
-  MOED_ASSIGN_OR_RETURN(std::vector<low_latency::InPlaceRows> sources,
-                        agree_and_publish(st, in, local));
+  // As in dispatch: every call but an in-place one goes through the segments.
   // NOTE: as in dispatch, the agreement is the double-buffer handshake: every home rank has
   // entered this combine, so it has reduced the combine two back out of this half.
+  if (st.shrink) return low_latency::segment_combine(state_, in, local);
+  MOED_ASSIGN_OR_RETURN(std::vector<low_latency::InPlaceRows> sources,
+                        agree_and_publish(st, in, local));
+  if (!st.in_place || in.return_recv_hook) return low_latency::segment_combine(state_, in, local);
 
   const uint64_t seq = ++st.seq;
   const int half = int(st.combines++ % 2);
@@ -296,11 +254,11 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   ch.pending = true;
   ch.sources = std::move(sources);
 
-  Status status = post_home_receives(st, *in.handle, half, seq);
+  // In-place mode (state.h): the in-node homes read this rank's rows where they are.
   // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
   // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
-  const bool rows_in_place = st.in_place && !in.return_recv_hook;  // see state.h, in-place mode
-  copy_in_node(st, in, half, seq, rows_in_place);
+  Status status = post_home_receives(st, *in.handle, half, seq);
+  count_in_node_rows(st, *in.handle);
   if (status.ok()) status = send_to_other_nodes(st, in, half, seq);
   if (!status.ok()) {
     ch.pending = false;
@@ -314,14 +272,10 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
     out.combined_x = Tensor::empty(DType::kBF16, in.handle->num_tokens, st.layout.hidden);
   }
   out.out = in.out;
-  // The receive reads the weights later (hook mode), so it keeps its own copy of the routing.
-  auto receive = [state = state_, handle = in.handle, routing = *in.topk,
-                  order = std::vector<int32_t>(in.order.begin(), in.order.end()), half, seq,
-                  view = out.result()] {
-    return receive_combine(*state, *handle, routing, order, half, seq, view);
+  auto receive = [&] {
+    return receive_combine(st, *in.handle, *in.topk, in.order, half, seq, out.result());
   };
-  MOED_RETURN_IF_ERROR(
-      low_latency::receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
+  MOED_RETURN_IF_ERROR(low_latency::receive_now_or_hook(false, std::move(receive), out.hook));
   return out;
 }
 

@@ -10,7 +10,7 @@
 #include "comm/agreement.h"
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/dispatch_rows.h"
-#include "dispatch/low_latency/shrink.h"
+#include "dispatch/low_latency/segment.h"
 
 namespace moed {
 
@@ -117,9 +117,8 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
   return ok_status();
 }
 
-// Fills rv.count and rv.first: in-node sources published their counts in this rank's segment
-// before their signal (or with the opening collective, when read in place); other nodes sent them as
-// a header.
+// Fills rv.count and rv.first: the in-node sources' counts came with the opening collective;
+// other nodes sent theirs as a header.
 Status receive_counts(Received& rv) {
   LowLatencyBuffer::State& st = rv.st;
   World& w = *st.world;
@@ -128,23 +127,9 @@ Status receive_counts(Received& rv) {
   MOED_RETURN_IF_ERROR(wait_all(dh.header_requests));
   rv.count.assign(size_t(L) * R, 0);
   for (int s = 0; s < R; ++s) {
-    int32_t* count = rv.count.data() + s;  // count[j * R]
-    if (!w.same_node(s, me)) {
-      for (int j = 0; j < L; ++j) count[size_t(j) * R] = dh.recv_header[size_t(s) * L + j];
-      continue;
-    }
-    if (!dh.sources.empty() && dh.sources[size_t(s)].in_place) {
-      for (int j = 0; j < L; ++j) count[size_t(j) * R] = dh.published_count[size_t(s) * L + j];
-      continue;
-    }
-    if (s != me) MOED_RETURN_IF_ERROR(st.shared->wait_signal(st.local_of(s), rv.seq));
-    const std::atomic<uint64_t>* c = st.counts(w.local_rank(), rv.half);
-    for (int j = 0; j < L; ++j) {
-      const uint64_t v = c[size_t(j) * R + s].load(std::memory_order_acquire);
-      MOED_CHECK(v >> 32 == (rv.seq & 0xffffffffu), "count of (expert ", j, ", source ", s,
-                 ") carries sequence ", v >> 32, ", expected ", rv.seq);
-      count[size_t(j) * R] = int32_t(v & 0xffffffffu);
-    }
+    const int32_t* from =
+        (w.same_node(s, me) ? dh.published_count : dh.recv_header).data() + size_t(s) * L;
+    for (int j = 0; j < L; ++j) rv.count[size_t(j) * R + s] = from[j];
   }
   rv.index_messages();
   return ok_status();
@@ -166,18 +151,14 @@ Status post_message_receives(Received& rv, std::vector<Request>& requests) {
   return ok_status();
 }
 
-// Packs expert j's rows in [j0, j1) from this rank's slots (in-node senders wrote there) and
-// from the network messages, skipping the sources read in place.
-void pack_slots_and_messages(const Received& rv,
-                             std::span<const low_latency::InPlaceRows* const> in_place,
-                             low_latency::ReceiveBlock& rb, int j0, int j1) {
-  const SegmentLayout& lay = rv.st.layout;
-  auto slot_row = [&](int j, int s) {
-    return low_latency::RowSpan::slots(rv.st.local(), lay, rv.half, lay.fixed_row(j, s, 0), rv.f);
-  };
-  auto is_in_place = [&](int s) { return in_place[size_t(s)] != nullptr; };
+// Packs expert j's rows in [j0, j1) from the network messages (the in-node sources are read in
+// place: pack_in_place).
+void pack_messages(const Received& rv, low_latency::ReceiveBlock& rb, int j0, int j1) {
+  const World& w = *rv.st.world;
+  auto no_slots = [](int, int) { return low_latency::RowSpan{}; };
+  auto in_node = [&](int s) { return w.same_node(s, w.rank()); };
   for (int j = j0; j < j1; ++j) {
-    for (int s = 0; s < lay.num_ranks; ++s) rv.pack(rb, j, s, slot_row, is_in_place);
+    for (int s = 0; s < rv.st.layout.num_ranks; ++s) rv.pack(rb, j, s, no_slots, in_node);
   }
 }
 
@@ -186,7 +167,7 @@ void pack_slots_and_messages(const Received& rv,
 // copies hitting the cache (expert order would read it again from memory). After the slots
 // and messages, which these rows may land on.
 void pack_in_place(const Received& rv, std::span<const low_latency::InPlaceRows* const> in_place,
-                 low_latency::ReceiveBlock& rb, bool stream, bool inline_copy) {
+                   low_latency::ReceiveBlock& rb, bool stream, bool inline_copy) {
   const LowLatencyBuffer::State& st = rv.st;
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, L = lay.num_local_experts, me = st.world->rank();
@@ -277,12 +258,12 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
 
   const int64_t received = rv.set_layout(rb);
   std::vector<const low_latency::InPlaceRows*> in_place(size_t(R), nullptr);
-  bool any_slots = false;  // rows in this rank's slots or messages
+  bool any_messages = false;  // rows from other nodes
   for (int s = 0; s < R; ++s) {
-    if (st.reads_in_place(s) && !dh.sources.empty() && dh.sources[size_t(s)].in_place) {
+    if (w.same_node(s, w.rank())) {
       in_place[size_t(s)] = &dh.sources[size_t(s)];
     } else {
-      for (int j = 0; j < L; ++j) any_slots |= rv.at(j, s) > 0;
+      for (int j = 0; j < L; ++j) any_messages |= rv.at(j, s) > 0;
     }
   }
   // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more. As
@@ -292,12 +273,9 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   const size_t bytes = size_t(received) * rv.f.payload;
   const bool inline_copy = bytes < low_latency::kInlineBytes;
   const bool stream = bytes * size_t(w.ranks_per_node()) >= internal::kStreamThresholdBytes;
-  if (any_slots) {
+  if (any_messages) {
     w.pool().parallel_for(
-        L,
-        [&](int64_t j0, int64_t j1, int) {
-          pack_slots_and_messages(rv, in_place, rb, int(j0), int(j1));
-        },
+        L, [&](int64_t j0, int64_t j1, int) { pack_messages(rv, rb, int(j0), int(j1)); },
         inline_copy ? int64_t(L) : 1);
   }
   pack_in_place(rv, in_place, rb, stream, inline_copy);
@@ -307,47 +285,31 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   return release.finish();
 }
 
-// How the send phase hands this rank's rows to the receivers on its node.
-struct SendMode {
-  bool rows_in_place = false;  // receivers that read in place (st.reads_in_place) copy the rows themselves
-  bool own_rows = false;   // they read this half's copy (FP8 rows, staged bf16), not x
-};
-
-// In-place mode: where this rank's in-node receivers find its rows.
+// Where this rank's in-node receivers find its rows: this half's own copy (`own_rows`: FP8
+// rows, staged bf16), or the caller's x.
 low_latency::InPlaceRows in_place_rows(const DispatchHalf& dh, const LowLatencyDispatchInput& in,
-                                    const low_latency::RowFormat& f, SendMode mode) {
+                                       const low_latency::RowFormat& f, bool own_rows) {
   low_latency::InPlaceRows ps;
   ps.in_place = true;
-  ps.acked = !mode.own_rows;
-  ps.rows = in.use_fp8     ? dh.fp8_rows.data()
-            : mode.own_rows ? dh.staged_rows.data()
-                            : static_cast<const std::byte*>(in.x.data);
-  ps.stride = in.use_fp8     ? f.row_bytes()
-              : mode.own_rows ? f.payload
-                              : size_t(in.x.row_stride) * sizeof(bf16);
+  ps.acked = !own_rows;
+  ps.rows = in.use_fp8 ? dh.fp8_rows.data()
+            : own_rows ? dh.staged_rows.data()
+                       : static_cast<const std::byte*>(in.x.data);
+  ps.stride = in.use_fp8 ? f.row_bytes()
+              : own_rows ? f.payload
+                         : size_t(in.x.row_stride) * sizeof(bf16);
   ps.tokens = dh.in_place_tokens.data();
   ps.probs = dh.in_place_probs.data();
   return ps;
 }
 
-// Publishes every (me, expert) count to the in-node receivers that read the slots, zero
-// included (there is no notify), after its rows; then sends every rank on another node a
-// header of L counts and its message, and posts the receive of its header.
-Status post_counts_and_messages(LowLatencyBuffer::State& st, const LowLatencyHandle& h, int half,
-                                uint64_t seq, const low_latency::RowFormat& f, const NetPlan& plan,
-                                bool rows_in_place) {
+// Sends every rank on another node a header of L counts and its message, and posts the receive
+// of its header.
+Status post_messages(LowLatencyBuffer::State& st, const LowLatencyHandle& h, int half, uint64_t seq,
+                     const low_latency::RowFormat& f, const NetPlan& plan) {
   World& w = *st.world;
   DispatchHalf& dh = st.dispatch_half[half];
   const int R = st.layout.num_ranks, L = st.layout.num_local_experts, me = w.rank();
-  for (int d = 0; d < R && !rows_in_place; ++d) {
-    if (!w.same_node(d, me)) continue;
-    std::atomic<uint64_t>* c = st.counts(st.local_of(d), half);
-    for (int j = 0; j < L; ++j) {
-      const uint64_t v = ((seq & 0xffffffffu) << 32) | uint64_t(h.send_count[size_t(d) * L + j]);
-      c[size_t(j) * R + me].store(v, std::memory_order_release);
-    }
-    if (d != me) st.shared->signal(st.local_of(d), seq);
-  }
   const int header_tag = tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader);
   const int data_tag = tags::low_latency(seq, tags::LowLatencyKind::kDispatchData);
   const size_t header_bytes = size_t(L) * sizeof(int32_t);
@@ -375,25 +337,29 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   State& st = *state_;
   World& w = *st.world;
   const Status local = check_dispatch(st, in, caller_error);
-  if (st.shrink) return low_latency::shrink_dispatch(state_, in, local);
-  // In-place mode without a hook: this rank writes only its own memory (the rows and tokens its
+  // Every call but an in-place one goes through the node-shared segments (segment_peers.h); in
+  // shrink mode with no collective, else after the agreement.
+  // NOTE: the agreement is also the double-buffer handshake: once it returns, every receiver
+  // has entered this dispatch, so it has received (hooked) the dispatch two back and its views
+  // of this half are released; senders may overwrite the half.
+  if (st.shrink) return low_latency::segment_dispatch(state_, in, local);
+  const bool in_place = st.in_place && !in.return_recv_hook;
+  std::vector<low_latency::InPlaceRows> sources;
+  std::vector<int32_t> published_count;
+  if (!in_place || !local.ok()) {
+    if (st.in_place) {  // the same collective as an in-place call's, which agrees on the hook
+      MOED_RETURN_IF_ERROR(publish_dispatch(st, in, local, nullptr, sources, published_count));
+    } else {
+      MOED_RETURN_IF_ERROR(w.agree(local));
+    }
+    return low_latency::segment_dispatch(state_, in, local);
+  }
+
+  // In-place mode (state.h): this rank writes only its own memory (the rows and tokens its
   // in-node receivers read, the messages for other nodes), so it does so first and the
   // collective then publishes them with the counts (publish_dispatch): no signal round.
   // NOTE: its half's previous readers are done: they read it in the dispatch two back, inside
-  // their own call (no hook then either, or nothing was left to read), before the agreement of
-  // the dispatch one back let this rank through.
-  const bool early = st.in_place && !in.return_recv_hook && local.ok();
-  std::vector<low_latency::InPlaceRows> sources;
-  std::vector<int32_t> published_count;
-  if (!st.in_place) {
-    MOED_RETURN_IF_ERROR(w.agree(local));
-  } else if (!early) {
-    MOED_RETURN_IF_ERROR(publish_dispatch(st, in, local, nullptr, sources, published_count));
-  }
-  // NOTE: the agreement is also the double-buffer handshake: once it returns, every receiver
-  // has entered this dispatch, so it has received (hooked) the dispatch two back and its views
-  // of this half are released; senders may overwrite the half (their slots in it).
-
+  // their own call, before the agreement of the dispatch one back let this rank through.
   const bool fp8 = in.use_fp8;
   const uint64_t seq = ++st.seq;
   const int half = int(st.dispatches++ % 2);
@@ -406,40 +372,34 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   if (fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
   const NetPlan plan(st, handle->send_count, f, dh);
 
-  SendMode mode;
-  mode.rows_in_place = st.in_place && !in.return_recv_hook;  // see state.h, in-place mode
   // Receivers read this half's own rows (no acks to wait for): the FP8 rows always, a few
   // bf16 rows once copied here; else the caller's x.
-  mode.own_rows = mode.rows_in_place && (fp8 || size_t(T) * f.payload <= low_latency::kStageBytes);
-  if (mode.own_rows && !fp8) {
+  const bool own_rows = fp8 || size_t(T) * f.payload <= low_latency::kStageBytes;
+  if (own_rows && !fp8) {
     dh.staged_rows.resize(size_t(T) * f.payload);
     for (int64_t t = 0; t < T; ++t) {
       std::memcpy(dh.staged_rows.data() + size_t(t) * f.payload, in.x.row_ptr(t), f.payload);
     }
   }
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
-  low_latency::send_rows(st, in, *handle, half, f, plan,
-                         mode.rows_in_place ? low_latency::InNode::kInPlace
-                                        : low_latency::InNode::kReceiverSlots,
-                         {}, shared_rows);
-  if (early) {
-    const low_latency::InPlaceRows ps = in_place_rows(dh, in, f, mode);
-    Status published =
-        publish_dispatch(st, in, local, &ps, sources, published_count, handle->send_count);
-    if (!published.ok()) {
-      // Nothing left this rank: the call never happened.
-      dh.pending = false;
-      --st.seq;
-      --st.dispatches;
-      return published;
-    }
+  low_latency::send_rows(st, in, *handle, half, f, plan, low_latency::InNode::kInPlace, {},
+                         shared_rows);
+  const low_latency::InPlaceRows ps = in_place_rows(dh, in, f, own_rows);
+  Status published =
+      publish_dispatch(st, in, local, &ps, sources, published_count, handle->send_count);
+  if (!published.ok()) {
+    // Nothing left this rank: the call never happened.
+    dh.pending = false;
+    --st.seq;
+    --st.dispatches;
+    return published;
   }
   low_latency::add_shared_rows(w, shared_rows, f.row_bytes());
   dh.sources = std::move(sources);
   dh.published_count = std::move(published_count);
-  dh.own_rows_seq = early && mode.own_rows ? seq : 0;
+  dh.own_rows_seq = own_rows ? seq : 0;
 
-  Status status = post_counts_and_messages(st, *handle, half, seq, f, plan, mode.rows_in_place);
+  Status status = post_messages(st, *handle, half, seq, f, plan);
   if (!status.ok()) {
     dh.pending = false;
     low_latency::release_in_place(st, half, low_latency::CallKind::kDispatch, seq, dh.sources)
@@ -451,12 +411,10 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   LowLatencyDispatchOutput out;
   low_latency::view_receive_block(st, rb, out);
   out.handle = handle;
-
   auto receive = [state = state_, handle, half, seq, fp8, rb] {
     return receive_dispatch(*state, *handle, half, seq, fp8, *rb);
   };
-  MOED_RETURN_IF_ERROR(
-      low_latency::receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
+  MOED_RETURN_IF_ERROR(low_latency::receive_now_or_hook(false, std::move(receive), out.hook));
   return out;
 }
 

@@ -1,5 +1,5 @@
 // Where a low-latency dispatch puts its rows and how its receive packs them, for dispatch.cc
-// and shrink mode's shrink_dispatch.cc alike: the network messages (NetPlan), the send of
+// and segment_dispatch.cc alike: the network messages (NetPlan), the send of
 // every (token, expert) row (send_rows), and the receive's counts, packed layout and copies
 // (Received).
 #pragma once
@@ -47,9 +47,8 @@ struct NetPlan {
 
 // Where the send phase writes the rows for its own node.
 enum class InNode {
-  kReceiverSlots,  // into the receiver's slot (j, this rank, i)
-  kInPlace,         // nowhere: the receiver reads them in place (st.reads_in_place)
-  kOwnSegment,     // into this rank's slot (e, i), read once its sequence word says so (shrink)
+  kInPlace,    // nowhere: the receiver reads them in place (st.reads_in_place)
+  kOwnSegment  // into this rank's slot (e, i), read once its sequence word says so
 };
 
 // Writes every (token, expert) row where its receiver reads it: on this node as `in_node`
@@ -75,7 +74,7 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
       for (int k = 0; k < K; ++k) {
         const int32_t e = routing.idx(t, k);
         if (e < 0 || (!live.empty() && live[size_t(e / L)] == 0)) continue;
-        const int d = e / L, j = e % L;
+        const int d = e / L;
         const int64_t i = h.slot[size_t(t) * K + k];
         const float p = has_weights ? routing.weight(t, k) : 0.0f;
         if (!w.same_node(d, me)) {
@@ -85,14 +84,11 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
         // NOTE: a in_place row is counted here, by the rank whose row crosses the node (as when
         // it writes it itself, and as the planning model counts NVLink bytes), not by the reader.
         ++shared_rows[size_t(worker)];
-        if (in_node == InNode::kInPlace && st.reads_in_place(d)) {
+        if (in_node == InNode::kInPlace) {
           dh.in_place_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
           dh.in_place_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
-        } else if (in_node == InNode::kOwnSegment) {
-          put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, int32_t(t), p);
         } else {
-          put_slot(st.segment(st.local_of(d)), lay, half, lay.fixed_row(j, me, i), f, row,
-                   int32_t(t), p);
+          put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, int32_t(t), p);
         }
       }
     }

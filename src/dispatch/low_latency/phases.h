@@ -137,7 +137,7 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
 // its buffer goes (State::~State). `published`: every rank's InPlaceRows ([R]) as the opening
 // collective gathered it (empty: nothing was published).
 inline Status release_in_place(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq,
-                             std::span<const InPlaceRows> published) {
+                               std::span<const InPlaceRows> published) {
   World& w = *st.world;
   if (published.empty()) return ok_status();
   const int G = w.ranks_per_node(), me = w.local_rank();
@@ -160,7 +160,7 @@ inline Status release_in_place(LowLatencyBuffer::State& st, int half, CallKind k
 class InPlaceRelease {
  public:
   InPlaceRelease(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq,
-              std::span<const InPlaceRows> published)
+                 std::span<const InPlaceRows> published)
       : st_(st), half_(half), kind_(kind), seq_(seq), published_(published) {}
   InPlaceRelease(const InPlaceRelease&) = delete;
   InPlaceRelease& operator=(const InPlaceRelease&) = delete;

@@ -1,32 +1,36 @@
 // Internal state of a LowLatencyBuffer, shared by its phase files:
-//   buffer.cc    creation, the segment layout, the size hint
-//   dispatch.cc  low_latency_dispatch: send phase (slot writes / network) and receive phase
-//   combine.cc   low_latency_combine: send phase and the reducing receive phase
+//   buffer.cc            creation, the segment layout, the size hint
+//   segment_dispatch.cc  a dispatch through the node-shared segments (segment_peers.h: every
+//   segment_combine.cc   call but an in-place one), and its combine
+//   dispatch.cc          low_latency_dispatch: the choice, and in-place mode
+//   combine.cc           low_latency_combine: the same
 //
-// Segment of every rank (node-shared, `SegmentLayout`), per half h in {0, 1}:
-//   counts[h][j][s]  uint64, (op sequence << 32) | rows, release-stored by source s after its
-//                    rows for local expert j
-//   dispatch_x[h]    [L][R][M] fixed slots (j, s, i) of H bf16 (or H fp8 bytes); the receive
-//                    phase packs expert j's rows to row j * R * M + begin(j, s) + i of the
-//                    output's own memory (ReceiveBlock), never into the segment
+// Segment of every rank (node-shared, `SegmentLayout`), written only by its rank, per half h:
+//   counts[h][e]     uint64: the rows this rank sends to expert e (in-node receivers read it)
+//   dispatch_x[h]    [E][M] slots (e, i) of H bf16 (or H fp8 bytes): this rank's row i for
+//                    expert e; the receiver packs expert j's rows to row j * R * M + begin(j, s) +
+//                    i of the output's own memory (ReceiveBlock), never into the segment
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
-//   combine_y[h]     [E][M]: row i of the home rank's chunk for global expert e
+//   combine_y[h]     [L * R * M]: this rank's expert outputs for in-node homes, packed as x
+//   ranges[h] [L][R] this rank's dispatch layout, for the combine's in-node homes
 //   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
 //                    which that peer has finished reading this rank's memory (in-place mode)
+//   words     the sequence words and the mask (segment_peers.h)
 //
 // In-place mode (the threads world, where every rank's memory is readable by its node; calls
-// without a receive hook): in-node rows are not copied by the sender into the receiver's slots
-// (a copy the receiver would then pack again); the call's opening collective gathers where
-// every rank's rows are (InPlaceRows) and, for dispatch, its counts, so no signal round follows,
-// and the receiver copies them once, straight into their packed
-// place (dispatch), or reduces them where they are (combine). Every receive in the threads world
-// then acks its in-node peers, on every way out of the call, error or not, and waits for their
-// acks (even when another rank has failed), so the call returns only once nobody reads its rows
-// any more; a dispatch with few rows (phases.h, kStageBytes) copies them into its half first
-// and waits for no acks, except when its buffer goes (State::~State). With a hook the sender copies
-// as before, so that its rows are free once the send phase returns (DeepEP's contract), whenever
-// the peers run their hooks.
+// without a receive hook): in-node rows are not copied by the sender into its segment (a copy
+// the receiver would then pack again); the call's opening collective gathers where every
+// rank's rows are (InPlaceRows) and, for dispatch, its counts, so no signal round follows, and
+// the receiver copies them once, straight into their packed place (dispatch), or reduces them
+// where they are (combine). Every receive in the threads world then acks its in-node peers, on
+// every way out of the call, error or not, and waits for their acks (even when another rank
+// has failed), so the call returns only once nobody reads its rows any more; a dispatch with
+// few rows (phases.h, kStageBytes) copies them into its half first and waits for no acks,
+// except when its buffer goes (State::~State). With a hook the call goes through the
+// segments, so that its rows are free once the send phase returns (DeepEP's contract),
+// whenever the peers run their hooks; other nodes' rows come as messages (combine: into
+// combine_y's [E][M] slots of the home).
 #pragma once
 
 #include <atomic>
@@ -63,18 +67,14 @@ struct SegmentLayout {
   size_t dispatch_prob[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
   size_t acks[2] = {0, 0};
-  // Shrink mode (shrink_peers.h): this rank's words (ShrinkWord) and its mask [R], uint64 each;
-  // this rank's dispatch layout [L][R] (LowLatencyRange) for the combine's in-node homes.
-  size_t shrink_words = 0;
-  size_t shrink_ranges[2] = {0, 0};
+  // The segment protocol (segment_peers.h): this rank's words (SegmentWord) and its mask [R],
+  // uint64 each; this rank's dispatch layout [L][R] (LowLatencyRange) for the combine.
+  size_t words = 0;
+  size_t ranges[2] = {0, 0};
   size_t total = 0;
 
-  static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
-                            bool shrink = false);
+  static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts);
   int64_t slots() const { return int64_t(num_experts) * max_tokens; }  // rows per region
-  int64_t fixed_row(int j, int s, int64_t i) const {
-    return (int64_t(j) * num_ranks + s) * max_tokens + i;
-  }
   int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
 };
 
@@ -90,7 +90,7 @@ struct RowFormat {
   size_t net_row_bytes() const { return sizeof(int32_t) + sizeof(float) + row_bytes(); }
 };
 
-// Row r of a half's dispatch slots in a receiver's segment (design.md §6.1): its payload,
+// Row r of a half's dispatch slots in a sender's segment (design.md §6.1): its payload,
 // scales, source token and prob, each in its own region.
 inline void put_slot(std::byte* seg, const SegmentLayout& lay, int half, int64_t r,
                      const RowFormat& f, const std::byte* row, int32_t token, float prob) {
@@ -163,11 +163,11 @@ struct InPlaceRows {
 };
 enum class CallKind : int { kDispatch = 0, kCombine = 1 };
 
-// Shrink mode: the words of a rank's shrink_words region (shrink_peers.h says what each means), per
+// The words of a rank's words region (segment_peers.h says what each means), per
 // (kind, half) where they have one; the mask [R] follows at kMask.
-enum ShrinkWord : size_t { kSent = 0, kVerdict = 4, kDone = 8, kCleaned = 12, kMask = 13 };
-inline constexpr size_t kShrinkWords = kMask;
-inline size_t shrink_index(ShrinkWord w, CallKind k, int half) {
+enum SegmentWord : size_t { kSent = 0, kVerdict = 4, kDone = 8, kCleaned = 12, kMask = 13 };
+inline constexpr size_t kWords = kMask;
+inline size_t word_index(SegmentWord w, CallKind k, int half) {
   return size_t(w) + size_t(k) * 2 + size_t(half);
 }
 
@@ -209,30 +209,31 @@ struct DispatchHalf {
   std::vector<std::byte> net_recv;
   std::vector<int32_t> send_header;  // [R * L]
   std::vector<std::byte> net_send;
-  std::vector<Request> header_requests;  // header receives of this op (shrink mode: [R])
+  std::vector<Request> header_requests;  // header receives of this op (segment calls: [R])
   std::vector<Request> send_requests;    // this op's sends
-  std::vector<int> send_peers;           // shrink mode: the rank of each send
+  std::vector<int> send_peers;           // segment calls: the rank of each send
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
   std::vector<std::byte> staged_rows;    // in-place mode, few bf16 rows: [T] copies of x's rows
-  std::vector<int32_t> in_place_tokens;      // in-place mode: [E][M], InPlaceRows::tokens
-  std::vector<float> in_place_probs;         // in-place mode: [E][M], InPlaceRows::probs
+  std::vector<int32_t> in_place_tokens;  // in-place mode: [E][M], InPlaceRows::tokens
+  std::vector<float> in_place_probs;     // in-place mode: [E][M], InPlaceRows::probs
   // In-place mode: every rank's InPlaceRows and counts for this rank's experts ([R][L]), gathered
   // by the call's opening collective (dispatch.cc, publish_dispatch).
   std::vector<InPlaceRows> sources;
   std::vector<int32_t> published_count;
-  Status shrink_local;  // shrink mode: the call's verdict (this rank's input check)
+  Status local_check;  // segment calls: the call's verdict (this rank's input check)
 };
 
 struct CombineHalf {
   bool pending = false;
-  std::vector<std::byte> net_recv;  // shrink mode: [R] messages from other nodes' experts
-  std::vector<size_t> net_block;    // shrink mode: [R] where each starts in net_recv
-  Status shrink_local;              // shrink mode: this rank's input check
-  std::vector<Request> recvs;       // shrink mode: [R] receives of net_recv's messages
-  std::vector<int> send_peers;      // shrink mode: the rank of each of `requests` (sends)
+  std::vector<std::byte> net_recv;  // segment calls: [R] messages from other nodes' experts
+  std::vector<size_t> net_block;    // segment calls: [R] where each starts in net_recv
+  Status local_check;               // segment calls: this rank's input check
+  std::vector<Request> recvs;       // segment calls: [R] receives of net_recv's messages
+  std::vector<int> send_peers;      // segment calls: the rank of each of `requests` (sends)
   std::vector<std::byte> net_send;  // staged rows when the expert output is strided
   std::vector<Request> requests;
-  // In-place mode: every rank's InPlaceRows, gathered by the call's opening collective (combine.cc).
+  // In-place mode: every rank's InPlaceRows, gathered by the call's opening collective
+  // (combine.cc).
   std::vector<InPlaceRows> sources;  // [R]
 };
 
@@ -251,8 +252,8 @@ struct LowLatencyBuffer::State {
   low_latency::SegmentLayout layout;
   std::shared_ptr<SharedBuffer> shared;
   bool in_place = false;  // in-node peers read each other's memory (World::shares_address_space)
-  // Shrink mode (shrink_peers.h): no collectives in the calls; a peer that misses a call's deadline
-  // is masked. `removed`: a peer masked this rank; every later call returns it.
+  // Shrink mode (segment_peers.h): no collectives in the calls; a peer that misses a call's
+  // deadline is masked. `removed`: a peer masked this rank; every later call returns it.
   bool shrink = false;
   std::chrono::milliseconds shrink_timeout{0};
   Status removed;
@@ -274,10 +275,9 @@ struct LowLatencyBuffer::State {
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
   // In-node peer `rank` can read this rank's memory directly (the threads world).
   bool reads_in_place(int rank) const { return in_place && world->same_node(rank, world->rank()); }
-  // Shrink mode: word `index` of local rank `local_rank`'s shrink words (shrink_peers.h).
-  std::atomic<uint64_t>* shrink_word(int local_rank, size_t index) const {
-    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.shrink_words) +
-           index;
+  // Word `index` of local rank `local_rank`'s words (segment_peers.h).
+  std::atomic<uint64_t>* segment_word(int local_rank, size_t index) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.words) + index;
   }
   std::atomic<uint64_t>* acks(int local_rank, int half, low_latency::CallKind k) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]) +

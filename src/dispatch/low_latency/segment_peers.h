@@ -1,18 +1,20 @@
-// Shrink mode's protocol (moed/low_latency.h, shrink.h), shared by shrink_dispatch.cc and
-// shrink_combine.cc. No collective: every rank writes only its own
-// node-shared segment and sends messages; an in-node peer reads what a rank published once
-// the rank's sequence word says the call's part is complete. A rank's shrink words (state.h,
-// ShrinkWord), per kind k (dispatch, combine) and half h:
+// The segment protocol (segment.h), shared by segment_dispatch.cc and segment_combine.cc:
+// every rank writes only its own node-shared segment and sends messages; an in-node peer reads
+// what a rank published once the rank's sequence word says the call's part is complete. Shrink
+// mode runs it with no collective and masks a peer that misses a wait's deadline; otherwise
+// the call's agreement comes first and a wait is the world's. A rank's words (state.h,
+// SegmentWord), per kind k (dispatch, combine) and half h:
 //   kSent[k][h]     the call (1-based, per kind) whose rows, counts and verdict half h holds
 //   kVerdict[k][h]  its verdict: the StatusCode of this rank's input check, plus kFp8Flag
-//   kDone[k][h]     the call of half h whose receive this rank has finished: a rank writes
-//                   half h for call n only once every unmasked in-node peer is done with n - 2
+//   kDone[k][h]     the call of half h whose receive this rank has finished: in shrink mode a
+//                   rank writes half h for call n only once every unmasked in-node peer is
+//                   done with n - 2 (else the agreement says so)
 //   kCleaned        clean() calls entered
 //   kMask + r       1 where this rank masked rank r; rank r reading it learns it was removed
 // Dispatch: counts[h][e] = rows this rank sends to expert e; the rows, their scales, source
 // tokens and probs at (chunk e, slot i) of dispatch_x / _scales / _src / _prob[h]. Combine:
 // combine_y[h] holds the expert outputs for in-node homes in the dispatch's packed layout,
-// shrink_ranges[h] that layout [L][R]. Other nodes: per call, to every unmasked remote rank, a
+// ranges[h] that layout [L][R]. Other nodes: per call, to every unmasked remote rank, a
 // header [verdict, L counts] then the rows (dispatch), one message [verdict, rows] (combine:
 // both sides know its size from the dispatch), or one word (clean).
 #pragma once
@@ -24,10 +26,11 @@
 #include <string>
 #include <vector>
 
+#include "comm/wait.h"
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/low_latency/state.h"
 
-namespace moed::low_latency::shrink_protocol {
+namespace moed::low_latency::segment {
 
 using Clock = std::chrono::steady_clock;
 using State = LowLatencyBuffer::State;
@@ -35,8 +38,10 @@ using State = LowLatencyBuffer::State;
 constexpr uint64_t kFp8Flag = uint64_t(1) << 32;  // in a verdict: the rows are FP8
 constexpr int32_t kHeaderFp8Flag = 1 << 16;       // the same in a network header's int32
 
-// The peer waits of one call: each for at most the shrink timeout from its start. A peer that
-// misses it, or that the world reports failed, is masked and the call goes on without it.
+// The peer waits of one call. Shrink mode: each for at most the shrink timeout from its start;
+// a peer that misses it, or that the world reports failed, is masked and the call goes on
+// without it. Otherwise a wait is the world's (bounded by its timeout, ended by a failure) and
+// a lost peer is every waiter's error.
 // NOTE: a deadline per wait, not per call: a live peer may answer only once its own wait for a
 // lost rank has run out (a message it receives after a header, say).
 class Peers {
@@ -57,7 +62,7 @@ class Peers {
   // In-node peer r has masked this rank: the buffer is lost to it (every later call says so).
   Status removed_by(int r) {
     if (!in_node(r) || r == w_.rank()) return ok_status();
-    if (st_.shrink_word(st_.local_of(r), kMask + size_t(w_.rank()))
+    if (st_.segment_word(st_.local_of(r), kMask + size_t(w_.rank()))
             ->load(std::memory_order_acquire) == 0) {
       return ok_status();
     }
@@ -78,6 +83,11 @@ class Peers {
   // Waits until ready() holds for in-node peer r: true; false once r is masked.
   template <typename Ready>
   StatusOr<bool> wait(int r, Ready&& ready) {
+    if (!st_.shrink) {
+      MOED_RETURN_IF_ERROR(
+          internal::poll_peer(w_, ready, [&] { return str_cat(call_, ": waiting for rank ", r); }));
+      return true;
+    }
     const auto deadline = Clock::now() + st_.shrink_timeout;
     for (int i = 0;; ++i) {
       if (masked(r)) return false;
@@ -101,51 +111,60 @@ class Peers {
 
   // Waits for a message to or from rank r (another node): true when done; false once r is
   // masked (failed, or the deadline passed: the message is then cancelled).
-  bool wait(int r, Request& request) {
+  StatusOr<bool> wait(int r, Request& request) {
     if (masked(r) || !request) return false;
-    Status s = request->wait_for(st_.shrink_timeout);
+    Status s = st_.shrink ? request->wait_for(st_.shrink_timeout) : request->wait();
     request.reset();
     if (s.ok()) return true;
+    if (!st_.shrink) return s;
     mask(r, s.message());
     return false;
   }
 
   // Posts a message; a peer that cannot take it is masked (the request stays empty).
-  void post(int r, StatusOr<Request> posted, Request& request) {
+  Status post(int r, StatusOr<Request> posted, Request& request) {
     if (posted.ok()) {
       request = std::move(posted).value();
-    } else {
-      mask(r, posted.status().message());
+      return ok_status();
     }
+    if (!st_.shrink) return posted.status();
+    mask(r, posted.status().message());
+    return ok_status();
   }
 
   // A call's sends: each posted one kept in `requests`, its rank in `ranks`, until wait_sends
   // waits for them all (each as wait(r, request)) and forgets them.
-  void post_send(int r, StatusOr<Request> posted, std::vector<Request>& requests,
-                 std::vector<int>& ranks) {
+  Status post_send(int r, StatusOr<Request> posted, std::vector<Request>& requests,
+                   std::vector<int>& ranks) {
     Request request;
-    post(r, std::move(posted), request);
-    if (!request) return;
+    MOED_RETURN_IF_ERROR(post(r, std::move(posted), request));
+    if (!request) return ok_status();
     requests.push_back(std::move(request));
     ranks.push_back(r);
+    return ok_status();
   }
-  void wait_sends(std::vector<Request>& requests, std::vector<int>& ranks) {
-    for (size_t i = 0; i < requests.size(); ++i) wait(ranks[i], requests[i]);
+  Status wait_sends(std::vector<Request>& requests, std::vector<int>& ranks) {
+    Status first;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      StatusOr<bool> done = wait(ranks[i], requests[i]);
+      if (first.ok()) first = done.status();
+    }
     requests.clear();
     ranks.clear();
+    return first;
   }
 
  private:
   std::atomic<uint64_t>* word(size_t index) const {
-    return st_.shrink_word(w_.local_rank(), index);
+    return st_.segment_word(w_.local_rank(), index);
   }
   State& st_;
   World& w_;
   const char* call_;
 };
 
-inline std::atomic<uint64_t>* word(const State& st, int rank, ShrinkWord w, CallKind k, int half) {
-  return st.shrink_word(st.local_of(rank), shrink_index(w, k, half));
+inline std::atomic<uint64_t>* word(const State& st, int rank, SegmentWord w, CallKind k, int half) {
+  return st.segment_word(st.local_of(rank), word_index(w, k, half));
 }
 
 // Before this rank writes half `half` for call n: every unmasked in-node peer is done with
@@ -189,7 +208,10 @@ StatusOr<Call> open_call(State& st, Peers& peers, CallKind kind, uint64_t& calls
   const Call call{half, ++calls, ++st.seq};
   Half& h = halves[half];
   h.pending = true;
-  h.shrink_local = local;
+  h.local_check = local;
+  // Outside shrink mode the call's agreement said every peer has entered it, so it has received
+  // the call two back: the half is free.
+  if (!st.shrink) return call;
   Status freed = wait_half_free(st, peers, kind, half, call.n);
   if (!freed.ok()) {
     h.pending = false;
@@ -246,8 +268,9 @@ Status receive_parts(State& st, Peers& peers, CallKind kind, int half, uint64_t 
       MOED_ASSIGN_OR_RETURN(published, wait_published(st, peers, kind, half, n, r));
       if (!published) continue;
       from_segment[size_t(r)] = true;
-    } else if (!peers.wait(r, first[size_t(r)])) {
-      continue;
+    } else {
+      MOED_ASSIGN_OR_RETURN(const bool in, peers.wait(r, first[size_t(r)]));
+      if (!in) continue;
     }
     MOED_ASSIGN_OR_RETURN(const uint64_t verdict, read(r, published));
     Status v = verdict_error(peers.call(), n, r, verdict, fp8);
@@ -279,4 +302,4 @@ inline void publish(State& st, CallKind kind, int half, uint64_t n, const Status
   word(st, me, kSent, kind, half)->store(n, std::memory_order_release);
 }
 
-}  // namespace moed::low_latency::shrink_protocol
+}  // namespace moed::low_latency::segment

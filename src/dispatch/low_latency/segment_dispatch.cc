@@ -1,23 +1,23 @@
-// Shrink mode's dispatch (shrink.h; the protocol in shrink_peers.h).
+// A dispatch through the segments (segment.h; the protocol in segment_peers.h).
 #include <algorithm>
 #include <cstring>
 
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/dispatch_rows.h"
-#include "dispatch/low_latency/shrink.h"
-#include "dispatch/low_latency/shrink_peers.h"
+#include "dispatch/low_latency/segment.h"
+#include "dispatch/low_latency/segment_peers.h"
 
 namespace moed::low_latency {
 
-using shrink_protocol::Call;
-using shrink_protocol::finish_receive;
-using shrink_protocol::kFp8Flag;
-using shrink_protocol::kHeaderFp8Flag;
-using shrink_protocol::open_call;
-using shrink_protocol::Peers;
-using shrink_protocol::publish;
-using shrink_protocol::receive_parts;
-using shrink_protocol::State;
+using segment::Call;
+using segment::finish_receive;
+using segment::kFp8Flag;
+using segment::kHeaderFp8Flag;
+using segment::open_call;
+using segment::Peers;
+using segment::publish;
+using segment::receive_parts;
+using segment::State;
 
 namespace {
 
@@ -56,20 +56,25 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   rv.index_messages();
   rv.size_messages();
   std::vector<Request> data(static_cast<size_t>(R));
-  for (int s = 0; s < R; ++s) {
+  Status net;  // outside shrink mode: the first failed message
+  for (int s = 0; s < R && net.ok(); ++s) {
     const NetRows m = rv.message(s);
     if (peers.in_node(s) || m.rows == 0 || peers.masked(s)) continue;
-    peers.post(s,
-               w.irecv(s, tags::low_latency(seq, tags::LowLatencyKind::kDispatchData), m.base,
-                       m.bytes()),
-               data[size_t(s)]);
+    net = peers.post(
+        s,
+        w.irecv(s, tags::low_latency(seq, tags::LowLatencyKind::kDispatchData), m.base, m.bytes()),
+        data[size_t(s)]);
   }
   for (int s = 0; s < R; ++s) {
-    if (data[size_t(s)] && !peers.wait(s, data[size_t(s)])) rv.drop(s);
+    if (!data[size_t(s)]) continue;
+    StatusOr<bool> in = peers.wait(s, data[size_t(s)]);
+    if (!in.ok() && net.ok()) net = in.status();
+    if (in.ok() && !*in) rv.drop(s);
   }
-  peers.wait_sends(dh.send_requests, dh.send_peers);
+  Status sent = peers.wait_sends(dh.send_requests, dh.send_peers);
   dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
-  dh.header_requests.resize(size_t(R));
+  MOED_RETURN_IF_ERROR(net);
+  MOED_RETURN_IF_ERROR(sent);
 
   // A source masked above after its counts were read adds no rows (its messages' places in
   // net_recv stay as indexed).
@@ -89,15 +94,15 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kDispatch, half, n, from_segment));
   handle.layout_range = rb.layout_range;
   handle.received = true;
-  MOED_RETURN_IF_ERROR(dh.shrink_local);
+  MOED_RETURN_IF_ERROR(dh.local_check);
   return bad;
 }
 
 }  // namespace
 
-StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>& sp,
-                                                   const LowLatencyDispatchInput& in,
-                                                   const Status& local) {
+StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>& sp,
+                                                    const LowLatencyDispatchInput& in,
+                                                    const Status& local) {
   State& st = *sp;
   World& w = *st.world;
   Peers peers(st, "low_latency_dispatch");
@@ -132,23 +137,31 @@ StatusOr<LowLatencyDispatchOutput> shrink_dispatch(const std::shared_ptr<State>&
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
   publish(st, CallKind::kDispatch, half, n, local, fp8);
-  for (int d = 0; d < R; ++d) {
+  dh.header_requests.resize(size_t(R));
+  Status posted;  // outside shrink mode: the first message that could not be posted
+  for (int d = 0; d < R && posted.ok(); ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
     int32_t* header = dh.send_header.data() + size_t(d) * (L + 1);
     header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
     for (int j = 0; j < L; ++j) header[1 + j] = ok ? handle->send_count[size_t(d) * L + j] : 0;
     auto send = [&](const void* data, size_t bytes, tags::LowLatencyKind kind) {
-      peers.post_send(d, w.isend(d, tags::low_latency(seq, kind), data, bytes), dh.send_requests,
-                      dh.send_peers);
+      if (!posted.ok()) return;
+      posted = peers.post_send(d, w.isend(d, tags::low_latency(seq, kind), data, bytes),
+                               dh.send_requests, dh.send_peers);
     };
     send(header, size_t(L + 1) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
     const NetRows m = plan.message(dh, d, f);
     if (m.rows > 0) send(m.base, m.bytes(), tags::LowLatencyKind::kDispatchData);
-    peers.post(
+    if (!posted.ok()) break;
+    posted = peers.post(
         d,
         w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
                 dh.recv_header.data() + size_t(d) * (L + 1), size_t(L + 1) * sizeof(int32_t)),
         dh.header_requests[size_t(d)]);
+  }
+  if (!posted.ok()) {
+    dh.pending = false;
+    return posted;
   }
   add_shared_rows(w, shared_rows, f.row_bytes());
 

@@ -1,22 +1,23 @@
-// Shrink mode's combine and clean (shrink.h; the protocol in shrink_peers.h).
+// A combine through the segments, and shrink mode's clean (segment.h; the protocol in
+// segment_peers.h).
 #include <algorithm>
 #include <cstring>
 
 #include "core/row_kernels.h"
-#include "dispatch/low_latency/shrink.h"
-#include "dispatch/low_latency/shrink_peers.h"
+#include "dispatch/low_latency/segment.h"
+#include "dispatch/low_latency/segment_peers.h"
 #include "dispatch/sections.h"
 
 namespace moed::low_latency {
 
-using shrink_protocol::Call;
-using shrink_protocol::finish_receive;
-using shrink_protocol::open_call;
-using shrink_protocol::Peers;
-using shrink_protocol::publish;
-using shrink_protocol::receive_parts;
-using shrink_protocol::State;
-using shrink_protocol::word;
+using segment::Call;
+using segment::finish_receive;
+using segment::open_call;
+using segment::Peers;
+using segment::publish;
+using segment::receive_parts;
+using segment::State;
+using segment::word;
 
 namespace {
 
@@ -39,7 +40,7 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
     if (published) {
       verdict = *published;
       const std::byte* seg = st.segment(st.local_of(d));
-      const auto* ranges = reinterpret_cast<const LowLatencyRange*>(seg + lay.shrink_ranges[half]);
+      const auto* ranges = reinterpret_cast<const LowLatencyRange*>(seg + lay.ranges[half]);
       for (int j = 0; j < L && verdict == 0; ++j) {
         const LowLatencyRange r = ranges[size_t(j) * R + me];
         if (r.count != handle.send_count[size_t(d) * L + j]) {
@@ -70,9 +71,10 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
                                        for (int j = 0; j < L; ++j)
                                          first_row[size_t(d) * L + j] = nullptr;
                                      }));
-  peers.wait_sends(ch.requests, ch.send_peers);
+  Status sent = peers.wait_sends(ch.requests, ch.send_peers);
   ch.recvs.clear();  // dropped: cancelled where a masked peer never sent
   ch.recvs.resize(size_t(R));
+  MOED_RETURN_IF_ERROR(sent);
 
   // out[t] = sum over t's experts e of unmasked ranks, ascending, of w * y (as the normal path).
   reduce_tokens(
@@ -81,15 +83,15 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
       [&](int32_t e, int32_t slot) { return first_row[size_t(e)] + size_t(slot) * row_bytes; },
       out);
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kCombine, half, n, from_segment));
-  MOED_RETURN_IF_ERROR(ch.shrink_local);
+  MOED_RETURN_IF_ERROR(ch.local_check);
   return bad;
 }
 
 }  // namespace
 
-StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& sp,
-                                                 const LowLatencyCombineInput& in,
-                                                 const Status& local) {
+StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& sp,
+                                                  const LowLatencyCombineInput& in,
+                                                  const Status& local) {
   State& st = *sp;
   World& w = *st.world;
   Peers peers(st, "low_latency_combine");
@@ -118,14 +120,17 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
     ch.net_block[size_t(d)] = messages.add(64 + size_t(rows) * row_bytes);
   }
   ch.net_recv.resize(messages.aligned_end());
-  for (int d = 0; d < R && handle != nullptr; ++d) {
+  ch.recvs.resize(size_t(R));
+  Status posted;  // outside shrink mode: the first message that could not be posted
+  for (int d = 0; d < R && handle != nullptr && posted.ok(); ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
     int64_t rows = 0;
     for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
-    peers.post(d,
-               w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
-                       ch.net_recv.data() + ch.net_block[size_t(d)], 64 + size_t(rows) * row_bytes),
-               ch.recvs[size_t(d)]);
+    posted = peers.post(
+        d,
+        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
+                ch.net_recv.data() + ch.net_block[size_t(d)], 64 + size_t(rows) * row_bytes),
+        ch.recvs[size_t(d)]);
   }
 
   // Expert side: the rows of in-node homes into this rank's segment (the packed layout, as x),
@@ -142,7 +147,7 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
         internal::copy_rows(y, at, in.x, at, r.count);
       }
     }
-    std::memcpy(seg + lay.shrink_ranges[half], handle->layout_range.data(),
+    std::memcpy(seg + lay.ranges[half], handle->layout_range.data(),
                 handle->layout_range.size() * sizeof(LowLatencyRange));
   }
   publish(st, CallKind::kCombine, half, n, local, false);
@@ -154,7 +159,7 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
   }
   ch.net_send.resize(64 * size_t(R) + staged * row_bytes);
   size_t at = 0;
-  for (int s = 0; s < R && handle != nullptr; ++s) {
+  for (int s = 0; s < R && handle != nullptr && posted.ok(); ++s) {
     if (peers.in_node(s) || peers.masked(s)) continue;
     std::byte* m = ch.net_send.data() + at;
     const uint64_t verdict = uint64_t(uint32_t(local.code()));
@@ -168,11 +173,15 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
       }
       rows += size_t(r.count);
     }
-    peers.post_send(s,
-                    w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData), m,
-                            64 + rows * row_bytes),
-                    ch.requests, ch.send_peers);
+    posted = peers.post_send(s,
+                             w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
+                                     m, 64 + rows * row_bytes),
+                             ch.requests, ch.send_peers);
     at += 64 + rows * row_bytes;
+  }
+  if (!posted.ok()) {
+    ch.pending = false;
+    return posted;
   }
 
   LowLatencyCombineOutput out;
@@ -204,31 +213,32 @@ StatusOr<LowLatencyCombineOutput> shrink_combine(const std::shared_ptr<State>& s
   return out;
 }
 
-Status shrink_clean(State& st) {
+Status segment_clean(State& st) {
   World& w = *st.world;
   Peers peers(st, "clean_low_latency_buffer");
   MOED_RETURN_IF_ERROR(peers.check_removed());
   const int R = w.size(), me = w.rank();
   const uint64_t k = ++st.cleans;
   const uint64_t seq = ++st.seq;
-  st.shrink_word(w.local_rank(), kCleaned)->store(k, std::memory_order_release);
+  st.segment_word(w.local_rank(), kCleaned)->store(k, std::memory_order_release);
   std::vector<Request> recvs(static_cast<size_t>(R)), sends(static_cast<size_t>(R));
   std::vector<uint64_t> in(static_cast<size_t>(R), 0);
   for (int d = 0; d < R; ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
     const int tag = tags::low_latency(seq, tags::LowLatencyKind::kClean);
-    peers.post(d, w.isend(d, tag, &k, sizeof(k)), sends[size_t(d)]);
-    peers.post(d, w.irecv(d, tag, &in[size_t(d)], sizeof(k)), recvs[size_t(d)]);
+    MOED_RETURN_IF_ERROR(peers.post(d, w.isend(d, tag, &k, sizeof(k)), sends[size_t(d)]));
+    MOED_RETURN_IF_ERROR(
+        peers.post(d, w.irecv(d, tag, &in[size_t(d)], sizeof(k)), recvs[size_t(d)]));
   }
   for (int p = 0; p < R; ++p) {
     if (p == me || !peers.in_node(p)) continue;
-    std::atomic<uint64_t>* cleaned = st.shrink_word(st.local_of(p), kCleaned);
+    std::atomic<uint64_t>* cleaned = st.segment_word(st.local_of(p), kCleaned);
     MOED_RETURN_IF_ERROR(
         peers.wait(p, [&] { return cleaned->load(std::memory_order_acquire) >= k; }).status());
   }
   for (int d = 0; d < R; ++d) {
-    peers.wait(d, recvs[size_t(d)]);
-    peers.wait(d, sends[size_t(d)]);
+    MOED_RETURN_IF_ERROR(peers.wait(d, recvs[size_t(d)]).status());
+    MOED_RETURN_IF_ERROR(peers.wait(d, sends[size_t(d)]).status());
   }
   return ok_status();
 }
