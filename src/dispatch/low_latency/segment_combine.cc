@@ -120,7 +120,11 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
     ch.net_block[size_t(d)] = messages.add(64 + size_t(rows) * row_bytes);
   }
   ch.net_recv.resize(messages.aligned_end());
+  // What a call of this half that failed midway left (its requests) is dropped.
+  ch.recvs.clear();
   ch.recvs.resize(size_t(R));
+  ch.requests.clear();
+  ch.send_peers.clear();
   Status posted;  // outside shrink mode: the first message that could not be posted
   for (int d = 0; d < R && handle != nullptr && posted.ok(); ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;

@@ -137,7 +137,11 @@ StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
   publish(st, CallKind::kDispatch, half, n, local, fp8);
+  // What a call of this half that failed midway left (its requests) is dropped.
+  dh.header_requests.clear();
   dh.header_requests.resize(size_t(R));
+  dh.send_requests.clear();
+  dh.send_peers.clear();
   Status posted;  // outside shrink mode: the first message that could not be posted
   for (int d = 0; d < R && posted.ok(); ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
