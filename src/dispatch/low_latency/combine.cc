@@ -10,6 +10,7 @@
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/low_latency/segment.h"
+#include "dispatch/low_latency/segment_peers.h"
 #include "dispatch/out_buffer.h"
 
 namespace moed {
@@ -17,7 +18,6 @@ namespace moed {
 namespace {
 
 using low_latency::CombineHalf;
-using low_latency::keep_request;
 using low_latency::SegmentLayout;
 
 Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
@@ -99,18 +99,29 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   const int R = lay.num_ranks, me = w.rank(), H = lay.hidden;
   ch.pending = false;
   low_latency::InPlaceRelease release(st, half, low_latency::CallKind::kCombine, seq, ch.sources);
-  Status net = wait_all(ch.requests);
-  ch.requests.clear();
+  // Other nodes' expert outputs come in one message per expert rank (segment_peers.h).
+  low_latency::segment::Peers peers(st, "low_latency_combine");
+  std::vector<const std::byte*> first_row(size_t(lay.num_experts), nullptr);
+  Status net;
+  for (int d = 0; d < R; ++d) {
+    if (w.same_node(d, me)) continue;
+    StatusOr<bool> in = peers.wait(d, ch.recvs[size_t(d)]);
+    if (!in.ok() && net.ok()) net = in.status();
+    if (in.ok() && *in) low_latency::segment::message_rows(st, half, handle, d, first_row);
+  }
+  Status sent = peers.wait_sends(ch.requests, ch.send_peers);
   MOED_RETURN_IF_ERROR(net);
+  MOED_RETURN_IF_ERROR(sent);
 
-  const auto* y = reinterpret_cast<const bf16*>(st.local() + lay.combine_y[half]);
+  // In-node experts' outputs are where the call's collective said.
   const int L = lay.num_local_experts;
+  const size_t row_bytes = size_t(H) * sizeof(bf16);
   const std::vector<low_latency::InPlaceRows>& peer = ch.sources;
-  // In-node experts' outputs are where the call's collective said; other nodes' came into this
-  // rank's slots.
   auto row_of = [&](int32_t e, int32_t slot) -> const bf16* {
     const int d = e / L, j = e % L;
-    if (!w.same_node(d, me)) return y + (size_t(e) * size_t(lay.max_tokens) + size_t(slot)) * H;
+    if (!w.same_node(d, me)) {
+      return reinterpret_cast<const bf16*>(first_row[size_t(e)] + size_t(slot) * row_bytes);
+    }
     const low_latency::InPlaceRows& p = peer[size_t(d)];
     const int64_t row =
         int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin + slot;
@@ -157,26 +168,6 @@ StatusOr<std::vector<low_latency::InPlaceRows>> agree_and_publish(LowLatencyBuff
   return sources;
 }
 
-// Home side: receives from other nodes go straight into this rank's combine slots; both sides
-// know each chunk's size, so they are posted at once and move while the caller works.
-Status post_home_receives(LowLatencyBuffer::State& st, const LowLatencyHandle& handle, int half,
-                          uint64_t seq) {
-  World& w = *st.world;
-  const SegmentLayout& lay = st.layout;
-  const size_t row_bytes = size_t(lay.hidden) * sizeof(bf16);
-  std::byte* mine = st.local() + lay.combine_y[half];
-  for (int e = 0; e < lay.num_experts; ++e) {
-    const int d = e / lay.num_local_experts;
-    const int32_t n = handle.send_count[size_t(e)];
-    if (w.same_node(d, w.rank()) || n == 0) continue;
-    MOED_RETURN_IF_ERROR(keep_request(
-        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
-                mine + size_t(e) * size_t(lay.max_tokens) * row_bytes, size_t(n) * row_bytes),
-        st.combine_half[half].requests));
-  }
-  return ok_status();
-}
-
 // The rows the in-node homes read in place from this rank, counted here, by the rank whose rows
 // cross the node (as when it writes them, and as the planning model counts NVLink bytes).
 void count_in_node_rows(LowLatencyBuffer::State& st, const LowLatencyHandle& handle) {
@@ -187,51 +178,6 @@ void count_in_node_rows(LowLatencyBuffer::State& st, const LowLatencyHandle& han
     if (w.same_node(int(c % size_t(R)), w.rank())) rows += uint64_t(handle.layout_range[c].count);
   }
   low_latency::add_shared_rows(w, {&rows, 1}, size_t(st.layout.hidden) * sizeof(bf16));
-}
-
-// Expert side across nodes: one message per non-empty chunk, in ascending expert order for
-// each home, which is the order the home posted its receives in; strided rows are staged.
-Status send_to_other_nodes(LowLatencyBuffer::State& st, const LowLatencyCombineInput& in,
-                           int half, uint64_t seq) {
-  World& w = *st.world;
-  const SegmentLayout& lay = st.layout;
-  const LowLatencyHandle& handle = *in.handle;
-  CombineHalf& ch = st.combine_half[half];
-  const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
-  const size_t row_bytes = size_t(H) * sizeof(bf16);
-  const TensorView& x = in.x;
-  const bool strided = !x.contiguous();
-  if (strided) {
-    size_t staged = 0;
-    for (int j = 0; j < L; ++j) {
-      for (int s = 0; s < R; ++s) {
-        if (!w.same_node(s, me)) staged += size_t(handle.layout_range[size_t(j) * R + s].count);
-      }
-    }
-    ch.net_send.resize(staged * row_bytes);
-  }
-  size_t staged = 0;
-  for (int s = 0; s < R; ++s) {
-    if (w.same_node(s, me)) continue;
-    for (int j = 0; j < L; ++j) {
-      const LowLatencyRange range = handle.layout_range[size_t(j) * R + s];
-      if (range.count == 0) continue;
-      const int64_t from = int64_t(j) * lay.rows_per_expert() + range.begin;
-      const void* data = x.row_ptr(from);
-      if (strided) {
-        std::byte* stage = ch.net_send.data() + staged * row_bytes;
-        internal::copy_rows(TensorView(stage, DType::kBF16, range.count, H), 0, x, from,
-                            range.count);
-        data = stage;
-        staged += size_t(range.count);
-      }
-      MOED_RETURN_IF_ERROR(
-          keep_request(w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
-                               data, size_t(range.count) * row_bytes),
-                       ch.requests));
-    }
-  }
-  return ok_status();
 }
 
 }  // namespace
@@ -257,9 +203,10 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   // In-place mode (state.h): the in-node homes read this rank's rows where they are.
   // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
   // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
-  Status status = post_home_receives(st, *in.handle, half, seq);
   count_in_node_rows(st, *in.handle);
-  if (status.ok()) status = send_to_other_nodes(st, in, half, seq);
+  low_latency::segment::Peers peers(st, "low_latency_combine");
+  Status status =
+      low_latency::segment::post_combine_messages(peers, in.handle.get(), in.x, half, seq, local);
   if (!status.ok()) {
     ch.pending = false;
     low_latency::release_in_place(st, half, low_latency::CallKind::kCombine, seq, ch.sources)

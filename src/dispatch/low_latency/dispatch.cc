@@ -11,13 +11,13 @@
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/dispatch_rows.h"
 #include "dispatch/low_latency/segment.h"
+#include "dispatch/low_latency/segment_peers.h"
 
 namespace moed {
 
 namespace {
 
 using low_latency::DispatchHalf;
-using low_latency::keep_request;
 using low_latency::NetPlan;
 using low_latency::Received;
 using low_latency::SegmentLayout;
@@ -117,8 +117,8 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
   return ok_status();
 }
 
-// Fills rv.count and rv.first: the in-node sources' counts came with the opening collective;
-// other nodes sent theirs as a header.
+// Fills rv.count: the in-node sources' counts came with the opening collective; other nodes
+// sent theirs in a header (segment_peers.h: [verdict, L counts]; the agreement passed them).
 Status receive_counts(Received& rv) {
   LowLatencyBuffer::State& st = rv.st;
   World& w = *st.world;
@@ -127,26 +127,9 @@ Status receive_counts(Received& rv) {
   MOED_RETURN_IF_ERROR(wait_all(dh.header_requests));
   rv.count.assign(size_t(L) * R, 0);
   for (int s = 0; s < R; ++s) {
-    const int32_t* from =
-        (w.same_node(s, me) ? dh.published_count : dh.recv_header).data() + size_t(s) * L;
+    const int32_t* from = w.same_node(s, me) ? dh.published_count.data() + size_t(s) * L
+                                             : dh.recv_header.data() + size_t(s) * (L + 1) + 1;
     for (int j = 0; j < L; ++j) rv.count[size_t(j) * R + s] = from[j];
-  }
-  rv.index_messages();
-  return ok_status();
-}
-
-// Posts the receive of one message from every non-empty source on another node, into
-// dh.net_recv.
-Status post_message_receives(Received& rv, std::vector<Request>& requests) {
-  World& w = *rv.st.world;
-  rv.size_messages();
-  for (int s = 0; s < rv.st.layout.num_ranks; ++s) {
-    const low_latency::NetRows m = rv.message(s);
-    if (w.same_node(s, w.rank()) || m.rows == 0) continue;
-    MOED_RETURN_IF_ERROR(keep_request(
-        w.irecv(s, tags::low_latency(rv.seq, tags::LowLatencyKind::kDispatchData), m.base,
-                m.bytes()),
-        requests));
   }
   return ok_status();
 }
@@ -243,18 +226,9 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   low_latency::InPlaceRelease release(st, half, low_latency::CallKind::kDispatch, seq, dh.sources);
 
   Received rv{st, dh, half, seq, low_latency::RowFormat::of(lay, fp8)};
-  std::vector<Request> data_requests;
-  Status status = receive_counts(rv);
-  if (status.ok()) status = post_message_receives(rv, data_requests);
-  // NOTE: post the data receives before waiting on this rank's own sends: a send completes
-  // only once its receiver has posted the matching receive.
-  Status recv_status = wait_all(data_requests);
-  Status send_status = wait_all(dh.send_requests);
-  dh.header_requests.clear();
-  dh.send_requests.clear();
-  MOED_RETURN_IF_ERROR(status);
-  MOED_RETURN_IF_ERROR(recv_status);
-  MOED_RETURN_IF_ERROR(send_status);
+  low_latency::segment::Peers peers(st, "low_latency_dispatch");
+  MOED_RETURN_IF_ERROR(receive_counts(rv));
+  MOED_RETURN_IF_ERROR(low_latency::segment::receive_dispatch_messages(peers, rv));
 
   const int64_t received = rv.set_layout(rb);
   std::vector<const low_latency::InPlaceRows*> in_place(size_t(R), nullptr);
@@ -301,33 +275,6 @@ low_latency::InPlaceRows in_place_rows(const DispatchHalf& dh, const LowLatencyD
   ps.tokens = dh.in_place_tokens.data();
   ps.probs = dh.in_place_probs.data();
   return ps;
-}
-
-// Sends every rank on another node a header of L counts and its message, and posts the receive
-// of its header.
-Status post_messages(LowLatencyBuffer::State& st, const LowLatencyHandle& h, int half, uint64_t seq,
-                     const low_latency::RowFormat& f, const NetPlan& plan) {
-  World& w = *st.world;
-  DispatchHalf& dh = st.dispatch_half[half];
-  const int R = st.layout.num_ranks, L = st.layout.num_local_experts, me = w.rank();
-  const int header_tag = tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader);
-  const int data_tag = tags::low_latency(seq, tags::LowLatencyKind::kDispatchData);
-  const size_t header_bytes = size_t(L) * sizeof(int32_t);
-  for (int d = 0; d < R; ++d) {
-    if (w.same_node(d, me)) continue;
-    int32_t* header = dh.send_header.data() + size_t(d) * L;
-    for (int j = 0; j < L; ++j) header[j] = h.send_count[size_t(d) * L + j];
-    MOED_RETURN_IF_ERROR(
-        keep_request(w.isend(d, header_tag, header, header_bytes), dh.send_requests));
-    const low_latency::NetRows m = plan.message(dh, d, f);
-    if (m.rows > 0) {
-      MOED_RETURN_IF_ERROR(keep_request(w.isend(d, data_tag, m.base, m.bytes()), dh.send_requests));
-    }
-    MOED_RETURN_IF_ERROR(keep_request(
-        w.irecv(d, header_tag, dh.recv_header.data() + size_t(d) * L, header_bytes),
-        dh.header_requests));
-  }
-  return ok_status();
 }
 
 }  // namespace
@@ -399,7 +346,9 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   dh.published_count = std::move(published_count);
   dh.own_rows_seq = own_rows ? seq : 0;
 
-  Status status = post_messages(st, *handle, half, seq, f, plan);
+  low_latency::segment::Peers peers(st, "low_latency_dispatch");
+  Status status =
+      low_latency::segment::post_dispatch_messages(peers, *handle, half, seq, f, plan, local, fp8);
   if (!status.ok()) {
     dh.pending = false;
     low_latency::release_in_place(st, half, low_latency::CallKind::kDispatch, seq, dh.sources)

@@ -12,12 +12,98 @@ namespace moed::low_latency {
 
 using segment::Call;
 using segment::finish_receive;
+using segment::message_rows;
 using segment::open_call;
 using segment::Peers;
+using segment::post_combine_messages;
 using segment::publish;
 using segment::receive_parts;
 using segment::State;
 using segment::word;
+
+Status segment::post_combine_messages(Peers& peers, const LowLatencyHandle* handle,
+                                      const TensorView& x, int half, uint64_t seq,
+                                      const Status& local) {
+  State& st = peers.state();
+  World& w = *st.world;
+  const SegmentLayout& lay = st.layout;
+  CombineHalf& ch = st.combine_half[half];
+  const int R = lay.num_ranks, L = lay.num_local_experts, H = lay.hidden;
+  const size_t row_bytes = size_t(H) * sizeof(bf16);
+  // What a call of this half that failed midway left (its requests) is dropped.
+  ch.recvs.clear();
+  ch.recvs.resize(size_t(R));
+  ch.requests.clear();
+  ch.send_peers.clear();
+  if (handle == nullptr) return ok_status();
+  auto remote = [&](int r) { return !peers.in_node(r) && !peers.masked(r); };
+  auto rows_of = [&](int r, bool expert_side) {  // this rank's rows with rank r's experts
+    int64_t rows = 0;                            // (home side), or of rank r (expert side)
+    for (int j = 0; j < L; ++j) {
+      rows += expert_side ? handle->layout_range[size_t(j) * R + r].count
+                          : handle->send_count[size_t(r) * L + j];
+    }
+    return size_t(rows);
+  };
+  // Home side: one message from each expert rank of another node, its size known from this
+  // rank's dispatch.
+  ch.net_block.assign(size_t(R), 0);
+  Sections messages(64);
+  for (int d = 0; d < R; ++d) {
+    if (remote(d)) ch.net_block[size_t(d)] = messages.add(64 + rows_of(d, false) * row_bytes);
+  }
+  ch.net_recv.resize(messages.aligned_end());
+  Status posted;
+  const int tag = tags::low_latency(seq, tags::LowLatencyKind::kCombineData);
+  for (int d = 0; d < R && posted.ok(); ++d) {
+    if (!remote(d)) continue;
+    posted = peers.post(d,
+                        w.irecv(d, tag, ch.net_recv.data() + ch.net_block[size_t(d)],
+                                64 + rows_of(d, false) * row_bytes),
+                        ch.recvs[size_t(d)]);
+  }
+  // Expert side: to each home of another node, [verdict][its rows, expert by expert], staged.
+  size_t staged = 0;
+  for (int s = 0; s < R; ++s) {
+    if (!peers.in_node(s)) staged += 64 + rows_of(s, true) * row_bytes;
+  }
+  ch.net_send.resize(staged);
+  std::byte* m = ch.net_send.data();
+  for (int s = 0; s < R && posted.ok(); ++s) {
+    if (!remote(s)) continue;
+    const uint64_t verdict = uint64_t(uint32_t(local.code()));
+    std::memcpy(m, &verdict, sizeof(verdict));
+    size_t rows = 0;
+    for (int j = 0; j < L; ++j) {
+      const LowLatencyRange r = handle->layout_range[size_t(j) * R + s];
+      if (local.ok()) {
+        internal::copy_rows(TensorView(m + 64 + rows * row_bytes, DType::kBF16, r.count, H), 0, x,
+                            int64_t(j) * lay.rows_per_expert() + r.begin, r.count);
+      }
+      rows += size_t(r.count);
+    }
+    posted =
+        peers.post_send(s, w.isend(s, tag, m, 64 + rows * row_bytes), ch.requests, ch.send_peers);
+    m += 64 + rows * row_bytes;
+  }
+  return posted;
+}
+
+uint64_t segment::message_rows(const State& st, int half, const LowLatencyHandle& handle, int d,
+                               std::vector<const std::byte*>& first_row) {
+  const CombineHalf& ch = st.combine_half[half];
+  const int L = st.layout.num_local_experts;
+  const size_t row_bytes = size_t(st.layout.hidden) * sizeof(bf16);
+  const std::byte* m = ch.net_recv.data() + ch.net_block[size_t(d)];
+  uint64_t verdict = 0;
+  std::memcpy(&verdict, m, sizeof(verdict));
+  m += 64;
+  for (int j = 0; j < L; ++j) {
+    first_row[size_t(d) * L + j] = m;
+    m += size_t(handle.send_count[size_t(d) * L + j]) * row_bytes;
+  }
+  return verdict;
+}
 
 namespace {
 
@@ -57,14 +143,7 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
       }
       return verdict;
     }
-    const std::byte* m = ch.net_recv.data() + ch.net_block[size_t(d)];
-    std::memcpy(&verdict, m, sizeof(verdict));
-    m += 64;
-    for (int j = 0; j < L; ++j) {
-      first_row[size_t(d) * L + j] = m;
-      m += size_t(handle.send_count[size_t(d) * L + j]) * row_bytes;
-    }
-    return verdict;
+    return message_rows(st, half, handle, d, first_row);
   };
   MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kCombine, half, n, false, ch.recvs,
                                      from_segment, bad, read_rows, [&](int d) {
@@ -97,7 +176,6 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
   Peers peers(st, "low_latency_combine");
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, L = lay.num_local_experts, me = w.rank(), H = lay.hidden;
-  const size_t row_bytes = size_t(H) * sizeof(bf16);
   MOED_ASSIGN_OR_RETURN(const Call call, open_call(st, peers, CallKind::kCombine, st.combines,
                                                    st.combine_half, local));
   const int half = call.half;
@@ -108,34 +186,6 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
   // (their sizes come from the dispatch), and the ranks of other nodes mask this rank.
   const LowLatencyHandle* handle =
       in.handle && in.handle->buffer_id == st.id && in.handle->received ? in.handle.get() : nullptr;
-
-  // Home side: one message from each unmasked expert rank of another node, its size known from
-  // this rank's dispatch.
-  ch.net_block.assign(size_t(R), 0);
-  Sections messages(64);  // each [verdict, 64 bytes][rows]
-  for (int d = 0; d < R && handle != nullptr; ++d) {
-    if (peers.in_node(d) || peers.masked(d)) continue;
-    int64_t rows = 0;
-    for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
-    ch.net_block[size_t(d)] = messages.add(64 + size_t(rows) * row_bytes);
-  }
-  ch.net_recv.resize(messages.aligned_end());
-  // What a call of this half that failed midway left (its requests) is dropped.
-  ch.recvs.clear();
-  ch.recvs.resize(size_t(R));
-  ch.requests.clear();
-  ch.send_peers.clear();
-  Status posted;  // outside shrink mode: the first message that could not be posted
-  for (int d = 0; d < R && handle != nullptr && posted.ok(); ++d) {
-    if (peers.in_node(d) || peers.masked(d)) continue;
-    int64_t rows = 0;
-    for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
-    posted = peers.post(
-        d,
-        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
-                ch.net_recv.data() + ch.net_block[size_t(d)], 64 + size_t(rows) * row_bytes),
-        ch.recvs[size_t(d)]);
-  }
 
   // Expert side: the rows of in-node homes into this rank's segment (the packed layout, as x),
   // with the layout; one message for each other node's home.
@@ -155,34 +205,7 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
                 handle->layout_range.size() * sizeof(LowLatencyRange));
   }
   publish(st, CallKind::kCombine, half, n, local, false);
-  size_t staged = 0;
-  for (int s = 0; s < R && handle != nullptr; ++s) {
-    if (!peers.in_node(s)) {
-      for (int j = 0; j < L; ++j) staged += size_t(handle->layout_range[size_t(j) * R + s].count);
-    }
-  }
-  ch.net_send.resize(64 * size_t(R) + staged * row_bytes);
-  size_t at = 0;
-  for (int s = 0; s < R && handle != nullptr && posted.ok(); ++s) {
-    if (peers.in_node(s) || peers.masked(s)) continue;
-    std::byte* m = ch.net_send.data() + at;
-    const uint64_t verdict = uint64_t(uint32_t(local.code()));
-    std::memcpy(m, &verdict, sizeof(verdict));
-    size_t rows = 0;
-    for (int j = 0; j < L; ++j) {
-      const LowLatencyRange r = handle->layout_range[size_t(j) * R + s];
-      if (ok) {
-        internal::copy_rows(TensorView(m + 64 + rows * row_bytes, DType::kBF16, r.count, H), 0,
-                            in.x, int64_t(j) * lay.rows_per_expert() + r.begin, r.count);
-      }
-      rows += size_t(r.count);
-    }
-    posted = peers.post_send(s,
-                             w.isend(s, tags::low_latency(seq, tags::LowLatencyKind::kCombineData),
-                                     m, 64 + rows * row_bytes),
-                             ch.requests, ch.send_peers);
-    at += 64 + rows * row_bytes;
-  }
+  Status posted = post_combine_messages(peers, handle, in.x, half, seq, local);
   if (!posted.ok()) {
     ch.pending = false;
     return posted;

@@ -15,9 +15,84 @@ using segment::kFp8Flag;
 using segment::kHeaderFp8Flag;
 using segment::open_call;
 using segment::Peers;
+using segment::post_dispatch_messages;
 using segment::publish;
+using segment::receive_dispatch_messages;
 using segment::receive_parts;
 using segment::State;
+
+Status segment::post_dispatch_messages(Peers& peers, const LowLatencyHandle& handle, int half,
+                                       uint64_t seq, const RowFormat& f, const NetPlan& plan,
+                                       const Status& local, bool fp8) {
+  State& st = peers.state();
+  World& w = *st.world;
+  DispatchHalf& dh = st.dispatch_half[half];
+  const int R = st.layout.num_ranks, L = st.layout.num_local_experts;
+  // What a call of this half that failed midway left (its requests) is dropped.
+  dh.header_requests.clear();
+  dh.header_requests.resize(size_t(R));
+  dh.send_requests.clear();
+  dh.send_peers.clear();
+  Status posted;
+  for (int d = 0; d < R && posted.ok(); ++d) {
+    if (peers.in_node(d) || peers.masked(d)) continue;
+    int32_t* header = dh.send_header.data() + size_t(d) * (L + 1);
+    header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
+    for (int j = 0; j < L; ++j) {
+      header[1 + j] = local.ok() ? handle.send_count[size_t(d) * L + j] : 0;
+    }
+    auto send = [&](const void* data, size_t bytes, tags::LowLatencyKind kind) {
+      if (!posted.ok()) return;
+      posted = peers.post_send(d, w.isend(d, tags::low_latency(seq, kind), data, bytes),
+                               dh.send_requests, dh.send_peers);
+    };
+    send(header, size_t(L + 1) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
+    const NetRows m = plan.message(dh, d, f);
+    if (m.rows > 0) send(m.base, m.bytes(), tags::LowLatencyKind::kDispatchData);
+    if (!posted.ok()) break;
+    posted = peers.post(
+        d,
+        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
+                dh.recv_header.data() + size_t(d) * (L + 1), size_t(L + 1) * sizeof(int32_t)),
+        dh.header_requests[size_t(d)]);
+  }
+  return posted;
+}
+
+Status segment::receive_dispatch_messages(Peers& peers, Received& rv) {
+  State& st = rv.st;
+  World& w = *st.world;
+  DispatchHalf& dh = rv.dh;
+  const int R = st.layout.num_ranks;
+  rv.index_messages();
+  rv.size_messages();
+  std::vector<Request> data(static_cast<size_t>(R));
+  Status net;  // outside shrink mode: the first failed message
+  for (int s = 0; s < R && net.ok(); ++s) {
+    const NetRows m = rv.message(s);
+    if (peers.in_node(s) || m.rows == 0 || peers.masked(s)) continue;
+    net = peers.post(s,
+                     w.irecv(s, tags::low_latency(rv.seq, tags::LowLatencyKind::kDispatchData),
+                             m.base, m.bytes()),
+                     data[size_t(s)]);
+  }
+  for (int s = 0; s < R; ++s) {
+    if (!data[size_t(s)]) continue;
+    StatusOr<bool> in = peers.wait(s, data[size_t(s)]);
+    if (!in.ok() && net.ok()) net = in.status();
+    if (in.ok() && !*in) rv.drop(s);
+  }
+  Status sent = peers.wait_sends(dh.send_requests, dh.send_peers);
+  dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
+  MOED_RETURN_IF_ERROR(net);
+  MOED_RETURN_IF_ERROR(sent);
+  // A source masked above after its counts were read adds no rows (its messages' places in
+  // net_recv stay as indexed).
+  for (int s = 0; s < R; ++s) {
+    if (peers.masked(s)) rv.drop(s);
+  }
+  return ok_status();
+}
 
 namespace {
 
@@ -53,34 +128,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kDispatch, half, n, fp8,
                                      dh.header_requests, from_segment, bad, read_counts,
                                      [&](int s) { rv.drop(s); }));
-  rv.index_messages();
-  rv.size_messages();
-  std::vector<Request> data(static_cast<size_t>(R));
-  Status net;  // outside shrink mode: the first failed message
-  for (int s = 0; s < R && net.ok(); ++s) {
-    const NetRows m = rv.message(s);
-    if (peers.in_node(s) || m.rows == 0 || peers.masked(s)) continue;
-    net = peers.post(
-        s,
-        w.irecv(s, tags::low_latency(seq, tags::LowLatencyKind::kDispatchData), m.base, m.bytes()),
-        data[size_t(s)]);
-  }
-  for (int s = 0; s < R; ++s) {
-    if (!data[size_t(s)]) continue;
-    StatusOr<bool> in = peers.wait(s, data[size_t(s)]);
-    if (!in.ok() && net.ok()) net = in.status();
-    if (in.ok() && !*in) rv.drop(s);
-  }
-  Status sent = peers.wait_sends(dh.send_requests, dh.send_peers);
-  dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
-  MOED_RETURN_IF_ERROR(net);
-  MOED_RETURN_IF_ERROR(sent);
-
-  // A source masked above after its counts were read adds no rows (its messages' places in
-  // net_recv stay as indexed).
-  for (int s = 0; s < R; ++s) {
-    if (peers.masked(s)) rv.drop(s);
-  }
+  MOED_RETURN_IF_ERROR(receive_dispatch_messages(peers, rv));
   rv.set_layout(rb);
   auto slot_row = [&](int j, int s) {  // the sender's own slots (e, i)
     const int64_t from = (int64_t(me) * L + j) * lay.max_tokens;
@@ -137,32 +185,7 @@ StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
   publish(st, CallKind::kDispatch, half, n, local, fp8);
-  // What a call of this half that failed midway left (its requests) is dropped.
-  dh.header_requests.clear();
-  dh.header_requests.resize(size_t(R));
-  dh.send_requests.clear();
-  dh.send_peers.clear();
-  Status posted;  // outside shrink mode: the first message that could not be posted
-  for (int d = 0; d < R && posted.ok(); ++d) {
-    if (peers.in_node(d) || peers.masked(d)) continue;
-    int32_t* header = dh.send_header.data() + size_t(d) * (L + 1);
-    header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
-    for (int j = 0; j < L; ++j) header[1 + j] = ok ? handle->send_count[size_t(d) * L + j] : 0;
-    auto send = [&](const void* data, size_t bytes, tags::LowLatencyKind kind) {
-      if (!posted.ok()) return;
-      posted = peers.post_send(d, w.isend(d, tags::low_latency(seq, kind), data, bytes),
-                               dh.send_requests, dh.send_peers);
-    };
-    send(header, size_t(L + 1) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
-    const NetRows m = plan.message(dh, d, f);
-    if (m.rows > 0) send(m.base, m.bytes(), tags::LowLatencyKind::kDispatchData);
-    if (!posted.ok()) break;
-    posted = peers.post(
-        d,
-        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
-                dh.recv_header.data() + size_t(d) * (L + 1), size_t(L + 1) * sizeof(int32_t)),
-        dh.header_requests[size_t(d)]);
-  }
+  Status posted = post_dispatch_messages(peers, *handle, half, seq, f, plan, local, fp8);
   if (!posted.ok()) {
     dh.pending = false;
     return posted;

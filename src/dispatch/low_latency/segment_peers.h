@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "comm/wait.h"
+#include "dispatch/low_latency/dispatch_rows.h"
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/low_latency/state.h"
 
@@ -50,6 +51,7 @@ class Peers {
 
   bool masked(int r) const { return word(kMask + size_t(r))->load(std::memory_order_acquire) != 0; }
   bool in_node(int r) const { return w_.same_node(r, w_.rank()); }
+  State& state() const { return st_; }
   const char* call() const { return call_; }
 
   void mask(int r, const std::string& why) {
@@ -301,5 +303,26 @@ inline void publish(State& st, CallKind kind, int half, uint64_t n, const Status
       ->store(uint64_t(uint32_t(local.code())) | (fp8 ? kFp8Flag : 0), std::memory_order_relaxed);
   word(st, me, kSent, kind, half)->store(n, std::memory_order_release);
 }
+
+// A dispatch's messages to the unmasked ranks on other nodes (segment_dispatch.cc): to each, a
+// header [verdict, L counts] (the int32 verdict: this rank's StatusCode, plus kHeaderFp8Flag),
+// the rows for it in one message (NetPlan), and the receive of its header; outside shrink
+// mode the first message that could not be posted is the error.
+Status post_dispatch_messages(Peers& peers, const LowLatencyHandle& handle, int half, uint64_t seq,
+                              const RowFormat& f, const NetPlan& plan, const Status& local,
+                              bool fp8);
+// Once rv.count holds every source's counts: the other nodes' rows into dh.net_recv, then this
+// call's own sends. A source lost meanwhile (shrink mode) adds no rows.
+Status receive_dispatch_messages(Peers& peers, Received& rv);
+// A combine's messages with the unmasked ranks on other nodes (segment_combine.cc): the receive
+// of one from each expert rank, [verdict, 64 bytes][this rank's rows of its experts, expert by
+// expert] (sizes from the dispatch), and one such to each home, staged from x. None without a
+// handle (a bad call).
+Status post_combine_messages(Peers& peers, const LowLatencyHandle* handle, const TensorView& x,
+                             int half, uint64_t seq, const Status& local);
+// Where expert rank d's message (in) holds this rank's rows of each of d's experts:
+// first_row[d * L + j]; returns the message's verdict.
+uint64_t message_rows(const State& st, int half, const LowLatencyHandle& handle, int d,
+                      std::vector<const std::byte*>& first_row);
 
 }  // namespace moed::low_latency::segment

@@ -29,8 +29,8 @@
 // few rows (phases.h, kStageBytes) copies them into its half first and waits for no acks,
 // except when its buffer goes (State::~State). With a hook the call goes through the
 // segments, so that its rows are free once the send phase returns (DeepEP's contract),
-// whenever the peers run their hooks; other nodes' rows come as messages (combine: into
-// combine_y's [E][M] slots of the home).
+// whenever the peers run their hooks. Other nodes' rows come as messages, the same in both
+// (segment_peers.h).
 #pragma once
 
 #include <atomic>
@@ -205,13 +205,13 @@ struct DispatchHalf {
   std::shared_ptr<ReceiveBlock> received;  // this half's last receive (take_receive_block)
   // Network: headers from every source (counts per local expert), the rows received from
   // other nodes, and what this rank sends to other nodes (kept until the receive completes).
-  std::vector<int32_t> recv_header;  // [R * L]
+  std::vector<int32_t> recv_header;  // [R][verdict, L counts]
   std::vector<std::byte> net_recv;
-  std::vector<int32_t> send_header;  // [R * L]
+  std::vector<int32_t> send_header;  // [R][verdict, L counts]
   std::vector<std::byte> net_send;
-  std::vector<Request> header_requests;  // header receives of this op (segment calls: [R])
+  std::vector<Request> header_requests;  // [R] header receives of this op
   std::vector<Request> send_requests;    // this op's sends
-  std::vector<int> send_peers;           // segment calls: the rank of each send
+  std::vector<int> send_peers;           // the rank of each send
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
   std::vector<std::byte> staged_rows;    // in-place mode, few bf16 rows: [T] copies of x's rows
   std::vector<int32_t> in_place_tokens;  // in-place mode: [E][M], InPlaceRows::tokens
@@ -225,13 +225,15 @@ struct DispatchHalf {
 
 struct CombineHalf {
   bool pending = false;
-  std::vector<std::byte> net_recv;  // segment calls: [R] messages from other nodes' experts
-  std::vector<size_t> net_block;    // segment calls: [R] where each starts in net_recv
-  Status local_check;               // segment calls: this rank's input check
-  std::vector<Request> recvs;       // segment calls: [R] receives of net_recv's messages
-  std::vector<int> send_peers;      // segment calls: the rank of each of `requests` (sends)
-  std::vector<std::byte> net_send;  // staged rows when the expert output is strided
+  Status local_check;  // segment calls: this rank's input check
+  // Network (segment_peers.h, post_combine_messages): [R] messages from other nodes' experts,
+  // where each starts, their receives; the messages to other nodes' homes and their sends.
+  std::vector<std::byte> net_recv;
+  std::vector<size_t> net_block;
+  std::vector<Request> recvs;
+  std::vector<std::byte> net_send;
   std::vector<Request> requests;
+  std::vector<int> send_peers;  // the rank of each of `requests`
   // In-place mode: every rank's InPlaceRows, gathered by the call's opening collective
   // (combine.cc).
   std::vector<InPlaceRows> sources;  // [R]
