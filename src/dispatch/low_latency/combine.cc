@@ -1,7 +1,7 @@
-// low_latency_combine: the send phase returns every received row's expert output to its home
-// rank's combine slot [e][i] (in-node: a copy into the home's segment; other nodes: one
-// message per (expert, home) chunk, whose size both sides know from the dispatch), then
-// signals. The receive phase reduces each token over its experts in ascending expert id.
+// low_latency_combine: every call but an in-place one goes through the segments
+// (segment_combine.cc); an in-place call leaves its expert outputs where they are for the
+// in-node homes and sends other nodes' homes one message each (segment_peers.h). The receive
+// reduces each token over its experts in ascending expert id.
 #include <algorithm>
 #include <array>
 #include <cstring>

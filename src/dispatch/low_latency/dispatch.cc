@@ -1,9 +1,8 @@
-// low_latency_dispatch: the send phase writes every (token, expert) row straight into the
-// receiver's fixed slot (j, s, i) in node-shared memory, or stages it for one network message
-// per (source, destination) pair; then publishes each (source, expert) count with release
-// ordering and signals the receiver. The receive phase waits for every source and packs each
-// expert's rows (source ascending, token ascending) into memory the output owns
-// (ReceiveBlock), with recv_count and layout_range.
+// low_latency_dispatch: every call but an in-place one goes through the segments
+// (segment_dispatch.cc); an in-place call (the threads world, no hook) leaves its in-node rows
+// where they are, publishes where with its opening collective, and sends other nodes one
+// message each (segment_peers.h). Its receive copies each expert's rows (source ascending, token
+// ascending) into memory the output owns (ReceiveBlock), with recv_count and layout_range.
 #include <algorithm>
 #include <cstring>
 

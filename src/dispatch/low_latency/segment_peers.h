@@ -190,7 +190,7 @@ inline Status wait_half_free(State& st, Peers& peers, CallKind kind, int half, u
   return ok_status();
 }
 
-// The numbers of one shrink-mode call.
+// The numbers of one segment call.
 struct Call {
   int half;
   uint64_t n;    // the call of its kind, 1-based
