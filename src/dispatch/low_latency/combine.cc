@@ -109,6 +109,7 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
     if (!in.ok() && net.ok()) net = in.status();
     if (in.ok() && *in) low_latency::segment::message_rows(st, half, handle, d, first_row);
   }
+  if (net.ok()) net = peers.wait_sends(ch.row_recvs, ch.row_peers);
   Status sent = peers.wait_sends(ch.requests, ch.send_peers);
   MOED_RETURN_IF_ERROR(net);
   MOED_RETURN_IF_ERROR(sent);

@@ -33,58 +33,65 @@ Status segment::post_combine_messages(Peers& peers, const LowLatencyHandle* hand
   // What a call of this half that failed midway left (its requests) is dropped.
   ch.recvs.clear();
   ch.recvs.resize(size_t(R));
+  ch.row_recvs.clear();
+  ch.row_peers.clear();
   ch.requests.clear();
   ch.send_peers.clear();
   if (handle == nullptr) return ok_status();
   auto remote = [&](int r) { return !peers.in_node(r) && !peers.masked(r); };
-  auto rows_of = [&](int r, bool expert_side) {  // this rank's rows with rank r's experts
-    int64_t rows = 0;                            // (home side), or of rank r (expert side)
-    for (int j = 0; j < L; ++j) {
-      rows += expert_side ? handle->layout_range[size_t(j) * R + r].count
-                          : handle->send_count[size_t(r) * L + j];
-    }
-    return size_t(rows);
-  };
-  // Home side: one message from each expert rank of another node, its size known from this
-  // rank's dispatch.
-  ch.net_block.assign(size_t(R), 0);
-  Sections messages(64);
-  for (int d = 0; d < R; ++d) {
-    if (remote(d)) ch.net_block[size_t(d)] = messages.add(64 + rows_of(d, false) * row_bytes);
-  }
-  ch.net_recv.resize(messages.aligned_end());
-  Status posted;
   const int tag = tags::low_latency(seq, tags::LowLatencyKind::kCombineData);
+  // Home side: from each expert rank of another node its verdict, then its chunks, expert by
+  // expert (sizes from this rank's dispatch), each straight to its place in its block.
+  ch.net_block.assign(size_t(R), 0);
+  Sections blocks(64);
+  for (int d = 0; d < R; ++d) {
+    if (!remote(d)) continue;
+    int64_t rows = 0;
+    for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
+    ch.net_block[size_t(d)] = blocks.add(64 + size_t(rows) * row_bytes);
+  }
+  ch.net_recv.resize(blocks.aligned_end());
+  Status posted;
   for (int d = 0; d < R && posted.ok(); ++d) {
     if (!remote(d)) continue;
-    posted = peers.post(d,
-                        w.irecv(d, tag, ch.net_recv.data() + ch.net_block[size_t(d)],
-                                64 + rows_of(d, false) * row_bytes),
-                        ch.recvs[size_t(d)]);
+    std::byte* b = ch.net_recv.data() + ch.net_block[size_t(d)];
+    posted = peers.post(d, w.irecv(d, tag, b, sizeof(uint64_t)), ch.recvs[size_t(d)]);
+    b += 64;
+    for (int j = 0; j < L && posted.ok(); ++j) {
+      const size_t bytes = size_t(handle->send_count[size_t(d) * L + j]) * row_bytes;
+      if (bytes == 0) continue;
+      posted = peers.post_send(d, w.irecv(d, tag, b, bytes), ch.row_recvs, ch.row_peers);
+      b += bytes;
+    }
   }
-  // Expert side: to each home of another node, [verdict][its rows, expert by expert], staged.
+  // Expert side: to each home of another node the same, the rows straight from x (staged
+  // where x is strided, or holds no rows because the input was bad).
+  const bool stage = !local.ok() || !x.contiguous();
   size_t staged = 0;
-  for (int s = 0; s < R; ++s) {
-    if (!peers.in_node(s)) staged += 64 + rows_of(s, true) * row_bytes;
+  for (int s = 0; s < R && stage; ++s) {
+    for (int j = 0; j < L && !peers.in_node(s); ++j) {
+      staged += size_t(handle->layout_range[size_t(j) * R + s].count) * row_bytes;
+    }
   }
+  ch.verdicts.assign(size_t(R), uint64_t(uint32_t(local.code())));
   ch.net_send.resize(staged);
   std::byte* m = ch.net_send.data();
   for (int s = 0; s < R && posted.ok(); ++s) {
     if (!remote(s)) continue;
-    const uint64_t verdict = uint64_t(uint32_t(local.code()));
-    std::memcpy(m, &verdict, sizeof(verdict));
-    size_t rows = 0;
-    for (int j = 0; j < L; ++j) {
+    posted = peers.post_send(s, w.isend(s, tag, &ch.verdicts[size_t(s)], sizeof(uint64_t)),
+                             ch.requests, ch.send_peers);
+    for (int j = 0; j < L && posted.ok(); ++j) {
       const LowLatencyRange r = handle->layout_range[size_t(j) * R + s];
-      if (local.ok()) {
-        internal::copy_rows(TensorView(m + 64 + rows * row_bytes, DType::kBF16, r.count, H), 0, x,
-                            int64_t(j) * lay.rows_per_expert() + r.begin, r.count);
+      if (r.count == 0) continue;
+      const int64_t from = int64_t(j) * lay.rows_per_expert() + r.begin;
+      const void* rows = stage ? static_cast<const void*>(m) : x.row_ptr(from);
+      if (stage && local.ok()) {
+        internal::copy_rows(TensorView(m, DType::kBF16, r.count, H), 0, x, from, r.count);
       }
-      rows += size_t(r.count);
+      if (stage) m += size_t(r.count) * row_bytes;
+      posted = peers.post_send(s, w.isend(s, tag, rows, size_t(r.count) * row_bytes), ch.requests,
+                               ch.send_peers);
     }
-    posted =
-        peers.post_send(s, w.isend(s, tag, m, 64 + rows * row_bytes), ch.requests, ch.send_peers);
-    m += 64 + rows * row_bytes;
   }
   return posted;
 }
@@ -150,7 +157,9 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRout
                                        for (int j = 0; j < L; ++j)
                                          first_row[size_t(d) * L + j] = nullptr;
                                      }));
+  Status rows_in = peers.wait_sends(ch.row_recvs, ch.row_peers);  // masks a lost sender
   Status sent = peers.wait_sends(ch.requests, ch.send_peers);
+  MOED_RETURN_IF_ERROR(rows_in);
   ch.recvs.clear();  // dropped: cancelled where a masked peer never sent
   ch.recvs.resize(size_t(R));
   MOED_RETURN_IF_ERROR(sent);

@@ -15,8 +15,9 @@
 // tokens and probs at (chunk e, slot i) of dispatch_x / _scales / _src / _prob[h]. Combine:
 // combine_y[h] holds the expert outputs for in-node homes in the dispatch's packed layout,
 // ranges[h] that layout [L][R]. Other nodes: per call, to every unmasked remote rank, a
-// header [verdict, L counts] then the rows (dispatch), one message [verdict, rows] (combine:
-// both sides know its size from the dispatch), or one word (clean).
+// header [verdict, L counts] then the rows (dispatch), the verdict then one message per expert
+// chunk, straight from x (combine: both sides know the sizes from the dispatch), or one word
+// (clean).
 #pragma once
 
 #include <atomic>
@@ -314,10 +315,10 @@ Status post_dispatch_messages(Peers& peers, const LowLatencyHandle& handle, int 
 // Once rv.count holds every source's counts: the other nodes' rows into dh.net_recv, then this
 // call's own sends. A source lost meanwhile (shrink mode) adds no rows.
 Status receive_dispatch_messages(Peers& peers, Received& rv);
-// A combine's messages with the unmasked ranks on other nodes (segment_combine.cc): the receive
-// of one from each expert rank, [verdict, 64 bytes][this rank's rows of its experts, expert by
-// expert] (sizes from the dispatch), and one such to each home, staged from x. None without a
-// handle (a bad call).
+// A combine's messages with the unmasked ranks on other nodes (segment_combine.cc): from each
+// expert rank its verdict, then this rank's rows of each of its experts, received into one
+// block [verdict, 64 bytes][rows, expert by expert] (sizes from the dispatch); the same to each
+// home, the rows straight from x. None without a handle (a bad call).
 Status post_combine_messages(Peers& peers, const LowLatencyHandle* handle, const TensorView& x,
                              int half, uint64_t seq, const Status& local);
 // Where expert rank d's message (in) holds this rank's rows of each of d's experts:

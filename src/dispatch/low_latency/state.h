@@ -226,14 +226,19 @@ struct DispatchHalf {
 struct CombineHalf {
   bool pending = false;
   Status local_check;  // segment calls: this rank's input check
-  // Network (segment_peers.h, post_combine_messages): [R] messages from other nodes' experts,
-  // where each starts, their receives; the messages to other nodes' homes and their sends.
+  // Network (segment_peers.h, post_combine_messages): [R] blocks from other nodes' experts
+  // (verdict, then rows), where each starts, the verdicts' receives [R] and the rows' (with
+  // their ranks); to other nodes' homes: the verdicts, rows staged where they must be, and the
+  // sends (with their ranks).
   std::vector<std::byte> net_recv;
   std::vector<size_t> net_block;
   std::vector<Request> recvs;
+  std::vector<Request> row_recvs;
+  std::vector<int> row_peers;
+  std::vector<uint64_t> verdicts;
   std::vector<std::byte> net_send;
   std::vector<Request> requests;
-  std::vector<int> send_peers;  // the rank of each of `requests`
+  std::vector<int> send_peers;
   // In-place mode: every rank's InPlaceRows, gathered by the call's opening collective
   // (combine.cc).
   std::vector<InPlaceRows> sources;  // [R]
