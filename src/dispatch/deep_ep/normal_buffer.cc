@@ -20,14 +20,13 @@ LayoutView LayoutView::of(const DispatchLayout& l) {
 
 RecvLayout RecvLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, int num_topk,
                           int num_ranks, int num_channels) {
-  RecvLayout l;
+  RecvLayout l{.cap_rows = cap_rows,
+               .row_bytes = row_bytes,
+               .scale_bytes = scale_bytes,
+               .num_topk = num_topk,
+               .num_ranks = num_ranks,
+               .num_channels = num_channels};
   const size_t rows = size_t(cap_rows);
-  l.cap_rows = cap_rows;
-  l.row_bytes = row_bytes;
-  l.scale_bytes = scale_bytes;
-  l.num_topk = num_topk;
-  l.num_ranks = num_ranks;
-  l.num_channels = num_channels;
   Sections s(64);
   s.add(rows * row_bytes);
   l.scales_off = s.add(rows * scale_bytes);
@@ -39,20 +38,10 @@ RecvLayout RecvLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes
   return l;
 }
 
-RmMessage RmMessage::of(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
-                        int ranks_per_node, int num_channels) {
-  RmMessage m;
-  const size_t t = size_t(n);
-  // Each section starts on 8 bytes, so its int64 / float / int32 entries are aligned.
-  Sections s(8);
-  s.add(t * sizeof(RmHeader));
-  m.rows_off = s.add(t * row_bytes);
-  m.scales_off = s.add(t * scale_bytes);
-  m.idx_off = s.add(t * size_t(num_topk) * 8);
-  m.weights_off = s.add(t * size_t(num_topk) * 4);
-  m.cpm_off = s.add(size_t(ranks_per_node) * size_t(num_channels) * 4);
-  m.bytes = s.end();
-  return m;
+flex::MessageLayout rm_message(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
+                               int ranks_per_node, int num_channels) {
+  return flex::MessageLayout::of(n, n * num_topk, row_bytes, scale_bytes,
+                                 size_t(ranks_per_node) * size_t(num_channels) * sizeof(int32_t));
 }
 
 RmSendPlan make_rm_send_plan(const flex::Topology& topo, const NormalHandle& h, ThreadPool& pool) {

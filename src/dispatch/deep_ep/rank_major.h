@@ -1,5 +1,5 @@
 // Flex's rank-major receive layout (DeepEP's normal mode, moed/deep_ep.h): the buffer's
-// state, the layout of one rank's receive block and the two-hop message format. Built from
+// state, the layout of one rank's receive block and its two-hop messages. Built from
 // Flex's pieces: the topology, node-shared regions and per-pair signals (flex/topology.h,
 // flex/buffers.h).
 #pragma once
@@ -29,19 +29,12 @@ struct RecvLayout {
                        int num_ranks, int num_channels);
 };
 
-// Source -> forwarder message: n headers, then n rows, n scale rows, n * K global expert ids
-// (int64) and weights, then the source's channel prefix rows for the G ranks of the node.
-struct RmHeader {
-  int32_t src_token;
-  int32_t pad;
-  uint64_t rank_mask;  // local ranks of the destination node that receive the token
-};
-static_assert(sizeof(RmHeader) == 16);
-struct RmMessage {
-  size_t rows_off = 0, scales_off = 0, idx_off = 0, weights_off = 0, cpm_off = 0, bytes = 0;
-  static RmMessage of(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
-                      int ranks_per_node, int num_channels);
-};
+// Source -> forwarder messages are Flex's (flex::MessageLayout): per token a header (source
+// token, mask of the node's ranks that receive it) and its K top-k entries (global expert, or
+// -1, and weight; the slot is k), then the rows and scales, then the source's channel prefix
+// rows for the G ranks of the node as the tail.
+flex::MessageLayout rm_message(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
+                               int ranks_per_node, int num_channels);
 
 // The home side's channel split, derived from is_token_in_rank (and cached in the handle).
 struct RmSendPlan {

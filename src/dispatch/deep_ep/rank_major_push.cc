@@ -33,8 +33,8 @@ struct RowWriter {
   int L;
   bool plan;  // the source index travels too (uncached mode); the top-k when num_topk > 0
   void write(const RecvTarget& to, int64_t row, int r, const void* payload, const void* scales,
-             const int32_t src_token, const TopkView* topk, int64_t t, const int64_t* msg_idx,
-             const float* msg_w) const {
+             const int32_t src_token, const TopkView* topk, int64_t t,
+             const char* msg_entries) const {
     char* block = to.block;
     std::memcpy(to.rows + size_t(row) * to.rows_stride, payload, lay->row_bytes);
     if (lay->scale_bytes) {
@@ -47,15 +47,17 @@ struct RowWriter {
     auto* w = reinterpret_cast<float*>(block + lay->weights_off) + size_t(row) * K;
     const int64_t lo = int64_t(r) * L;
     for (int k = 0; k < K; ++k) {
-      // NOTE: a network message packs its entries without padding, so read them unaligned.
       int64_t e = 0;
       float wt = 0.0f;
       if (topk) {
         e = topk->at(t, k);
         wt = topk->weight(t, k);
       } else {
-        std::memcpy(&e, msg_idx + k, sizeof(e));
-        std::memcpy(&wt, msg_w + k, sizeof(wt));
+        // NOTE: a network message packs its entries without padding, so read them unaligned.
+        flex::MessageEntry en;
+        std::memcpy(&en, msg_entries + size_t(k) * sizeof(en), sizeof(en));
+        e = en.expert;
+        wt = en.prob;
       }
       const bool local = e >= lo && e < lo + L;
       idx[k] = local ? e - lo : -1;
@@ -135,23 +137,24 @@ struct RmPush {
       const int64_t n = h.forward_tokens[size_t(m)];
       if (m == topo.node || n == 0) continue;
       recv_buf[size_t(m)] =
-          s.dispatch_net.recv(m, RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
+          s.dispatch_net.recv(m, rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
       MOED_ASSIGN_OR_RETURN(Request r, w.irecv(topo.forwarder_on(m), tags::kRankMajorDispatch,
                                                recv_buf[size_t(m)].data(),
                                                recv_buf[size_t(m)].size()));
       recvs.push_back(std::move(r));
     }
-    std::vector<RmMessage> out_msg(static_cast<size_t>(N));
+    std::vector<flex::MessageLayout> out_msg(static_cast<size_t>(N));
+    std::vector<int32_t> cpm(size_t(G) * C);
     for (int m = 0; m < N; ++m) {
       const int64_t n = send.node_tokens[size_t(C) * N + m];
       if (m == topo.node || n == 0) continue;
-      out_msg[size_t(m)] = RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C);
+      out_msg[size_t(m)] = rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C);
       send_buf[size_t(m)] = s.dispatch_net.send(m, out_msg[size_t(m)].bytes);
-      auto* cpm =
-          reinterpret_cast<int32_t*>(send_buf[size_t(m)].data() + out_msg[size_t(m)].cpm_off);
       for (int lr = 0; lr < G; ++lr) {
         for (int c = 0; c < C; ++c) cpm[size_t(lr) * C + c] = channel_start(h, m * G + lr, c);
       }
+      std::memcpy(send_buf[size_t(m)].data() + out_msg[size_t(m)].tail_off, cpm.data(),
+                  cpm.size() * sizeof(int32_t));
     }
     w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
       std::vector<int64_t> pos(static_cast<size_t>(N));
@@ -182,21 +185,21 @@ struct RmPush {
     return ok_status();
   }
 
-  // Entry i of a node message: token t for the node's ranks in `mask`.
-  void pack_message_row(const RmMessage& ml, char* msg, size_t i, int64_t t, uint64_t mask) const {
+  // Entry i of a node message: token t for the node's ranks in `mask`, with its K top-k
+  // entries (slot k).
+  void pack_message_row(const flex::MessageLayout& ml, char* msg, size_t i, int64_t t,
+                        uint64_t mask) const {
     const int K = lay.num_topk;
-    const RmHeader hd{int32_t(t), 0, mask};
-    std::memcpy(msg + i * sizeof(RmHeader), &hd, sizeof(hd));
-    std::memcpy(msg + ml.rows_off + i * lay.row_bytes, x.x.row_ptr(t), lay.row_bytes);
+    const flex::MessageHeader hd{int32_t(t), K, mask, {}};
+    std::memcpy(msg + i * sizeof(hd), &hd, sizeof(hd));
+    std::memcpy(msg + ml.payload_off + i * lay.row_bytes, x.x.row_ptr(t), lay.row_bytes);
     if (lay.scale_bytes) {
       std::memcpy(msg + ml.scales_off + i * lay.scale_bytes, x.scales.row_ptr(t),
                   lay.scale_bytes);
     }
     for (int k = 0; k < K; ++k) {
-      const int64_t e = topk.at(t, k);
-      std::memcpy(msg + ml.idx_off + (i * K + k) * 8, &e, 8);
-      const float wt = topk.weight(t, k);
-      std::memcpy(msg + ml.weights_off + (i * K + k) * 4, &wt, 4);
+      const flex::MessageEntry en{int32_t(topk.at(t, k)), topk.weight(t, k), k};
+      std::memcpy(msg + ml.entries_off + (i * K + size_t(k)) * sizeof(en), &en, sizeof(en));
     }
   }
 
@@ -221,8 +224,8 @@ struct RmPush {
           const void* sc = lay.scale_bytes ? x.scales.row_ptr(t) : nullptr;
           for (int lr = 0; lr < G; ++lr) {
             if (!in[lr]) continue;
-            writer.write(target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr,
-                         x.x.row_ptr(t), sc, int32_t(t), &topk, t, nullptr, nullptr);
+            writer.write(target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr, x.x.row_ptr(t),
+                         sc, int32_t(t), &topk, t, nullptr);
             ++n;
           }
         }
@@ -267,12 +270,14 @@ struct RmPush {
       if (m == topo.node || n == 0) continue;
       const int src = topo.forwarder_on(m);
       const char* msg = recv_buf[size_t(m)].data();
-      const RmMessage ml = RmMessage::of(n, lay.row_bytes, lay.scale_bytes, K, G, C);
+      const flex::MessageLayout ml = rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C);
       std::vector<int32_t> src_token(static_cast<size_t>(n));
       std::vector<uint64_t> mask(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) {
-        RmHeader hd;
-        std::memcpy(&hd, msg + size_t(i) * sizeof(RmHeader), sizeof(hd));
+        flex::MessageHeader hd;
+        std::memcpy(&hd, msg + size_t(i) * sizeof(hd), sizeof(hd));
+        MOED_CHECK(hd.num_entries == K, "forwarded token ", hd.src_token, " from rank ", src,
+                   " has ", hd.num_entries, " top-k entries, expected ", K);
         src_token[size_t(i)] = hd.src_token;
         mask[size_t(i)] = hd.rank_mask;
       }
@@ -283,18 +288,17 @@ struct RmPush {
           for (int64_t i = 0; i < n; ++i) {
             if (!((mask[size_t(i)] >> lr) & 1)) continue;
             writer.write(
-                target[size_t(lr)], row++, r, msg + ml.rows_off + size_t(i) * lay.row_bytes,
+                target[size_t(lr)], row++, r, msg + ml.payload_off + size_t(i) * lay.row_bytes,
                 lay.scale_bytes ? msg + ml.scales_off + size_t(i) * lay.scale_bytes : nullptr,
                 src_token[size_t(i)], nullptr, 0,
-                reinterpret_cast<const int64_t*>(msg + ml.idx_off) + size_t(i) * K,
-                reinterpret_cast<const float*>(msg + ml.weights_off) + size_t(i) * K);
+                msg + ml.entries_off + size_t(i) * K * sizeof(flex::MessageEntry));
           }
           MOED_CHECK(row == h.rank_prefix_matrix[size_t(src) * R + r], "forwarded rows of rank ",
                      src, " for rank ", r, " do not fill its block");
           if (plan && count_to(h, src, r) > 0) {
             auto* rcpm = reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) +
                          size_t(src) * C;
-            std::memcpy(rcpm, msg + ml.cpm_off + size_t(lr) * C * 4, size_t(C) * 4);
+            std::memcpy(rcpm, msg + ml.tail_off + size_t(lr) * C * 4, size_t(C) * 4);
           }
         }
       });

@@ -70,7 +70,7 @@ ChainLink chain_link(std::span<const int> nodes, uint32_t classes, int m, int ho
 }
 
 MessageLayout MessageLayout::of(int64_t tokens, int64_t entries, size_t row_bytes,
-                                size_t scale_bytes) {
+                                size_t scale_bytes, size_t tail_bytes) {
   const size_t t = size_t(tokens);
   Sections s;  // packed
   MessageLayout l;
@@ -78,18 +78,18 @@ MessageLayout MessageLayout::of(int64_t tokens, int64_t entries, size_t row_byte
   l.entries_off = s.add(size_t(entries) * sizeof(MessageEntry));
   l.payload_off = s.add(t * row_bytes);
   l.scales_off = s.add(t * scale_bytes);
+  l.tail_off = s.add(tail_bytes);
   l.bytes = s.end();
   return l;
 }
 
 PushLayout PushLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, bool meta) {
-  PushLayout l;
-  l.cap_rows = cap_rows;
-  l.row_bytes = row_bytes;
-  l.scale_bytes = scale_bytes;
-  l.meta = meta;
   const size_t rows = size_t(cap_rows);
-  l.stream = rows * row_bytes >= internal::kStreamThresholdBytes;
+  PushLayout l{.cap_rows = cap_rows,
+               .row_bytes = row_bytes,
+               .scale_bytes = scale_bytes,
+               .meta = meta,
+               .stream = rows * row_bytes >= internal::kStreamThresholdBytes};
   const size_t meta_bytes = meta ? rows * 4 : 0;
   Sections s(64);
   s.add(rows * row_bytes);

@@ -62,8 +62,10 @@ struct ForwardPlan {
   std::vector<ChainLink> chain;       // [n] this node's place in each token's combine chain
 };
 
-// The wire format of one dispatch message (source -> forwarder): headers, then the expert
-// entries, then the payload rows, then the fp8 scales.
+// The wire format of one two-hop dispatch message (source -> forwarder), Flex's and the
+// rank-major push's (deep_ep/rank_major.h) alike: headers, then the expert entries, then the
+// payload rows, then the fp8 scales, then a tail of tail_bytes (the rank-major push's channel
+// prefix rows). Packed: entries are read and written with memcpy.
 struct MessageHeader {
   int32_t src_token;
   int32_t num_entries;
@@ -78,8 +80,9 @@ struct MessageEntry {
 static_assert(sizeof(MessageHeader) == kFlexTokenHeaderBytes &&
               sizeof(MessageEntry) == kFlexEntryBytes);
 struct MessageLayout {
-  size_t entries_off = 0, payload_off = 0, scales_off = 0, bytes = 0;
-  static MessageLayout of(int64_t tokens, int64_t entries, size_t row_bytes, size_t scale_bytes);
+  size_t entries_off = 0, payload_off = 0, scales_off = 0, tail_off = 0, bytes = 0;
+  static MessageLayout of(int64_t tokens, int64_t entries, size_t row_bytes, size_t scale_bytes,
+                          size_t tail_bytes = 0);
 };
 
 class FlexHandle final : public DispatchHandle {
