@@ -14,13 +14,12 @@ namespace moed {
 namespace low_latency {
 
 SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts) {
-  SegmentLayout l;
-  l.max_tokens = max_tokens;
-  l.hidden = hidden;
-  l.num_ranks = num_ranks;
-  l.num_experts = num_experts;
-  l.num_local_experts = num_experts / num_ranks;
-  l.num_scales = hidden % kFp8BlockSize == 0 ? hidden / kFp8BlockSize : 0;
+  SegmentLayout l{.max_tokens = max_tokens,
+                  .hidden = hidden,
+                  .num_ranks = num_ranks,
+                  .num_experts = num_experts,
+                  .num_local_experts = num_experts / num_ranks,
+                  .num_scales = hidden % kFp8BlockSize == 0 ? hidden / kFp8BlockSize : 0};
   const size_t rows = size_t(num_experts) * size_t(max_tokens);
   Sections s(64);
   for (int h = 0; h < 2; ++h) {
