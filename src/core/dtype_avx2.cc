@@ -69,6 +69,7 @@ struct Avx2 {
   // Signed compare; every caller compares values in [0, 2^31).
   static M gt(I a, I b) { return _mm256_cmpgt_epi32(a, b); }
   static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+  static bool any(M m) { return !_mm256_testz_si256(m, m); }
   static I select(M m, I if_true, I if_false) { return _mm256_blendv_epi8(if_false, if_true, m); }
 };
 

@@ -66,6 +66,7 @@ struct Avx512 {
   // Signed compare; every caller compares values in [0, 2^31).
   static M gt(I a, I b) { return _mm512_cmpgt_epi32_mask(a, b); }
   static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  static bool any(M m) { return m != 0; }
   // mask_blend(k, a, b) takes b where k is set.
   static I select(M m, I if_true, I if_false) {
     return _mm512_mask_blend_epi32(m, if_false, if_true);

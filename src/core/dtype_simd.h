@@ -10,10 +10,10 @@
 //
 // V provides: F / I / M (float vector, int32 vector, lane mask), kWidth, and
 //   loadf storef streamf load_u16 load_u8 store_u16 store_u8 set1f set1i
-//   addf mulf maxf add sub and_ or_ srli<k> slli<k> min gt select castf casti cvtf
-//   isnan (lane mask), store_u16x2 (two vectors of values < 2^16, a's lanes then b's),
-//   stream_u16x2 (the same, non-temporal), store_u8x4 (four vectors of values < 2^8, in
-//   order), hmaxf (the largest lane of a vector without NaN).
+//   addf mulf maxf add sub and_ or_ srli<k> slli<k> min max gt select castf casti cvtf
+//   isnan (lane mask), any (a lane of a mask set), store_u16x2 (two vectors of values
+//   < 2^16, a's lanes then b's), stream_u16x2 (the same, non-temporal), store_u8x4 (four
+//   vectors of values < 2^8, in order), hmaxf (the largest lane of a vector without NaN).
 #pragma once
 
 #include <cstddef>
@@ -46,6 +46,7 @@
     return P##_slli_epi32(a, k);                              \
   }                                                           \
   static I min(I a, I b) { return P##_min_epi32(a, b); }      \
+  static I max(I a, I b) { return P##_max_epi32(a, b); }      \
   static F castf(I a) { return P##_cast##SI##_ps(a); }        \
   static I casti(F a) { return P##_castps_##SI(a); }          \
   static F cvtf(I a) { return P##_cvtepi32_ps(a); }
@@ -397,27 +398,76 @@ struct Simd {
     convert(acc, DType::kF32, dst, t, n);
   }
 
+  // f32 -> E4M3FN for |x| in [2^-6, 448] (a normal code, no NaN): encode_fp8 without its
+  // subnormal and NaN lanes.
+  static I encode_fp8_normal(F x) {
+    const I u = V::casti(x);
+    const I a = V::and_(u, V::set1i(0x7fffffff));
+    const I lsb = V::and_(V::template srli<20>(a), V::set1i(1));
+    const I t = V::add(a, V::add(V::set1i(0x7ffff), lsb));
+    const I normal = V::min(V::sub(V::template srli<20>(t), V::set1i(120 << 3)), V::set1i(0x7e));
+    return V::or_(normal, V::and_(V::template srli<24>(u), V::set1i(0x80)));
+  }
+
+  // The scale of the block at x + base (its scale_inv stored), and in *normal whether every
+  // scaled |x| of it is a normal code (the common block, which takes encode_fp8_normal).
+  template <DType S>
+  static float block_scale(const void* x, size_t base, bool round_scale, float* scale_inv,
+                           bool* normal) {
+    constexpr int kVectors = kFp8BlockSize / V::kWidth;
+    // The largest and smallest |x| of each lane, as bits: for finite values their order is the
+    // floats' order.
+    I hi = V::set1i(0), lo = V::set1i(0x7fffffff);
+    for (int i = 0; i < kVectors; ++i) {
+      const I a = V::casti(absf(load<S>(x, base + size_t(i) * V::kWidth)));
+      hi = V::max(a, hi);
+      lo = V::min(a, lo);
+    }
+    const bool finite = !V::any(V::gt(hi, V::set1i(0x7f7fffff)));
+    F vmax = V::castf(hi);
+    if (!finite) {
+      // maxf(v, acc) returns acc when v is NaN: NaN inputs do not take part, as in scalar.
+      vmax = V::set1f(0.0f);
+      for (int i = 0; i < kVectors; ++i)
+        vmax = V::maxf(absf(load<S>(x, base + size_t(i) * V::kWidth)), vmax);
+    }
+    const float scale = fp8_block_scale(V::hmaxf(vmax), round_scale, scale_inv);
+    // Rounding is monotonic: the smallest scaled |x| is the smallest |x| scaled.
+    const I smallest = V::casti(V::mulf(V::castf(lo), V::set1f(scale)));
+    *normal = finite && !V::any(V::gt(V::set1i(0x3c800000), smallest));
+    return scale;
+  }
+
   template <DType S>
   static void quantize_fp8_typed(const void* x, bool round_scale, fp8_e4m3* out, float* scales_inv,
                                  size_t n) {
-    // A block is read once: its amax, then its codes, four vectors to a store, from registers.
+    // Blocks go in groups: every block's scale first, then their codes (the group read again,
+    // from L1), so the scales' reductions and divisions overlap instead of each one stalling
+    // its block's encode.
     constexpr int kVectors = kFp8BlockSize / V::kWidth;
+    constexpr size_t kGroup = 4;
     static_assert(kFp8BlockSize % V::kWidth == 0 && kVectors % 4 == 0);
     auto* codes = reinterpret_cast<uint8_t*>(out);
-    for (size_t b = 0; b < n / kFp8BlockSize; ++b) {
-      const size_t base = b * kFp8BlockSize;
-      F v[kVectors];
-      F vmax = V::set1f(0.0f);
-      for (int i = 0; i < kVectors; ++i) {
-        v[i] = load<S>(x, base + size_t(i) * V::kWidth);
-        // maxf(v, acc) returns acc when v is NaN: NaN inputs do not take part, as in scalar.
-        vmax = V::maxf(absf(v[i]), vmax);
+    const size_t blocks = n / kFp8BlockSize;
+    for (size_t g = 0; g < blocks; g += kGroup) {
+      const size_t count = blocks - g < kGroup ? blocks - g : kGroup;
+      float scale[kGroup];
+      bool normal[kGroup];
+      for (size_t i = 0; i < count; ++i) {
+        scale[i] =
+            block_scale<S>(x, (g + i) * kFp8BlockSize, round_scale, &scales_inv[g + i], &normal[i]);
       }
-      const F scale = V::set1f(fp8_block_scale(V::hmaxf(vmax), round_scale, &scales_inv[b]));
-      for (int i = 0; i < kVectors; i += 4) {
-        V::store_u8x4(codes + base + size_t(i) * V::kWidth, encode_fp8(V::mulf(v[i], scale)),
-                      encode_fp8(V::mulf(v[i + 1], scale)), encode_fp8(V::mulf(v[i + 2], scale)),
-                      encode_fp8(V::mulf(v[i + 3], scale)));
+      for (size_t i = 0; i < count; ++i) {
+        const size_t base = (g + i) * kFp8BlockSize;
+        const F sc = V::set1f(scale[i]);
+        for (int v = 0; v < kVectors; v += 4) {
+          I c[4];
+          for (int j = 0; j < 4; ++j) {
+            const F y = V::mulf(load<S>(x, base + size_t(v + j) * V::kWidth), sc);
+            c[j] = normal[i] ? encode_fp8_normal(y) : encode_fp8(y);
+          }
+          V::store_u8x4(codes + base + size_t(v) * V::kWidth, c[0], c[1], c[2], c[3]);
+        }
       }
     }
   }

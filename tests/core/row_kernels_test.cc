@@ -306,6 +306,52 @@ TEST_P(RowTables, QuantizeDequantizeEqualScalar) {
   }
 }
 
+// Blocks whose scaled values are all normal codes take a shorter encode than blocks with a
+// zero, a subnormal code or a non-finite value: both kinds, and the edge between them (the
+// smallest |x| of a block scaled to just above, at and just below 2^-6), equal scalar's bits.
+TEST_P(RowTables, QuantizeNormalBlocksEqualScalar) {
+  const RowKernels& k = *GetParam();
+  const RowKernels& ref = internal::scalar_kernels();
+  constexpr size_t kBlocks = 2048, n = kBlocks * 128;
+  std::mt19937 rng(7);
+  std::vector<float> f(n);
+  for (size_t b = 0; b < kBlocks; ++b) {
+    // Spread of |x| inside the block: 2^spread, around 28672 = 448 / 2^-6 for some blocks.
+    const int spread = int(rng() % 18);
+    const int base = int(rng() % 60) - 30;
+    for (size_t i = 0; i < 128; ++i) {
+      const float m = 1.0f + float(rng() % 1024) / 1024.0f;
+      const float sign = rng() % 2 ? -1.0f : 1.0f;
+      f[b * 128 + i] = sign * std::ldexp(m, base - int(rng() % size_t(spread + 1)));
+    }
+    if (b % 3 == 0) {
+      // amax and a smallest |x| at amax / 28672 (one ulp either side, or exact).
+      const float amax = std::fabs(f[b * 128]), edge = amax / 28672.0f;
+      const int side = int(rng() % 3);
+      f[b * 128 + 1] = side == 1 ? edge : std::nextafter(edge, side == 0 ? 0.0f : amax);
+      for (size_t i = 2; i < 128; ++i) f[b * 128 + i] = std::fmin(std::fabs(f[b * 128 + i]), amax);
+    }
+  }
+  for (DType t : {DType::kF32, DType::kBF16}) {
+    for (bool round_scale : {false, true}) {
+      std::vector<uint8_t> x;
+      if (t == DType::kF32) {
+        x = bytes_of(f);
+      } else {
+        std::vector<bf16> b(n);
+        for (size_t i = 0; i < n; ++i) b[i] = float_to_bf16(f[i]);
+        x = bytes_of(b);
+      }
+      std::vector<fp8_e4m3> q_want(n), q_got(n);
+      std::vector<float> s_want(kBlocks), s_got(kBlocks);
+      ref.quantize_fp8(x.data(), t, round_scale, q_want.data(), s_want.data(), n);
+      k.quantize_fp8(x.data(), t, round_scale, q_got.data(), s_got.data(), n);
+      EXPECT_TRUE(same_bits(q_got, q_want)) << k.isa << " " << dtype_name(t) << " " << round_scale;
+      EXPECT_TRUE(same_bits(s_got, s_want)) << k.isa << " " << dtype_name(t) << " " << round_scale;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isa, RowTables, ::testing::ValuesIn(vector_tables()),
                          [](const auto& info) { return std::string(info.param->isa); });
 
