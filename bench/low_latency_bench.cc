@@ -291,9 +291,10 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
     const char* dtype = fp8 ? "fp8" : "bf16";
     LowLatencyDispatchOutput d;
     auto dispatch = [&](bool hook) -> Status {
-      MOED_ASSIGN_OR_RETURN(
-          d, buffer->low_latency_dispatch(
-                 {.x = x.view(), .topk = &topk, .use_fp8 = fp8, .return_recv_hook = hook}));
+      MOED_ASSIGN_OR_RETURN(d, buffer->low_latency_dispatch({.x = x.view(),
+                                                             .topk = TopkView::of(topk),
+                                                             .use_fp8 = fp8,
+                                                             .return_recv_hook = hook}));
       return ok_status();
     };
     MOED_ASSIGN_OR_RETURN(
@@ -321,7 +322,7 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
     auto combine = [&](bool hook) -> Status {
       MOED_ASSIGN_OR_RETURN(
           c, buffer->low_latency_combine(
-                 {.x = y, .topk = &topk, .handle = handle, .return_recv_hook = hook}));
+                 {.x = y, .topk = TopkView::of(topk), .handle = handle, .return_recv_hook = hook}));
       return ok_status();
     };
     MOED_ASSIGN_OR_RETURN(

@@ -153,7 +153,8 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
                         LowLatencyBuffer::create(w, s.num_tokens, s.hidden, s.num_experts));
   LowLatencyDispatchOutput d;
   auto dispatch = [&]() -> Status {
-    MOED_ASSIGN_OR_RETURN(d, buffer->low_latency_dispatch({.x = in.x.view(), .topk = &in.topk}));
+    MOED_ASSIGN_OR_RETURN(
+        d, buffer->low_latency_dispatch({.x = in.x.view(), .topk = TopkView::of(in.topk)}));
     return ok_status();
   };
   auto received = [&] {
@@ -178,8 +179,8 @@ Status run_low_latency(World& w, const Shape& s, const RankInput& in, const Ref&
   std::shared_ptr<const LowLatencyHandle> handle = d.handle;
   LowLatencyCombineOutput c;
   auto combine = [&]() -> Status {
-    MOED_ASSIGN_OR_RETURN(
-        c, buffer->low_latency_combine({.x = y.view(), .topk = &in.topk, .handle = handle}));
+    MOED_ASSIGN_OR_RETURN(c, buffer->low_latency_combine(
+                                 {.x = y.view(), .topk = TopkView::of(in.topk), .handle = handle}));
     return ok_status();
   };
   MOED_ASSIGN_OR_RETURN(Timed tc, measure(w, iters, stream, combine, received));

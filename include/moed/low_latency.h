@@ -7,10 +7,10 @@
 //
 //   MOED_ASSIGN_OR_RETURN(auto buffer, moed::LowLatencyBuffer::create(world, 128, 7168, 256));
 //   MOED_ASSIGN_OR_RETURN(moed::LowLatencyDispatchOutput d, buffer->low_latency_dispatch(
-//       {.x = x, .topk = &routing, .use_fp8 = true, .return_recv_hook = true}));
+//       {.x = x, .topk = moed::TopkView::of(routing), .use_fp8 = true, .return_recv_hook = true}));
 //   MOED_RETURN_IF_ERROR(d.hook->wait());  // receive; d's views are now valid
 //   MOED_ASSIGN_OR_RETURN(moed::LowLatencyCombineOutput c, buffer->low_latency_combine(
-//       {.x = expert_out, .topk = &routing, .handle = d.handle}));
+//       {.x = expert_out, .topk = moed::TopkView::of(routing), .handle = d.handle}));
 //   // c.combined_x [T, H] bf16 = sum over the token's experts e ascending of w_e * y_e
 #pragma once
 
@@ -59,7 +59,7 @@ struct LowLatencyHandle {
 
 struct LowLatencyDispatchInput {
   TensorView x;                       // [T, H] bf16, T <= max_tokens_per_rank (T may be 0)
-  const TopkRouting* topk = nullptr;  // topk_idx [T, K] in [-1, E); weights travel as recv_probs
+  TopkView topk;  // topk_idx [T, K] in [-1, E), read in the call; weights travel as recv_probs
   bool use_fp8 = false;               // cast to FP8 E4M3 on the sending side, per 128 channels
   bool round_scale = false;           // FP8 scales rounded up to powers of two (UE8M0)
   bool return_recv_hook = false;      // return after the send phase; hook->wait() receives
@@ -108,7 +108,8 @@ struct LowLatencyCombineInput {
   // not read). NOTE: rows bound for other nodes are sent from here, so x must stay valid and
   // unchanged until the combine has completed (the hook has run).
   TensorView x;
-  const TopkRouting* topk = nullptr;  // the dispatch's topk_idx and the topk_weights
+  // The dispatch's topk_idx and the topk_weights, read in the call (a hook keeps a copy).
+  TopkView topk;
   std::shared_ptr<const LowLatencyHandle> handle;
   bool return_recv_hook = false;
   // Optional caller-owned [T, H] bf16 (row_stride >= H; DeepEP's `out`): the receive stores

@@ -122,6 +122,8 @@ Status validate(const TopkView& routing, int num_experts);
 // probs valid, num_experts == expected_experts.
 Status validate(const SparseRouting& routing, int expected_experts);
 
+// An owned copy of a view (indices as int32: validate the view first; weights 0 without any).
+TopkRouting to_topk(const TopkView& routing);
 // top-k -> map: -1 entries are skipped; probs of unrouted experts are 0.
 RoutingMap to_map(const TopkRouting& routing, int num_experts);
 // Into the sparse form (inputs validated): top-k skips -1 slots and sorts each token's experts;

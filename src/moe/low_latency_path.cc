@@ -63,8 +63,9 @@ StatusOr<Tensor> ll_forward(MoELayer::State& s, const TensorView& x) {
   }
   s.ll_unit_topk = ro.topk;
   std::fill(s.ll_unit_topk.topk_weights.begin(), s.ll_unit_topk.topk_weights.end(), 1.0f);
-  MOED_ASSIGN_OR_RETURN(s.ll_dispatched, s.ll_buffer->low_latency_dispatch(
-                                             {.x = x, .topk = &ro.topk, .return_recv_hook = true}));
+  MOED_ASSIGN_OR_RETURN(s.ll_dispatched,
+                        s.ll_buffer->low_latency_dispatch(
+                            {.x = x, .topk = TopkView::of(ro.topk), .return_recv_hook = true}));
   double dispatch_s = seconds_since(t0);
 
   Tensor shared_y;
@@ -105,9 +106,10 @@ StatusOr<Tensor> ll_forward(MoELayer::State& s, const TensorView& x) {
   s.stats.experts_s = seconds_since(t0);
 
   t0 = Clock::now();
-  MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput c,
-                        s.ll_buffer->low_latency_combine(
-                            {.x = s.expert_y.view(), .topk = &s.ll_unit_topk, .handle = d.handle}));
+  MOED_ASSIGN_OR_RETURN(
+      LowLatencyCombineOutput c,
+      s.ll_buffer->low_latency_combine(
+          {.x = s.expert_y.view(), .topk = TopkView::of(s.ll_unit_topk), .handle = d.handle}));
   add_rows(c.combined_x.view(), shared_y.view(), pool);
   s.stats.combine_s = seconds_since(t0);
   return std::move(c.combined_x);
@@ -124,7 +126,7 @@ StatusOr<MoEGrads> ll_backward(MoELayer::State& s, const TensorView& grad_output
   MOED_ASSIGN_OR_RETURN(
       LowLatencyDispatchOutput gd,
       s.ll_buffer->low_latency_dispatch(
-          {.x = grad_output, .topk = &s.route.out.topk, .return_recv_hook = true}));
+          {.x = grad_output, .topk = TopkView::of(s.route.out.topk), .return_recv_hook = true}));
   Tensor shared_dx;
   if (s.config.shared_expert_ffn > 0) {
     shared_dx = Tensor::empty(s.config.dtype, T, H);
@@ -141,9 +143,10 @@ StatusOr<MoEGrads> ll_backward(MoELayer::State& s, const TensorView& grad_output
                   dx_rows.view(), dprobs, &grads.grad_fc1, &grads.grad_fc2);
 
   // Backward of dispatch: the unweighted sum of each token's row gradients.
-  MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput gc,
-                        s.ll_buffer->low_latency_combine(
-                            {.x = dx_rows.view(), .topk = &s.ll_unit_topk, .handle = gd.handle}));
+  MOED_ASSIGN_OR_RETURN(
+      LowLatencyCombineOutput gc,
+      s.ll_buffer->low_latency_combine(
+          {.x = dx_rows.view(), .topk = TopkView::of(s.ll_unit_topk), .handle = gd.handle}));
 
   // The probs' gradients go back to their tokens' home ranks.
   std::vector<std::vector<ProbGrad>> out(static_cast<size_t>(R));

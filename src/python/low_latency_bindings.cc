@@ -53,8 +53,7 @@ struct LowLatencyCombineResult {
   py::object combined_x, hook;
 };
 
-// [T, K] integers as int32, row-major: the routing's indices (validate has named any bad one on
-// the caller's own values first, so none is cut before it is named) or the combine's order keys.
+// The combine's order keys [T, K] as int32, row-major.
 std::vector<int32_t> int32_rows(const TopkView& v, const char* name) {
   std::vector<int32_t> out(size_t(v.num_tokens) * size_t(v.num_topk));
   for (int64_t t = 0; t < v.num_tokens; ++t) {
@@ -68,22 +67,6 @@ std::vector<int32_t> int32_rows(const TopkView& v, const char* name) {
     }
   }
   return out;
-}
-
-// The low-latency API keeps the routing in moed's own (int32) top-k form: the combine's hook
-// reads it later, after the caller may have changed its tensors. Checked as every entry point
-// checks top-k routing (validate in moed/routing.h), with the same messages.
-TopkRouting topk_copy(py::handle topk_idx, py::handle topk_weights, int num_experts) {
-  py::object keep_idx, keep_weights;
-  const TopkView v = topk_view_arg(topk_idx, topk_weights, keep_idx, keep_weights);
-  check(validate(v, num_experts));
-  TopkRouting r;
-  r.num_tokens = v.num_tokens;
-  r.num_topk = v.num_topk;
-  r.topk_idx = int32_rows(v, "topk_idx");
-  r.topk_weights.assign(r.topk_idx.size(), 0.0f);
-  if (v.weights) std::copy_n(v.weights, r.topk_weights.size(), r.topk_weights.begin());
-  return r;
 }
 
 // Parse errors of the low-latency calls travel with the call's own agreement (the first thing
@@ -123,13 +106,16 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
   DeepEpBox& b = *bp;
   const int R = b.world().size();
   TensorView xv;
-  TopkRouting topk;
+  // The caller's tensors (int64, or a converted copy kept here), read only inside the call;
+  // the C++ call checks them as every entry point checks top-k routing (validate).
+  TopkView topk;
+  py::object keep_idx, unused;
   int32_t* stats = nullptr;
   const Status parsed = ll_parse([&] {
     if (a.use_ue8m0 && !(a.use_fp8 && a.round_scale))
       throw py::value_error("use_ue8m0 = True needs use_fp8 = True and round_scale = True");
     xv = rows_arg(a.x, "x", {DType::kBF16});
-    topk = topk_copy(a.topk_idx, py::none(), a.num_experts);
+    topk = topk_view_arg(a.topk_idx, py::none(), keep_idx, unused);
     if (topk.num_tokens != xv.rows)
       throw py::value_error("topk_idx has " + std::to_string(topk.num_tokens) + " rows but x has " +
                             std::to_string(xv.rows));
@@ -145,7 +131,7 @@ LowLatencyDispatchResult ll_dispatch(std::shared_ptr<DeepEpBox> bp,
   LowLatencyBuffer& ll = b.low_latency(shape);
   if (!parsed.ok()) xv = TensorView(nullptr, DType::kBF16, 0, hidden);
   LowLatencyDispatchInput in{.x = xv,
-                             .topk = &topk,
+                             .topk = topk,
                              .use_fp8 = a.use_fp8,
                              .round_scale = a.round_scale,
                              .return_recv_hook = a.return_recv_hook};
@@ -225,8 +211,9 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
   std::optional<TensorView> outv;
   py::object keep_x = a.x;
   std::shared_ptr<Tensor> zero_copy_x;  // the buffer's memory the combine reads
-  // NOTE: the combine's hook reads the routing later; it lives as long as the hook.
-  auto topk = std::make_shared<TopkRouting>();
+  // Read inside the call (the hook reads moed's own copy), so the caller may change them after.
+  TopkView topk;
+  py::object keep_idx, keep_weights;
   std::vector<int32_t> order;
   const Status parsed = ll_parse([&] {
     if (a.zero_copy) {
@@ -242,7 +229,7 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
     } else {
       xv = expert_rows_arg(keep_x, hb);
     }
-    *topk = topk_copy(a.topk_idx, a.topk_weights, std::get<2>(hb.shape));
+    topk = topk_view_arg(a.topk_idx, a.topk_weights, keep_idx, keep_weights);
     if (!a.out.is_none()) outv = rows_arg(a.out, "out", {DType::kF32, DType::kBF16});
     if (!a.order.is_none()) {
       py::object keep_order, unused;
@@ -251,7 +238,7 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
   });
   LowLatencyBuffer& ll = b.low_latency(hb.shape);
   LowLatencyCombineInput in{.x = xv,
-                            .topk = topk.get(),
+                            .topk = topk,
                             .handle = hb.h,
                             .return_recv_hook = a.return_recv_hook,
                             .out = outv,
@@ -264,11 +251,10 @@ LowLatencyCombineResult ll_combine(std::shared_ptr<DeepEpBox> bp, const LowLaten
     auto result = std::make_shared<Tensor>(std::move(out.combined_x));
     r.combined_x = to_torch(result->view(), result);
   }
-  // With a hook the receive writes `out` later: the hook keeps the routing and x (DeepEP's
-  // rule: the caller keeps `out`).
-  r.hook = a.return_recv_hook
-               ? make_hook(b, std::move(out.hook), [topk, keep_x, zero_copy_x] {})
-               : py::none();
+  // With a hook the receive writes `out` later: the hook keeps x (DeepEP's rule: the caller
+  // keeps `out`).
+  r.hook =
+      a.return_recv_hook ? make_hook(b, std::move(out.hook), [keep_x, zero_copy_x] {}) : py::none();
   return r;
 }
 

@@ -245,6 +245,21 @@ Status validate(const MapView& routing, int expected_experts) {
   return check_map_cells(routing);
 }
 
+TopkRouting to_topk(const TopkView& routing) {
+  TopkRouting r;
+  r.num_tokens = routing.num_tokens;
+  r.num_topk = routing.num_topk;
+  r.topk_idx.resize(size_t(r.num_tokens) * size_t(r.num_topk));
+  r.topk_weights.resize(r.topk_idx.size());
+  for (int64_t t = 0; t < r.num_tokens; ++t) {
+    for (int k = 0; k < r.num_topk; ++k) {
+      r.topk_idx[size_t(t) * r.num_topk + k] = int32_t(routing.at(t, k));
+      r.topk_weights[size_t(t) * r.num_topk + k] = routing.weight(t, k);
+    }
+  }
+  return r;
+}
+
 RoutingMap to_map(const TopkRouting& routing, int num_experts) {
   return to_map(to_sparse(TopkView::of(routing), num_experts));
 }

@@ -276,7 +276,7 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
         Sentinel lbuf(DType::kBF16, T, H);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput l2,
                               ll->low_latency_combine({.x = ld.recv.x,
-                                                       .topk = &in.topk[size_t(r)],
+                                                       .topk = TopkView::of(in.topk[size_t(r)]),
                                                        .handle = ld.handle,
                                                        .return_recv_hook = hook,
                                                        .out = lbuf.view}));
@@ -288,7 +288,7 @@ TEST_P(DeepEpCombineOut, RankMajorAndLowLatency) {
         Sentinel lwrong(bad ? DType::kF32 : DType::kBF16, T, H);
         MOED_RETURN_IF_ERROR(expect_error(
             ll->low_latency_combine({.x = ld.recv.x,
-                                     .topk = &in.topk[size_t(r)],
+                                     .topk = TopkView::of(in.topk[size_t(r)]),
                                      .handle = ld.handle,
                                      .out = lwrong.view})
                 .status(),

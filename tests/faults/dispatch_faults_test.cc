@@ -126,15 +126,17 @@ Status run_low_latency(World& w, FaultHook& faults, const Fault& f, Tensor* outp
   if (w.rank() == kVictim) faults.arm(f.call, internal_error(kReason));
   MOED_ASSIGN_OR_RETURN(
       LowLatencyDispatchOutput d,
-      buffer->low_latency_dispatch({.x = in.x.view(), .topk = &in.topk, .return_recv_hook = true}));
+      buffer->low_latency_dispatch(
+          {.x = in.x.view(), .topk = TopkView::of(in.topk), .return_recv_hook = true}));
   MOED_RETURN_IF_ERROR(boundary_failure(w, f, 0));
   MOED_RETURN_IF_ERROR(d.hook->wait());
   MOED_RETURN_IF_ERROR(boundary_failure(w, f, 1));
   MOED_RETURN_IF_ERROR(boundary_failure(w, f, 2));
-  MOED_ASSIGN_OR_RETURN(
-      LowLatencyCombineOutput c,
-      buffer->low_latency_combine(
-          {.x = d.recv.x, .topk = &in.topk, .handle = d.handle, .return_recv_hook = true}));
+  MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput c,
+                        buffer->low_latency_combine({.x = d.recv.x,
+                                                     .topk = TopkView::of(in.topk),
+                                                     .handle = d.handle,
+                                                     .return_recv_hook = true}));
   MOED_RETURN_IF_ERROR(boundary_failure(w, f, 3));
   MOED_RETURN_IF_ERROR(c.hook->wait());
   MOED_RETURN_IF_ERROR(boundary_failure(w, f, 4));

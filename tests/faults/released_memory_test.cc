@@ -69,9 +69,10 @@ Status low_latency_loop(World& w, int64_t tokens, int hidden, bool leave_after_c
                         LowLatencyBuffer::create(w, tokens, hidden, kExperts));
   for (int it = 0; it < kIterations; ++it) {
     auto in = std::make_unique<Input>(make_input(w.rank(), it, tokens, hidden));
-    MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
-                          buffer->low_latency_dispatch(
-                              {.x = in->x.view(), .topk = &in->topk, .use_fp8 = it % 2 == 1}));
+    MOED_ASSIGN_OR_RETURN(
+        LowLatencyDispatchOutput d,
+        buffer->low_latency_dispatch(
+            {.x = in->x.view(), .topk = TopkView::of(in->topk), .use_fp8 = it % 2 == 1}));
     if (w.rank() == kLeaver && it == kLeaveAt && !leave_after_combine) {
       Status left = leave(w);
       in.reset();
@@ -83,7 +84,8 @@ Status low_latency_loop(World& w, int64_t tokens, int hidden, bool leave_after_c
         Tensor::zeros(DType::kBF16, int64_t(d.num_local_experts) * d.rows_per_expert, hidden));
     MOED_ASSIGN_OR_RETURN(
         LowLatencyCombineOutput c,
-        buffer->low_latency_combine({.x = y->view(), .topk = &in->topk, .handle = d.handle}));
+        buffer->low_latency_combine(
+            {.x = y->view(), .topk = TopkView::of(in->topk), .handle = d.handle}));
     if (w.rank() == kLeaver && it == kLeaveAt) {
       y.reset();
       Status left = leave(w);

@@ -45,23 +45,25 @@ TEST_P(LowLatencyTest, DispatchAndCombineMatchTheReference) {
         const int me = w.rank();
         for (int mode = 0; mode < 4; ++mode) {
           const bool fp8 = mode >= 2, round_scale = mode == 3, hook = mode % 2 == 1;
-          MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
-                                buffer.low_latency_dispatch({.x = p.x[size_t(me)].view(),
-                                                             .topk = &p.topk[size_t(me)],
-                                                             .use_fp8 = fp8,
-                                                             .round_scale = round_scale,
-                                                             .return_recv_hook = hook}));
+          MOED_ASSIGN_OR_RETURN(
+              LowLatencyDispatchOutput d,
+              buffer.low_latency_dispatch({.x = p.x[size_t(me)].view(),
+                                           .topk = TopkView::of(p.topk[size_t(me)]),
+                                           .use_fp8 = fp8,
+                                           .round_scale = round_scale,
+                                           .return_recv_hook = hook}));
           if (!d.hook) return internal_error("hook is null");
           if (hook == d.hook->ready()) return internal_error("hook ready() = ", d.hook->ready());
           if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
           Status ds = check_dispatch(p, me, d, fp8, round_scale);
           if (!ds.ok()) return ds.with_context(str_cat("round ", round, " mode ", mode));
           Tensor y = expert_output(p, me, d);
-          MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
-                                buffer.low_latency_combine({.x = y.view(),
-                                                            .topk = &p.topk[size_t(me)],
-                                                            .handle = d.handle,
-                                                            .return_recv_hook = hook}));
+          MOED_ASSIGN_OR_RETURN(
+              LowLatencyCombineOutput out,
+              buffer.low_latency_combine({.x = y.view(),
+                                          .topk = TopkView::of(p.topk[size_t(me)]),
+                                          .handle = d.handle,
+                                          .return_recv_hook = hook}));
           if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
           Status cs = check_combine(p, me, out.combined_x);
           if (!cs.ok()) return cs.with_context(str_cat("round ", round, " mode ", mode));
@@ -111,8 +113,10 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
         if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
         MOED_ASSIGN_OR_RETURN(
             LowLatencyDispatchOutput d,
-            buffer.low_latency_dispatch(
-                {.x = x, .topk = &p->topk[size_t(me)], .use_fp8 = fp8, .return_recv_hook = hook}));
+            buffer.low_latency_dispatch({.x = x,
+                                         .topk = TopkView::of(p->topk[size_t(me)]),
+                                         .use_fp8 = fp8,
+                                         .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
         Status ds = check_dispatch(*p, me, d, fp8, false);
         if (!ds.ok()) return ds.with_context(str_cat("mode ", mode));
@@ -120,7 +124,7 @@ TEST_P(LowLatencyTest, EdgesMatchTheReference) {
         const TensorView y = strided_copy(expert_output(*p, me, d), &y_keep);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
                               buffer.low_latency_combine({.x = y,
-                                                          .topk = &p->topk[size_t(me)],
+                                                          .topk = TopkView::of(p->topk[size_t(me)]),
                                                           .handle = d.handle,
                                                           .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());
@@ -156,11 +160,12 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
         const bool fp8 = mode >= 2, hook = mode % 2 == 1;
         if (fp8 && c.hidden % kFp8BlockSize != 0) continue;
         Tensor x = Tensor::copy_of(p->x[size_t(me)].view());
-        MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
-                              buffer.low_latency_dispatch({.x = x.view(),
-                                                           .topk = &p->topk[size_t(me)],
-                                                           .use_fp8 = fp8,
-                                                           .return_recv_hook = hook}));
+        MOED_ASSIGN_OR_RETURN(
+            LowLatencyDispatchOutput d,
+            buffer.low_latency_dispatch({.x = x.view(),
+                                         .topk = TopkView::of(p->topk[size_t(me)]),
+                                         .use_fp8 = fp8,
+                                         .return_recv_hook = hook}));
         // DeepEP's contract: dispatch's x is free once the send phase has returned.
         scribble(x);
         if (hook) MOED_RETURN_IF_ERROR(d.hook->wait());
@@ -170,7 +175,7 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
         Tensor y = expert_output(*p, me, d);
         MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput out,
                               buffer.low_latency_combine({.x = y.view(),
-                                                          .topk = &p->topk[size_t(me)],
+                                                          .topk = TopkView::of(p->topk[size_t(me)]),
                                                           .handle = d.handle,
                                                           .return_recv_hook = hook}));
         if (hook) MOED_RETURN_IF_ERROR(out.hook->wait());

@@ -69,7 +69,8 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
       r.topk_idx.assign(size_t(T) * 2, 1);
       for (int64_t t = 0; t < T; ++t) r.topk_idx[size_t(t) * 2 + 1] = 5;
       if (w.rank() == bad_rank && bad_expert != 0) r.topk_idx[3] = bad_expert;
-      return buffer->low_latency_dispatch({.x = x.view(), .topk = &r, .use_fp8 = fp8}).status();
+      return buffer->low_latency_dispatch({.x = x.view(), .topk = TopkView::of(r), .use_fp8 = fp8})
+          .status();
     };
   };
   expect_error(GetParam(), dispatch_with(9, 128, 1, 0, false), StatusCode::kInvalidArgument,
@@ -88,15 +89,18 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
       GetParam(),
       [](World& w, LowLatencyBuffer& buffer, OneToken& t) -> Status {
         MOED_ASSIGN_OR_RETURN(
-            auto d,
-            buffer.low_latency_dispatch({.x = t.x.view(), .topk = &t.r, .return_recv_hook = true}));
-        Status early =
-            buffer.low_latency_combine({.x = t.y.view(), .topk = &t.r, .handle = d.handle})
-                .status();
+            auto d, buffer.low_latency_dispatch(
+                        {.x = t.x.view(), .topk = TopkView::of(t.r), .return_recv_hook = true}));
+        Status early = buffer
+                           .low_latency_combine(
+                               {.x = t.y.view(), .topk = TopkView::of(t.r), .handle = d.handle})
+                           .status();
         MOED_RETURN_IF_ERROR(d.hook->wait());
         if (early.ok()) return internal_error("combine before the dispatch's hook succeeded");
         t.r.topk_weights[0] = w.rank() == 1 ? -1.0f : 1.0f;
-        Status neg = buffer.low_latency_combine({.x = t.y.view(), .topk = &t.r, .handle = d.handle})
+        Status neg = buffer
+                         .low_latency_combine(
+                             {.x = t.y.view(), .topk = TopkView::of(t.r), .handle = d.handle})
                          .status();
         if (neg.message() != "rank 1: topk_weights[0][0] = -1 is not a valid prob") {
           return internal_error("negative weight: ", neg.to_string());
@@ -111,11 +115,11 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
     expect_one_token_error(
         GetParam(),
         [](World& w, LowLatencyBuffer& buffer, OneToken& t) -> Status {
-          MOED_ASSIGN_OR_RETURN(auto d,
-                                buffer.low_latency_dispatch({.x = t.x.view(), .topk = &t.r}));
+          MOED_ASSIGN_OR_RETURN(
+              auto d, buffer.low_latency_dispatch({.x = t.x.view(), .topk = TopkView::of(t.r)}));
           return buffer
               .low_latency_combine({.x = t.y.view(),
-                                    .topk = &t.r,
+                                    .topk = TopkView::of(t.r),
                                     .handle = d.handle,
                                     .return_recv_hook = w.rank() == 2})
               .status();
@@ -127,7 +131,7 @@ TEST_P(LowLatencyTest, BadInputIsAnErrorOnEveryRank) {
         [](World& w, LowLatencyBuffer& buffer, OneToken& t) -> Status {
           return buffer
               .low_latency_dispatch(
-                  {.x = t.x.view(), .topk = &t.r, .return_recv_hook = w.rank() != 1})
+                  {.x = t.x.view(), .topk = TopkView::of(t.r), .return_recv_hook = w.rank() != 1})
               .status();
         },
         StatusCode::kInvalidArgument,

@@ -23,16 +23,18 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
     Status s = run_with_buffer(GetParam(), c, [&](World& w, LowLatencyBuffer& buffer) -> Status {
       const int me = w.rank();
       for (int round = 0; round < 2; ++round) {
-        MOED_ASSIGN_OR_RETURN(auto da, buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
-                                                                    .topk = &a->topk[size_t(me)],
-                                                                    .use_fp8 = round == 1,
-                                                                    .return_recv_hook = true}));
-        MOED_ASSIGN_OR_RETURN(auto db, buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
-                                                                    .topk = &b->topk[size_t(me)],
-                                                                    .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(
+            auto da, buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
+                                                  .topk = TopkView::of(a->topk[size_t(me)]),
+                                                  .use_fp8 = round == 1,
+                                                  .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(
+            auto db, buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
+                                                  .topk = TopkView::of(b->topk[size_t(me)]),
+                                                  .return_recv_hook = true}));
         // A third dispatch before the first is received is refused on every rank.
         auto third = buffer.low_latency_dispatch(
-            {.x = a->x[size_t(me)].view(), .topk = &a->topk[size_t(me)]});
+            {.x = a->x[size_t(me)].view(), .topk = TopkView::of(a->topk[size_t(me)])});
         if (third.ok() || third.status().code() != StatusCode::kFailedPrecondition ||
             third.status().message().find("two dispatches are already in flight") ==
                 std::string::npos) {
@@ -53,14 +55,16 @@ TEST_P(LowLatencyTest, TwoInFlightKeepTheirHalves) {
         Tensor ya = widen(expert_output(*a, me, da)), yb = widen(expert_output(*b, me, db));
         TensorView va(ya.data(), DType::kBF16, ya.rows(), c.hidden, c.hidden * 2);
         TensorView vb(yb.data(), DType::kBF16, yb.rows(), c.hidden, c.hidden * 2);
-        MOED_ASSIGN_OR_RETURN(auto ca, buffer.low_latency_combine({.x = va,
-                                                                   .topk = &a->topk[size_t(me)],
-                                                                   .handle = da.handle,
-                                                                   .return_recv_hook = true}));
-        MOED_ASSIGN_OR_RETURN(auto cb, buffer.low_latency_combine({.x = vb,
-                                                                   .topk = &b->topk[size_t(me)],
-                                                                   .handle = db.handle,
-                                                                   .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(auto ca,
+                              buffer.low_latency_combine({.x = va,
+                                                          .topk = TopkView::of(a->topk[size_t(me)]),
+                                                          .handle = da.handle,
+                                                          .return_recv_hook = true}));
+        MOED_ASSIGN_OR_RETURN(auto cb,
+                              buffer.low_latency_combine({.x = vb,
+                                                          .topk = TopkView::of(b->topk[size_t(me)]),
+                                                          .handle = db.handle,
+                                                          .return_recv_hook = true}));
         MOED_RETURN_IF_ERROR(cb.hook->wait());  // out of order on purpose
         MOED_RETURN_IF_ERROR(ca.hook->wait());
         MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
@@ -86,24 +90,28 @@ TEST_P(LowLatencyTest, HooksRunInAnyOrderAcrossRanks) {
       MOED_RETURN_IF_ERROR(first->wait());
       return second->wait();
     };
-    MOED_ASSIGN_OR_RETURN(auto da, buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
-                                                                .topk = &a->topk[size_t(me)],
-                                                                .return_recv_hook = true}));
-    MOED_ASSIGN_OR_RETURN(auto db, buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
-                                                                .topk = &b->topk[size_t(me)],
-                                                                .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto da,
+                          buffer.low_latency_dispatch({.x = a->x[size_t(me)].view(),
+                                                       .topk = TopkView::of(a->topk[size_t(me)]),
+                                                       .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto db,
+                          buffer.low_latency_dispatch({.x = b->x[size_t(me)].view(),
+                                                       .topk = TopkView::of(b->topk[size_t(me)]),
+                                                       .return_recv_hook = true}));
     MOED_RETURN_IF_ERROR(in_order(da.hook, db.hook));
     MOED_RETURN_IF_ERROR(check_dispatch(*a, me, da, false, false));
     MOED_RETURN_IF_ERROR(check_dispatch(*b, me, db, false, false));
     Tensor ya = expert_output(*a, me, da), yb = expert_output(*b, me, db);
-    MOED_ASSIGN_OR_RETURN(auto ca, buffer.low_latency_combine({.x = ya.view(),
-                                                               .topk = &a->topk[size_t(me)],
-                                                               .handle = da.handle,
-                                                               .return_recv_hook = true}));
-    MOED_ASSIGN_OR_RETURN(auto cb, buffer.low_latency_combine({.x = yb.view(),
-                                                               .topk = &b->topk[size_t(me)],
-                                                               .handle = db.handle,
-                                                               .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto ca,
+                          buffer.low_latency_combine({.x = ya.view(),
+                                                      .topk = TopkView::of(a->topk[size_t(me)]),
+                                                      .handle = da.handle,
+                                                      .return_recv_hook = true}));
+    MOED_ASSIGN_OR_RETURN(auto cb,
+                          buffer.low_latency_combine({.x = yb.view(),
+                                                      .topk = TopkView::of(b->topk[size_t(me)]),
+                                                      .handle = db.handle,
+                                                      .return_recv_hook = true}));
     MOED_RETURN_IF_ERROR(in_order(ca.hook, cb.hook));
     MOED_RETURN_IF_ERROR(check_combine(*a, me, ca.combined_x));
     return check_combine(*b, me, cb.combined_x);

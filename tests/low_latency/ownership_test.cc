@@ -66,10 +66,11 @@ TEST_P(LowLatencyTest, HeldOutputsNeverChange) {
       for (int i = 0; i < 4; ++i) {
         const Problem& p = (*ab)[size_t(i % 2)];
         const bool fp8 = i == 2, hook = i % 2 == 1;
-        MOED_ASSIGN_OR_RETURN(auto d, buffer.low_latency_dispatch({.x = p.x[size_t(me)].view(),
-                                                                   .topk = &p.topk[size_t(me)],
-                                                                   .use_fp8 = fp8,
-                                                                   .return_recv_hook = hook}));
+        MOED_ASSIGN_OR_RETURN(auto d,
+                              buffer.low_latency_dispatch({.x = p.x[size_t(me)].view(),
+                                                           .topk = TopkView::of(p.topk[size_t(me)]),
+                                                           .use_fp8 = fp8,
+                                                           .return_recv_hook = hook}));
         MOED_RETURN_IF_ERROR(d.hook->wait());
         MOED_RETURN_IF_ERROR(check_dispatch(p, me, d, fp8, false));
         shots.push_back(Snapshot::of(d));
@@ -100,16 +101,18 @@ TEST_P(LowLatencyTest, OutputsOutliveTheirBufferAndWorld) {
     {
       MOED_ASSIGN_OR_RETURN(auto buffer,
                             LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
-      MOED_ASSIGN_OR_RETURN(auto d, buffer->low_latency_dispatch(
-                                        {.x = p->x[size_t(me)].view(), .topk = &p->topk[size_t(me)]}));
+      MOED_ASSIGN_OR_RETURN(
+          auto d, buffer->low_latency_dispatch(
+                      {.x = p->x[size_t(me)].view(), .topk = TopkView::of(p->topk[size_t(me)])}));
       shots[size_t(me)] = Snapshot::of(d);
       kept[size_t(me)] = std::move(d);
     }
     MOED_ASSIGN_OR_RETURN(auto again,
                           LowLatencyBuffer::create(w, c.max_tokens, c.hidden, c.num_experts));
     for (int i = 0; i < 2; ++i) {
-      MOED_ASSIGN_OR_RETURN(auto d, again->low_latency_dispatch(
-                                        {.x = p->x[size_t(me)].view(), .topk = &p->topk[size_t(me)]}));
+      MOED_ASSIGN_OR_RETURN(
+          auto d, again->low_latency_dispatch(
+                      {.x = p->x[size_t(me)].view(), .topk = TopkView::of(p->topk[size_t(me)])}));
     }
     if (!(Snapshot::of(*kept[size_t(me)]) == shots[size_t(me)]))
       return internal_error("the output changed once its buffer was gone");

@@ -175,8 +175,8 @@ TEST_P(ShrinkTest, ARankThatComesBackIsToldItWasRemoved) {
     MOED_ASSIGN_OR_RETURN(auto buf, LowLatencyBuffer::create(w, kMaxTokens, kHidden, E, opts));
     const int me = w.rank();
     if (me == victim) std::this_thread::sleep_for(kShrinkTimeout * 4);
-    StatusOr<LowLatencyDispatchOutput> d =
-        buf->low_latency_dispatch({.x = s.x[size_t(me)].view(), .topk = &s.topk[size_t(me)]});
+    StatusOr<LowLatencyDispatchOutput> d = buf->low_latency_dispatch(
+        {.x = s.x[size_t(me)].view(), .topk = TopkView::of(s.topk[size_t(me)])});
     if (me != victim) {
       MOED_RETURN_IF_ERROR(d.status());
       return buf->query_mask()[size_t(victim)] == 1
@@ -211,7 +211,7 @@ TEST_P(ShrinkTest, BadInputIsAnErrorOnEveryRankThatReceivesFromIt) {
     }
     Tensor x = Tensor::zeros(DType::kBF16, topk.num_tokens, kHidden);
     StatusOr<LowLatencyDispatchOutput> d = buf->low_latency_dispatch(
-        {.x = me == bad ? x.view() : s.x[size_t(me)].view(), .topk = &topk});
+        {.x = me == bad ? x.view() : s.x[size_t(me)].view(), .topk = TopkView::of(topk)});
     std::lock_guard<std::mutex> lock(mu);
     seen[size_t(me)] = d.ok() ? "ok" : d.status().message();
     // No one masked the bad rank: it answered, with its verdict.

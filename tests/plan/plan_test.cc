@@ -95,12 +95,14 @@ StatusOr<Measured> measure_low_latency(const PlanOptions& o, bool empty) {
     w.reset_counters();
     MOED_ASSIGN_OR_RETURN(
         LowLatencyDispatchOutput d,
-        buf->low_latency_dispatch({.x = x.view(), .topk = &topk, .use_fp8 = o.fp8_dispatch}));
+        buf->low_latency_dispatch(
+            {.x = x.view(), .topk = TopkView::of(topk), .use_fp8 = o.fp8_dispatch}));
     c.dispatch = w.counters();
     Tensor y = Tensor::zeros(DType::kBF16, d.num_local_experts * d.rows_per_expert, o.hidden);
     w.reset_counters();
     MOED_RETURN_IF_ERROR(
-        buf->low_latency_combine({.x = y.view(), .topk = &topk, .handle = d.handle}).status());
+        buf->low_latency_combine({.x = y.view(), .topk = TopkView::of(topk), .handle = d.handle})
+            .status());
     c.combine = w.counters();
     return c;
   });

@@ -19,12 +19,13 @@ inline StatusOr<LowLatencyRoundTrip> low_latency_round_trip(LowLatencyBuffer& bu
                                                             const TopkRouting& topk, bool hook) {
   MOED_ASSIGN_OR_RETURN(
       LowLatencyDispatchOutput d,
-      buf.low_latency_dispatch({.x = x, .topk = &topk, .return_recv_hook = hook}));
+      buf.low_latency_dispatch({.x = x, .topk = TopkView::of(topk), .return_recv_hook = hook}));
   MOED_RETURN_IF_ERROR(d.hook->wait());
-  MOED_ASSIGN_OR_RETURN(
-      LowLatencyCombineOutput c,
-      buf.low_latency_combine(
-          {.x = d.recv.x, .topk = &topk, .handle = d.handle, .return_recv_hook = hook}));
+  MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput c,
+                        buf.low_latency_combine({.x = d.recv.x,
+                                                 .topk = TopkView::of(topk),
+                                                 .handle = d.handle,
+                                                 .return_recv_hook = hook}));
   MOED_RETURN_IF_ERROR(c.hook->wait());
   return LowLatencyRoundTrip{std::move(d), std::move(c)};
 }

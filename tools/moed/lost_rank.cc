@@ -174,17 +174,18 @@ void run_lost_rank(const LostRankArgs& a) {
       }
       const StepInput& s = steps[size_t(i)];
       const Clock::time_point t0 = Clock::now();
-      MOED_ASSIGN_OR_RETURN(
-          LowLatencyDispatchOutput d,
-          buf->low_latency_dispatch({.x = s.x[size_t(me)].view(), .topk = &s.topk[size_t(me)]}));
+      MOED_ASSIGN_OR_RETURN(LowLatencyDispatchOutput d,
+                            buf->low_latency_dispatch({.x = s.x[size_t(me)].view(),
+                                                       .topk = TopkView::of(s.topk[size_t(me)])}));
       Tensor y = Tensor::copy_of(d.recv.x);
       for (int j = 0; j < L; ++j) {
         expert(me * L + j, y.view().slice_rows(j * d.rows_per_expert, d.rows_per_expert),
                d.recv_count[size_t(j)]);
       }
-      MOED_ASSIGN_OR_RETURN(LowLatencyCombineOutput o,
-                            buf->low_latency_combine(
-                                {.x = y.view(), .topk = &s.topk[size_t(me)], .handle = d.handle}));
+      MOED_ASSIGN_OR_RETURN(
+          LowLatencyCombineOutput o,
+          buf->low_latency_combine(
+              {.x = y.view(), .topk = TopkView::of(s.topk[size_t(me)]), .handle = d.handle}));
       const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
       std::vector<int32_t> mask = buf->query_mask();
       const bool gone = mask[size_t(a.fail_rank)] != 0;

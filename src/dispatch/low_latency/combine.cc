@@ -50,27 +50,27 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
         "low_latency_combine: the dispatch of this handle has not been "
         "received yet; call its hook first");
   }
-  if (in.topk == nullptr) return invalid_argument("low_latency_combine: topk is null");
-  const TopkRouting& r = *in.topk;
+  const TopkView& r = in.topk;
   if (r.num_tokens != h.num_tokens || r.num_topk != h.num_topk) {
     return invalid_argument("low_latency_combine: topk is [", r.num_tokens, ", ", r.num_topk,
                             "] but the dispatch had [", h.num_tokens, ", ", h.num_topk, "]");
   }
   // As in DeepEP, an entry may be -1 where the dispatch had an expert: that term is dropped
   // (DeepEP's shrink test masks its failed ranks' experts so).
-  for (size_t i = 0; i < r.topk_idx.size(); ++i) {
-    if (r.topk_idx[i] != h.topk_idx[i] && r.topk_idx[i] != -1) {
-      return invalid_argument("low_latency_combine: topk_idx[", i / size_t(r.num_topk), "][",
-                              i % size_t(r.num_topk), "] = ", r.topk_idx[i],
-                              " differs from the dispatch's ", h.topk_idx[i],
-                              " (only -1 may replace an expert)");
+  const int64_t entries = r.num_tokens * r.num_topk;
+  if (entries > 0 && (r.idx == nullptr || r.weights == nullptr)) {
+    return invalid_argument("low_latency_combine: topk_", r.idx ? "weights" : "idx",
+                            " has no data");
+  }
+  for (int64_t i = 0; i < entries; ++i) {
+    const int64_t e = r.at(i / r.num_topk, int(i % r.num_topk));
+    if (e != h.topk_idx[size_t(i)] && e != -1) {
+      return invalid_argument("low_latency_combine: topk_idx[", i / r.num_topk, "][",
+                              i % r.num_topk, "] = ", e, " differs from the dispatch's ",
+                              h.topk_idx[size_t(i)], " (only -1 may replace an expert)");
     }
   }
-  if (r.topk_weights.size() != r.topk_idx.size()) {
-    return invalid_argument("low_latency_combine: topk_weights has ", r.topk_weights.size(),
-                            " entries, expected ", r.num_tokens, " x ", r.num_topk);
-  }
-  MOED_RETURN_IF_ERROR(validate(TopkView::of(r), lay.num_experts));
+  MOED_RETURN_IF_ERROR(validate(r, lay.num_experts));
   if (st.combine_half[st.combines % 2].pending) {
     return failed_precondition(
         "low_latency_combine: two combines are already in flight; call "
@@ -81,7 +81,7 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
     MOED_RETURN_IF_ERROR(moed::internal::check_out_buffer(
         "low_latency_combine: out", *in.out, h.num_tokens, lay.hidden, DType::kBF16, "x"));
   }
-  if (!in.order.empty() && in.order.size() != r.topk_idx.size()) {
+  if (!in.order.empty() && in.order.size() != size_t(entries)) {
     return invalid_argument("low_latency_combine: order has ", in.order.size(),
                             " entries, expected ", r.num_tokens, " x ", r.num_topk);
   }
@@ -91,7 +91,7 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
 // Receive phase of combine `seq` from `half`: out[t] = sum over t's experts e ascending of
 // w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own.
 Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& handle,
-                       const TopkRouting& routing, std::span<const int32_t> order, int half,
+                       const TopkView& routing, std::span<const int32_t> order, int half,
                        uint64_t seq, TensorView out) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
@@ -221,7 +221,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   }
   out.out = in.out;
   auto receive = [&] {
-    return receive_combine(st, *in.handle, *in.topk, in.order, half, seq, out.result());
+    return receive_combine(st, *in.handle, in.topk, in.order, half, seq, out.result());
   };
   MOED_RETURN_IF_ERROR(low_latency::receive_now_or_hook(false, std::move(receive), out.hook));
   return out;

@@ -47,8 +47,7 @@ Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatc
     return invalid_argument("low_latency_dispatch: use_fp8 needs hidden to be a multiple of ",
                             kFp8BlockSize, "; hidden = ", lay.hidden);
   }
-  if (in.topk == nullptr) return invalid_argument("low_latency_dispatch: topk is null");
-  const TopkRouting& r = *in.topk;
+  const TopkView& r = in.topk;
   if (r.num_tokens != x.rows) {
     return invalid_argument("low_latency_dispatch: topk_idx has ", r.num_tokens,
                             " tokens but x has ", x.rows, " rows");
@@ -56,12 +55,10 @@ Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatc
   if (r.num_topk <= 0) {
     return invalid_argument("low_latency_dispatch: num_topk = ", r.num_topk, " must be positive");
   }
-  if (r.topk_idx.size() != size_t(r.num_tokens) * size_t(r.num_topk)) {
-    return invalid_argument("low_latency_dispatch: topk_idx has ", r.topk_idx.size(),
-                            " entries, expected ", r.num_tokens, " x ", r.num_topk);
-  }
+  if (r.num_tokens > 0 && r.idx == nullptr)
+    return invalid_argument("low_latency_dispatch: topk_idx has no data");
   // No weights at dispatch (as DeepEP's): only the indices are checked.
-  MOED_RETURN_IF_ERROR(validate(TopkView::of(r).indices(), lay.num_experts));
+  MOED_RETURN_IF_ERROR(validate(r.indices(), lay.num_experts));
   const DispatchHalf& half = st.dispatch_half[st.dispatches % 2];
   if (half.pending) {
     return failed_precondition(
@@ -313,7 +310,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   dh.pending = true;
 
   const int64_t T = in.x.rows;
-  std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, *in.topk, T);
+  std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, in.topk, T);
   const low_latency::RowFormat f = low_latency::RowFormat::of(st.layout, fp8);
   if (fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
   const NetPlan plan(st, handle->send_count, f, dh);

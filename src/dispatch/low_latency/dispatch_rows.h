@@ -63,20 +63,19 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   DispatchHalf& dh = st.dispatch_half[half];
-  const TopkRouting& routing = *in.topk;
+  const TopkView& routing = in.topk;
   const int L = lay.num_local_experts, K = routing.num_topk, me = w.rank();
   const int64_t T = in.x.rows;
-  const bool has_weights = routing.topk_weights.size() == size_t(T) * size_t(K);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     for (int64_t t = t0; t < t1; ++t) {
       const std::byte* row = in.use_fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
                                         : static_cast<const std::byte*>(in.x.row_ptr(t));
       for (int k = 0; k < K; ++k) {
-        const int32_t e = routing.idx(t, k);
+        const int32_t e = int32_t(routing.at(t, k));
         if (e < 0 || (!live.empty() && live[size_t(e / L)] == 0)) continue;
         const int d = e / L;
         const int64_t i = h.slot[size_t(t) * K + k];
-        const float p = has_weights ? routing.weight(t, k) : 0.0f;
+        const float p = routing.weight(t, k);
         if (!w.same_node(d, me)) {
           plan.message(dh, d, f).put(size_t(plan.chunk_row[size_t(e)] + i), row, int32_t(t), p);
           continue;

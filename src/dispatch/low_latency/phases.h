@@ -30,19 +30,20 @@ inline constexpr size_t kStageBytes = size_t(64) << 10;
 // (this rank, e) chunk in token order, which is what makes the receiver's rows token-ascending
 // without any sort.
 inline std::shared_ptr<LowLatencyHandle> new_dispatch_handle(const LowLatencyBuffer::State& st,
-                                                             const TopkRouting& routing,
+                                                             const TopkView& routing,
                                                              int64_t num_tokens) {
   auto handle = std::make_shared<LowLatencyHandle>();
   const int K = routing.num_topk;
   handle->buffer_id = st.id;
   handle->num_tokens = num_tokens;
   handle->num_topk = K;
-  handle->topk_idx = routing.topk_idx;
+  handle->topk_idx.resize(size_t(num_tokens) * size_t(K));
   handle->slot.assign(size_t(num_tokens) * size_t(K), -1);
   handle->send_count.assign(size_t(st.layout.num_experts), 0);
   for (int64_t t = 0; t < num_tokens; ++t) {
     for (int k = 0; k < K; ++k) {
-      const int32_t e = routing.idx(t, k);
+      const auto e = int32_t(routing.at(t, k));
+      handle->topk_idx[size_t(t) * K + k] = e;
       if (e >= 0) handle->slot[size_t(t) * K + k] = handle->send_count[size_t(e)]++;
     }
   }
@@ -77,14 +78,14 @@ struct Term {
 // has not set to -1) that `keep` accepts, ascending by the order key (the expert id when
 // `order` is empty).
 template <typename Keep>
-void token_terms(const LowLatencyHandle& handle, const TopkRouting& routing,
+void token_terms(const LowLatencyHandle& handle, const TopkView& routing,
                  std::span<const int32_t> order, int64_t t, Keep&& keep, std::vector<Term>& terms) {
   const int K = handle.num_topk;
   terms.clear();
   for (int k = 0; k < K; ++k) {
     const size_t i = size_t(t) * K + k;
     const int32_t e = handle.topk_idx[i];
-    if (e < 0 || routing.topk_idx[i] < 0 || !keep(e)) continue;
+    if (e < 0 || routing.at(t, k) < 0 || !keep(e)) continue;
     terms.push_back({order.empty() ? e : order[i], e, handle.slot[i], routing.weight(t, k)});
   }
   std::sort(terms.begin(), terms.end(), [](const Term& a, const Term& b) {
@@ -96,7 +97,7 @@ void token_terms(const LowLatencyHandle& handle, const TopkRouting& routing,
 // expert's row (row_of(e, slot)), fp32 from 0, each product and sum rounded on its own (the sum
 // kept in registers, rounded once to bf16), one token behind (FoldAhead).
 template <typename Keep, typename RowOf>
-void reduce_tokens(World& w, const LowLatencyHandle& handle, const TopkRouting& routing,
+void reduce_tokens(World& w, const LowLatencyHandle& handle, const TopkView& routing,
                    std::span<const int32_t> order, Keep&& keep, RowOf&& row_of, TensorView out) {
   w.pool().parallel_for(handle.num_tokens, [&](int64_t t0, int64_t t1, int) {
     std::vector<Term> terms;

@@ -114,7 +114,7 @@ uint64_t segment::message_rows(const State& st, int half, const LowLatencyHandle
 
 namespace {
 
-Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkRouting& routing,
+Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkView& routing,
                        std::span<const int32_t> order, int half, uint64_t n, TensorView out) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
@@ -227,11 +227,9 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
   if (!ok) {
     // A rank with bad input still takes its messages (with a handle), then fails.
     if (handle != nullptr) {
-      TopkRouting routing;  // its sums are thrown away: no weights needed
-      routing.num_tokens = handle->num_tokens;
-      routing.num_topk = handle->num_topk;
-      routing.topk_idx = handle->topk_idx;
-      routing.topk_weights.assign(routing.topk_idx.size(), 0.0f);
+      // Its sums are thrown away: no weights needed.
+      const TopkView routing{handle->topk_idx.data(), false, nullptr, handle->num_tokens,
+                             handle->num_topk};
       Tensor scratch = Tensor::empty(DType::kBF16, T, H);
       receive_combine(st, *handle, routing, {}, half, n, scratch.view()).ignore();
     } else {
@@ -240,10 +238,11 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
     }
     return local;
   }
-  auto receive = [sp, handle = in.handle, routing = *in.topk,
+  // The receive may run in the hook, after the caller's routing is gone: it reads a copy.
+  auto receive = [sp, handle = in.handle, routing = to_topk(in.topk),
                   order = std::vector<int32_t>(in.order.begin(), in.order.end()), half, n,
                   view = out.result()] {
-    return receive_combine(*sp, *handle, routing, order, half, n, view);
+    return receive_combine(*sp, *handle, TopkView::of(routing), order, half, n, view);
   };
   MOED_RETURN_IF_ERROR(receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
   return out;

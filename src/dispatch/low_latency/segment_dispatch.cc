@@ -164,9 +164,8 @@ StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>
 
   const bool ok = local.ok(), fp8 = in.use_fp8;
   const int64_t T = ok ? in.x.rows : 0;
-  TopkRouting none;
-  none.num_topk = in.topk ? in.topk->num_topk : 1;
-  std::shared_ptr<LowLatencyHandle> handle = new_dispatch_handle(st, ok ? *in.topk : none, T);
+  const TopkView none{nullptr, false, nullptr, 0, in.topk.num_topk > 0 ? in.topk.num_topk : 1};
+  std::shared_ptr<LowLatencyHandle> handle = new_dispatch_handle(st, ok ? in.topk : none, T);
   const RowFormat f = RowFormat::of(lay, fp8);
   if (ok && fp8) cast_fp8_rows(st, in, dh.fp8_rows);
 
