@@ -116,6 +116,14 @@ std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
   return b;
 }
 
+// f's values as f32 or bf16 (rounded to nearest even) bytes.
+std::vector<uint8_t> rows_as(const std::vector<float>& f, DType t) {
+  if (t == DType::kF32) return bytes_of(f);
+  std::vector<bf16> b(f.size());
+  for (size_t i = 0; i < f.size(); ++i) b[i] = float_to_bf16(f[i]);
+  return bytes_of(b);
+}
+
 // Runs `run(table, dst)` for the scalar table and for k into `bytes` bytes plus a guard byte;
 // the outputs must be equal bit for bit and the guard untouched.
 template <class Run>
@@ -282,14 +290,7 @@ TEST_P(RowTables, QuantizeDequantizeEqualScalar) {
             if (kind == 2 && std::isnan(x)) x = 1.0f;
           }
         }
-        std::vector<uint8_t> x(n * dtype_size(t));
-        if (t == DType::kF32) {
-          x = bytes_of(f);
-        } else {
-          std::vector<bf16> b(n);
-          for (size_t i = 0; i < n; ++i) b[i] = float_to_bf16(f[i]);
-          x = bytes_of(b);
-        }
+        const std::vector<uint8_t> x = rows_as(f, t);
         std::vector<fp8_e4m3> q_want(n), q_got(n);
         std::vector<float> s_want(n / 128), s_got(n / 128);
         ref.quantize_fp8(x.data(), t, round_scale, q_want.data(), s_want.data(), n);
@@ -334,14 +335,7 @@ TEST_P(RowTables, QuantizeNormalBlocksEqualScalar) {
   }
   for (DType t : {DType::kF32, DType::kBF16}) {
     for (bool round_scale : {false, true}) {
-      std::vector<uint8_t> x;
-      if (t == DType::kF32) {
-        x = bytes_of(f);
-      } else {
-        std::vector<bf16> b(n);
-        for (size_t i = 0; i < n; ++i) b[i] = float_to_bf16(f[i]);
-        x = bytes_of(b);
-      }
+      const std::vector<uint8_t> x = rows_as(f, t);
       std::vector<fp8_e4m3> q_want(n), q_got(n);
       std::vector<float> s_want(kBlocks), s_got(kBlocks);
       ref.quantize_fp8(x.data(), t, round_scale, q_want.data(), s_want.data(), n);
