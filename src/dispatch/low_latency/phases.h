@@ -112,14 +112,6 @@ void reduce_tokens(World& w, const LowLatencyHandle& handle, const TopkView& rou
   });
 }
 
-// Keeps a posted isend / irecv in `requests` (waited on by the receive phase), or returns the
-// error of posting it.
-inline Status keep_request(StatusOr<Request> posted, std::vector<Request>& requests) {
-  if (!posted.ok()) return std::move(posted).status();
-  requests.push_back(std::move(posted).value());
-  return ok_status();
-}
-
 // Reports the rows the workers copied into node-shared segments, counted per worker so the
 // parallel copies need no shared counter.
 inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker, size_t row_bytes) {
