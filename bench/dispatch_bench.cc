@@ -299,10 +299,6 @@ void run(const Args& a) {
   for (std::string name; std::getline(list, name, ',');) {
     StatusOr<DispatcherKind> k = parse_dispatcher_kind(name);
     if (!k.ok()) fail("dispatch", k.status());
-    if (*k == DispatcherKind::kLowLatency) {
-      fail("dispatch",
-           invalid_argument("--dispatcher low-latency has its own bench: moed bench low-latency"));
-    }
     kinds.push_back(*k);
   }
   WorldOptions opts;

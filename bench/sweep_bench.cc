@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -273,8 +274,13 @@ void sweep(const SweepArgs& a) {
     if (!n.ok()) fail("", n.status());
     ranks_list = {*n};
   }
-  std::vector<DispatcherKind> kinds;
+  // A TokenDispatcher's kind, or none: the low-latency buffer (moed/low_latency.h).
+  std::vector<std::optional<DispatcherKind>> kinds;
   for (const std::string& name : a.dispatchers) {
+    if (name == "low-latency" || name == "low_latency") {
+      kinds.push_back(std::nullopt);
+      continue;
+    }
     StatusOr<DispatcherKind> k = parse_dispatcher_kind(name);
     if (!k.ok()) fail("", k.status());
     kinds.push_back(*k);
@@ -314,14 +320,14 @@ void sweep(const SweepArgs& a) {
           [&](World& w) -> Status {
             if (w.rank() == 0) pool_threads = w.pool().num_threads() * w.size();
             Stream stream(w);  // this rank's share of the STREAM arrays
-            for (DispatcherKind k : kinds) {
-              if (k == DispatcherKind::kLowLatency) {
+            for (const std::optional<DispatcherKind>& k : kinds) {
+              if (!k) {
                 if (!ll_fits) continue;
                 MOED_RETURN_IF_ERROR(run_low_latency(w, s, inputs[size_t(w.rank())], *ref,
                                                      a.iters, stream, &figures));
               } else {
-                MOED_RETURN_IF_ERROR(
-                    run_normal(w, k, s, inputs[size_t(w.rank())], *ref, a.iters, stream, &figures));
+                MOED_RETURN_IF_ERROR(run_normal(w, *k, s, inputs[size_t(w.rank())], *ref, a.iters,
+                                                stream, &figures));
               }
             }
             return ok_status();
@@ -331,14 +337,14 @@ void sweep(const SweepArgs& a) {
       if (my_rank != 0) continue;
       std::map<std::string, SummaryRow> rows =
           report_point(report, figures, s, world, R, a, pool_threads, inputs);
-      for (DispatcherKind k : kinds) {
-        if (k == DispatcherKind::kLowLatency && !ll_fits) {
+      for (const std::optional<DispatcherKind>& k : kinds) {
+        if (!k && !ll_fits) {
           std::fprintf(stderr,
                        "moed bench: low-latency skipped at %s R=%d (buffers %.1f GB > %.1f GB)\n",
                        s.name.c_str(), R, ll_bytes / 1e9, kLowLatencyBudgetBytes / 1e9);
           continue;
         }
-        summary.push_back(rows[dispatcher_kind_name(k)]);
+        summary.push_back(rows[k ? dispatcher_kind_name(*k) : "low_latency"]);
       }
     }
   }

@@ -1,6 +1,7 @@
 // TokenDispatcher: Megatron-Core's six-step dispatch / combine interface (docs/design.md §1.1),
-// with one implementation per dispatcher (AllGather, AlltoAll, Flex; low-latency has its own API
-// in moed/low_latency.h because its layout differs) and the backward of each step.
+// with one implementation per dispatcher (AllGather, AlltoAll, Flex) and the backward of each
+// step. Low-latency mode is not a TokenDispatcher: its fixed per-expert slots are not the
+// canonical layout, so it has its own API (moed/low_latency.h).
 //
 //   MOED_ASSIGN_OR_RETURN(auto d, moed::TokenDispatcher::create(world, config));
 //   MOED_ASSIGN_OR_RETURN(moed::DispatchOutput out, d->dispatch({.hidden = x, .topk = &routing}));
@@ -28,9 +29,8 @@
 
 namespace moed {
 
-enum class DispatcherKind : uint8_t { kAllGather = 0, kAlltoAll = 1, kFlex = 2, kLowLatency = 3 };
-const char* dispatcher_kind_name(
-    DispatcherKind k);  // "allgather", "alltoall", "flex", "low_latency"
+enum class DispatcherKind : uint8_t { kAllGather = 0, kAlltoAll = 1, kFlex = 2 };
+const char* dispatcher_kind_name(DispatcherKind k);  // "allgather", "alltoall", "flex"
 StatusOr<DispatcherKind> parse_dispatcher_kind(std::string_view name);
 
 // One validated configuration for every dispatcher (DeepEP's Config, Megatron's
@@ -160,7 +160,7 @@ struct CombineGrad {
 
 class TokenDispatcher {
  public:
-  // Builds the dispatcher named by config.kind (not kLowLatency: see moed/low_latency.h).
+  // Builds the dispatcher named by config.kind.
   // Validates config against the world; collective (every rank must call it).
   static StatusOr<std::unique_ptr<TokenDispatcher>> create(World& world,
                                                            const DispatchConfig& config);

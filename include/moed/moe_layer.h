@@ -37,6 +37,9 @@ struct MoEConfig {
   int etp_size = 1;           // P; EP = world size / P
   DType dtype = DType::kF32;  // activations and weights: f32 or bf16
   DispatcherKind dispatcher = DispatcherKind::kFlex;
+  // Move the tokens with the low-latency buffer (moed/low_latency.h) instead of a
+  // TokenDispatcher (`dispatcher` is then unused).
+  bool low_latency = false;
   // Capacity dropping and router padding are applied by the router and given to the
   // dispatcher too (where they are then a no-op); pad_to_capacity and expert_alignment only
   // shape the dispatch layout.
@@ -47,6 +50,8 @@ struct MoEConfig {
   uint64_t seed = 0;
 
   RouterConfig router_config() const;
+  // What moves the tokens: "low_latency", or dispatcher_kind_name(dispatcher).
+  const char* dispatcher_name() const;
   // Shapes, divisibility (E % EP, F % P), dtype, the dispatcher's own limits (low-latency:
   // bf16, etp_size 1, no pad_to_capacity / expert_alignment).
   Status validate(int world_size) const;

@@ -7,14 +7,10 @@
 namespace moed {
 
 namespace {
-// NOTE: low_latency is the name dispatcher_kind_name gives; the CLI spelling low-latency is the
-// one the error lists.
 constexpr EnumName<DispatcherKind> kDispatcherKindNames[] = {
     {DispatcherKind::kAllGather, "allgather"},
     {DispatcherKind::kAlltoAll, "alltoall"},
     {DispatcherKind::kFlex, "flex"},
-    {DispatcherKind::kLowLatency, "low_latency", false},
-    {DispatcherKind::kLowLatency, "low-latency"},
 };
 }  // namespace
 

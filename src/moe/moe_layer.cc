@@ -30,7 +30,7 @@ StatusOr<std::unique_ptr<MoELayer>> MoELayer::create(World& world, const MoEConf
   s->etp_rank = world.rank() % config.etp_size;
   MOED_ASSIGN_OR_RETURN(Router router, Router::create(config.router_config()));
   s->router = std::make_unique<Router>(std::move(router));
-  if (config.dispatcher != DispatcherKind::kLowLatency) {
+  if (!config.low_latency) {
     DispatchConfig dc;
     dc.kind = config.dispatcher;
     dc.num_experts = config.num_experts;
@@ -84,7 +84,7 @@ StatusOr<Tensor> MoELayer::forward(const TensorView& x) {
   s.stats = MoEStepStats{};
   s.stats.row_bytes = size_t(s.config.hidden) * dtype_size(s.config.dtype);
   s.x = Tensor::copy_of(x);
-  if (s.config.dispatcher == DispatcherKind::kLowLatency) {
+  if (s.config.low_latency) {
     MOED_ASSIGN_OR_RETURN(Tensor out, moe::ll_forward(s, s.x.view()));
     s.have_forward = true;
     return out;
@@ -163,7 +163,7 @@ StatusOr<MoEGrads> MoELayer::backward(const TensorView& grad_output) {
   }
   MOED_RETURN_IF_ERROR(w.agree(local));
   auto t0 = Clock::now();
-  if (s.config.dispatcher == DispatcherKind::kLowLatency) {
+  if (s.config.low_latency) {
     MOED_ASSIGN_OR_RETURN(MoEGrads g, moe::ll_backward(s, grad_output));
     s.stats.backward_s = seconds_since(t0);
     return g;

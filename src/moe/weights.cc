@@ -50,6 +50,10 @@ RouterConfig MoEConfig::router_config() const {
   return r;
 }
 
+const char* MoEConfig::dispatcher_name() const {
+  return low_latency ? "low_latency" : dispatcher_kind_name(dispatcher);
+}
+
 Status MoEConfig::validate(int world_size) const {
   if (hidden <= 0) return invalid_argument("hidden = ", hidden, " must be positive");
   if (ffn_hidden <= 0) return invalid_argument("ffn_hidden = ", ffn_hidden, " must be positive");
@@ -77,7 +81,7 @@ Status MoEConfig::validate(int world_size) const {
   }
   MOED_RETURN_IF_ERROR(layout.validate());
   MOED_RETURN_IF_ERROR(router_config().validate());
-  if (dispatcher == DispatcherKind::kLowLatency) {
+  if (low_latency) {
     if (dtype != DType::kBF16) {
       return unimplemented("the low-latency dispatcher moves bf16 only; dtype = ",
                            dtype_name(dtype));

@@ -25,6 +25,11 @@ MoEConfig tiny_config(DispatcherKind kind, DType dt) {
       {.hidden = 32, .ffn_hidden = 24, .num_experts = 8, .num_topk = 2, .shared_expert_ffn = 16},
       dt, kind, 7);
 }
+MoEConfig low_latency_config(DType dt) {
+  MoEConfig c = tiny_config(DispatcherKind::kFlex, dt);
+  c.low_latency = true;
+  return c;
+}
 
 struct Inputs {
   std::vector<Tensor> x, g;
@@ -92,12 +97,11 @@ TEST_P(MoELayerTest, EqualsReferenceEveryDispatcherAndRankCount) {
 TEST_P(MoELayerTest, LowLatencyEqualsReference) {
   for (int ranks : {1, 2, 4}) {
     SCOPED_TRACE("R=" + std::to_string(ranks));
-    Status s =
-        check_layer(GetParam(), tiny_config(DispatcherKind::kLowLatency, DType::kBF16), ranks, 0);
+    Status s = check_layer(GetParam(), low_latency_config(DType::kBF16), ranks, 0);
     ASSERT_TRUE(s.ok()) << s.to_string();
   }
   // Two nodes of two: rows for the other node go over the network path.
-  Status s = check_layer(GetParam(), tiny_config(DispatcherKind::kLowLatency, DType::kBF16), 4, 2);
+  Status s = check_layer(GetParam(), low_latency_config(DType::kBF16), 4, 2);
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
@@ -158,7 +162,7 @@ TEST_P(MoELayerTest, BadConfigAndInputAreErrorsOnEveryRank) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("num_experts = 6"), std::string::npos) << s.message();
 
-  MoEConfig ll = tiny_config(DispatcherKind::kLowLatency, DType::kF32);
+  MoEConfig ll = low_latency_config(DType::kF32);
   EXPECT_EQ(ll.validate(2).code(), StatusCode::kUnimplemented);
 
   MoEConfig ok = tiny_config(DispatcherKind::kFlex, DType::kF32);

@@ -236,11 +236,6 @@ Status load_trace(const DispatchArgs& a, int R, Problem& p) {
 // printed: under MPI the ranks agree on them first.
 Status prepare(const DispatchArgs& a, int R, bool mpi, Problem& p) {
   MOED_ASSIGN_OR_RETURN(const DispatcherKind kind, parse_dispatcher_kind(a.dispatcher));
-  if (kind == DispatcherKind::kLowLatency) {
-    return invalid_argument("--dispatcher ", a.dispatcher,
-                            ": moed dispatch takes allgather, alltoall or flex (low-latency has "
-                            "its own layout)");
-  }
   DispatchConfig& config = p.config;
   config.kind = kind;
   config.num_experts = a.experts;

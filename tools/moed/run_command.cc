@@ -205,7 +205,9 @@ MoEConfig configure(const RunArgs& a, int64_t* tokens) {
   c.shared_expert_ffn = a.shared_ffn.value_or(preset->shared_ffn);
   c.etp_size = a.etp;
   c.dtype = value_or(parse_dtype(a.dtype));
-  c.dispatcher = value_or(parse_dispatcher_kind(a.dispatcher));
+  // low-latency is the buffer of moed/low_latency.h, not a TokenDispatcher (IsMember below).
+  c.low_latency = a.dispatcher == "low-latency" || a.dispatcher == "low_latency";
+  if (!c.low_latency) c.dispatcher = value_or(parse_dispatcher_kind(a.dispatcher));
   c.layout.capacity_factor = a.capacity_factor;
   c.layout.drop_policy = value_or(parse_drop_policy(a.drop_policy));
   c.layout.pad_to_capacity = a.pad_to_capacity;
@@ -238,21 +240,21 @@ void check_memory(const Job& job, const RunArgs& a) {
   const double expert_params = 3.0 * double(c.hidden) * double(c.ffn_hidden) *
                                double(c.num_experts) / double(job.ranks) * ranks;
   double need = expert_params * double(dtype_size(c.dtype) + sizeof(float));
-  if (c.dispatcher == DispatcherKind::kLowLatency) {
+  if (c.low_latency) {
     need +=
         double(get_low_latency_size_hint(job.tokens, c.hidden, job.ranks, c.num_experts)) * ranks;
   }
   const uint64_t have = available_bytes();
   if (have == 0 || need <= double(have)) return;
-  fail(failed_precondition(
-      "--preset ", a.preset, " with ", job.ranks, " ranks (hidden ", c.hidden, ", ffn ",
-      c.ffn_hidden, ", ", c.num_experts, " experts, tokens ", job.tokens, ", ", dtype_name(c.dtype),
-      ", ", dispatcher_kind_name(c.dispatcher), ") needs at least ",
-      fmt::format("{:.1f}", need / 1e9), " GB in this process (expert weights and gradients",
-      c.dispatcher == DispatcherKind::kLowLatency ? ", low-latency buffers" : "", "), but only ",
-      fmt::format("{:.1f}", double(have) / 1e9),
-      " GB are available; take a smaller --preset or fewer --experts, "
-      "--ffn, --hidden or --tokens"));
+  fail(failed_precondition("--preset ", a.preset, " with ", job.ranks, " ranks (hidden ", c.hidden,
+                           ", ffn ", c.ffn_hidden, ", ", c.num_experts, " experts, tokens ",
+                           job.tokens, ", ", dtype_name(c.dtype), ", ", c.dispatcher_name(),
+                           ") needs at least ", fmt::format("{:.1f}", need / 1e9),
+                           " GB in this process (expert weights and gradients",
+                           c.low_latency ? ", low-latency buffers" : "", "), but only ",
+                           fmt::format("{:.1f}", double(have) / 1e9),
+                           " GB are available; take a smaller --preset or fewer --experts, "
+                           "--ffn, --hidden or --tokens"));
 }
 
 // What one rank saw in its steps, before the gather.
@@ -413,7 +415,7 @@ void print_json(const RunArgs& a, const Job& job, const Summary& sum, const Figu
   j["world"] = job.world;
   j["ranks"] = job.ranks;
   j["ranks_per_node"] = sum.ranks_per_node;
-  j["dispatcher"] = dispatcher_kind_name(c.dispatcher);
+  j["dispatcher"] = c.dispatcher_name();
   j["preset"] = a.preset;
   j["tokens_per_rank"] = job.tokens;
   j["hidden"] = c.hidden;
@@ -454,7 +456,7 @@ void print_json(const RunArgs& a, const Job& job, const Summary& sum, const Figu
 void print_tables(const RunArgs& a, const Job& job, const Summary& sum, const Figures& f) {
   const MoEConfig& c = job.c;
   std::printf("moed run: %s world, %d ranks (%d per node), dispatcher %s, %s, preset %s\n",
-              job.world.c_str(), job.ranks, sum.ranks_per_node, dispatcher_kind_name(c.dispatcher),
+              job.world.c_str(), job.ranks, sum.ranks_per_node, c.dispatcher_name(),
               dtype_name(c.dtype), a.preset.c_str());
   std::printf("  T=%lld per rank  H=%d  F=%d  E=%d  K=%d  shared F=%d  ETP=%d  steps=%d\n",
               (long long)job.tokens, c.hidden, c.ffn_hidden, c.num_experts, c.num_topk,
