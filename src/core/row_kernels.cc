@@ -334,11 +334,12 @@ void stream_fence() {
 }
 
 void copy_rows(const TensorView& dst, int64_t dst_row, const TensorView& src, int64_t src_row,
-               int64_t count, ThreadPool* pool) {
+               int64_t count, ThreadPool* pool, bool stream_pieces) {
   const size_t row_bytes = dst.row_bytes();
   if (count <= 0 || row_bytes == 0) return;
   const bool packed = dst.contiguous() && src.contiguous();
-  const bool stream = size_t(count) * row_bytes >= kStreamThresholdBytes;
+  const bool fenced = size_t(count) * row_bytes >= kStreamThresholdBytes;
+  const bool stream = stream_pieces || fenced;
   auto run = [&](int64_t b, int64_t e, int) {
     const int64_t runs = packed ? 1 : e - b;
     const size_t bytes = packed ? size_t(e - b) * row_bytes : row_bytes;
@@ -351,7 +352,7 @@ void copy_rows(const TensorView& dst, int64_t dst_row, const TensorView& src, in
         std::memcpy(to, from, bytes);
       }
     }
-    if (stream) stream_fence();
+    if (fenced) stream_fence();
   };
   if (pool) {
     pool->parallel_for(count, run, 16);

@@ -135,9 +135,10 @@ inline constexpr size_t kStreamThresholdBytes = size_t(8) << 20;
 // row bytes; either side may be strided): one memcpy per run where both sides are packed. A
 // copy of kStreamThresholdBytes or more is written with stream_copy and fenced before the call
 // returns. pool: the rows are split across its workers (16 at least each); nullptr: on this
-// thread (a caller already inside a parallel_for).
+// thread (a caller already inside a parallel_for). stream: stream_copy whatever the size, not
+// fenced (the caller fences, after its other pieces of one large copy).
 void copy_rows(const TensorView& dst, int64_t dst_row, const TensorView& src, int64_t src_row,
-               int64_t count, ThreadPool* pool = nullptr);
+               int64_t count, ThreadPool* pool = nullptr, bool stream = false);
 
 // fold_rows over a run of tokens, one token behind: push() asks for the first lines of the
 // new token's rows, then folds the previous token, so those lines (each row starts at a

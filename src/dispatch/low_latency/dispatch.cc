@@ -132,13 +132,14 @@ Status receive_counts(Received& rv) {
 
 // Packs expert j's rows in [j0, j1) from the network messages (the in-node sources are read in
 // place: pack_in_place).
-void pack_messages(const Received& rv, low_latency::ReceiveBlock& rb, int j0, int j1) {
+void pack_messages(const Received& rv, low_latency::ReceiveBlock& rb, int j0, int j1, bool stream) {
   const World& w = *rv.st.world;
   auto no_slots = [](int, int) { return low_latency::RowSpan{}; };
   auto in_node = [&](int s) { return w.same_node(s, w.rank()); };
   for (int j = j0; j < j1; ++j) {
-    for (int s = 0; s < rv.st.layout.num_ranks; ++s) rv.pack(rb, j, s, no_slots, in_node);
+    for (int s = 0; s < rv.st.layout.num_ranks; ++s) rv.pack(rb, j, s, no_slots, in_node, stream);
   }
+  if (stream) internal::stream_fence();
 }
 
 // Pulled sources, straight from their rows into the packed place, in (source, token) order: a
@@ -236,16 +237,12 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
       for (int j = 0; j < L; ++j) any_messages |= rv.at(j, s) > 0;
     }
   }
-  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more. As
-  // Flex's dispatch (flex/layout.cc), a large receive is written with non-temporal stores,
-  // which skip reading the destination lines first; "large" counts the node's ranks, which
-  // receive alike at once into one last-level cache (FP8 at decode, 7 MB a rank, R = 4).
-  const size_t bytes = size_t(received) * rv.f.payload;
-  const bool inline_copy = bytes < low_latency::kInlineBytes;
-  const bool stream = bytes * size_t(w.ranks_per_node()) >= internal::kStreamThresholdBytes;
+  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
+  const bool inline_copy = size_t(received) * rv.f.payload < low_latency::kInlineBytes;
+  const bool stream = rv.stream(received);
   if (any_messages) {
     w.pool().parallel_for(
-        L, [&](int64_t j0, int64_t j1, int) { pack_messages(rv, rb, int(j0), int(j1)); },
+        L, [&](int64_t j0, int64_t j1, int) { pack_messages(rv, rb, int(j0), int(j1), stream); },
         inline_copy ? int64_t(L) : 1);
   }
   pack_in_place(rv, in_place, rb, stream, inline_copy);

@@ -66,7 +66,12 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
   const TopkView& routing = in.topk;
   const int L = lay.num_local_experts, K = routing.num_topk, me = w.rank();
   const int64_t T = in.x.rows;
+  // Large sends into the segment take non-temporal stores, as a large receive does (Received).
+  const bool stream = in_node == InNode::kOwnSegment &&
+                      size_t(T) * size_t(K) * f.payload * size_t(w.ranks_per_node()) >=
+                          internal::kStreamThresholdBytes;
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
+    internal::StreamBatch batch(f.payload);
     for (int64_t t = t0; t < t1; ++t) {
       const std::byte* row = in.use_fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
                                         : static_cast<const std::byte*>(in.x.row_ptr(t));
@@ -87,9 +92,14 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
           dh.in_place_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
           dh.in_place_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
         } else {
-          put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, int32_t(t), p);
+          put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, int32_t(t), p,
+                   stream ? &batch : nullptr);
         }
       }
+    }
+    if (stream) {
+      batch.flush();
+      internal::stream_fence();
     }
   });
 }
@@ -150,17 +160,26 @@ struct Received {
     }
     return received;
   }
+  // As Flex's dispatch (flex/layout.cc), a large receive is written with non-temporal stores,
+  // which skip reading the destination lines first; "large" counts the node's ranks, which
+  // receive alike at once into one last-level cache (FP8 at decode, 7 MB a rank, R = 4).
+  bool stream(int64_t received) const {
+    return size_t(received) * f.payload * size_t(st.world->ranks_per_node()) >=
+           internal::kStreamThresholdBytes;
+  }
   // Packs chunk (j, s) from its message, or from the in-node slots `slot_row(j, s)` (a
-  // RowSpan); a chunk `skip(s)` says another copy takes is left.
+  // RowSpan); a chunk `skip(s)` says another copy takes is left. stream: the caller fences.
   template <typename SlotRow, typename Skip>
-  void pack(ReceiveBlock& rb, int j, int s, const SlotRow& slot_row, const Skip& skip) const {
+  void pack(ReceiveBlock& rb, int j, int s, const SlotRow& slot_row, const Skip& skip,
+            bool stream) const {
     const LowLatencyRange range = rb.layout_range[size_t(j) * st.layout.num_ranks + s];
     if (range.count == 0 || skip(s)) return;
     const int64_t to = int64_t(j) * st.layout.rows_per_expert() + range.begin;
     pack_rows(rb, to, size_t(range.count), f,
               st.world->same_node(s, st.world->rank())
                   ? slot_row(j, s)
-                  : RowSpan::message(message(s), size_t(row_in_message(j, s))));
+                  : RowSpan::message(message(s), size_t(row_in_message(j, s))),
+              stream);
   }
 };
 

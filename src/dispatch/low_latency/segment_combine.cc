@@ -2,6 +2,8 @@
 // segment_peers.h).
 #include <algorithm>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/segment.h"
@@ -202,14 +204,26 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
   if (ok) {
     const TensorView y(seg + lay.combine_y[half], DType::kBF16, int64_t(L) * lay.rows_per_expert(),
                        H);
+    std::vector<std::pair<int64_t, int64_t>> chunks;  // (row, rows)
+    int64_t rows = 0;
     for (int j = 0; j < L; ++j) {
       for (int s = 0; s < R; ++s) {
         const LowLatencyRange r = handle->layout_range[size_t(j) * R + s];
         if (r.count == 0 || !peers.in_node(s) || peers.masked(s)) continue;
-        const int64_t at = int64_t(j) * lay.rows_per_expert() + r.begin;
-        internal::copy_rows(y, at, in.x, at, r.count);
+        chunks.emplace_back(int64_t(j) * lay.rows_per_expert() + r.begin, r.count);
+        rows += r.count;
       }
     }
+    // As a large dispatch send (send_rows): non-temporal stores when the node writes much.
+    const bool stream = size_t(rows) * y.row_bytes() * size_t(w.ranks_per_node()) >=
+                        internal::kStreamThresholdBytes;
+    w.pool().parallel_for(int64_t(chunks.size()), [&](int64_t b, int64_t e, int) {
+      for (int64_t c = b; c < e; ++c) {
+        const auto [at, count] = chunks[size_t(c)];
+        internal::copy_rows(y, at, in.x, at, count, nullptr, stream);
+      }
+      if (stream) internal::stream_fence();
+    });
     std::memcpy(seg + lay.ranges[half], handle->layout_range.data(),
                 handle->layout_range.size() * sizeof(LowLatencyRange));
   }

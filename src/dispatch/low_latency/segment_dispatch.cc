@@ -129,15 +129,16 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
                                      dh.header_requests, from_segment, bad, read_counts,
                                      [&](int s) { rv.drop(s); }));
   MOED_RETURN_IF_ERROR(receive_dispatch_messages(peers, rv));
-  rv.set_layout(rb);
+  const bool stream = rv.stream(rv.set_layout(rb));
   auto slot_row = [&](int j, int s) {  // the sender's own slots (e, i)
     const int64_t from = (int64_t(me) * L + j) * lay.max_tokens;
     return RowSpan::slots(st.segment(st.local_of(s)), lay, half, from, rv.f);
   };
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
     for (int64_t c = c0; c < c1; ++c) {
-      rv.pack(rb, int(c / R), int(c % R), slot_row, [](int) { return false; });
+      rv.pack(rb, int(c / R), int(c % R), slot_row, [](int) { return false; }, stream);
     }
+    if (stream) internal::stream_fence();
   });
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kDispatch, half, n, from_segment));
   handle.layout_range = rb.layout_range;

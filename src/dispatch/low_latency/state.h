@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "comm/tags.h"
+#include "core/row_kernels.h"
 #include "moed/low_latency.h"
 #include "moed/tensor.h"
 #include "moed/world.h"
@@ -91,10 +92,17 @@ struct RowFormat {
 };
 
 // Row r of a half's dispatch slots in a sender's segment (design.md §6.1): its payload,
-// scales, source token and prob, each in its own region.
+// scales, source token and prob, each in its own region. With `stream`, the payload goes
+// through it (flush and fence before the slots are published).
 inline void put_slot(std::byte* seg, const SegmentLayout& lay, int half, int64_t r,
-                     const RowFormat& f, const std::byte* row, int32_t token, float prob) {
-  std::memcpy(seg + lay.dispatch_x[half] + size_t(r) * f.payload, row, f.payload);
+                     const RowFormat& f, const std::byte* row, int32_t token, float prob,
+                     internal::StreamBatch* stream) {
+  std::byte* x = seg + lay.dispatch_x[half] + size_t(r) * f.payload;
+  if (stream) {
+    stream->add(x, row);
+  } else {
+    std::memcpy(x, row, f.payload);
+  }
   std::memcpy(seg + lay.dispatch_scales[half] + size_t(r) * f.scale_bytes, row + f.payload,
               f.scale_bytes);
   std::memcpy(seg + lay.dispatch_src[half] + size_t(r) * sizeof(int32_t), &token, sizeof(token));
@@ -185,9 +193,13 @@ struct ReceiveBlock {
 
 // Copies n rows from `from` to packed rows [to, to + n) of rb.
 inline void pack_rows(ReceiveBlock& rb, int64_t to, size_t n, const RowFormat& f,
-                      const RowSpan& from) {
-  std::memcpy(static_cast<std::byte*>(rb.x.data()) + size_t(to) * f.payload, from.x,
-              n * f.payload);
+                      const RowSpan& from, bool stream) {
+  std::byte* x = static_cast<std::byte*>(rb.x.data()) + size_t(to) * f.payload;
+  if (stream) {
+    internal::stream_copy(x, from.x, n * f.payload);  // the caller fences
+  } else {
+    std::memcpy(x, from.x, n * f.payload);
+  }
   if (f.scale_bytes != 0) {
     std::memcpy(static_cast<std::byte*>(rb.scales.data()) + size_t(to) * f.scale_bytes,
                 from.scales, n * f.scale_bytes);
