@@ -188,7 +188,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     }
     DispatchInput in;
     in.hidden = TokenRows{x.view(), {}};
-    in.topk = &topk;
+    in.topk = TopkView::of(topk);
     DispatchOutput out;
     TokenRows expert_output;
     CombineOutput comb;

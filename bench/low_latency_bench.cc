@@ -265,7 +265,7 @@ Status run_tokens(World& w, const Shape& s, int iters, std::vector<Figure>* figu
   DispatchOutput fd;
   DispatchInput flex_input;
   flex_input.hidden = TokenRows{x.view(), {}};
-  flex_input.topk = &topk;
+  flex_input.topk = TopkView::of(topk);
   auto flex_dispatch = [&]() -> Status {
     MOED_ASSIGN_OR_RETURN(fd, flex->dispatch(flex_input));
     return ok_status();

@@ -116,7 +116,7 @@ Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput
   DispatchOutput dd;
   auto dispatch = [&]() -> Status {
     MOED_ASSIGN_OR_RETURN(dd, d->dispatch({.hidden = TokenRows{in.x.view(), {}},
-                                           .topk = &in.topk,
+                                           .topk = TopkView::of(in.topk),
                                            .map = nullptr,
                                            .cached_handle = nullptr}));
     return ok_status();

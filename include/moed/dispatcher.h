@@ -4,7 +4,8 @@
 // canonical layout, so it has its own API (moed/low_latency.h).
 //
 //   MOED_ASSIGN_OR_RETURN(auto d, moed::TokenDispatcher::create(world, config));
-//   MOED_ASSIGN_OR_RETURN(moed::DispatchOutput out, d->dispatch({.hidden = x, .topk = &routing}));
+//   MOED_ASSIGN_OR_RETURN(moed::DispatchOutput out,
+//                         d->dispatch({.hidden = x, .topk = moed::TopkView::of(routing)}));
 //   ... experts read out.expert_input, segment j has out.tokens_per_expert[j] rows ...
 //   MOED_ASSIGN_OR_RETURN(moed::CombineOutput y,
 //                         d->combine({.expert_output = ey, .handle = out.handle}));
@@ -82,16 +83,16 @@ class DispatchHandle {
   std::vector<float> permuted_probs;                // [num_rows], 0 on padding rows
 };
 
-// The routing comes in one of four forms (exactly one is set); the dispatch turns it into the
-// sparse form once, on entry, and works on that (moed/routing.h).
+// The routing comes in one of three forms (exactly one is given): top-k, as DeepEP's buffers
+// and low-latency mode take it; Megatron's map; or the sparse form itself. The dispatch turns it
+// into the sparse form once, on entry, and works on that (moed/routing.h).
 struct DispatchInput {
-  TokenRows hidden;                   // [T, H] f32, bf16, or fp8 with scales; T may be 0
-  const TopkRouting* topk = nullptr;  // exactly one of topk / map / topk_view / routing
+  TokenRows hidden;  // [T, H] f32, bf16, or fp8 with scales; T may be 0
+  TopkView topk;     // given when num_topk > 0: TopkView::of(routing), or a caller's tensors
   const RoutingMap* map = nullptr;
   // Flex cached mode: same routing as the dispatch that made this handle; skips notify.
   std::shared_ptr<const DispatchHandle> cached_handle;
-  const TopkView* topk_view = nullptr;      // borrowed [T, K] (e.g. a caller's tensors)
-  const SparseRouting* routing = nullptr;   // the sparse form itself
+  const SparseRouting* routing = nullptr;  // the sparse form itself
   // The routing already had this config's capacity dropping and router padding applied (a
   // Router with the same LayoutOptions did it), so the dispatcher does not apply them again;
   // it still checks that no expert holds more than the capacity.

@@ -37,8 +37,19 @@ struct TopkRouting {
 };
 
 // Top-k form, borrowed: idx [T, K] int64 (DeepEP's topk_idx_t) or int32, values in [-1, E);
-// weights [T, K] f32 (null: every weight 0). Both row-major and contiguous.
+// weights [T, K] f32 (null: every weight 0). Both row-major and contiguous. Made by its
+// constructor (or TopkView::of), not as an aggregate, so that a field written `.topk = &routing`
+// does not compile into a view of nothing.
 struct TopkView {
+  TopkView() = default;
+  TopkView(const void* idx_, bool idx_int64_, const float* weights_, int64_t num_tokens_,
+           int num_topk_)
+      : idx(idx_),
+        idx_int64(idx_int64_),
+        weights(weights_),
+        num_tokens(num_tokens_),
+        num_topk(num_topk_) {}
+
   const void* idx = nullptr;
   bool idx_int64 = true;
   const float* weights = nullptr;
@@ -52,8 +63,14 @@ struct TopkView {
   float weight(int64_t t, int k) const {
     return weights ? weights[size_t(t) * size_t(num_topk) + size_t(k)] : 0.0f;
   }
+  // A routing whose arrays do not hold num_tokens * num_topk entries each (the weights may be
+  // empty: all 0) gives a view without data, which validate() rejects.
   static TopkView of(const TopkRouting& r) {
-    return {r.topk_idx.data(), false, r.topk_weights.data(), r.num_tokens, r.num_topk};
+    const size_t n = size_t(r.num_tokens) * size_t(r.num_topk > 0 ? r.num_topk : 0);
+    const bool weights = r.topk_weights.size() == n;
+    const bool sized = r.topk_idx.size() == n && (weights || r.topk_weights.empty());
+    return {sized ? r.topk_idx.data() : nullptr, false,
+            sized && weights ? r.topk_weights.data() : nullptr, r.num_tokens, r.num_topk};
   }
   // The same indices without weights: what validate() checks where weights are only carried.
   TopkView indices() const { return {idx, idx_int64, nullptr, num_tokens, num_topk}; }

@@ -6,36 +6,27 @@ namespace moed {
 
 namespace {
 
+bool has_topk(const DispatchInput& in) { return in.topk.num_topk > 0; }
+
 int routing_forms(const DispatchInput& in) {
-  return int(in.topk != nullptr) + int(in.map != nullptr) + int(in.topk_view != nullptr) +
-         int(in.routing != nullptr);
+  return int(has_topk(in)) + int(in.map != nullptr) + int(in.routing != nullptr);
 }
 
 int64_t routing_tokens(const DispatchInput& in) {
-  if (in.topk) return in.topk->num_tokens;
+  if (has_topk(in)) return in.topk.num_tokens;
   if (in.map) return in.map->num_tokens;
-  if (in.topk_view) return in.topk_view->num_tokens;
   return in.routing->num_tokens();
 }
 
 int routing_topk(const DispatchInput& in) {
-  if (in.topk) return in.topk->num_topk;
+  if (has_topk(in)) return in.topk.num_topk;
   if (in.map) return in.map->num_topk;
-  if (in.topk_view) return in.topk_view->num_topk;
   return in.routing->num_topk;
 }
 
 Status check_routing(const DispatchConfig& config, const DispatchInput& input) {
   const int E = config.num_experts;
-  if (input.topk) return validate(*input.topk, E);
-  if (input.topk_view) {
-    const TopkView& v = *input.topk_view;
-    if (v.num_tokens > 0 && v.num_topk > 0 && v.idx == nullptr) {
-      return invalid_argument("topk_view has ", v.num_tokens, " x ", v.num_topk,
-                              " entries but no indices");
-    }
-    return validate(v, E);
-  }
+  if (has_topk(input)) return validate(input.topk, E);
   MOED_RETURN_IF_ERROR(input.map ? validate(*input.map, E) : validate(*input.routing, E));
   if (config.layout.capacity_factor && routing_topk(input) <= 0) {
     return invalid_argument("capacity_factor needs the routing's num_topk; the ",
@@ -49,7 +40,8 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
   const TokenRows& h = input.hidden;
   if (routing_forms(input) != 1) {
     return invalid_argument(
-        "DispatchInput needs exactly one routing form (topk, map, topk_view or routing); got ",
+        "DispatchInput needs exactly one routing form (topk with num_topk > 0, map or routing); "
+        "got ",
         routing_forms(input) ? "several" : "none");
   }
   if (input.layout_applied && input.map == nullptr && input.routing == nullptr) {
@@ -86,7 +78,7 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
 SparseRouting sparse_of(const DispatchConfig& config, const DispatchInput& input) {
   if (input.routing) return *input.routing;
   if (input.map) return to_sparse(*input.map);
-  return to_sparse(input.topk ? TopkView::of(*input.topk) : *input.topk_view, config.num_experts);
+  return to_sparse(input.topk, config.num_experts);
 }
 
 PreparedInput prepared_shapes(const DispatchInput& input) {

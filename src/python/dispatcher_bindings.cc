@@ -87,7 +87,7 @@ void prepare_dispatch(DispatcherBox& b, py::handle x, py::handle scales, py::han
     in.routing = &b.routing;
   } else {
     b.topk = topk_view_arg(topk_idx, topk_weights, b.keep_idx, b.keep_weights);
-    in.topk_view = &b.topk;
+    in.topk = b.topk;
   }
   b.keep_x = py::reinterpret_borrow<py::object>(x);
   b.keep_scales = py::reinterpret_borrow<py::object>(scales);

@@ -86,6 +86,11 @@ Status validate(const TopkView& routing, int num_experts) {
   const int64_t num_tokens = routing.num_tokens;
   const int num_topk = routing.num_topk;
   MOED_RETURN_IF_ERROR(check_sizes(num_experts, num_tokens, num_topk));
+  if (num_tokens > 0 && num_topk > 0 && routing.idx == nullptr) {
+    return invalid_argument("topk_idx has no data for its ", num_tokens, " x ", num_topk,
+                            " entries (a TopkRouting's arrays must hold num_tokens * num_topk "
+                            "each)");
+  }
   // NOTE: a repeat is looked for among the token's earlier picks while K is small (no
   // allocation, as on a decode step's every call); past that with one stamp per expert (the
   // last token that used it and at which k), O(T * K). Both name the same two picks.

@@ -48,7 +48,8 @@ Status run_case(Backend backend, int ranks, int g, uint64_t seed, const CaseBody
   const testing::CaseInput in = testing::make_case_input(c);
   return testing::run_world(backend, ranks, g, [&](World& w) -> Status {
     const int r = w.rank();
-    return body(w, c, {.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]});
+    return body(w, c,
+                {.hidden = in.hidden[size_t(r)].rows(), .topk = TopkView::of(in.topk[size_t(r)])});
   });
 }
 
@@ -65,16 +66,18 @@ TEST_P(OutputLifetime, HeldOutputsStayUnchanged) {
       const int r = w.rank();
       DispatchConfig cfg{.kind = kind, .num_experts = c1.num_experts};
       MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
-      MOED_ASSIGN_OR_RETURN(DispatchOutput o1, d->dispatch({.hidden = in1.hidden[size_t(r)].rows(),
-                                                            .topk = &in1.topk[size_t(r)]}));
+      MOED_ASSIGN_OR_RETURN(DispatchOutput o1,
+                            d->dispatch({.hidden = in1.hidden[size_t(r)].rows(),
+                                         .topk = TopkView::of(in1.topk[size_t(r)])}));
       const Held h1 = copy_of(o1);
       MOED_ASSIGN_OR_RETURN(CombineOutput y1,
                             d->combine({.expert_output = o1.expert_input, .handle = o1.handle}));
       const Tensor y1_copy = Tensor::copy_of(y1.hidden.view());
       for (int round = 0; round < 3; ++round) {
         const testing::CaseInput& in = round % 2 == 0 ? in2 : in1;
-        MOED_ASSIGN_OR_RETURN(DispatchOutput o2, d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
-                                                              .topk = &in.topk[size_t(r)]}));
+        MOED_ASSIGN_OR_RETURN(DispatchOutput o2,
+                              d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
+                                           .topk = TopkView::of(in.topk[size_t(r)])}));
         MOED_ASSIGN_OR_RETURN(CombineOutput y2,
                               d->combine({.expert_output = o2.expert_input, .handle = o2.handle}));
         MOED_RETURN_IF_ERROR(same(o1, h1, str_cat("rank ", r, " round ", round)));
@@ -144,7 +147,7 @@ TEST_P(OutputLifetime, RequestsAreNeverNull) {
           if (!bq) return internal_error("token_dispatch_backward returned null");
           MOED_RETURN_IF_ERROR(bq->wait());
           MOED_RETURN_IF_ERROR(d->dispatch_preprocess_backward().status());
-          const Tensor gh = Tensor::zeros(DType::kF32, input.topk->num_tokens, c.hidden);
+          const Tensor gh = Tensor::zeros(DType::kF32, input.topk.num_tokens, c.hidden);
           MOED_RETURN_IF_ERROR(d->combine_postprocess_backward(
               {.grad_hidden = gh.view(), .expert_output = o.expert_input, .handle = o.handle}));
           MOED_ASSIGN_OR_RETURN(Request cbq, d->token_combine_backward(async));
@@ -175,10 +178,10 @@ TEST_P(PreprocessIsLocal, NoCollectiveAndTheErrorInTheNextStep) {
       [&](World& w, const testing::DispatchCase& c, const DispatchInput& input) -> Status {
         MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(
                                           w, {.kind = kind, .num_experts = c.num_experts}));
-        TopkRouting bad = *input.topk;
+        TopkRouting bad = to_topk(input.topk);
         if (w.rank() == R - 1) bad.topk_idx[0] = c.num_experts;  // the last rank has tokens
         DispatchInput in = input;
-        in.topk = &bad;
+        in.topk = TopkView::of(bad);
         const uint64_t before = w.counters().collectives;
         MOED_RETURN_IF_ERROR(d->dispatch_preprocess(in));
         if (const uint64_t n = w.counters().collectives - before; n != 0)

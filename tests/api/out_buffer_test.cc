@@ -94,9 +94,9 @@ TEST_P(CombineOut, SameBitsAndErrorsOnEveryRank) {
                              .etp_size = wc.P,
                              .weighted_combine = weighted};
           MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
-          MOED_ASSIGN_OR_RETURN(
-              DispatchOutput o,
-              d->dispatch({.hidden = in.hidden[size_t(r)].rows(), .topk = &in.topk[size_t(r)]}));
+          MOED_ASSIGN_OR_RETURN(DispatchOutput o,
+                                d->dispatch({.hidden = in.hidden[size_t(r)].rows(),
+                                             .topk = TopkView::of(in.topk[size_t(r)])}));
           MOED_ASSIGN_OR_RETURN(CombineOutput y1,
                                 d->combine({.expert_output = o.expert_input, .handle = o.handle}));
           const int64_t T = in.topk[size_t(r)].num_tokens, H = c.hidden;
@@ -179,7 +179,7 @@ TEST_P(DispatchOut, SameBitsAndErrorsOnEveryRank) {
         DispatchConfig cfg{.kind = kind, .num_experts = c.num_experts, .etp_size = wc.P};
         MOED_ASSIGN_OR_RETURN(auto d, TokenDispatcher::create(w, cfg));
         const DispatchInput base{.hidden = in.hidden[size_t(r)].rows(),
-                                 .topk = &in.topk[size_t(r)]};
+                                 .topk = TopkView::of(in.topk[size_t(r)])};
         MOED_ASSIGN_OR_RETURN(DispatchOutput o1, d->dispatch(base));
         const int64_t rows = o1.num_rows();
         Sentinel buf(dt, rows, H);

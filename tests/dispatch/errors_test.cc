@@ -56,7 +56,7 @@ Status expect_error(const Status& got, StatusCode code, const std::string& messa
 DispatchInput input_of(const Tensor& x, const TopkRouting* topk, const RoutingMap* map = nullptr) {
   DispatchInput in;
   in.hidden = TokenRows{x.view(), TensorView()};
-  in.topk = topk;
+  if (topk) in.topk = TopkView::of(*topk);
   in.map = map;
   return in;
 }
@@ -87,6 +87,19 @@ TEST_P(DispatchErrors, RoutingOutsideNumExpertsOnOneRank) {
     TopkRouting r = simple_topk(3, 2, 8, w.rank());
     if (w.rank() == 2) r.topk_idx[2] = 8;  // token 1, k = 0
     return expect_dispatch_error(d, x, &r, "rank 2: topk_idx[1][0] = 8 is outside [-1, 8)");
+  });
+}
+
+// A TopkRouting whose arrays are not [T, K] gives TopkView::of a view without data: an error
+// naming the sizes, never a read past the arrays.
+TEST_P(DispatchErrors, TopkArraysShorterThanTheirShapeOnOneRank) {
+  on_dispatchers(3, 6, [&](World& w, TokenDispatcher& d) -> Status {
+    Tensor x = Tensor::zeros(DType::kF32, 3, 128);
+    TopkRouting r = simple_topk(3, 2, 6, w.rank());
+    if (w.rank() == 1) r.topk_weights.pop_back();
+    return expect_dispatch_error(d, x, &r,
+                                 "rank 1: topk_idx has no data for its 3 x 2 entries (a "
+                                 "TopkRouting's arrays must hold num_tokens * num_topk each)");
   });
 }
 

@@ -242,7 +242,7 @@ Status check_dispatch(CaseRun& run) {
   if (c.map_form) {
     din.map = &run.in.map[size_t(me)];
   } else {
-    din.topk = &run.in.topk[size_t(me)];
+    din.topk = TopkView::of(run.in.topk[size_t(me)]);
   }
   MOED_ASSIGN_OR_RETURN(run.out, run.d->dispatch(din));
   const DispatchOutput& out = run.out;

@@ -96,7 +96,7 @@ Status run_token_dispatcher(World& w, FaultHook& faults, DispatcherKind kind, co
   if (w.rank() == kVictim) faults.arm(f.call, internal_error(kReason));
   DispatchInput din;
   din.hidden = TokenRows{in.x.view(), {}};
-  din.topk = &in.topk;
+  din.topk = TopkView::of(in.topk);
   MOED_RETURN_IF_ERROR(d->dispatch_preprocess(din));
   MOED_RETURN_IF_ERROR(boundary_failure(w, f, 0));
   MOED_ASSIGN_OR_RETURN(Request r, d->token_dispatch(false));

@@ -152,7 +152,7 @@ Status flex_loop(World& w) {
     auto in = std::make_unique<Input>(make_input(w.rank(), it, kTokens, kHidden));
     DispatchInput din;
     din.hidden = TokenRows{in->x.view(), {}};
-    din.topk = &in->topk;
+    din.topk = TopkView::of(in->topk);
     MOED_RETURN_IF_ERROR(d->dispatch_preprocess(din));
     MOED_ASSIGN_OR_RETURN(Request r, d->token_dispatch(false));
     MOED_RETURN_IF_ERROR(r->wait());

@@ -136,7 +136,7 @@ TEST_P(FlexChain, CachedModeAndNetworkBytes) {
       MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
       DispatchInput input;
       input.hidden = in.hidden[size_t(r)].rows();
-      input.topk = &in.topk[size_t(r)];
+      input.topk = TopkView::of(in.topk[size_t(r)]);
       MOED_ASSIGN_OR_RETURN(DispatchOutput first, d->dispatch(input));
       w.reset_counters();
       MOED_ASSIGN_OR_RETURN(DispatchOutput out,

@@ -113,7 +113,8 @@ TEST_P(FlexFeatures, CachedWorstAsyncAndSharedExpertOutput) {
     const ReferenceRankDispatch& ref = want[size_t(r)];
     const int64_t exact = ref.expert_input.x.rows();
 
-    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(),
+                        .topk = TopkView::of(p.in.topk[size_t(r)])};
     MOED_RETURN_IF_ERROR(d->dispatch_preprocess(input));
     MOED_ASSIGN_OR_RETURN(Request req, d->token_dispatch(/*async=*/true));
     MOED_RETURN_IF_ERROR(req->wait());  // never null; already complete in the MPI world
@@ -179,7 +180,8 @@ TEST_P(FlexFeatures, RowSlotsAndCachedRowsOfAnotherShape) {
     const int r = w.rank(), L = 2;
     DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 8};
     MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
-    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(),
+                        .topk = TopkView::of(p.in.topk[size_t(r)])};
     MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input));
     const DispatchHandle& h = *out.handle;
     int64_t row = 0;
@@ -225,8 +227,8 @@ TEST_P(FlexFeatures, NumWorstTokensTooSmallIsEveryonesError) {
     DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 8};
     cfg.num_worst_tokens = 2;
     MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
-    auto out = d->dispatch(
-        {.hidden = p.in.hidden[size_t(w.rank())].rows(), .topk = &p.in.topk[size_t(w.rank())]});
+    auto out = d->dispatch({.hidden = p.in.hidden[size_t(w.rank())].rows(),
+                            .topk = TopkView::of(p.in.topk[size_t(w.rank())])});
     if (out.ok()) return internal_error("dispatch accepted num_worst_tokens = 2");
     return expect(out.status().code() == StatusCode::kInvalidArgument &&
                       out.status().message().find("num_worst_tokens = 2") != std::string::npos,
@@ -243,7 +245,8 @@ TEST_P(FlexFeatures, NetworkBytesMatchAnalyticCount) {
     const int r = w.rank(), G = 2, L = 2;
     DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = 16};
     MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
-    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    DispatchInput input{.hidden = p.in.hidden[size_t(r)].rows(),
+                        .topk = TopkView::of(p.in.topk[size_t(r)])};
     MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch(input));
     // What cached mode's agreement costs on its own (one all-gather of its row).
     w.reset_counters();
@@ -284,21 +287,23 @@ TEST_P(FlexFeatures, BadInputIsEveryonesError) {
     MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
     TopkRouting topk = p.in.topk[size_t(r)];
     if (r == 2) topk.topk_idx[0] = 300;
-    auto bad = d->dispatch({.hidden = p.in.hidden[size_t(r)].rows(), .topk = &topk});
+    auto bad = d->dispatch({.hidden = p.in.hidden[size_t(r)].rows(), .topk = TopkView::of(topk)});
     MOED_RETURN_IF_ERROR(expect(!bad.ok() &&
                                     bad.status().message().find("rank 2") != std::string::npos &&
                                     bad.status().message().find("300") != std::string::npos,
                                 str_cat("bad topk: ", bad.status().to_string())));
     // The dispatcher still works afterwards.
-    MOED_ASSIGN_OR_RETURN(DispatchOutput out, d->dispatch({.hidden = p.in.hidden[size_t(r)].rows(),
-                                                           .topk = &p.in.topk[size_t(r)]}));
+    MOED_ASSIGN_OR_RETURN(DispatchOutput out,
+                          d->dispatch({.hidden = p.in.hidden[size_t(r)].rows(),
+                                       .topk = TopkView::of(p.in.topk[size_t(r)])}));
     // A combine with the wrong row count on rank 1 fails on every rank.
     Tensor y = Tensor::zeros(DType::kF32, out.num_rows() + (r == 1 ? 1 : 0), 256);
     auto c = d->combine({.expert_output = {y.view(), {}}, .handle = out.handle});
     MOED_RETURN_IF_ERROR(expect(!c.ok() && c.status().message().find("rank 1") != std::string::npos,
                                 str_cat("bad combine: ", c.status().to_string())));
     // Cached mode on one rank only.
-    DispatchInput in{.hidden = p.in.hidden[size_t(r)].rows(), .topk = &p.in.topk[size_t(r)]};
+    DispatchInput in{.hidden = p.in.hidden[size_t(r)].rows(),
+                     .topk = TopkView::of(p.in.topk[size_t(r)])};
     if (r == 3) in.cached_handle = out.handle;
     auto mixed = d->dispatch(in);
     return expect(!mixed.ok() && mixed.status().message().find("cached") != std::string::npos,

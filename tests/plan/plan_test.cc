@@ -73,8 +73,8 @@ StatusOr<Measured> measure(const PlanOptions& o, DispatcherKind kind, bool empty
     w.reset_counters();
     MOED_ASSIGN_OR_RETURN(
         DispatchOutput out,
-        d->dispatch(
-            {.hidden = {x.view(), o.fp8_dispatch ? sc.view() : TensorView()}, .topk = &topk}));
+        d->dispatch({.hidden = {x.view(), o.fp8_dispatch ? sc.view() : TensorView()},
+                     .topk = TopkView::of(topk)}));
     c.dispatch = w.counters();
     Tensor y = Tensor::zeros(DType::kBF16, out.num_rows(), o.hidden);
     w.reset_counters();

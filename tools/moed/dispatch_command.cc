@@ -110,7 +110,7 @@ Status run_steps(World& w, TokenDispatcher* d, const Tensor& x, const TopkRoutin
   w.reset_counters();
   DispatchInput input;
   input.hidden = hidden;
-  input.topk = &mine;
+  input.topk = TopkView::of(mine);
   MOED_ASSIGN_OR_RETURN(DispatchOutput dispatched, d->dispatch(input));
   out.dispatch_traffic = w.counters();
   out.expert_input = Tensor::copy_of(dispatched.expert_input.x);

@@ -146,7 +146,7 @@ StatusOr<ElasticDispatchOutput> dispatch_expanded(ElasticBuffer::State& s,
   if (cached) {
     din.cached_handle = cached->expand;
   } else {
-    din.topk_view = &topk;
+    din.topk = topk;
   }
   MOED_ASSIGN_OR_RETURN(DispatchOutput d, flex->dispatch(din));
   if (fresh) {

@@ -55,8 +55,6 @@ Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatc
   if (r.num_topk <= 0) {
     return invalid_argument("low_latency_dispatch: num_topk = ", r.num_topk, " must be positive");
   }
-  if (r.num_tokens > 0 && r.idx == nullptr)
-    return invalid_argument("low_latency_dispatch: topk_idx has no data");
   // No weights at dispatch (as DeepEP's): only the indices are checked.
   MOED_RETURN_IF_ERROR(validate(r.indices(), lay.num_experts));
   const DispatchHalf& half = st.dispatch_half[st.dispatches % 2];
