@@ -117,7 +117,6 @@ Status run_normal(World& w, DispatcherKind kind, const Shape& s, const RankInput
   auto dispatch = [&]() -> Status {
     MOED_ASSIGN_OR_RETURN(dd, d->dispatch({.hidden = TokenRows{in.x.view(), {}},
                                            .topk = TopkView::of(in.topk),
-                                           .map = nullptr,
                                            .cached_handle = nullptr}));
     return ok_status();
   };

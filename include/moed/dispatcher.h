@@ -89,7 +89,7 @@ class DispatchHandle {
 struct DispatchInput {
   TokenRows hidden;  // [T, H] f32, bf16, or fp8 with scales; T may be 0
   TopkView topk;     // given when num_topk > 0: TopkView::of(routing), or a caller's tensors
-  const RoutingMap* map = nullptr;
+  MapView map;       // given when num_experts > 0: MapView::of(routing_map), or a caller's tensors
   // Flex cached mode: same routing as the dispatch that made this handle; skips notify.
   std::shared_ptr<const DispatchHandle> cached_handle;
   const SparseRouting* routing = nullptr;  // the sparse form itself

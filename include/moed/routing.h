@@ -98,8 +98,13 @@ struct MapView {
   int num_experts = 0;
   int num_topk = 0;  // as RoutingMap::num_topk
 
+  // A map whose arrays do not hold num_tokens * num_experts cells each gives a view without
+  // data, which validate() rejects.
   static MapView of(const RoutingMap& r) {
-    return {r.routing_map.data(), r.probs.data(), r.num_tokens, r.num_experts, r.num_topk};
+    const size_t n = size_t(r.num_tokens) * size_t(r.num_experts > 0 ? r.num_experts : 0);
+    const bool sized = r.routing_map.size() == n && r.probs.size() == n;
+    return {sized ? r.routing_map.data() : nullptr, sized ? r.probs.data() : nullptr, r.num_tokens,
+            r.num_experts, r.num_topk};
   }
 };
 
@@ -131,7 +136,8 @@ struct SparseRouting {
 Status validate(const TopkRouting& routing, int num_experts);
 // Sizes match, probs not NaN / negative where routed, num_experts == expected_experts.
 Status validate(const RoutingMap& routing, int expected_experts);
-// The view's cells as validate(RoutingMap) checks them (sizes are the caller's).
+// The view's cells as validate(RoutingMap) checks them (sizes are the caller's; a view without
+// data for its cells is an error).
 Status validate(const MapView& routing, int expected_experts);
 // The view's indices and weights as validate(TopkRouting) checks them (sizes are the caller's).
 Status validate(const TopkView& routing, int num_experts);

@@ -7,31 +7,32 @@ namespace moed {
 namespace {
 
 bool has_topk(const DispatchInput& in) { return in.topk.num_topk > 0; }
+bool has_map(const DispatchInput& in) { return in.map.num_experts > 0; }
 
 int routing_forms(const DispatchInput& in) {
-  return int(has_topk(in)) + int(in.map != nullptr) + int(in.routing != nullptr);
+  return int(has_topk(in)) + int(has_map(in)) + int(in.routing != nullptr);
 }
 
 int64_t routing_tokens(const DispatchInput& in) {
   if (has_topk(in)) return in.topk.num_tokens;
-  if (in.map) return in.map->num_tokens;
+  if (has_map(in)) return in.map.num_tokens;
   return in.routing->num_tokens();
 }
 
 int routing_topk(const DispatchInput& in) {
   if (has_topk(in)) return in.topk.num_topk;
-  if (in.map) return in.map->num_topk;
+  if (has_map(in)) return in.map.num_topk;
   return in.routing->num_topk;
 }
 
 Status check_routing(const DispatchConfig& config, const DispatchInput& input) {
   const int E = config.num_experts;
   if (has_topk(input)) return validate(input.topk, E);
-  MOED_RETURN_IF_ERROR(input.map ? validate(*input.map, E) : validate(*input.routing, E));
+  MOED_RETURN_IF_ERROR(has_map(input) ? validate(input.map, E) : validate(*input.routing, E));
   if (config.layout.capacity_factor && routing_topk(input) <= 0) {
     return invalid_argument("capacity_factor needs the routing's num_topk; the ",
-                            input.map ? "routing map" : "sparse routing", " has num_topk = ",
-                            routing_topk(input));
+                            has_map(input) ? "routing map" : "sparse routing",
+                            " has num_topk = ", routing_topk(input));
   }
   return ok_status();
 }
@@ -40,11 +41,11 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
   const TokenRows& h = input.hidden;
   if (routing_forms(input) != 1) {
     return invalid_argument(
-        "DispatchInput needs exactly one routing form (topk with num_topk > 0, map or routing); "
-        "got ",
+        "DispatchInput needs exactly one routing form (topk with num_topk > 0, map with "
+        "num_experts > 0, or routing); got ",
         routing_forms(input) ? "several" : "none");
   }
-  if (input.layout_applied && input.map == nullptr && input.routing == nullptr) {
+  if (input.layout_applied && !has_map(input) && input.routing == nullptr) {
     return invalid_argument("layout_applied needs the routing as a map or sparse routing");
   }
   if (h.x.rows < 0 || h.x.cols <= 0) {
@@ -77,7 +78,7 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
 // The input's routing in the sparse form (one conversion; checked already).
 SparseRouting sparse_of(const DispatchConfig& config, const DispatchInput& input) {
   if (input.routing) return *input.routing;
-  if (input.map) return to_sparse(*input.map);
+  if (has_map(input)) return to_sparse(input.map);
   return to_sparse(input.topk, config.num_experts);
 }
 

@@ -261,7 +261,7 @@ std::vector<double> bench_dispatcher_cpp(DispatcherBox& b, py::handle x, py::han
   py::object no_scales;
   in.hidden = token_rows_arg(x, py::none(), "hidden_states", kPayload, no_scales);
   RoutingMap map = routing_map_arg(routing_map, probs, num_topk);
-  in.map = &map;
+  in.map = MapView::of(map);
   TokenDispatcher& d = b.get();
   py::object tick = py::module_::import("time").attr("perf_counter");
   auto gap = [&] {

@@ -247,6 +247,12 @@ Status validate(const RoutingMap& routing, int expected_experts) {
 
 Status validate(const MapView& routing, int expected_experts) {
   MOED_RETURN_IF_ERROR(check_map_header(routing, expected_experts));
+  if (routing.num_tokens > 0 && (routing.map == nullptr || routing.probs == nullptr)) {
+    return invalid_argument(routing.map ? "probs" : "routing_map", " has no data for its ",
+                            routing.num_tokens, " x ", routing.num_experts,
+                            " cells (a RoutingMap's arrays must hold num_tokens * num_experts "
+                            "each)");
+  }
   return check_map_cells(routing);
 }
 

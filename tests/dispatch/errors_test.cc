@@ -57,7 +57,7 @@ DispatchInput input_of(const Tensor& x, const TopkRouting* topk, const RoutingMa
   DispatchInput in;
   in.hidden = TokenRows{x.view(), TensorView()};
   if (topk) in.topk = TopkView::of(*topk);
-  in.map = map;
+  if (map) in.map = MapView::of(*map);
   return in;
 }
 
@@ -100,6 +100,19 @@ TEST_P(DispatchErrors, TopkArraysShorterThanTheirShapeOnOneRank) {
     return expect_dispatch_error(d, x, &r,
                                  "rank 1: topk_idx has no data for its 3 x 2 entries (a "
                                  "TopkRouting's arrays must hold num_tokens * num_topk each)");
+  });
+}
+
+// The same for a RoutingMap's arrays (MapView::of).
+TEST_P(DispatchErrors, MapArraysShorterThanTheirShapeOnOneRank) {
+  on_dispatchers(2, 4, [&](World& w, TokenDispatcher& d) -> Status {
+    Tensor x = Tensor::zeros(DType::kF32, 3, 128);
+    RoutingMap m = to_map(simple_topk(3, 1, 4, w.rank()), 4);
+    if (w.rank() == 0) m.probs.pop_back();
+    return expect_dispatch_error(d, x, nullptr,
+                                 "rank 0: routing_map has no data for its 3 x 4 cells (a "
+                                 "RoutingMap's arrays must hold num_tokens * num_experts each)",
+                                 &m);
   });
 }
 

@@ -240,7 +240,7 @@ Status check_dispatch(CaseRun& run) {
   DispatchInput din;
   din.hidden = run.strided(run.in.hidden[size_t(me)].rows());
   if (c.map_form) {
-    din.map = &run.in.map[size_t(me)];
+    din.map = MapView::of(run.in.map[size_t(me)]);
   } else {
     din.topk = TopkView::of(run.in.topk[size_t(me)]);
   }
