@@ -66,10 +66,8 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
   const TopkView& routing = in.topk;
   const int L = lay.num_local_experts, K = routing.num_topk, me = w.rank();
   const int64_t T = in.x.rows;
-  // Large sends into the segment take non-temporal stores, as a large receive does (Received).
-  const bool stream = in_node == InNode::kOwnSegment &&
-                      size_t(T) * size_t(K) * f.payload * size_t(w.ranks_per_node()) >=
-                          internal::kStreamThresholdBytes;
+  const bool stream =
+      in_node == InNode::kOwnSegment && stream_node_copy(w, size_t(T) * size_t(K) * f.payload);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     internal::StreamBatch batch(f.payload);
     for (int64_t t = t0; t < t1; ++t) {
@@ -160,12 +158,8 @@ struct Received {
     }
     return received;
   }
-  // As Flex's dispatch (flex/layout.cc), a large receive is written with non-temporal stores,
-  // which skip reading the destination lines first; "large" counts the node's ranks, which
-  // receive alike at once into one last-level cache (FP8 at decode, 7 MB a rank, R = 4).
   bool stream(int64_t received) const {
-    return size_t(received) * f.payload * size_t(st.world->ranks_per_node()) >=
-           internal::kStreamThresholdBytes;
+    return stream_node_copy(*st.world, size_t(received) * f.payload);
   }
   // Packs chunk (j, s) from its message, or from the in-node slots `slot_row(j, s)` (a
   // RowSpan); a chunk `skip(s)` says another copy takes is left. stream: the caller fences.

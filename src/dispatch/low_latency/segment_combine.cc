@@ -214,9 +214,7 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
         rows += r.count;
       }
     }
-    // As a large dispatch send (send_rows): non-temporal stores when the node writes much.
-    const bool stream = size_t(rows) * y.row_bytes() * size_t(w.ranks_per_node()) >=
-                        internal::kStreamThresholdBytes;
+    const bool stream = stream_node_copy(w, size_t(rows) * y.row_bytes());
     w.pool().parallel_for(int64_t(chunks.size()), [&](int64_t b, int64_t e, int) {
       for (int64_t c = b; c < e; ++c) {
         const auto [at, count] = chunks[size_t(c)];

@@ -91,6 +91,13 @@ struct RowFormat {
   size_t net_row_bytes() const { return sizeof(int32_t) + sizeof(float) + row_bytes(); }
 };
 
+// As Flex's dispatch (flex/layout.cc), a large copy is written with non-temporal stores, which
+// skip reading the destination lines first; "large" counts the node's ranks, which copy alike
+// at once into one last-level cache (FP8 at decode, 7 MB a rank, R = 4).
+inline bool stream_node_copy(const World& w, size_t bytes_per_rank) {
+  return bytes_per_rank * size_t(w.ranks_per_node()) >= internal::kStreamThresholdBytes;
+}
+
 // Row r of a half's dispatch slots in a sender's segment (design.md §6.1): its payload,
 // scales, source token and prob, each in its own region. With `stream`, the payload goes
 // through it (flush and fence before the slots are published).
