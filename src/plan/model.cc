@@ -307,10 +307,16 @@ void charge_source(const PlanOptions& o, int s, const RowBytes& rb, const Source
       (same ? ac.shared : ac.network)[size_t(d)] += pairs[size_t(d)] * rb.c;
     }
     // moed's low-latency buffer: a copy into the slots of every rank of the node (its own
-    // included); across nodes a message of (int32 token index + fp32 prob + row) per pair.
-    // Combine returns one bf16 row per pair, counted on the expert side.
+    // included) per pair; across nodes one message per rank in the wire layout, a header and
+    // a row per token, an entry per pair. Combine returns one bf16 row per pair, counted on the
+    // expert side.
     CounterBytes& ld = m.low_latency_dispatch;
-    (same ? ld.shared : ld.network)[size_t(s)] += pairs[size_t(d)] * (rb.d + (same ? 0 : 8));
+    if (same) {
+      ld.shared[size_t(s)] += pairs[size_t(d)] * rb.d;
+    } else {
+      ld.network[size_t(s)] +=
+          toks[size_t(d)] * (rb.d + kFlexTokenHeaderBytes) + pairs[size_t(d)] * kFlexEntryBytes;
+    }
     CounterBytes& lc = m.low_latency_combine;
     (same ? lc.shared : lc.network)[size_t(d)] += pairs[size_t(d)] * rb.c;
   }

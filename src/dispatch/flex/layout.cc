@@ -69,20 +69,6 @@ ChainLink chain_link(std::span<const int> nodes, uint32_t classes, int m, int ho
   return l;
 }
 
-MessageLayout MessageLayout::of(int64_t tokens, int64_t entries, size_t row_bytes,
-                                size_t scale_bytes, size_t tail_bytes) {
-  const size_t t = size_t(tokens);
-  Sections s;  // packed
-  MessageLayout l;
-  s.add(t * sizeof(MessageHeader));
-  l.entries_off = s.add(size_t(entries) * sizeof(MessageEntry));
-  l.payload_off = s.add(t * row_bytes);
-  l.scales_off = s.add(t * scale_bytes);
-  l.tail_off = s.add(tail_bytes);
-  l.bytes = s.end();
-  return l;
-}
-
 PushLayout PushLayout::of(int64_t cap_rows, size_t row_bytes, size_t scale_bytes, bool meta) {
   const size_t rows = size_t(cap_rows);
   PushLayout l{.cap_rows = cap_rows,

@@ -1,5 +1,5 @@
 // What notify learns (the same on every rank), the plans and the handle made from it, and the
-// wire and region layouts the rows travel in (layout.cc).
+// region layouts the rows are pushed into (layout.cc); the wire layout is message.h's.
 #pragma once
 
 #include <cstddef>
@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "dispatch/flex/message.h"
 #include "dispatch/flex/topology.h"
 #include "dispatch/prepare.h"
 #include "moed/dispatch_layout.h"
@@ -60,29 +61,6 @@ struct ForwardPlan {
   std::vector<int32_t> entry_slot;    // [q] the entry's top-k column at its source (or -1)
   std::vector<int64_t> entry_row;     // [q] canonical row on every rank of the expert
   std::vector<ChainLink> chain;       // [n] this node's place in each token's combine chain
-};
-
-// The wire format of one two-hop dispatch message (source -> forwarder), Flex's and the
-// rank-major push's (deep_ep/rank_major.h) alike: headers, then the expert entries, then the
-// payload rows, then the fp8 scales, then a tail of tail_bytes (the rank-major push's channel
-// prefix rows). Packed: entries are read and written with memcpy.
-struct MessageHeader {
-  int32_t src_token;
-  int32_t num_entries;
-  uint64_t rank_mask;  // local ranks of the destination node that need the token
-  ChainLink chain;     // the destination node's place in the token's combine chain
-};
-struct MessageEntry {
-  int32_t expert;
-  float prob;
-  int32_t slot;  // the entry's top-k column at its source (-1: none)
-};
-static_assert(sizeof(MessageHeader) == kFlexTokenHeaderBytes &&
-              sizeof(MessageEntry) == kFlexEntryBytes);
-struct MessageLayout {
-  size_t entries_off = 0, payload_off = 0, scales_off = 0, tail_off = 0, bytes = 0;
-  static MessageLayout of(int64_t tokens, int64_t entries, size_t row_bytes, size_t scale_bytes,
-                          size_t tail_bytes = 0);
 };
 
 class FlexHandle final : public DispatchHandle {

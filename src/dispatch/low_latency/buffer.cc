@@ -198,9 +198,9 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   const int L = num_experts / R;
   for (int h = 0; h < 2; ++h) {
     low_latency::DispatchHalf& dh = state->dispatch_half[h];
-    // [R][L + 1]: a segment call's headers lead with the verdict (segment_peers.h).
-    dh.recv_header.assign(size_t(R) * (L + 1), 0);
-    dh.send_header.assign(size_t(R) * (L + 1), 0);
+    // [R][verdict, L counts, tokens] (dispatch_rows.h, header_ints).
+    dh.recv_header.assign(size_t(R) * low_latency::header_ints(L), 0);
+    dh.send_header.assign(size_t(R) * low_latency::header_ints(L), 0);
     // A segment given by the caller was zeroed by every rank before: a peer may be writing
     // its own part already.
     if (!options.segment) {

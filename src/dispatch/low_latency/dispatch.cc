@@ -112,7 +112,7 @@ Status publish_dispatch(LowLatencyBuffer::State& st, const LowLatencyDispatchInp
 }
 
 // Fills rv.count: the in-node sources' counts came with the opening collective; other nodes
-// sent theirs in a header (segment_peers.h: [verdict, L counts]; the agreement passed them).
+// sent theirs in a header (dispatch_rows.h, header_ints; the agreement passed the verdicts).
 Status receive_counts(Received& rv) {
   LowLatencyBuffer::State& st = rv.st;
   World& w = *st.world;
@@ -120,24 +120,17 @@ Status receive_counts(Received& rv) {
   const int R = st.layout.num_ranks, L = st.layout.num_local_experts, me = w.rank();
   MOED_RETURN_IF_ERROR(wait_all(dh.header_requests));
   rv.count.assign(size_t(L) * R, 0);
+  rv.tokens.assign(size_t(R), 0);
   for (int s = 0; s < R; ++s) {
-    const int32_t* from = w.same_node(s, me) ? dh.published_count.data() + size_t(s) * L
-                                             : dh.recv_header.data() + size_t(s) * (L + 1) + 1;
-    for (int j = 0; j < L; ++j) rv.count[size_t(j) * R + s] = from[j];
+    if (!w.same_node(s, me)) {
+      rv.read_header(s, dh.recv_header.data() + size_t(s) * low_latency::header_ints(L));
+      continue;
+    }
+    for (int j = 0; j < L; ++j) {
+      rv.count[size_t(j) * R + s] = dh.published_count[size_t(s) * L + j];
+    }
   }
   return ok_status();
-}
-
-// Packs expert j's rows in [j0, j1) from the network messages (the in-node sources are read in
-// place: pack_in_place).
-void pack_messages(const Received& rv, low_latency::ReceiveBlock& rb, int j0, int j1, bool stream) {
-  const World& w = *rv.st.world;
-  auto no_slots = [](int, int) { return low_latency::RowSpan{}; };
-  auto in_node = [&](int s) { return w.same_node(s, w.rank()); };
-  for (int j = j0; j < j1; ++j) {
-    for (int s = 0; s < rv.st.layout.num_ranks; ++s) rv.pack(rb, j, s, no_slots, in_node, stream);
-  }
-  if (stream) internal::stream_fence();
 }
 
 // Pulled sources, straight from their rows into the packed place, in (source, token) order: a
@@ -214,7 +207,7 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   DispatchHalf& dh = st.dispatch_half[half];
-  const int R = lay.num_ranks, L = lay.num_local_experts;
+  const int R = lay.num_ranks;
   // Whatever happens below, this half is no longer in flight, and the peers whose rows this
   // rank reads in place learn that it is done with them.
   dh.pending = false;
@@ -227,22 +220,13 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
 
   const int64_t received = rv.set_layout(rb);
   std::vector<const low_latency::InPlaceRows*> in_place(size_t(R), nullptr);
-  bool any_messages = false;  // rows from other nodes
   for (int s = 0; s < R; ++s) {
-    if (w.same_node(s, w.rank())) {
-      in_place[size_t(s)] = &dh.sources[size_t(s)];
-    } else {
-      for (int j = 0; j < L; ++j) any_messages |= rv.at(j, s) > 0;
-    }
+    if (w.same_node(s, w.rank())) in_place[size_t(s)] = &dh.sources[size_t(s)];
   }
   // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
   const bool inline_copy = size_t(received) * rv.f.payload < low_latency::kInlineBytes;
   const bool stream = rv.stream(received);
-  if (any_messages) {
-    w.pool().parallel_for(
-        L, [&](int64_t j0, int64_t j1, int) { pack_messages(rv, rb, int(j0), int(j1), stream); },
-        inline_copy ? int64_t(L) : 1);
-  }
+  rv.unpack_messages(rb, stream, inline_copy ? std::max<int64_t>(1, received) : 1);
   pack_in_place(rv, in_place, rb, stream, inline_copy);
 
   handle.layout_range = rb.layout_range;
@@ -308,7 +292,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, in.topk, T);
   const low_latency::RowFormat f = low_latency::RowFormat::of(st.layout, fp8);
   if (fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
-  const NetPlan plan(st, handle->send_count, f, dh);
+  const NetPlan plan(st, in.topk, T, {}, f, dh);
 
   // Receivers read this half's own rows (no acks to wait for): the FP8 rows always, a few
   // bf16 rows once copied here; else the caller's x.

@@ -6,42 +6,102 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <numeric>
 #include <span>
 #include <vector>
 
+#include "dispatch/flex/message.h"
 #include "dispatch/low_latency/phases.h"
 #include "dispatch/sections.h"
 
 namespace moed::low_latency {
 
-// One message per rank d on another node at block[d] of the half's net_send, its chunk of
-// local expert j starting at row chunk_row[d * L + j]. `count` [E]: the rows this rank sends
-// to each expert.
+// One message per rank d on another node at block[d] of the half's net_send, in the one wire
+// layout (flex/message.h, design.md §6.5): per token bound for d, in token order, a header and
+// an entry (global expert, prob, top-k column) per expert of d it goes to, then its row once.
+// The plan writes the headers and entries; send_rows copies the rows. Ranks whose `live` entry
+// is 0 (shrink mode's masked ranks; empty: all live) get none.
 struct NetPlan {
-  std::vector<size_t> block;       // [R]
-  std::vector<int64_t> rows;       // [R]
-  std::vector<int64_t> chunk_row;  // [E]
+  std::vector<size_t> block;                // [R]
+  std::vector<int32_t> tokens;              // [R] tokens in the message to d
+  std::vector<flex::MessageLayout> layout;  // [R]
+  std::vector<int32_t> row;                 // [T * K] see row_of
 
-  NetPlan(const LowLatencyBuffer::State& st, std::span<const int32_t> count, const RowFormat& f,
-          DispatchHalf& dh)
+  NetPlan(const LowLatencyBuffer::State& st, const TopkView& routing, int64_t num_tokens,
+          std::span<const uint8_t> live, const RowFormat& f, DispatchHalf& dh)
       : block(size_t(st.layout.num_ranks), 0),
-        rows(size_t(st.layout.num_ranks), 0),
-        chunk_row(size_t(st.layout.num_experts), 0) {
-    const World& w = *st.world;
-    const int L = st.layout.num_local_experts;
-    Sections messages(64);
-    for (int d = 0; d < st.layout.num_ranks; ++d) {
-      if (w.same_node(d, w.rank())) continue;
-      for (int j = 0; j < L; ++j) {
-        chunk_row[size_t(d) * L + j] = rows[size_t(d)];
-        rows[size_t(d)] += count[size_t(d) * L + j];
+        tokens(size_t(st.layout.num_ranks), 0),
+        layout(size_t(st.layout.num_ranks)),
+        row(size_t(num_tokens) * size_t(routing.num_topk), -1) {
+    const int R = st.layout.num_ranks, K = routing.num_topk, me = st.world->rank();
+    auto remote = [&](int64_t t, int k) {  // d of (t, k) when its rank is on another node
+      const int e = int(routing.at(t, k));
+      if (e < 0) return -1;
+      const int d = e / st.layout.num_local_experts;
+      const bool go = !st.world->same_node(d, me) && (live.empty() || live[size_t(d)] != 0);
+      return go ? d : -1;
+    };
+    // The entries of each token of each message, then the messages' places.
+    std::vector<std::vector<int32_t>> entries(static_cast<size_t>(R));
+    std::vector<int64_t> last(size_t(R), -1);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int k = 0; k < K; ++k) {
+        const int d = remote(t, k);
+        if (d < 0) continue;
+        std::vector<int32_t>& n = entries[size_t(d)];
+        if (last[size_t(d)] != t) {
+          last[size_t(d)] = t;
+          row[size_t(t) * K + k] = int32_t(n.size());
+          n.push_back(0);
+        }
+        ++n.back();
       }
-      block[size_t(d)] = messages.add(size_t(rows[size_t(d)]) * f.net_row_bytes());
+    }
+    Sections messages(64);
+    for (int d = 0; d < R; ++d) {
+      const std::vector<int32_t>& n = entries[size_t(d)];
+      if (n.empty()) continue;
+      tokens[size_t(d)] = int32_t(n.size());
+      layout[size_t(d)] = flex::MessageLayout::of(int64_t(n.size()),
+                                                  std::accumulate(n.begin(), n.end(), int64_t(0)),
+                                                  f.payload, f.scale_bytes);
+      block[size_t(d)] = messages.add(layout[size_t(d)].bytes);
     }
     dh.net_send.resize(messages.aligned_end());
+    // The headers and entries, each token's entries in top-k order.
+    std::vector<size_t> entry(size_t(R), 0);
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      for (int k = 0; k < K; ++k) {
+        const int d = remote(t, k);
+        if (d < 0) continue;
+        std::byte* m = dh.net_send.data() + block[size_t(d)];
+        if (const int32_t i = row[size_t(t) * K + k]; i >= 0) {
+          const flex::MessageHeader hd{int32_t(t),
+                                       entries[size_t(d)][size_t(i)],
+                                       uint64_t(1) << (d % st.world->ranks_per_node()),
+                                       {}};
+          std::memcpy(m + size_t(i) * sizeof(hd), &hd, sizeof(hd));
+        }
+        const flex::MessageEntry en{int32_t(routing.at(t, k)), routing.weight(t, k), k};
+        std::memcpy(m + layout[size_t(d)].entries_off + entry[size_t(d)]++ * sizeof(en), &en,
+                    sizeof(en));
+      }
+    }
   }
-  NetRows message(DispatchHalf& dh, int d, const RowFormat& f) const {
-    return {dh.net_send.data() + block[size_t(d)], size_t(rows[size_t(d)]), f};
+  // The token's index in the message to d when k is its first entry there (its row goes
+  // once), else -1.
+  int32_t row_of(int64_t t, int k, int K) const { return row[size_t(t) * K + k]; }
+  std::byte* payload(DispatchHalf& dh, int d, int32_t i, const RowFormat& f) const {
+    return dh.net_send.data() + block[size_t(d)] + layout[size_t(d)].payload_off +
+           size_t(i) * f.payload;
+  }
+  std::byte* scales(DispatchHalf& dh, int d, int32_t i, const RowFormat& f) const {
+    return dh.net_send.data() + block[size_t(d)] + layout[size_t(d)].scales_off +
+           size_t(i) * f.scale_bytes;
+  }
+  std::span<const std::byte> message(const DispatchHalf& dh, int d) const {
+    return {dh.net_send.data() + block[size_t(d)], tokens[size_t(d)] ? layout[size_t(d)].bytes : 0};
   }
 };
 
@@ -80,7 +140,11 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
         const int64_t i = h.slot[size_t(t) * K + k];
         const float p = routing.weight(t, k);
         if (!w.same_node(d, me)) {
-          plan.message(dh, d, f).put(size_t(plan.chunk_row[size_t(e)] + i), row, int32_t(t), p);
+          const int32_t r = plan.row_of(t, k, K);
+          if (r >= 0) {
+            std::memcpy(plan.payload(dh, d, r, f), row, f.payload);
+            std::memcpy(plan.scales(dh, d, r, f), row + f.payload, f.scale_bytes);
+          }
           continue;
         }
         // NOTE: a in_place row is counted here, by the rank whose row crosses the node (as when
@@ -102,8 +166,8 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
   });
 }
 
-// The receive phase's view of one dispatch: its half, its row format and every (local expert
-// j, source s) count, [L][R].
+// The receive phase's view of one dispatch: its half, its row format, every (local expert j,
+// source s) count, [L][R], and the tokens of each source's message, [R].
 struct Received {
   LowLatencyBuffer::State& st;
   DispatchHalf& dh;
@@ -111,36 +175,42 @@ struct Received {
   uint64_t seq;
   RowFormat f;
   std::vector<int32_t> count;
-  // [(L + 1) * R]: the row of (j, s) in source s's network message; at j = L, its rows.
-  std::vector<int64_t> first;
+  std::vector<int32_t> tokens;
   std::vector<size_t> block;  // [R]: where source s's message starts in dh.net_recv
 
   int32_t at(int j, int s) const { return count[size_t(j) * st.layout.num_ranks + s]; }
-  int64_t row_in_message(int j, int s) const { return first[size_t(j) * st.layout.num_ranks + s]; }
-  int64_t rows_from(int s) const { return row_in_message(st.layout.num_local_experts, s); }
+  int64_t rows_from(int s) const {
+    int64_t n = 0;
+    for (int j = 0; j < st.layout.num_local_experts; ++j) n += at(j, s);
+    return n;
+  }
   void drop(int s) {  // source s adds no rows
     const int R = st.layout.num_ranks;
     for (int j = 0; j < st.layout.num_local_experts; ++j) count[size_t(j) * R + s] = 0;
   }
-  void index_messages() {
+  // Source s's counts and tokens from its header (header_ints).
+  void read_header(int s, const int32_t* header) {
     const int R = st.layout.num_ranks, L = st.layout.num_local_experts;
-    first.assign(size_t(L + 1) * R, 0);
-    for (int j = 0; j < L; ++j) {
-      for (int s = 0; s < R; ++s) first[size_t(j + 1) * R + s] = row_in_message(j, s) + at(j, s);
-    }
+    for (int j = 0; j < L; ++j) count[size_t(j) * R + s] = header[1 + j];
+    tokens[size_t(s)] = header[1 + L];
   }
-  // Room in dh.net_recv for a message from every source on another node (rows_from), at block.
+  bool sends_message(int s) const {
+    return !st.world->same_node(s, st.world->rank()) && rows_from(s) > 0;
+  }
+  flex::MessageLayout message_layout(int s) const {
+    return flex::MessageLayout::of(tokens[size_t(s)], rows_from(s), f.payload, f.scale_bytes);
+  }
+  // Room in dh.net_recv for a message from every source on another node, at block.
   void size_messages() {
     block.assign(size_t(st.layout.num_ranks), 0);
     Sections messages(64);
     for (int s = 0; s < st.layout.num_ranks; ++s) {
-      if (!st.world->same_node(s, st.world->rank()))
-        block[size_t(s)] = messages.add(size_t(rows_from(s)) * f.net_row_bytes());
+      if (sends_message(s)) block[size_t(s)] = messages.add(message_layout(s).bytes);
     }
     dh.net_recv.resize(messages.aligned_end());
   }
-  NetRows message(int s) const {
-    return {dh.net_recv.data() + block[size_t(s)], size_t(rows_from(s)), f};
+  std::span<std::byte> message(int s) {
+    return {dh.net_recv.data() + block[size_t(s)], sends_message(s) ? message_layout(s).bytes : 0};
   }
   // The packed layout: expert j's rows from source s start at begin(j, s) = rows of sources
   // < s. Returns the rows received.
@@ -161,19 +231,79 @@ struct Received {
   bool stream(int64_t received) const {
     return stream_node_copy(*st.world, size_t(received) * f.payload);
   }
-  // Packs chunk (j, s) from its message, or from the in-node slots `slot_row(j, s)` (a
-  // RowSpan); a chunk `skip(s)` says another copy takes is left. stream: the caller fences.
-  template <typename SlotRow, typename Skip>
-  void pack(ReceiveBlock& rb, int j, int s, const SlotRow& slot_row, const Skip& skip,
-            bool stream) const {
+  // Packs in-node chunk (j, s) from the sender's slots `slot_row(j, s)` (a RowSpan); other
+  // nodes' rows are unpack_messages'. stream: the caller fences.
+  template <typename SlotRow>
+  void pack(ReceiveBlock& rb, int j, int s, const SlotRow& slot_row, bool stream) const {
     const LowLatencyRange range = rb.layout_range[size_t(j) * st.layout.num_ranks + s];
-    if (range.count == 0 || skip(s)) return;
+    if (range.count == 0 || !st.world->same_node(s, st.world->rank())) return;
     const int64_t to = int64_t(j) * st.layout.rows_per_expert() + range.begin;
-    pack_rows(rb, to, size_t(range.count), f,
-              st.world->same_node(s, st.world->rank())
-                  ? slot_row(j, s)
-                  : RowSpan::message(message(s), size_t(row_in_message(j, s))),
-              stream);
+    pack_rows(rb, to, size_t(range.count), f, slot_row(j, s), stream);
+  }
+  // Every entry of the other nodes' messages into its packed row: source s's i-th token for
+  // expert j goes to begin(j, s) + i, the order of the sender's slots (token order). A row
+  // bound for several of this rank's experts is read once from its message, then from the
+  // cache. Copies of at least min_chunk entries run on the pool's workers.
+  void unpack_messages(ReceiveBlock& rb, bool stream, int64_t min_chunk) {
+    const int R = st.layout.num_ranks, L = st.layout.num_local_experts;
+    const int first_expert = st.world->rank() * L;
+    struct Place {
+      int64_t to;
+      const std::byte* row;  // payload; its scales at scales
+      const std::byte* scales;
+      int32_t token;
+      float prob;
+    };
+    std::vector<Place> places;
+    std::vector<int32_t> next(static_cast<size_t>(L));
+    for (int s = 0; s < R; ++s) {
+      if (!sends_message(s)) continue;
+      const flex::MessageLayout ml = message_layout(s);
+      const std::byte* m = message(s).data();
+      std::fill(next.begin(), next.end(), 0);
+      size_t q = 0;
+      for (int32_t i = 0; i < tokens[size_t(s)]; ++i) {
+        flex::MessageHeader hd;
+        std::memcpy(&hd, m + size_t(i) * sizeof(hd), sizeof(hd));
+        for (int32_t n = 0; n < hd.num_entries; ++n, ++q) {
+          flex::MessageEntry en;
+          std::memcpy(&en, m + ml.entries_off + q * sizeof(en), sizeof(en));
+          const int j = en.expert - first_expert;
+          MOED_CHECK(j >= 0 && j < L && next[size_t(j)] < at(j, s), "rank ", s,
+                     " sent an entry for expert ", en.expert, " beyond its counts");
+          const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
+          places.push_back(
+              {int64_t(j) * st.layout.rows_per_expert() + range.begin + next[size_t(j)]++,
+               m + ml.payload_off + size_t(i) * f.payload,
+               m + ml.scales_off + size_t(i) * f.scale_bytes, hd.src_token, en.prob});
+        }
+      }
+      MOED_CHECK(int64_t(q) == rows_from(s), "rank ", s, " sent ", q, " entries of ", rows_from(s));
+    }
+    auto* xs = static_cast<std::byte*>(rb.x.data());
+    auto* scales = static_cast<std::byte*>(rb.scales.data());
+    st.world->pool().parallel_for(
+        int64_t(places.size()),
+        [&](int64_t p0, int64_t p1, int) {
+          internal::StreamBatch batch(f.payload);
+          for (int64_t p = p0; p < p1; ++p) {
+            const Place& pl = places[size_t(p)];
+            std::byte* to = xs + size_t(pl.to) * f.payload;
+            if (stream) {
+              batch.add(to, pl.row);
+            } else {
+              std::memcpy(to, pl.row, f.payload);
+            }
+            if (f.scale_bytes != 0) {
+              std::memcpy(scales + size_t(pl.to) * f.scale_bytes, pl.scales, f.scale_bytes);
+            }
+            rb.src[size_t(pl.to)] = pl.token;
+            rb.prob[size_t(pl.to)] = pl.prob;
+          }
+          batch.flush();
+          if (stream) internal::stream_fence();
+        },
+        min_chunk);
   }
 };
 

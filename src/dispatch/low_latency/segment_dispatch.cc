@@ -36,25 +36,26 @@ Status segment::post_dispatch_messages(Peers& peers, const LowLatencyHandle& han
   Status posted;
   for (int d = 0; d < R && posted.ok(); ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
-    int32_t* header = dh.send_header.data() + size_t(d) * (L + 1);
+    int32_t* header = dh.send_header.data() + size_t(d) * header_ints(L);
     header[0] = int32_t(local.code()) | (fp8 ? kHeaderFp8Flag : 0);
     for (int j = 0; j < L; ++j) {
       header[1 + j] = local.ok() ? handle.send_count[size_t(d) * L + j] : 0;
     }
+    header[1 + L] = plan.tokens[size_t(d)];
     auto send = [&](const void* data, size_t bytes, tags::LowLatencyKind kind) {
       if (!posted.ok()) return;
       posted = peers.post_send(d, w.isend(d, tags::low_latency(seq, kind), data, bytes),
                                dh.send_requests, dh.send_peers);
     };
-    send(header, size_t(L + 1) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
-    const NetRows m = plan.message(dh, d, f);
-    if (m.rows > 0) send(m.base, m.bytes(), tags::LowLatencyKind::kDispatchData);
+    send(header, header_ints(L) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
+    const std::span<const std::byte> m = plan.message(dh, d);
+    if (!m.empty()) send(m.data(), m.size(), tags::LowLatencyKind::kDispatchData);
     if (!posted.ok()) break;
-    posted = peers.post(
-        d,
-        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
-                dh.recv_header.data() + size_t(d) * (L + 1), size_t(L + 1) * sizeof(int32_t)),
-        dh.header_requests[size_t(d)]);
+    posted = peers.post(d,
+                        w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
+                                dh.recv_header.data() + size_t(d) * header_ints(L),
+                                header_ints(L) * sizeof(int32_t)),
+                        dh.header_requests[size_t(d)]);
   }
   return posted;
 }
@@ -64,16 +65,15 @@ Status segment::receive_dispatch_messages(Peers& peers, Received& rv) {
   World& w = *st.world;
   DispatchHalf& dh = rv.dh;
   const int R = st.layout.num_ranks;
-  rv.index_messages();
   rv.size_messages();
   std::vector<Request> data(static_cast<size_t>(R));
   Status net;  // outside shrink mode: the first failed message
   for (int s = 0; s < R && net.ok(); ++s) {
-    const NetRows m = rv.message(s);
-    if (peers.in_node(s) || m.rows == 0 || peers.masked(s)) continue;
+    const std::span<std::byte> m = rv.message(s);
+    if (peers.in_node(s) || m.empty() || peers.masked(s)) continue;
     net = peers.post(s,
                      w.irecv(s, tags::low_latency(rv.seq, tags::LowLatencyKind::kDispatchData),
-                             m.base, m.bytes()),
+                             m.data(), m.size()),
                      data[size_t(s)]);
   }
   for (int s = 0; s < R; ++s) {
@@ -86,8 +86,7 @@ Status segment::receive_dispatch_messages(Peers& peers, Received& rv) {
   dh.header_requests.clear();  // dropped: cancelled where a masked peer never sent
   MOED_RETURN_IF_ERROR(net);
   MOED_RETURN_IF_ERROR(sent);
-  // A source masked above after its counts were read adds no rows (its messages' places in
-  // net_recv stay as indexed).
+  // A source masked above after its counts were read adds no rows (its message is not read).
   for (int s = 0; s < R; ++s) {
     if (peers.masked(s)) rv.drop(s);
   }
@@ -108,7 +107,13 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
 
   // Counts of every (local expert j, source s): in-node sources in their segment, the others
   // in their header; then the rows of other nodes.
-  Received rv{st, dh, half, seq, RowFormat::of(lay, fp8), std::vector<int32_t>(size_t(L) * R, 0)};
+  Received rv{st,
+              dh,
+              half,
+              seq,
+              RowFormat::of(lay, fp8),
+              std::vector<int32_t>(size_t(L) * R, 0),
+              std::vector<int32_t>(size_t(R), 0)};
   std::vector<bool> from_segment(size_t(R), false);
   auto read_counts = [&](int s, std::optional<uint64_t> published) -> StatusOr<uint64_t> {
     if (published) {
@@ -120,8 +125,8 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
       }
       return *published;
     }
-    const int32_t* header = dh.recv_header.data() + size_t(s) * (L + 1);
-    for (int j = 0; j < L; ++j) rv.count[size_t(j) * R + s] = header[1 + j];
+    const int32_t* header = dh.recv_header.data() + size_t(s) * header_ints(L);
+    rv.read_header(s, header);
     return uint64_t(uint32_t(header[0] & ~kHeaderFp8Flag)) |
            ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
   };
@@ -135,11 +140,10 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     return RowSpan::slots(st.segment(st.local_of(s)), lay, half, from, rv.f);
   };
   w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
-    for (int64_t c = c0; c < c1; ++c) {
-      rv.pack(rb, int(c / R), int(c % R), slot_row, [](int) { return false; }, stream);
-    }
+    for (int64_t c = c0; c < c1; ++c) rv.pack(rb, int(c / R), int(c % R), slot_row, stream);
     if (stream) internal::stream_fence();
   });
+  rv.unpack_messages(rb, stream, 1);
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kDispatch, half, n, from_segment));
   handle.layout_range = rb.layout_range;
   handle.received = true;
@@ -181,7 +185,7 @@ StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>
       counts[e].store(uint64_t(count[size_t(e)]), std::memory_order_relaxed);
     }
   }
-  const NetPlan plan(st, count, f, dh);
+  const NetPlan plan(st, ok ? in.topk : none, T, live, f, dh);
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
   publish(st, CallKind::kDispatch, half, n, local, fp8);

@@ -88,7 +88,6 @@ struct RowFormat {
                : RowFormat{size_t(lay.hidden) * sizeof(bf16), 0};
   }
   size_t row_bytes() const { return payload + scale_bytes; }  // a cast row: payload + scales
-  size_t net_row_bytes() const { return sizeof(int32_t) + sizeof(float) + row_bytes(); }
 };
 
 // As Flex's dispatch (flex/layout.cc), a large copy is written with non-temporal stores, which
@@ -116,32 +115,8 @@ inline void put_slot(std::byte* seg, const SegmentLayout& lay, int half, int64_t
   std::memcpy(seg + lay.dispatch_prob[half] + size_t(r) * sizeof(float), &prob, sizeof(prob));
 }
 
-// The one network message of a dispatch from a source to a rank on another node (design.md
-// §6.5), `rows` rows ordered by (local expert, token), laid out as
-// [int32 token x rows][f32 prob x rows][payload x rows][f32 scales x rows].
-struct NetRows {
-  std::byte* base;
-  size_t rows;
-  RowFormat f;
-  size_t bytes() const { return rows * f.net_row_bytes(); }
-  std::byte* token(size_t i) const { return base + i * sizeof(int32_t); }
-  std::byte* prob(size_t i) const { return base + rows * sizeof(int32_t) + i * sizeof(float); }
-  std::byte* data(size_t i) const {
-    return base + rows * (sizeof(int32_t) + sizeof(float)) + i * f.payload;
-  }
-  std::byte* scales(size_t i) const {
-    return base + rows * (sizeof(int32_t) + sizeof(float) + f.payload) + i * f.scale_bytes;
-  }
-  void put(size_t i, const std::byte* row, int32_t token, float prob) const {
-    std::memcpy(this->token(i), &token, sizeof(token));
-    std::memcpy(this->prob(i), &prob, sizeof(prob));
-    std::memcpy(data(i), row, f.payload);
-    std::memcpy(scales(i), row + f.payload, f.scale_bytes);
-  }
-};
-
-// Consecutive dispatched rows where they stand, in a half's slots or in a network message,
-// for the receive to pack (pack_rows).
+// Consecutive dispatched rows where they stand in a half's slots, for the receive to pack
+// (pack_rows).
 struct RowSpan {
   const std::byte* x;
   const std::byte* scales;
@@ -153,9 +128,6 @@ struct RowSpan {
             seg + lay.dispatch_scales[half] + size_t(row) * f.scale_bytes,
             seg + lay.dispatch_src[half] + size_t(row) * sizeof(int32_t),
             seg + lay.dispatch_prob[half] + size_t(row) * sizeof(float)};
-  }
-  static RowSpan message(const NetRows& m, size_t i) {
-    return {m.data(i), m.scales(i), m.token(i), m.prob(i)};
   }
 };
 
@@ -215,6 +187,11 @@ inline void pack_rows(ReceiveBlock& rb, int64_t to, size_t n, const RowFormat& f
   std::memcpy(rb.prob.data() + to, from.prob, n * sizeof(float));
 }
 
+// A dispatch's header to a rank on another node (segment_peers.h): [verdict, L counts, tokens],
+// int32 each: the rows for each of its local experts and the tokens that carry them
+// (dispatch_rows.h, NetPlan).
+inline size_t header_ints(int num_local_experts) { return size_t(num_local_experts) + 2; }
+
 // What a dispatch half keeps between its send and receive phases.
 struct DispatchHalf {
   bool pending = false;  // send phase done, receive not yet
@@ -224,9 +201,9 @@ struct DispatchHalf {
   std::shared_ptr<ReceiveBlock> received;  // this half's last receive (take_receive_block)
   // Network: headers from every source (counts per local expert), the rows received from
   // other nodes, and what this rank sends to other nodes (kept until the receive completes).
-  std::vector<int32_t> recv_header;  // [R][verdict, L counts]
+  std::vector<int32_t> recv_header;  // [R][verdict, L counts, tokens]
   std::vector<std::byte> net_recv;
-  std::vector<int32_t> send_header;  // [R][verdict, L counts]
+  std::vector<int32_t> send_header;  // [R][verdict, L counts, tokens]
   std::vector<std::byte> net_send;
   std::vector<Request> header_requests;  // [R] header receives of this op
   std::vector<Request> send_requests;    // this op's sends
