@@ -32,9 +32,10 @@ struct RowWriter {
   int64_t hidden;
   int L;
   bool plan;  // the source index travels too (uncached mode); the top-k when num_topk > 0
+  // The top-k row comes from `topk` (token t), or from a message's entries from q.
   void write(const RecvTarget& to, int64_t row, int r, const void* payload, const void* scales,
              const int32_t src_token, const TopkView* topk, int64_t t,
-             const char* msg_entries) const {
+             const flex::Message<const char>* msg, size_t q) const {
     char* block = to.block;
     std::memcpy(to.rows + size_t(row) * to.rows_stride, payload, lay->row_bytes);
     if (lay->scale_bytes) {
@@ -53,9 +54,7 @@ struct RowWriter {
         e = topk->at(t, k);
         wt = topk->weight(t, k);
       } else {
-        // NOTE: a network message packs its entries without padding, so read them unaligned.
-        flex::MessageEntry en;
-        std::memcpy(&en, msg_entries + size_t(k) * sizeof(en), sizeof(en));
+        const flex::MessageEntry en = msg->entry(q + size_t(k));
         e = en.expert;
         wt = en.prob;
       }
@@ -153,8 +152,8 @@ struct RmPush {
       for (int lr = 0; lr < G; ++lr) {
         for (int c = 0; c < C; ++c) cpm[size_t(lr) * C + c] = channel_start(h, m * G + lr, c);
       }
-      std::memcpy(send_buf[size_t(m)].data() + out_msg[size_t(m)].tail_off, cpm.data(),
-                  cpm.size() * sizeof(int32_t));
+      std::memcpy(flex::Message<char>(send_buf[size_t(m)].data(), out_msg[size_t(m)]).tail(),
+                  cpm.data(), cpm.size() * sizeof(int32_t));
     }
     w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
       std::vector<int64_t> pos(static_cast<size_t>(N));
@@ -190,16 +189,11 @@ struct RmPush {
   void pack_message_row(const flex::MessageLayout& ml, char* msg, size_t i, int64_t t,
                         uint64_t mask) const {
     const int K = lay.num_topk;
-    const flex::MessageHeader hd{int32_t(t), K, mask, {}};
-    std::memcpy(msg + i * sizeof(hd), &hd, sizeof(hd));
-    std::memcpy(msg + ml.payload_off + i * lay.row_bytes, x.x.row_ptr(t), lay.row_bytes);
-    if (lay.scale_bytes) {
-      std::memcpy(msg + ml.scales_off + i * lay.scale_bytes, x.scales.row_ptr(t),
-                  lay.scale_bytes);
-    }
+    const flex::Message<char> m(msg, ml);
+    m.put_header(i, {int32_t(t), K, mask, {}});
+    m.put_row(i, x.x.row_ptr(t), lay.scale_bytes ? x.scales.row_ptr(t) : nullptr);
     for (int k = 0; k < K; ++k) {
-      const flex::MessageEntry en{int32_t(topk.at(t, k)), topk.weight(t, k), k};
-      std::memcpy(msg + ml.entries_off + (i * K + size_t(k)) * sizeof(en), &en, sizeof(en));
+      m.put_entry(i * K + size_t(k), {int32_t(topk.at(t, k)), topk.weight(t, k), k});
     }
   }
 
@@ -225,7 +219,7 @@ struct RmPush {
           for (int lr = 0; lr < G; ++lr) {
             if (!in[lr]) continue;
             writer.write(target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr, x.x.row_ptr(t),
-                         sc, int32_t(t), &topk, t, nullptr);
+                         sc, int32_t(t), &topk, t, nullptr, 0);
             ++n;
           }
         }
@@ -269,13 +263,12 @@ struct RmPush {
       const int64_t n = h.forward_tokens[size_t(m)];
       if (m == topo.node || n == 0) continue;
       const int src = topo.forwarder_on(m);
-      const char* msg = recv_buf[size_t(m)].data();
-      const flex::MessageLayout ml = rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C);
+      const flex::Message<const char> msg(recv_buf[size_t(m)].data(),
+                                          rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C));
       std::vector<int32_t> src_token(static_cast<size_t>(n));
       std::vector<uint64_t> mask(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) {
-        flex::MessageHeader hd;
-        std::memcpy(&hd, msg + size_t(i) * sizeof(hd), sizeof(hd));
+        const flex::MessageHeader hd = msg.header(size_t(i));
         MOED_CHECK(hd.num_entries == K, "forwarded token ", hd.src_token, " from rank ", src,
                    " has ", hd.num_entries, " top-k entries, expected ", K);
         src_token[size_t(i)] = hd.src_token;
@@ -287,18 +280,16 @@ struct RmPush {
           int64_t row = h.rank_begin(src, r);
           for (int64_t i = 0; i < n; ++i) {
             if (!((mask[size_t(i)] >> lr) & 1)) continue;
-            writer.write(
-                target[size_t(lr)], row++, r, msg + ml.payload_off + size_t(i) * lay.row_bytes,
-                lay.scale_bytes ? msg + ml.scales_off + size_t(i) * lay.scale_bytes : nullptr,
-                src_token[size_t(i)], nullptr, 0,
-                msg + ml.entries_off + size_t(i) * K * sizeof(flex::MessageEntry));
+            writer.write(target[size_t(lr)], row++, r, msg.payload(size_t(i)),
+                         msg.scales(size_t(i)), src_token[size_t(i)], nullptr, 0, &msg,
+                         size_t(i) * K);
           }
           MOED_CHECK(row == h.rank_prefix_matrix[size_t(src) * R + r], "forwarded rows of rank ",
                      src, " for rank ", r, " do not fill its block");
           if (plan && count_to(h, src, r) > 0) {
             auto* rcpm = reinterpret_cast<int32_t*>(target[size_t(lr)].block + lay.rcpm_off) +
                          size_t(src) * C;
-            std::memcpy(rcpm, msg + ml.tail_off + size_t(lr) * C * 4, size_t(C) * 4);
+            std::memcpy(rcpm, msg.tail() + size_t(lr) * C * 4, size_t(C) * 4);
           }
         }
       });

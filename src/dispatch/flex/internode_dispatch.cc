@@ -39,14 +39,11 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
   f.entry_slot.resize(size_t(q));
   f.entry_row.resize(size_t(q));
   f.chain.resize(size_t(n));
-  const MessageLayout ml = MessageLayout::of(n, q, 0, 0);
-  const auto* headers = reinterpret_cast<const MessageHeader*>(msg);
-  const auto* entries = reinterpret_cast<const MessageEntry*>(msg + ml.entries_off);
+  const Message<const char> m(msg, MessageLayout::of(n, q, 0, 0));
   std::vector<int64_t> run(size_t(topo.num_experts), 0);
   int64_t k = 0;
   for (int64_t i = 0; i < n; ++i) {
-    MessageHeader hd;
-    std::memcpy(&hd, &headers[i], sizeof(hd));
+    const MessageHeader hd = m.header(size_t(i));
     f.src_token[size_t(i)] = hd.src_token;
     f.chain[size_t(i)] = hd.chain;
     MOED_CHECK(hd.chain.classes == 0 ||
@@ -57,8 +54,7 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
     f.entry_begin[size_t(i)] = k;
     uint64_t mask = 0;
     for (int32_t x = 0; x < hd.num_entries; ++x, ++k) {
-      MessageEntry en;
-      std::memcpy(&en, &entries[k], sizeof(en));
+      const MessageEntry en = m.entry(size_t(k));
       f.entry_expert[size_t(k)] = en.expert;
       f.entry_prob[size_t(k)] = en.prob;
       f.entry_slot[size_t(k)] = en.slot;
@@ -127,9 +123,8 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
           if (m == topo.node) continue;
           const MessageEntry en{e, h.routing.prob[size_t(k)],
                                 h.routing.slot.empty() ? -1 : h.routing.slot[size_t(k)]};
-          std::memcpy(ops.send_buffers[size_t(m)].data() + layouts[size_t(m)].entries_off +
-                          size_t(ent[size_t(m)] + count[size_t(m)]) * sizeof(MessageEntry),
-                      &en, sizeof(en));
+          Message<char>(ops.send_buffers[size_t(m)].data(), layouts[size_t(m)])
+              .put_entry(size_t(ent[size_t(m)] + count[size_t(m)]), en);
           ++count[size_t(m)];
           mask[size_t(m)] = rank_mask_of(topo, e, mask[size_t(m)]);
         }
@@ -139,17 +134,12 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
                           topo.node, &nodes);
         for (int m = 0; m < N; ++m) {
           if (count[size_t(m)] == 0) continue;
-          char* msg = ops.send_buffers[size_t(m)].data();
-          const MessageLayout& ml = layouts[size_t(m)];
-          const MessageHeader hd{int32_t(t), count[size_t(m)], mask[size_t(m)],
-                                 chain_link(nodes, classes, m, topo.node)};
+          const Message<char> msg(ops.send_buffers[size_t(m)].data(), layouts[size_t(m)]);
           const size_t i = size_t(tok[size_t(m)]);
-          std::memcpy(msg + i * sizeof(MessageHeader), &hd, sizeof(hd));
-          std::memcpy(msg + ml.payload_off + i * l.row_bytes, spec.rows.x.row_ptr(t), l.row_bytes);
-          if (l.scale_bytes) {
-            std::memcpy(msg + ml.scales_off + i * l.scale_bytes, spec.rows.scales.row_ptr(t),
-                        l.scale_bytes);
-          }
+          msg.put_header(i, {int32_t(t), count[size_t(m)], mask[size_t(m)],
+                             chain_link(nodes, classes, m, topo.node)});
+          msg.put_row(i, spec.rows.x.row_ptr(t),
+                      l.scale_bytes ? spec.rows.scales.row_ptr(t) : nullptr);
           ++tok[size_t(m)];
           ent[size_t(m)] += count[size_t(m)];
         }
@@ -192,15 +182,14 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
       MOED_CHECK(f != nullptr && f->num_tokens == n, "no forward plan for rank ", src);
     }
     if (n == 0) continue;
-    const MessageLayout ml = MessageLayout::of(n, q, l.row_bytes, l.scale_bytes);
+    const Message<const char> message(msg, MessageLayout::of(n, q, l.row_bytes, l.scale_bytes));
     ctx.world->pool().parallel_for(
         n,
         [&](int64_t b, int64_t e, int) {
           RowWriter writer(spec);
           for (int64_t i = b; i < e; ++i) {
-            const char* payload = msg + ml.payload_off + size_t(i) * l.row_bytes;
-            const char* scales =
-                l.scale_bytes ? msg + ml.scales_off + size_t(i) * l.scale_bytes : nullptr;
+            const char* payload = message.payload(size_t(i));
+            const char* scales = message.scales(size_t(i));
             for (int64_t k = f->entry_begin[size_t(i)]; k < f->entry_begin[size_t(i) + 1]; ++k) {
               const int ex = f->entry_expert[size_t(k)];
               for (int p = 0; p < P; ++p) {

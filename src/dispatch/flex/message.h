@@ -2,11 +2,12 @@
 // messages, the rank-major push's (deep_ep/rank_major.h) and low-latency mode's messages to
 // another node's rank (low_latency/dispatch_rows.h). Headers, then the expert entries, then
 // the payload rows, then the fp8 scales, then a tail of tail_bytes (the rank-major push's
-// channel prefix rows). Packed: headers and entries are read and written with memcpy.
+// channel prefix rows), packed; Message reads and writes one.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "dispatch/flex/topology.h"
 #include "dispatch/sections.h"
@@ -29,12 +30,13 @@ static_assert(sizeof(MessageHeader) == kFlexTokenHeaderBytes &&
               sizeof(MessageEntry) == kFlexEntryBytes);
 
 struct MessageLayout {
+  size_t row_bytes = 0, scale_bytes = 0;
   size_t entries_off = 0, payload_off = 0, scales_off = 0, tail_off = 0, bytes = 0;
   static MessageLayout of(int64_t tokens, int64_t entries, size_t row_bytes, size_t scale_bytes,
                           size_t tail_bytes = 0) {
     const size_t t = size_t(tokens);
     Sections s;  // packed
-    MessageLayout l;
+    MessageLayout l{.row_bytes = row_bytes, .scale_bytes = scale_bytes};
     s.add(t * sizeof(MessageHeader));
     l.entries_off = s.add(size_t(entries) * sizeof(MessageEntry));
     l.payload_off = s.add(t * row_bytes);
@@ -43,6 +45,49 @@ struct MessageLayout {
     l.bytes = s.end();
     return l;
   }
+};
+
+// One message of a MessageLayout at `base`, its sections by index: token i's header, payload
+// and scales, entry q (the entries of every token in turn). Byte is char or std::byte, const
+// for a message received (the put_ members then do not compile).
+template <typename Byte>
+class Message {
+ public:
+  Message(Byte* base, const MessageLayout& layout) : base_(base), l_(layout) {}
+
+  MessageHeader header(size_t i) const { return read<MessageHeader>(base_ + i * kHeader); }
+  MessageEntry entry(size_t q) const {
+    return read<MessageEntry>(base_ + l_.entries_off + q * kEntry);
+  }
+  Byte* payload(size_t i) const { return base_ + l_.payload_off + i * l_.row_bytes; }
+  Byte* scales(size_t i) const {  // null without scales
+    return l_.scale_bytes != 0 ? base_ + l_.scales_off + i * l_.scale_bytes : nullptr;
+  }
+  Byte* tail() const { return base_ + l_.tail_off; }
+
+  void put_header(size_t i, const MessageHeader& h) const {
+    std::memcpy(base_ + i * kHeader, &h, kHeader);
+  }
+  void put_entry(size_t q, const MessageEntry& e) const {
+    std::memcpy(base_ + l_.entries_off + q * kEntry, &e, kEntry);
+  }
+  // Token i's row: its payload, and its scales when the layout has them.
+  void put_row(size_t i, const void* payload, const void* scales) const {
+    std::memcpy(this->payload(i), payload, l_.row_bytes);
+    if (l_.scale_bytes != 0) std::memcpy(this->scales(i), scales, l_.scale_bytes);
+  }
+
+ private:
+  static constexpr size_t kHeader = sizeof(MessageHeader), kEntry = sizeof(MessageEntry);
+  // NOTE: the sections are packed, so headers and entries are read unaligned.
+  template <typename T>
+  static T read(const Byte* p) {
+    T v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  Byte* base_;
+  MessageLayout l_;
 };
 
 }  // namespace moed::flex

@@ -133,22 +133,15 @@ Status receive_counts(Received& rv) {
   return ok_status();
 }
 
-// Pulled sources, straight from their rows into the packed place, in (source, token) order: a
-// token bound for several of this rank's experts is read from its source once, the later
-// copies hitting the cache (expert order would read it again from memory). After the slots
-// and messages, which these rows may land on.
-void pack_in_place(const Received& rv, std::span<const low_latency::InPlaceRows* const> in_place,
-                   low_latency::ReceiveBlock& rb, bool stream, bool inline_copy) {
+// Where the rows of the sources read in place go, appended to `places` in (source, token)
+// order: a token bound for several of this rank's experts is read from its source once, the
+// later copies hitting the cache (expert order would read it again from memory).
+void place_in_place(const Received& rv, std::span<const low_latency::InPlaceRows* const> in_place,
+                    const low_latency::ReceiveBlock& rb,
+                    std::vector<low_latency::RowPlace>& places) {
   const LowLatencyBuffer::State& st = rv.st;
   const SegmentLayout& lay = st.layout;
   const int R = lay.num_ranks, L = lay.num_local_experts, me = st.world->rank();
-  const size_t payload = rv.f.payload, scale_bytes = rv.f.scale_bytes;
-  struct PullRow {
-    int32_t source, token;
-    int64_t to;   // packed row
-    size_t from;  // entry of the source's InPlaceRows::tokens / probs
-  };
-  std::vector<PullRow> rows;
   std::vector<int32_t> first(size_t(lay.max_tokens) + 1);
   for (int s = 0; s < R; ++s) {
     const low_latency::InPlaceRows* ps = in_place[size_t(s)];
@@ -162,43 +155,20 @@ void pack_in_place(const Received& rv, std::span<const low_latency::InPlaceRows*
       }
     }
     for (size_t t = 1; t < first.size(); ++t) first[t] += first[t - 1];
-    const size_t base = rows.size();
-    rows.resize(base + size_t(first.back()));
+    const size_t base = places.size();
+    places.resize(base + size_t(first.back()));
     for (int j = 0; j < L; ++j) {
       const size_t chunk = size_t(me * L + j) * size_t(lay.max_tokens);
       const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
       for (int32_t i = 0; i < range.count; ++i) {
         const int32_t t = ps->tokens[chunk + size_t(i)];
-        rows[base + size_t(first[size_t(t)]++)] =
-            PullRow{s, t, int64_t(j) * lay.rows_per_expert() + range.begin + i, chunk + size_t(i)};
+        const std::byte* row = ps->rows + size_t(t) * ps->stride;  // FP8: its scales follow
+        places[base + size_t(first[size_t(t)]++)] = {
+            int64_t(j) * lay.rows_per_expert() + range.begin + i, row, row + rv.f.payload, t,
+            ps->probs[chunk + size_t(i)]};
       }
     }
   }
-  auto* xs = static_cast<std::byte*>(rb.x.data());
-  auto* scales = static_cast<std::byte*>(rb.scales.data());
-  auto read_rows = [&](int64_t r0, int64_t r1, int) {
-    internal::StreamBatch batch(payload);
-    for (int64_t r = r0; r < r1; ++r) {
-      const PullRow& pr = rows[size_t(r)];
-      const low_latency::InPlaceRows& ps = *in_place[size_t(pr.source)];
-      const std::byte* row = ps.rows + size_t(pr.token) * ps.stride;
-      std::byte* to = xs + size_t(pr.to) * payload;
-      if (stream) {
-        batch.add(to, row);
-      } else {
-        std::memcpy(to, row, payload);
-      }
-      if (scale_bytes != 0) {
-        std::memcpy(scales + size_t(pr.to) * scale_bytes, row + payload, scale_bytes);
-      }
-      rb.src[size_t(pr.to)] = pr.token;
-      rb.prob[size_t(pr.to)] = ps.probs[pr.from];
-    }
-    batch.flush();
-    if (stream) internal::stream_fence();  // the caller's threads read the rows next
-  };
-  st.world->pool().parallel_for(int64_t(rows.size()), read_rows,
-                                inline_copy ? std::max<int64_t>(1, int64_t(rows.size())) : 1);
 }
 
 // Receive phase of dispatch `seq` of `half`, into `rb`.
@@ -226,8 +196,11 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
   const bool inline_copy = size_t(received) * rv.f.payload < low_latency::kInlineBytes;
   const bool stream = rv.stream(received);
-  rv.unpack_messages(rb, stream, inline_copy ? std::max<int64_t>(1, received) : 1);
-  pack_in_place(rv, in_place, rb, stream, inline_copy);
+  std::vector<low_latency::RowPlace> places;
+  rv.place_messages(rb, places);
+  place_in_place(rv, in_place, rb, places);
+  low_latency::copy_places(w.pool(), rb, rv.f, places, stream,
+                           inline_copy ? std::max<int64_t>(1, received) : 1);
 
   handle.layout_range = rb.layout_range;
   handle.received = true;

@@ -75,32 +75,24 @@ struct NetPlan {
       for (int k = 0; k < K; ++k) {
         const int d = remote(t, k);
         if (d < 0) continue;
-        std::byte* m = dh.net_send.data() + block[size_t(d)];
+        const flex::Message<std::byte> m = message(dh, d);
         if (const int32_t i = row[size_t(t) * K + k]; i >= 0) {
-          const flex::MessageHeader hd{int32_t(t),
-                                       entries[size_t(d)][size_t(i)],
-                                       uint64_t(1) << (d % st.world->ranks_per_node()),
-                                       {}};
-          std::memcpy(m + size_t(i) * sizeof(hd), &hd, sizeof(hd));
+          m.put_header(size_t(i), {int32_t(t),
+                                   entries[size_t(d)][size_t(i)],
+                                   uint64_t(1) << (d % st.world->ranks_per_node()),
+                                   {}});
         }
-        const flex::MessageEntry en{int32_t(routing.at(t, k)), routing.weight(t, k), k};
-        std::memcpy(m + layout[size_t(d)].entries_off + entry[size_t(d)]++ * sizeof(en), &en,
-                    sizeof(en));
+        m.put_entry(entry[size_t(d)]++, {int32_t(routing.at(t, k)), routing.weight(t, k), k});
       }
     }
   }
   // The token's index in the message to d when k is its first entry there (its row goes
   // once), else -1.
   int32_t row_of(int64_t t, int k, int K) const { return row[size_t(t) * K + k]; }
-  std::byte* payload(DispatchHalf& dh, int d, int32_t i, const RowFormat& f) const {
-    return dh.net_send.data() + block[size_t(d)] + layout[size_t(d)].payload_off +
-           size_t(i) * f.payload;
+  flex::Message<std::byte> message(DispatchHalf& dh, int d) const {
+    return {dh.net_send.data() + block[size_t(d)], layout[size_t(d)]};
   }
-  std::byte* scales(DispatchHalf& dh, int d, int32_t i, const RowFormat& f) const {
-    return dh.net_send.data() + block[size_t(d)] + layout[size_t(d)].scales_off +
-           size_t(i) * f.scale_bytes;
-  }
-  std::span<const std::byte> message(const DispatchHalf& dh, int d) const {
+  std::span<const std::byte> bytes(const DispatchHalf& dh, int d) const {
     return {dh.net_send.data() + block[size_t(d)], tokens[size_t(d)] ? layout[size_t(d)].bytes : 0};
   }
 };
@@ -142,8 +134,7 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
         if (!w.same_node(d, me)) {
           const int32_t r = plan.row_of(t, k, K);
           if (r >= 0) {
-            std::memcpy(plan.payload(dh, d, r, f), row, f.payload);
-            std::memcpy(plan.scales(dh, d, r, f), row + f.payload, f.scale_bytes);
+            plan.message(dh, d).put_row(size_t(r), row, row + f.payload);
           }
           continue;
         }
@@ -164,6 +155,44 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
       internal::stream_fence();
     }
   });
+}
+
+// A row the receive copies into packed row `to`: its payload, its scales (FP8), its source
+// token and prob.
+struct RowPlace {
+  int64_t to;
+  const std::byte* row;
+  const std::byte* scales;
+  int32_t token;
+  float prob;
+};
+
+// Copies every place into rb, in parallel from min_chunk places; with stream, non-temporal
+// stores, fenced by each worker (the caller's threads read the rows next).
+inline void copy_places(ThreadPool& pool, ReceiveBlock& rb, const RowFormat& f,
+                        std::span<const RowPlace> places, bool stream, int64_t min_chunk) {
+  auto* xs = static_cast<std::byte*>(rb.x.data());
+  auto* scales = static_cast<std::byte*>(rb.scales.data());
+  auto copy = [&](int64_t p0, int64_t p1, int) {
+    internal::StreamBatch batch(f.payload);
+    for (int64_t p = p0; p < p1; ++p) {
+      const RowPlace& pl = places[size_t(p)];
+      std::byte* to = xs + size_t(pl.to) * f.payload;
+      if (stream) {
+        batch.add(to, pl.row);
+      } else {
+        std::memcpy(to, pl.row, f.payload);
+      }
+      if (f.scale_bytes != 0) {
+        std::memcpy(scales + size_t(pl.to) * f.scale_bytes, pl.scales, f.scale_bytes);
+      }
+      rb.src[size_t(pl.to)] = pl.token;
+      rb.prob[size_t(pl.to)] = pl.prob;
+    }
+    batch.flush();
+    if (stream) internal::stream_fence();
+  };
+  pool.parallel_for(int64_t(places.size()), copy, min_chunk);
 }
 
 // The receive phase's view of one dispatch: its half, its row format, every (local expert j,
@@ -209,7 +238,7 @@ struct Received {
     }
     dh.net_recv.resize(messages.aligned_end());
   }
-  std::span<std::byte> message(int s) {
+  std::span<std::byte> bytes(int s) const {
     return {dh.net_recv.data() + block[size_t(s)], sends_message(s) ? message_layout(s).bytes : 0};
   }
   // The packed layout: expert j's rows from source s start at begin(j, s) = rows of sources
@@ -232,7 +261,7 @@ struct Received {
     return stream_node_copy(*st.world, size_t(received) * f.payload);
   }
   // Packs in-node chunk (j, s) from the sender's slots `slot_row(j, s)` (a RowSpan); other
-  // nodes' rows are unpack_messages'. stream: the caller fences.
+  // nodes' rows are place_messages'. stream: the caller fences.
   template <typename SlotRow>
   void pack(ReceiveBlock& rb, int j, int s, const SlotRow& slot_row, bool stream) const {
     const LowLatencyRange range = rb.layout_range[size_t(j) * st.layout.num_ranks + s];
@@ -240,70 +269,32 @@ struct Received {
     const int64_t to = int64_t(j) * st.layout.rows_per_expert() + range.begin;
     pack_rows(rb, to, size_t(range.count), f, slot_row(j, s), stream);
   }
-  // Every entry of the other nodes' messages into its packed row: source s's i-th token for
-  // expert j goes to begin(j, s) + i, the order of the sender's slots (token order). A row
-  // bound for several of this rank's experts is read once from its message, then from the
-  // cache. Copies of at least min_chunk entries run on the pool's workers.
-  void unpack_messages(ReceiveBlock& rb, bool stream, int64_t min_chunk) {
+  // Where every entry of the other nodes' messages goes, appended to `places`: source s's
+  // i-th token for expert j to begin(j, s) + i, the order of the sender's slots (token order).
+  void place_messages(const ReceiveBlock& rb, std::vector<RowPlace>& places) const {
     const int R = st.layout.num_ranks, L = st.layout.num_local_experts;
     const int first_expert = st.world->rank() * L;
-    struct Place {
-      int64_t to;
-      const std::byte* row;  // payload; its scales at scales
-      const std::byte* scales;
-      int32_t token;
-      float prob;
-    };
-    std::vector<Place> places;
     std::vector<int32_t> next(static_cast<size_t>(L));
     for (int s = 0; s < R; ++s) {
       if (!sends_message(s)) continue;
-      const flex::MessageLayout ml = message_layout(s);
-      const std::byte* m = message(s).data();
+      const flex::Message<const std::byte> m(bytes(s).data(), message_layout(s));
       std::fill(next.begin(), next.end(), 0);
       size_t q = 0;
       for (int32_t i = 0; i < tokens[size_t(s)]; ++i) {
-        flex::MessageHeader hd;
-        std::memcpy(&hd, m + size_t(i) * sizeof(hd), sizeof(hd));
+        const flex::MessageHeader hd = m.header(size_t(i));
         for (int32_t n = 0; n < hd.num_entries; ++n, ++q) {
-          flex::MessageEntry en;
-          std::memcpy(&en, m + ml.entries_off + q * sizeof(en), sizeof(en));
+          const flex::MessageEntry en = m.entry(q);
           const int j = en.expert - first_expert;
           MOED_CHECK(j >= 0 && j < L && next[size_t(j)] < at(j, s), "rank ", s,
                      " sent an entry for expert ", en.expert, " beyond its counts");
           const LowLatencyRange range = rb.layout_range[size_t(j) * R + s];
           places.push_back(
               {int64_t(j) * st.layout.rows_per_expert() + range.begin + next[size_t(j)]++,
-               m + ml.payload_off + size_t(i) * f.payload,
-               m + ml.scales_off + size_t(i) * f.scale_bytes, hd.src_token, en.prob});
+               m.payload(size_t(i)), m.scales(size_t(i)), hd.src_token, en.prob});
         }
       }
       MOED_CHECK(int64_t(q) == rows_from(s), "rank ", s, " sent ", q, " entries of ", rows_from(s));
     }
-    auto* xs = static_cast<std::byte*>(rb.x.data());
-    auto* scales = static_cast<std::byte*>(rb.scales.data());
-    st.world->pool().parallel_for(
-        int64_t(places.size()),
-        [&](int64_t p0, int64_t p1, int) {
-          internal::StreamBatch batch(f.payload);
-          for (int64_t p = p0; p < p1; ++p) {
-            const Place& pl = places[size_t(p)];
-            std::byte* to = xs + size_t(pl.to) * f.payload;
-            if (stream) {
-              batch.add(to, pl.row);
-            } else {
-              std::memcpy(to, pl.row, f.payload);
-            }
-            if (f.scale_bytes != 0) {
-              std::memcpy(scales + size_t(pl.to) * f.scale_bytes, pl.scales, f.scale_bytes);
-            }
-            rb.src[size_t(pl.to)] = pl.token;
-            rb.prob[size_t(pl.to)] = pl.prob;
-          }
-          batch.flush();
-          if (stream) internal::stream_fence();
-        },
-        min_chunk);
   }
 };
 

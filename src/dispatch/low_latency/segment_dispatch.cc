@@ -48,7 +48,7 @@ Status segment::post_dispatch_messages(Peers& peers, const LowLatencyHandle& han
                                dh.send_requests, dh.send_peers);
     };
     send(header, header_ints(L) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
-    const std::span<const std::byte> m = plan.message(dh, d);
+    const std::span<const std::byte> m = plan.bytes(dh, d);
     if (!m.empty()) send(m.data(), m.size(), tags::LowLatencyKind::kDispatchData);
     if (!posted.ok()) break;
     posted = peers.post(d,
@@ -69,7 +69,7 @@ Status segment::receive_dispatch_messages(Peers& peers, Received& rv) {
   std::vector<Request> data(static_cast<size_t>(R));
   Status net;  // outside shrink mode: the first failed message
   for (int s = 0; s < R && net.ok(); ++s) {
-    const std::span<std::byte> m = rv.message(s);
+    const std::span<std::byte> m = rv.bytes(s);
     if (peers.in_node(s) || m.empty() || peers.masked(s)) continue;
     net = peers.post(s,
                      w.irecv(s, tags::low_latency(rv.seq, tags::LowLatencyKind::kDispatchData),
@@ -143,7 +143,9 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     for (int64_t c = c0; c < c1; ++c) rv.pack(rb, int(c / R), int(c % R), slot_row, stream);
     if (stream) internal::stream_fence();
   });
-  rv.unpack_messages(rb, stream, 1);
+  std::vector<RowPlace> places;
+  rv.place_messages(rb, places);
+  copy_places(w.pool(), rb, rv.f, places, stream, 1);
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kDispatch, half, n, from_segment));
   handle.layout_range = rb.layout_range;
   handle.received = true;
