@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "low_latency/low_latency_test_util.h"
+#include "moed/dispatch_layout.h"
 
 namespace moed {
 namespace {
@@ -188,6 +189,58 @@ TEST_P(LowLatencyTest, RowsMayBeReusedOnceTheCallReturns) {
     });
     ASSERT_TRUE(s.ok()) << s.to_string();
   }
+}
+
+// Across nodes a token goes to a rank once, however many of its experts take it
+// (design.md §6.5): rank 0's one token, bound for experts 2, 3 and 0, reaches rank 1 (experts 2
+// and 3, on the other node) as one message of a token header, two entries and the row; rank 1
+// receives it as both experts' row 0.
+TEST_P(LowLatencyTest, ATokenCrossesToARankOnceForAllItsExperts) {
+  constexpr int kHidden = 256, kExperts = 4;
+  Status s = run_world(GetParam(), 2, 1, [&](World& w) -> Status {
+    MOED_ASSIGN_OR_RETURN(auto buffer, LowLatencyBuffer::create(w, 1, kHidden, kExperts));
+    const int64_t T = w.rank() == 0 ? 1 : 0;
+    Tensor x = Tensor::zeros(DType::kBF16, T, kHidden);
+    auto* xs = static_cast<bf16*>(x.data());
+    for (int64_t h = 0; h < T * kHidden; ++h) xs[h] = float_to_bf16(float(h % 13) - 6.0f);
+    // Bytes on the network beside the rows (headers, the call's collective): a call whose
+    // token stays home, then the one measured.
+    auto sent_by = [&](std::vector<int32_t> experts) -> StatusOr<uint64_t> {
+      TopkRouting topk{T, 3, {}, {}};
+      if (T == 1) topk = {1, 3, std::move(experts), {0.5f, 0.25f, 0.25f}};
+      w.reset_counters();
+      MOED_ASSIGN_OR_RETURN(
+          LowLatencyDispatchOutput out,
+          buffer->low_latency_dispatch({.x = x.view(), .topk = TopkView::of(topk)}));
+      return w.counters().network_bytes;
+    };
+    MOED_ASSIGN_OR_RETURN(const uint64_t home, sent_by({0, 1, -1}));
+    TopkRouting topk{T, 3, {}, {}};
+    if (T == 1) topk = {1, 3, {2, 3, 0}, {0.5f, 0.25f, 0.25f}};
+    w.reset_counters();
+    MOED_ASSIGN_OR_RETURN(
+        LowLatencyDispatchOutput d,
+        buffer->low_latency_dispatch({.x = x.view(), .topk = TopkView::of(topk)}));
+    const uint64_t sent = w.counters().network_bytes - home;
+    const uint64_t message = kFlexTokenHeaderBytes + 2 * kFlexEntryBytes + kHidden * sizeof(bf16);
+    if (sent != (w.rank() == 0 ? message : 0)) {
+      return internal_error("rank ", w.rank(), " sent ", sent, " network bytes for its rows");
+    }
+    if (w.rank() == 1) {
+      for (int j = 0; j < 2; ++j) {
+        const int64_t row = j * d.rows_per_expert;
+        if (d.recv_count[size_t(j)] != 1 || d.src_info[size_t(row)] != 0) {
+          return internal_error("expert ", 2 + j, " received ", d.recv_count[size_t(j)], " rows");
+        }
+        for (int h = 0; h < kHidden; ++h) {
+          const float got = bf16_to_float(static_cast<const bf16*>(d.recv.x.row_ptr(row))[h]);
+          if (got != float(h % 13) - 6.0f) return internal_error("expert ", 2 + j, " element ", h);
+        }
+      }
+    }
+    return ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
 TEST(LowLatencySizeHint, CoversTheSlots) {
