@@ -128,9 +128,8 @@ StatusOr<PreparedInput> prepare_dispatch_input(const DispatchConfig& config,
 }
 
 ExpertLayout compute_expert_layout(const DispatchConfig& config, int world_size, int rank,
-                                   const std::vector<int64_t>& counts,
-                                   const std::vector<int64_t>& capacity) {
-  const int R = world_size, E = config.num_experts, L = config.num_local_experts(R);
+                                   const CountsView& counts) {
+  const int R = world_size, L = config.num_local_experts(R);
   const int first = first_local_expert(config, R, rank);
   const int64_t align = config.layout.expert_alignment;
   ExpertLayout l;
@@ -148,8 +147,8 @@ ExpertLayout compute_expert_layout(const DispatchConfig& config, int world_size,
     int64_t real = 0;
     for (int s = 0; s < R; ++s) {
       const size_t c = size_t(j) * R + s;
-      const int64_t tokens = counts[size_t(s) * E + first + j];
-      const int64_t rows = config.layout.pad_to_capacity ? capacity[size_t(s)] : tokens;
+      const int64_t tokens = counts.count(s, first + j);
+      const int64_t rows = config.layout.pad_to_capacity ? counts.capacity_of(s) : tokens;
       MOED_CHECK(tokens <= rows, "chunk (j=", j, ", s=", s, ") has ", tokens, " tokens > ", rows);
       l.chunk_offset[c] = off;
       l.chunk_rows[c] = rows;

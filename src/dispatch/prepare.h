@@ -8,7 +8,8 @@
 //
 //   MOED_ASSIGN_OR_RETURN(PreparedInput in, prepare_dispatch_input(config, input, pool));
 //   ... agree; exchange in.tokens_per_expert ([E]) so each rank has counts[s][e] ...
-//   ExpertLayout layout = compute_expert_layout(config, world.size(), world.rank(), counts, caps);
+//   ExpertLayout layout = compute_expert_layout(config, world.size(), world.rank(),
+//                                               {counts.data(), size_t(E), caps.data()});
 #pragma once
 
 #include <cstdint>
@@ -41,8 +42,20 @@ StatusOr<PreparedInput> prepare_dispatch_input(const DispatchConfig& config,
 // are known only after the count exchange, where each dispatcher checks them).
 Status check_dispatch_out_columns(const DispatchInput& input);
 
-// The canonical layout of rank `rank` (design.md §3.1), from counts[s * E + e] (rows source s sends
-// to global expert e) and capacity[s] (C_s; used only with pad_to_capacity).
+// Every rank's counts where an exchange left them: rows source s sends to global expert e at
+// counts[s * stride + e], its C_s at capacity[s * capacity_stride].
+struct CountsView {
+  const int64_t* counts = nullptr;
+  size_t stride = 0;
+  const int64_t* capacity = nullptr;
+  size_t capacity_stride = 1;
+
+  int64_t count(int s, int e) const { return counts[size_t(s) * stride + size_t(e)]; }
+  int64_t capacity_of(int s) const { return capacity[size_t(s) * capacity_stride]; }
+};
+
+// The canonical layout of rank `rank` (design.md §3.1), from every rank's counts (C_s is used
+// only with pad_to_capacity).
 struct ExpertLayout {
   int num_local_experts = 0;  // L
   int world_size = 0;         // R
@@ -63,8 +76,7 @@ struct ExpertLayout {
 
 // Rank g's local experts are ep(g) * L + j (g = (ep, p), ep = g / etp_size).
 ExpertLayout compute_expert_layout(const DispatchConfig& config, int world_size, int rank,
-                                   const std::vector<int64_t>& counts,
-                                   const std::vector<int64_t>& capacity);
+                                   const CountsView& counts);
 
 // First global expert of rank g and the ep index of expert e.
 inline int first_local_expert(const DispatchConfig& c, int world_size, int rank) {

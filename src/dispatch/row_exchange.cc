@@ -73,7 +73,7 @@ StatusOr<RowExchangePlan> make_row_exchange_plan(const DispatchConfig& config, W
   plan.world_size = R;
   plan.num_local_experts = L;
   plan.etp_size = P;
-  plan.layout = compute_expert_layout(config, R, world.rank(), counts.counts, counts.capacity);
+  plan.layout = compute_expert_layout(config, R, world.rank(), counts.view());
   plan.chunk_sizes.resize(size_t(R) * L);
   plan.chunk_order.resize(size_t(L) * R);
   plan.chunk_offsets.resize(size_t(L) * R);

@@ -48,6 +48,10 @@ struct GlobalCounts {
   std::vector<int64_t> num_tokens;  // [R] T_s
   std::vector<int64_t> capacity;    // [R] C_s (0 without capacity_factor)
   std::vector<int64_t> out_rows;    // [R] rows of rank s's DispatchInput::out, -1 without one
+
+  CountsView view() const {  // as compute_expert_layout reads them
+    return {counts.data(), counts.size() / capacity.size(), capacity.data()};
+  }
 };
 // Collective: any rank's bad verdict or a shape that differs is every rank's error.
 StatusOr<GlobalCounts> exchange_counts(World& world, const DispatchConfig& config,

@@ -302,8 +302,7 @@ Status RowExchangeDispatcher::check_dispatch_out(const GlobalCounts& counts,
   const int R = world_->size();
   for (int r = 0; r < R; ++r) {
     if (counts.out_rows[size_t(r)] < 0) continue;
-    const int64_t rows =
-        compute_expert_layout(config_, R, r, counts.counts, counts.capacity).num_rows;
+    const int64_t rows = compute_expert_layout(config_, R, r, counts.view()).num_rows;
     if (counts.out_rows[size_t(r)] != rows) {
       return invalid_argument("rank ", r, ": out is [", counts.out_rows[size_t(r)], ", ", hidden,
                               "]; expected [", rows, ", ", hidden, "]");

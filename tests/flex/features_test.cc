@@ -1,5 +1,6 @@
 // Flex beyond the sweep: get_dispatch_layout against a brute force, cached mode, async use,
-// num_worst_tokens, network bytes against the analytic count, and error paths.
+// num_worst_tokens, what notify keeps, network bytes against the analytic count, and error
+// paths.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -235,6 +236,75 @@ TEST_P(FlexFeatures, NumWorstTokensTooSmallIsEveryonesError) {
                   out.status().to_string());
   });
   ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+// Notify keeps of every rank's canonical layout only the rows this rank uses (design.md §5.2),
+// each against the layouts computed from everybody's counts, and no table of R x E integers.
+TEST_P(FlexFeatures, NotifyKeepsOnlyTheRowsItUses) {
+  const int R = 8, G = 2, N = R / G, E = 16;
+  const Problem p = make_problem(DType::kF32, R, G, E, 3);
+  std::vector<int64_t> counts(size_t(R) * E, 0), capacity(size_t(R), 0), node_tokens(size_t(R) * N);
+  for (int s = 0; s < R; ++s) {
+    const TopkRouting& t = p.in.topk[size_t(s)];
+    for (int64_t i = 0; i < t.num_tokens; ++i) {
+      std::vector<bool> nodes(static_cast<size_t>(N));
+      for (int k = 0; k < t.num_topk; ++k) {
+        if (t.idx(i, k) < 0) continue;
+        ++counts[size_t(s) * E + size_t(t.idx(i, k))];
+        nodes[size_t(t.idx(i, k) / (E / N))] = true;
+      }
+      for (int m = 0; m < N; ++m) node_tokens[size_t(s) * N + m] += nodes[size_t(m)];
+    }
+  }
+  const CountsView view{counts.data(), size_t(E), capacity.data()};
+  for (int P : {1, 2}) {
+    Status s = testing::run_world(GetParam(), R, G, [&](World& w) -> Status {
+      DispatchConfig cfg{.kind = DispatcherKind::kFlex, .num_experts = E};
+      cfg.etp_size = P;
+      MOED_ASSIGN_OR_RETURN(auto d, make_flex_dispatcher(w, cfg));
+      MOED_ASSIGN_OR_RETURN(DispatchOutput out,
+                            d->dispatch({.hidden = p.in.hidden[size_t(w.rank())].rows(),
+                                         .topk = TopkView::of(p.in.topk[size_t(w.rank())])}));
+      const auto* h = dynamic_cast<const flex::FlexHandle*>(out.handle.get());
+      MOED_RETURN_IF_ERROR(expect(h != nullptr, "the handle is not Flex's"));
+      const flex::Notified& n = h->notified;
+      const int L = E / (R / P), me = w.rank(), node = me / G;
+      MOED_RETURN_IF_ERROR(
+          expect(n.send_chunk.size() == size_t(E) && n.forward_chunk.size() == size_t(E) &&
+                     n.rank_rows.size() == size_t(R) && n.mine.chunk_offset.size() == size_t(L) * R,
+                 "kept sizes"));
+      for (int ep = 0; ep < R / P; ++ep) {
+        const ExpertLayout l = compute_expert_layout(cfg, R, ep * P, view);
+        for (int q = 0; q < P; ++q) {
+          MOED_RETURN_IF_ERROR(expect(n.rank_rows[size_t(ep * P + q)] == l.num_rows, "rows"));
+        }
+        for (int j = 0; j < L; ++j) {
+          const int e = ep * L + j;
+          MOED_RETURN_IF_ERROR(
+              expect(n.send_chunk[size_t(e)] == l.offset(j, me), str_cat("chunk ", e)));
+          for (int m = 0; m < N && ep * P / G == node; ++m) {
+            if (m == node) continue;
+            MOED_RETURN_IF_ERROR(expect(n.forward_chunk_of(m, e) == l.offset(j, m * G + me % G),
+                                        str_cat("forwarded chunk ", e, " of node ", m)));
+          }
+        }
+      }
+      for (int m = 0; m < N; ++m) {
+        if (m == node) continue;
+        const int src = m * G + me % G;
+        int64_t entries = 0;
+        for (int e = node * E / N; e < (node + 1) * E / N; ++e)
+          entries += counts[size_t(src) * E + e];
+        MOED_RETURN_IF_ERROR(
+            expect(n.forward_tokens[size_t(m)] == node_tokens[size_t(src) * N + node] &&
+                       n.forward_entries[size_t(m)] == entries,
+                   str_cat("forwarded from node ", m)));
+      }
+      return expect(n.mine.chunk_offset == compute_expert_layout(cfg, R, me, view).chunk_offset,
+                    "this rank's layout");
+    });
+    ASSERT_TRUE(s.ok()) << "P = " << P << ": " << s.to_string();
+  }
 }
 
 // Network bytes of a dispatch = sum over tokens of (remote nodes it routes to) x

@@ -94,7 +94,7 @@ void fill_rank_major_metadata(const ElasticCall& call, int scaleup, const Normal
 void fill_expanded_metadata(const ElasticCall& call, int scaleup, const flex::FlexHandle& fh,
                             ElasticHandle& h) {
   const flex::Topology& topo = fh.topo;
-  const int R = topo.num_ranks, K = call.num_topk, L = topo.num_local_experts, me = topo.rank;
+  const int R = topo.num_ranks, K = call.num_topk, L = topo.num_local_experts;
   const int64_t M = call.max_tokens;
   // The received tokens: every real row's (source rank, token), once each, ascending.
   struct Row {
@@ -131,7 +131,7 @@ void fill_expanded_metadata(const ElasticCall& call, int scaleup, const flex::Fl
   h.num_recv_tokens = int64_t(h.recv_src_metadata.size()) / (K + 2);
   h.num_expanded_tokens = fh.num_rows;
   h.psum_num_recv_tokens_per_scaleup_rank = psum_by_scaleup(per_source, scaleup);
-  const ExpertLayout& mine = fh.global->layouts[size_t(me)];  // etp_size = 1: ep = rank
+  const ExpertLayout& mine = fh.notified.mine;
   std::vector<int64_t> counts(fh.tokens_per_expert_unpadded.begin(),
                               fh.tokens_per_expert_unpadded.end());
   std::vector<int64_t> first_row(mine.segment_offset.begin(), mine.segment_offset.begin() + L);
@@ -144,7 +144,7 @@ void fill_expanded_metadata(const ElasticCall& call, int scaleup, const flex::Fl
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t k = routing.begin[size_t(t)]; k < routing.begin[size_t(t) + 1]; ++k) {
       const int e = routing.expert[size_t(k)];
-      const int64_t row = fh.layout_of_expert(e).offset(e % L, me) + run[size_t(e)]++;
+      const int64_t row = fh.notified.send_chunk[size_t(e)] + run[size_t(e)]++;
       const int slot = routing.slot.empty() ? -1 : routing.slot[size_t(k)];
       if (slot >= 0 && slot < K) h.dst_buffer_slot_idx[size_t(t) * K + slot] = int32_t(row);
     }

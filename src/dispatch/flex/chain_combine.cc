@@ -161,8 +161,7 @@ struct ChainTurns {
     std::vector<int64_t> run(size_t(topo.num_experts), 0);
     for (int64_t k = 0; k < r.num_entries(); ++k) {
       const int e = r.expert[size_t(k)];
-      own_row[size_t(k)] =
-          h.layout_of_expert(e).offset(e % topo.num_local_experts, topo.rank) + run[size_t(e)]++;
+      own_row[size_t(k)] = h.notified.send_chunk[size_t(e)] + run[size_t(e)]++;
     }
   }
 

@@ -187,7 +187,8 @@ StatusOr<std::shared_ptr<FlexHandle>> notify(World& world, const DispatchConfig&
 // dispatcher folds its agreement into it, steps.h): notify_local makes the handle's home side
 // (send plan; takes input.effective, sparse, as the handle's routing) and this rank's row of the
 // exchange (notify_row_width(topo) int64); notify_finish reads every rank's row (rank r's at
-// table[r * stride + offset]) into the GlobalInfo and the expert-side fields.
+// table[r * stride + offset]) into what this rank keeps of them (Notified) and the
+// expert-side fields.
 inline size_t notify_row_width(const Topology& topo) {
   return 2 + size_t(topo.num_experts) + size_t(topo.num_nodes);
 }

@@ -149,7 +149,7 @@ Status Dispatcher::dispatch_body() {
   for (int r = 0; r < world_->size(); ++r) {
     const int64_t got = t.field(r, kOutRows);
     const int64_t want =
-        config_.num_worst_tokens > 0 ? config_.num_worst_tokens : h.global->exact_rows[size_t(r)];
+        config_.num_worst_tokens > 0 ? config_.num_worst_tokens : h.notified.rank_rows[size_t(r)];
     if (got >= 0 && got != want) {
       return invalid_argument("rank ", r, ": out is [", got, ", ", x.cols, "]; expected [", want,
                               ", ", x.cols, "]");
@@ -229,7 +229,7 @@ int64_t Dispatcher::node_cap_rows(const FlexHandle& h) const {
   for (int lr = 0; lr < topo_.ranks_per_node; ++lr) {
     const int r = topo_.node * topo_.ranks_per_node + lr;
     cap = std::max(cap, config_.num_worst_tokens > 0 ? config_.num_worst_tokens
-                                                     : h.global->exact_rows[size_t(r)]);
+                                                     : h.notified.rank_rows[size_t(r)]);
   }
   return cap;
 }

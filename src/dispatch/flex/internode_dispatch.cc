@@ -25,9 +25,10 @@ uint64_t rank_mask_of(const Topology& topo, int expert, uint64_t mask) {
   return mask;
 }
 
-// Scans one source's headers into a forward plan (uncached mode).
-ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t n, int64_t q) {
+// Scans the headers of node m's source into a forward plan (uncached mode).
+ForwardPlan scan_headers(const FlexHandle& h, int m, const char* msg, int64_t n, int64_t q) {
   const Topology& topo = h.topo;
+  const int src = topo.forwarder_on(m);
   ForwardPlan f;
   f.src = src;
   f.num_tokens = n;
@@ -39,11 +40,11 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
   f.entry_slot.resize(size_t(q));
   f.entry_row.resize(size_t(q));
   f.chain.resize(size_t(n));
-  const Message<const char> m(msg, MessageLayout::of(n, q, 0, 0));
+  const Message<const char> message(msg, MessageLayout::of(n, q, 0, 0));
   std::vector<int64_t> run(size_t(topo.num_experts), 0);
   int64_t k = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const MessageHeader hd = m.header(size_t(i));
+    const MessageHeader hd = message.header(size_t(i));
     f.src_token[size_t(i)] = hd.src_token;
     f.chain[size_t(i)] = hd.chain;
     MOED_CHECK(hd.chain.classes == 0 ||
@@ -54,13 +55,13 @@ ForwardPlan scan_headers(const FlexHandle& h, int src, const char* msg, int64_t 
     f.entry_begin[size_t(i)] = k;
     uint64_t mask = 0;
     for (int32_t x = 0; x < hd.num_entries; ++x, ++k) {
-      const MessageEntry en = m.entry(size_t(k));
+      const MessageEntry en = message.entry(size_t(k));
+      MOED_CHECK(topo.node_of_expert(en.expert) == topo.node, "forwarded token ", hd.src_token,
+                 " from rank ", src, ": expert ", en.expert, " is not on node ", topo.node);
       f.entry_expert[size_t(k)] = en.expert;
       f.entry_prob[size_t(k)] = en.prob;
       f.entry_slot[size_t(k)] = en.slot;
-      f.entry_row[size_t(k)] =
-          h.layout_of_expert(en.expert).offset(en.expert % topo.num_local_experts, src) +
-          run[size_t(en.expert)]++;
+      f.entry_row[size_t(k)] = h.notified.forward_chunk_of(m, en.expert) + run[size_t(en.expert)]++;
       mask = rank_mask_of(topo, en.expert, mask);
     }
     MOED_CHECK(mask == hd.rank_mask, "forwarded token ", hd.src_token, " from rank ", src,
@@ -86,9 +87,9 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
   for (int m = 0; m < N; ++m) {
     if (m == topo.node) continue;
     const int src = topo.forwarder_on(m);
-    const int64_t n = h.global->node_tokens(src, topo.node);
+    const int64_t n = h.notified.forward_tokens[size_t(m)];
     if (n == 0) continue;
-    const int64_t q = h.global->node_entries(topo, src, topo.node);
+    const int64_t q = h.notified.forward_entries[size_t(m)];
     ops.recv_buffers[size_t(m)] =
         ctx.net->recv(m, MessageLayout::of(n, q, l.row_bytes, l.scale_bytes).bytes);
     MOED_ASSIGN_OR_RETURN(Request r, ctx.world->irecv(src, tag, ops.recv_buffers[size_t(m)].data(),
@@ -168,12 +169,12 @@ Status push_remote_finish(const DispatchContext& ctx, const PushSpec& spec, Remo
   for (int m = 0; m < N; ++m) {
     if (m == topo.node) continue;
     const int src = topo.forwarder_on(m);
-    const int64_t n = h.global->node_tokens(src, topo.node);
-    const int64_t q = h.global->node_entries(topo, src, topo.node);
+    const int64_t n = h.notified.forward_tokens[size_t(m)];
+    const int64_t q = h.notified.forward_entries[size_t(m)];
     const char* msg = ops.recv_buffers[size_t(m)].data();
     const ForwardPlan* f = nullptr;
     if (ctx.forward_out) {
-      ctx.forward_out->push_back(scan_headers(h, src, msg, n, q));
+      ctx.forward_out->push_back(scan_headers(h, m, msg, n, q));
       f = &ctx.forward_out->back();
     } else {
       for (const ForwardPlan& p : h.forward) {

@@ -142,7 +142,7 @@ struct PullPass {
     for (int64_t k = r.begin[size_t(tok)]; k < r.begin[size_t(tok) + 1]; ++k) {
       const int e = r.expert[size_t(k)];
       const float prob = r.prob[size_t(k)];
-      const int64_t row = h.layout_of_expert(e).offset(e % L, topo.rank) + w.run[size_t(e)]++;
+      const int64_t row = h.notified.send_chunk[size_t(e)] + w.run[size_t(e)]++;
       const int m = topo.node_of_expert(e);
       const Term t = term_of(w, e, m, row);
       if (spec.mode == PullMode::kDispatchBackward) spec.out_probs[size_t(tok) * E + e] = t.scalar;

@@ -40,7 +40,7 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
   const FlexHandle& h = *ctx.handle;
   const Topology& topo = h.topo;
   const SendPlan& plan = h.send;
-  const int E = topo.num_experts, L = topo.num_local_experts, P = topo.etp_size;
+  const int E = topo.num_experts, P = topo.etp_size;
   const int C = plan.num_channels;
   const PushLayout& l = spec.layout;
   const size_t row_total = l.row_bytes + l.scale_bytes + (l.meta ? PushLayout::kMetaBytes : 0);
@@ -58,7 +58,7 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
         const void* scales = l.scale_bytes ? spec.rows.scales.row_ptr(t) : nullptr;
         for (int64_t k = h.routing.begin[size_t(t)]; k < h.routing.begin[size_t(t) + 1]; ++k) {
           const int e = h.routing.expert[size_t(k)];
-          const int64_t row = h.layout_of_expert(e).offset(e % L, topo.rank) + run[size_t(e)]++;
+          const int64_t row = h.notified.send_chunk[size_t(e)] + run[size_t(e)]++;
           if (topo.node_of_expert(e) != topo.node) continue;  // the forwarder places it
           const float prob = h.routing.prob[size_t(k)];
           const int32_t slot = slots ? h.routing.slot[size_t(k)] : -1;
@@ -81,7 +81,7 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec) {
 
 void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec) {
   const FlexHandle& h = *ctx.handle;
-  const ExpertLayout& my = h.global->layouts[size_t(h.topo.rank / h.topo.etp_size)];
+  const ExpertLayout& my = h.notified.mine;
   const PushLayout& l = spec.layout;
   // Padding ranges: the tail of each (expert, source) chunk, the alignment tail of each
   // segment, and the num_worst_tokens tail.

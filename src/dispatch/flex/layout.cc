@@ -26,14 +26,6 @@ Topology Topology::of(const World& world, const DispatchConfig& config) {
   return t;
 }
 
-int64_t GlobalInfo::node_entries(const Topology& topo, int s, int m) const {
-  int64_t q = 0;
-  for (int e = 0; e < num_experts; ++e) {
-    if (topo.node_of_expert(e) == m) q += count(s, e);
-  }
-  return q;
-}
-
 uint32_t chain_classes(const Topology& topo, const int32_t* experts, int64_t k, int home,
                        std::vector<int>* nodes) {
   nodes->clear();

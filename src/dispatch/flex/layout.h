@@ -1,4 +1,4 @@
-// What notify learns (the same on every rank), the plans and the handle made from it, and the
+// What notify leaves each rank, the plans and the handle made from it, and the
 // region layouts the rows are pushed into (layout.cc); the wire layout is message.h's.
 #pragma once
 
@@ -16,23 +16,25 @@
 
 namespace moed::flex {
 
-// What notify exchanges: every rank's counts, so every rank can compute every rank's
-// canonical layout and every message size without asking again.
-struct GlobalInfo {
-  int num_ranks = 0;
-  int num_experts = 0;
-  int num_nodes = 0;
-  std::vector<int64_t> num_tokens;       // [R]
-  std::vector<int64_t> capacity;         // [R] C_s (0 without capacity_factor)
-  std::vector<int64_t> counts;           // [R * E] rows source s sends to expert e
-  std::vector<int64_t> tokens_per_node;  // [R * N] tokens of s that node m needs
-  std::vector<ExpertLayout> layouts;     // [EP] canonical layout of the ranks of each ep
-  std::vector<int64_t> exact_rows;       // [R] rows of each rank's canonical layout
+// What notify leaves this rank (design.md §5.2). Notify exchanges every rank's counts ([R x E]);
+// a rank keeps of them only what its own sends, forwards and output need, so a handle holds
+// O(E + L x R + R) integers however large R x E is.
+struct Notified {
+  ExpertLayout mine;                // this rank's canonical layout (design.md §3.1)
+  std::vector<int64_t> rank_rows;   // [R] rows of each rank's canonical layout
+  std::vector<int64_t> send_chunk;  // [E] first row of this rank's chunk on expert e's ranks
+  // Per other node m, what this rank forwards from m's source forwarder_on(m) (its tokens and
+  // (token, expert) pairs for this node), and where that source's chunk starts on each expert
+  // of this node ([N * node_experts], node-major from expert first_node_expert).
+  std::vector<int64_t> forward_tokens;   // [N]
+  std::vector<int64_t> forward_entries;  // [N]
+  std::vector<int64_t> forward_chunk;    // [N * node_experts]
+  int first_node_expert = 0;
+  int node_experts = 0;
 
-  int64_t count(int s, int e) const { return counts[size_t(s) * num_experts + e]; }
-  int64_t node_tokens(int s, int m) const { return tokens_per_node[size_t(s) * num_nodes + m]; }
-  // (token, expert) pairs of source s whose expert lives on node m.
-  int64_t node_entries(const Topology& topo, int s, int m) const;
+  int64_t forward_chunk_of(int m, int e) const {
+    return forward_chunk[size_t(m) * size_t(node_experts) + size_t(e - first_node_expert)];
+  }
 };
 
 // Home side: the channel split and the per-channel prefix matrices (DeepEP's
@@ -67,16 +69,11 @@ class FlexHandle final : public DispatchHandle {
  public:
   uint64_t dispatcher_id = 0;
   Topology topo;
-  std::shared_ptr<const GlobalInfo> global;
+  Notified notified;
   SendPlan send;
   std::vector<ForwardPlan> forward;  // one per other node (sources with my local index)
   int64_t exact_rows = 0;            // rows before num_worst_tokens padding
   int64_t worst_rows = 0;            // num_rows of every rank's output (max with worst)
-
-  // Row of (source s, local expert j) chunk on the ranks of expert e's ep.
-  const ExpertLayout& layout_of_expert(int e) const {
-    return global->layouts[size_t(topo.ep_of_expert(e))];
-  }
 };
 
 // Sections of a push target segment (the dispatch output, or the combine-backward rows).

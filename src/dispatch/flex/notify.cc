@@ -1,8 +1,9 @@
 // Flex phase 2, notify (design.md §5.2): one all-gather of every rank's counts. From it every
 // rank computes the canonical layout of every rank (rank prefix matrix: where each source's
-// chunk starts inside each expert segment), its own channel prefix matrices (where each of
-// its channels starts inside each chunk and inside each node's message), and the size of
-// every message it will send or receive. Nothing else is exchanged before the data moves.
+// chunk starts inside each expert segment) and keeps the rows it needs (flex::Notified), its
+// own channel prefix matrices (where each of its channels starts inside each chunk and inside
+// each node's message), and the size of every message it will send or receive. Nothing else
+// is exchanged before the data moves.
 #include <algorithm>
 
 #include "dispatch/flex/engines.h"
@@ -111,48 +112,60 @@ Status notify_finish(const DispatchConfig& config, FlexHandle& h, std::span<cons
                      size_t stride, size_t offset) {
   const Topology& topo = h.topo;
   const int R = topo.num_ranks, E = topo.num_experts, N = topo.num_nodes;
-  auto g = std::make_shared<GlobalInfo>();
-  g->num_ranks = R;
-  g->num_experts = E;
-  g->num_nodes = N;
-  g->num_tokens.resize(size_t(R));
-  g->capacity.resize(size_t(R));
-  g->counts.resize(size_t(R) * E);
-  g->tokens_per_node.resize(size_t(R) * N);
-  for (int s = 0; s < R; ++s) {
-    const int64_t* row = &table[size_t(s) * stride + offset];
-    g->num_tokens[size_t(s)] = row[0];
-    g->capacity[size_t(s)] = row[1];
-    std::copy(row + 2, row + 2 + E, g->counts.begin() + size_t(s) * E);
-    std::copy(row + 2 + E, row + 2 + E + N, g->tokens_per_node.begin() + size_t(s) * N);
+  const int L = topo.num_local_experts, P = topo.etp_size;
+  // Rank s's row is [T, C_s, counts[E], tokens_per_node[N]].
+  const auto row = [&](int s) { return &table[size_t(s) * stride + offset]; };
+  const CountsView counts{row(0) + 2, stride, row(0) + 1, stride};
+  Notified& n = h.notified;
+  n.rank_rows.assign(size_t(R), 0);
+  n.send_chunk.assign(size_t(E), 0);
+  n.node_experts = E / N;  // an expert's ranks sit in one node, so a node's experts are a range
+  n.first_node_expert = topo.node * n.node_experts;
+  n.forward_chunk.assign(size_t(N) * size_t(n.node_experts), 0);
+  n.forward_tokens.assign(size_t(N), 0);
+  n.forward_entries.assign(size_t(N), 0);
+  for (int m = 0; m < N; ++m) {
+    if (m == topo.node) continue;
+    const int64_t* src = row(topo.forwarder_on(m));
+    n.forward_tokens[size_t(m)] = src[2 + E + topo.node];
+    for (int x = 0; x < n.node_experts; ++x) {
+      n.forward_entries[size_t(m)] += src[2 + n.first_node_expert + x];
+    }
   }
-  const int ep = R / topo.etp_size;
-  for (int i = 0; i < ep; ++i) {
-    g->layouts.push_back(
-        compute_expert_layout(config, R, i * topo.etp_size, g->counts, g->capacity));
+  // Every ep's layout in turn, each kept only as long as it takes to read this rank's rows out.
+  for (int ep = 0; ep < R / P; ++ep) {
+    ExpertLayout l = compute_expert_layout(config, R, ep * P, counts);
+    for (int p = 0; p < P; ++p) n.rank_rows[size_t(ep * P + p)] = l.num_rows;
+    for (int j = 0; j < L; ++j) n.send_chunk[size_t(ep * L + j)] = l.offset(j, topo.rank);
+    if (topo.node_of_rank(ep * P) == topo.node) {
+      for (int m = 0; m < N; ++m) {
+        if (m == topo.node) continue;
+        for (int j = 0; j < L; ++j) {
+          const int x = ep * L + j - n.first_node_expert;
+          n.forward_chunk[size_t(m) * size_t(n.node_experts) + size_t(x)] =
+              l.offset(j, topo.forwarder_on(m));
+        }
+      }
+    }
+    if (ep == topo.rank / P) n.mine = std::move(l);
   }
-  g->exact_rows.resize(size_t(R));
-  for (int r = 0; r < R; ++r)
-    g->exact_rows[size_t(r)] = g->layouts[size_t(r / topo.etp_size)].num_rows;
 
   // Every rank sees the same table, so this error is the same on every rank.
   if (config.num_worst_tokens > 0) {
     for (int r = 0; r < R; ++r) {
-      if (g->exact_rows[size_t(r)] > config.num_worst_tokens) {
+      if (n.rank_rows[size_t(r)] > config.num_worst_tokens) {
         return invalid_argument("num_worst_tokens = ", config.num_worst_tokens,
-                                " is smaller than the ", g->exact_rows[size_t(r)], " rows rank ", r,
+                                " is smaller than the ", n.rank_rows[size_t(r)], " rows rank ", r,
                                 " receives");
       }
     }
   }
 
-  const ExpertLayout& my = g->layouts[size_t(topo.rank / topo.etp_size)];
-  h.exact_rows = my.num_rows;
-  h.worst_rows = config.num_worst_tokens > 0 ? config.num_worst_tokens : my.num_rows;
+  h.exact_rows = n.mine.num_rows;
+  h.worst_rows = config.num_worst_tokens > 0 ? config.num_worst_tokens : n.mine.num_rows;
   h.num_rows = h.worst_rows;
-  h.tokens_per_expert = my.tokens_per_expert;
-  h.tokens_per_expert_unpadded = my.tokens_per_expert_unpadded;
-  h.global = std::move(g);
+  h.tokens_per_expert = n.mine.tokens_per_expert;
+  h.tokens_per_expert_unpadded = n.mine.tokens_per_expert_unpadded;
   return ok_status();
 }
 
