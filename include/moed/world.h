@@ -202,6 +202,16 @@ class World {
   // Posting fails when the peer has failed; another rank's failure shows in wait().
   virtual StatusOr<Request> isend(int dst, int tag, const void* data, size_t bytes) = 0;
   virtual StatusOr<Request> irecv(int src, int tag, void* data, size_t bytes) = 0;
+  // One message gathered from `pieces` laid back to back (the receiver posts one irecv of their
+  // total), for a sender whose bytes already lie in several places (an RDMA gather list). The
+  // threads world copies each piece straight into the receiver's buffer; MPI sends them as one
+  // datatype; gloo copies them into a buffer the request owns first. The pieces stay the
+  // caller's until the request is done.
+  struct Piece {
+    const void* data = nullptr;
+    size_t bytes = 0;
+  };
+  virtual StatusOr<Request> isend_gather(int dst, int tag, std::span<const Piece> pieces);
   Status send(int dst, int tag, const void* data, size_t bytes);
   Status recv(int src, int tag, void* data, size_t bytes);
 

@@ -3,6 +3,7 @@
 #include "moed/world.h"
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 
 #include "comm/wait.h"
@@ -60,6 +61,36 @@ World::World(int rank, int size, int ranks_per_node, std::chrono::milliseconds t
       ranks_per_node_(ranks_per_node),
       timeout_(timeout),
       pool_(std::make_unique<ThreadPool>(std::max(1, threads_per_rank))) {}
+
+namespace {
+// A send of a packed copy of its pieces: the copy lives as long as the request.
+class PackedSend final : public PendingOp {
+ public:
+  explicit PackedSend(std::span<const World::Piece> pieces) {
+    size_t total = 0;
+    for (const World::Piece& p : pieces) total += p.bytes;
+    bytes_.resize(total);
+    char* at = bytes_.data();
+    for (const World::Piece& p : pieces) {
+      if (p.bytes) std::memcpy(at, p.data, p.bytes);
+      at += p.bytes;
+    }
+  }
+  Status wait() override { return send_->wait(); }
+  bool ready() override { return send_->ready(); }
+  Status wait_for(std::chrono::milliseconds timeout) override { return send_->wait_for(timeout); }
+
+  std::vector<char> bytes_;
+  Request send_;  // declared after bytes_: dropped (cancelled) before them
+};
+}  // namespace
+
+StatusOr<Request> World::isend_gather(int dst, int tag, std::span<const Piece> pieces) {
+  auto packed = std::make_unique<PackedSend>(pieces);
+  MOED_ASSIGN_OR_RETURN(packed->send_,
+                        isend(dst, tag, packed->bytes_.data(), packed->bytes_.size()));
+  return Request(std::move(packed));
+}
 
 Status World::send(int dst, int tag, const void* data, size_t bytes) {
   MOED_ASSIGN_OR_RETURN(Request r, isend(dst, tag, data, bytes));

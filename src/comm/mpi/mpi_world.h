@@ -2,7 +2,7 @@
 // the same names as threads/:
 //   mpi_world.cc       make_mpi_world (nodes), failure channel, abort, request polling
 //   collectives.cc     barrier, broadcast, all_gather_v, all_to_all_v, reduce_scatter_v, all_reduce
-//   network.cc         isend / irecv (MPI point-to-point)
+//   network.cc         isend / isend_gather / irecv (MPI point-to-point)
 //   shared_memory.cc   alloc_shared (MPI shared windows, signals in the window)
 #pragma once
 
@@ -67,6 +67,7 @@ class MpiWorld final : public World {
   // owning thread and async steps run eagerly.
   bool calls_from_any_thread() const override { return thread_multiple_; }
   MOED_WORLD_TRANSPORT_OVERRIDES
+  StatusOr<Request> isend_gather(int dst, int tag, std::span<const Piece> pieces) override;
   // Records `reason` and sends it to every other rank over the failure channel.
   void abort(const Status& reason) override;
   Status failure() const override;

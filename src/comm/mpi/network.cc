@@ -3,6 +3,7 @@
 // network bytes between nodes, shared bytes within a node (where MPI itself uses its
 // shared-memory transport).
 #include <climits>
+#include <vector>
 
 #include "comm/mpi/mpi_world.h"
 #include "comm/wait.h"
@@ -137,6 +138,39 @@ StatusOr<Request> MpiWorld::isend(int dst, int tag, const void* data, size_t byt
   MPI_Request req;
   MOED_RETURN_IF_ERROR(
       check(MPI_Isend(data, int(bytes), MPI_BYTE, dst, tag, comm_, &req), "MPI_Isend"));
+  count_send(dst, bytes);
+  return Request(std::make_unique<MpiRequest>(this, req, false, dst, tag, bytes));
+}
+
+// The pieces as one hindexed datatype at absolute addresses (MPI_BOTTOM), so MPI reads them
+// where they lie. The type can go once the send is posted (MPI keeps it as long as it needs).
+StatusOr<Request> MpiWorld::isend_gather(int dst, int tag, std::span<const Piece> pieces) {
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst, "isend_gather"));
+  std::vector<int> lengths;
+  std::vector<MPI_Aint> at;
+  size_t bytes = 0;
+  for (const Piece& p : pieces) {
+    MOED_RETURN_IF_ERROR(check_p2p(*this, "isend_gather", "dst", dst, tag, p.data, p.bytes));
+    if (p.bytes == 0) continue;
+    MPI_Aint a;
+    MOED_RETURN_IF_ERROR(check(MPI_Get_address(p.data, &a), "MPI_Get_address"));
+    lengths.push_back(int(p.bytes));
+    at.push_back(a);
+    bytes += p.bytes;
+  }
+  if (bytes > size_t(INT_MAX)) {
+    return unimplemented("isend_gather: ", bytes, " bytes is more than the MPI backend's limit ",
+                         INT_MAX);
+  }
+  MPI_Datatype type;
+  MOED_RETURN_IF_ERROR(check(
+      MPI_Type_create_hindexed(int(lengths.size()), lengths.data(), at.data(), MPI_BYTE, &type),
+      "MPI_Type_create_hindexed"));
+  MOED_RETURN_IF_ERROR(check(MPI_Type_commit(&type), "MPI_Type_commit"));
+  MPI_Request req;
+  const int rc = MPI_Isend(MPI_BOTTOM, 1, type, dst, tag, comm_, &req);
+  MPI_Type_free(&type);
+  MOED_RETURN_IF_ERROR(check(rc, "MPI_Isend"));
   count_send(dst, bytes);
   return Request(std::make_unique<MpiRequest>(this, req, false, dst, tag, bytes));
 }

@@ -14,6 +14,12 @@ void complete(P2pOp& send, P2pOp& recv) {
   if (send.bytes != recv.bytes) {
     error = invalid_argument("rank ", recv.dst, " receives ", recv.bytes, " bytes from rank ",
                              send.src, " with tag ", send.tag, ", which sends ", send.bytes);
+  } else if (!send.pieces.empty()) {
+    char* at = static_cast<char*>(recv.recv);
+    for (const World::Piece& p : send.pieces) {
+      if (p.bytes) std::memcpy(at, p.data, p.bytes);
+      at += p.bytes;
+    }
   } else if (send.bytes > 0) {
     std::memcpy(recv.recv, send.send, send.bytes);
   }
@@ -120,15 +126,7 @@ Status check_args(const char* op, const char* peer_name, int peer, int size, int
 
 // Posts one op: completes it with the opposite op already in the receiver's mailbox, or
 // queues it there for the opposite side to find.
-Request post(ThreadsWorld& w, int src, int dst, int tag, const void* send, void* recv, size_t bytes,
-             bool is_recv) {
-  auto op = std::make_shared<P2pOp>();
-  op->src = src;
-  op->dst = dst;
-  op->tag = tag;
-  op->send = send;
-  op->recv = recv;
-  op->bytes = bytes;
+Request post(ThreadsWorld& w, std::shared_ptr<P2pOp> op, bool is_recv) {
   std::shared_ptr<P2pOp> peer;
   {
     Mailbox& box = w.context().mailboxes[size_t(op->dst)];
@@ -140,19 +138,45 @@ Request post(ThreadsWorld& w, int src, int dst, int tag, const void* send, void*
   return Request(std::make_unique<ThreadsRequest>(&w, std::move(op), is_recv));
 }
 
+std::shared_ptr<P2pOp> make_op(int src, int dst, int tag, size_t bytes) {
+  auto op = std::make_shared<P2pOp>();
+  op->src = src;
+  op->dst = dst;
+  op->tag = tag;
+  op->bytes = bytes;
+  return op;
+}
+
 }  // namespace
 
 StatusOr<Request> ThreadsWorld::isend(int dst, int tag, const void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst, "isend"));
   MOED_RETURN_IF_ERROR(check_args("isend", "dst", dst, size_, tag, data, bytes));
   count_send(dst, bytes);
-  return post(*this, rank_, dst, tag, data, nullptr, bytes, /*is_recv=*/false);
+  std::shared_ptr<P2pOp> op = make_op(rank_, dst, tag, bytes);
+  op->send = data;
+  return post(*this, std::move(op), /*is_recv=*/false);
+}
+
+StatusOr<Request> ThreadsWorld::isend_gather(int dst, int tag, std::span<const Piece> pieces) {
+  MOED_RETURN_IF_ERROR(internal::start_p2p(*this, dst, "isend_gather"));
+  size_t bytes = 0;
+  for (const Piece& p : pieces) {
+    MOED_RETURN_IF_ERROR(check_args("isend_gather", "dst", dst, size_, tag, p.data, p.bytes));
+    bytes += p.bytes;
+  }
+  count_send(dst, bytes);
+  std::shared_ptr<P2pOp> op = make_op(rank_, dst, tag, bytes);
+  op->pieces.assign(pieces.begin(), pieces.end());
+  return post(*this, std::move(op), /*is_recv=*/false);
 }
 
 StatusOr<Request> ThreadsWorld::irecv(int src, int tag, void* data, size_t bytes) {
   MOED_RETURN_IF_ERROR(internal::start_p2p(*this, src, "irecv"));
   MOED_RETURN_IF_ERROR(check_args("irecv", "src", src, size_, tag, data, bytes));
-  return post(*this, src, rank_, tag, nullptr, data, bytes, /*is_recv=*/true);
+  std::shared_ptr<P2pOp> op = make_op(src, rank_, tag, bytes);
+  op->recv = data;
+  return post(*this, std::move(op), /*is_recv=*/true);
 }
 
 }  // namespace moed::threads

@@ -2,7 +2,7 @@
 // World. The files beside this one each implement one part, with the same names as mpi/:
 //   threads_world.cc   run_threads, failure state, barrier
 //   collectives.cc     broadcast, all_gather_v, all_to_all_v, reduce_scatter_v, all_reduce
-//   network.cc         isend / irecv (rendezvous, one copy)
+//   network.cc         isend / isend_gather / irecv (rendezvous, one copy)
 //   shared_memory.cc   alloc_shared (node-shared segments and signals)
 #pragma once
 
@@ -49,12 +49,13 @@ struct Slot {
   int root = 0;
 };
 
-// One posted isend or irecv. The thread that posts second copies (sender -> receiver) and
-// completes both, so every byte is copied once.
+// One posted isend, isend_gather or irecv. The thread that posts second copies (sender ->
+// receiver) and completes both, so every byte is copied once.
 struct P2pOp {
   enum State : int { kPosted, kMatched, kDone };
   int src = 0, dst = 0, tag = 0;
   const void* send = nullptr;
+  std::vector<World::Piece> pieces;  // isend_gather's (send is null), back to back
   void* recv = nullptr;
   size_t bytes = 0;
   std::atomic<int> state{kPosted};
@@ -137,6 +138,7 @@ class ThreadsWorld final : public World {
   bool shares_address_space() const override { return true; }
   bool calls_from_any_thread() const override { return true; }
   MOED_WORLD_TRANSPORT_OVERRIDES
+  StatusOr<Request> isend_gather(int dst, int tag, std::span<const Piece> pieces) override;
   void abort(const Status& reason) override;
   Status failure() const override { return ctx_->failure(); }
   bool rank_failed(int r) const override { return ctx_->rank_failed(r); }
