@@ -145,6 +145,18 @@ struct Bytes {
   size_t size() const { return bytes; }
   bool empty() const { return bytes == 0; }
 };
+// Appends a piece to a gather list (World::isend_gather), or grows the last one when it ends
+// where this one starts (consecutive rows of a dense tensor), so the transport copies runs of
+// rows at a time.
+inline void add_piece(std::vector<World::Piece>& pieces, const void* data, size_t bytes) {
+  if (!pieces.empty() && static_cast<const char*>(pieces.back().data) + pieces.back().bytes ==
+                             static_cast<const char*>(data)) {
+    pieces.back().bytes += bytes;
+  } else {
+    pieces.push_back({data, bytes});
+  }
+}
+
 // The network messages of one kind of step, kept between calls: per remote node one send and
 // one receive buffer that only grow (contents unspecified), so a step allocates (and
 // page-faults) its messages once, not on every call. Each step kind has its own, so steps in

@@ -53,9 +53,13 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
     const int64_t q = first[size_t(f.num_tokens)];
     if (q == 0) continue;
     const int m = topo.node_of_rank(f.src);
+    // With P = 1 a term is an expert's row as it lies, sent from there (World::isend_gather);
+    // the buffer holds the fp32 terms of P > 1 and the scalars.
+    std::vector<const char*> raw(P == 1 ? size_t(q) : 0);
+    const size_t built = P == 1 ? 0 : r.piece_bytes;
     Bytes& buf = r.send_buffers[size_t(m)];
-    buf = ctx.net->send(m, size_t(q) * (r.piece_bytes + scalar_bytes));
-    char* scalars_out = buf.data() + size_t(q) * r.piece_bytes;
+    buf = ctx.net->send(m, size_t(q) * (built + scalar_bytes));
+    char* scalars_out = buf.data() + size_t(q) * built;
     ctx.world->pool().parallel_for(
         f.num_tokens,
         [&](int64_t b, int64_t e, int) {
@@ -65,15 +69,14 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
               const int64_t out = first[size_t(i)] + (k - f.entry_begin[size_t(i)]);
               const int ex = f.entry_expert[size_t(k)];
               const int64_t row = f.entry_row[size_t(k)];
-              char* piece = buf.data() + size_t(out) * r.piece_bytes;
               float s = 0.0f;
               if (P == 1) {
                 const PullSource& src =
                     spec.sources[size_t(topo.first_rank_of_expert(ex) % topo.ranks_per_node)];
-                std::memcpy(piece, src.rows + size_t(row) * src.row_stride_bytes, r.piece_bytes);
+                raw[size_t(out)] = src.rows + size_t(row) * src.row_stride_bytes;
                 if (spec.with_scalars) s = s + src.scalars[row];
               } else {
-                float* term = reinterpret_cast<float*>(piece);
+                float* term = reinterpret_cast<float*>(buf.data() + size_t(out) * r.piece_bytes);
                 std::memset(term, 0, r.piece_bytes);
                 for (int p = 0; p < P; ++p) {
                   const PullSource& src = spec.sources[size_t((topo.first_rank_of_expert(ex) + p) %
@@ -90,7 +93,10 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
         },
         16);
     rows_read += uint64_t(q) * uint64_t(P);
-    MOED_ASSIGN_OR_RETURN(Request req, ctx.world->isend(f.src, tag, buf.data(), buf.size()));
+    std::vector<World::Piece> pieces;
+    for (const char* row : raw) add_piece(pieces, row, r.piece_bytes);
+    add_piece(pieces, buf.data(), buf.size());
+    MOED_ASSIGN_OR_RETURN(Request req, ctx.world->isend_gather(f.src, tag, pieces));
     ctx.world->add_network_bytes(0, uint64_t(q));
     r.sends.push_back(std::move(req));
   }

@@ -96,15 +96,19 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
                                                       ops.recv_buffers[size_t(m)].size()));
     ops.recvs.push_back(std::move(r));
   }
+  // Each message is gathered from its headers and entries, written here, and the token rows
+  // (payloads, then scales) where they lie: no copy of a row before the network's.
   std::vector<MessageLayout> layouts(static_cast<size_t>(N));
+  std::vector<std::vector<const char*>> rows(static_cast<size_t>(N));
   for (int m = 0; m < N; ++m) {
     if (m == topo.node) continue;
+    const int64_t n = plan.node_tokens[size_t(C) * N + m];
     layouts[size_t(m)] =
-        MessageLayout::of(plan.node_tokens[size_t(C) * N + m], plan.node_entries[size_t(C) * N + m],
-                          l.row_bytes, l.scale_bytes);
-    ops.send_buffers[size_t(m)] = ctx.net->send(m, layouts[size_t(m)].bytes);
+        MessageLayout::of(n, plan.node_entries[size_t(C) * N + m], l.row_bytes, l.scale_bytes);
+    ops.send_buffers[size_t(m)] = ctx.net->send(m, layouts[size_t(m)].payload_off);
+    rows[size_t(m)].resize(size_t(n) * (l.scale_bytes ? 2 : 1));
   }
-  // Pack: channel c's tokens for node m go at the channel's prefix in m's message.
+  // Headers and entries: channel c's tokens for node m go at the channel's prefix in m's message.
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> tok(static_cast<size_t>(N)), ent(static_cast<size_t>(N));
     std::vector<int32_t> count(static_cast<size_t>(N));
@@ -139,19 +143,29 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
           const size_t i = size_t(tok[size_t(m)]);
           msg.put_header(i, {int32_t(t), count[size_t(m)], mask[size_t(m)],
                              chain_link(nodes, classes, m, topo.node)});
-          msg.put_row(i, spec.rows.x.row_ptr(t),
-                      l.scale_bytes ? spec.rows.scales.row_ptr(t) : nullptr);
+          const char** row = rows[size_t(m)].data();
+          row[i] = static_cast<const char*>(spec.rows.x.row_ptr(t));
+          if (l.scale_bytes) {
+            row[size_t(plan.node_tokens[size_t(C) * N + m]) + i] =
+                static_cast<const char*>(spec.rows.scales.row_ptr(t));
+          }
           ++tok[size_t(m)];
           ent[size_t(m)] += count[size_t(m)];
         }
       }
     }
   });
+  std::vector<World::Piece> pieces;
   for (int m = 0; m < N; ++m) {
-    if (m == topo.node || plan.node_tokens[size_t(C) * N + m] == 0) continue;
-    MOED_ASSIGN_OR_RETURN(
-        Request r, ctx.world->isend(topo.forwarder_on(m), tag, ops.send_buffers[size_t(m)].data(),
-                                    ops.send_buffers[size_t(m)].size()));
+    const int64_t n = plan.node_tokens[size_t(C) * N + m];
+    if (m == topo.node || n == 0) continue;
+    pieces.clear();
+    add_piece(pieces, ops.send_buffers[size_t(m)].data(), ops.send_buffers[size_t(m)].size());
+    for (size_t i = 0; i < rows[size_t(m)].size(); ++i) {
+      const size_t bytes = i < size_t(n) ? l.row_bytes : l.scale_bytes;
+      add_piece(pieces, rows[size_t(m)][i], bytes);
+    }
+    MOED_ASSIGN_OR_RETURN(Request r, ctx.world->isend_gather(topo.forwarder_on(m), tag, pieces));
     ctx.world->add_network_bytes(0, uint64_t(plan.node_tokens[size_t(C) * N + m]));
     ops.sends.push_back(std::move(r));
   }
