@@ -78,6 +78,9 @@ struct RmPush {
   std::vector<RecvTarget> target;  // [G] this node's receive blocks
   std::shared_ptr<Tensor> block;   // in place: this rank's block
   std::vector<flex::Bytes> recv_buf, send_buf;  // [N] per remote node, in s.dispatch_net
+  // [N] the rows of each node's message where they lie (payloads, then scales): the message
+  // goes as a gather list (World::isend_gather), its rows read by the network's copy alone.
+  std::vector<std::vector<const char*>> send_rows;
   std::vector<Request> recvs, sends;
 
   RmPush(NormalBuffer::State& st, NormalHandle& handle, const TokenRows& rows,
@@ -95,7 +98,8 @@ struct RmPush {
         writer{&lay, rows.x.cols, st.num_experts / st.topo.num_ranks, with_plan},
         target(size_t(st.topo.ranks_per_node)),
         recv_buf(size_t(st.topo.num_nodes)),
-        send_buf(size_t(st.topo.num_nodes)) {}
+        send_buf(size_t(st.topo.num_nodes)),
+        send_rows(size_t(st.topo.num_nodes)) {}
 
   char* own() const { return target[size_t(s.topo.local_rank)].block; }
 
@@ -126,7 +130,7 @@ struct RmPush {
   }
 
   // Across nodes: the forwarder role's receives, then one message per remote node with every
-  // token bound there (its header, row, scales and top-k), packed by channel.
+  // token bound there (its header and top-k written by channel, its row and scales gathered).
   Status post_node_messages() {
     World& w = *s.world;
     const flex::Topology& topo = s.topo;
@@ -149,6 +153,7 @@ struct RmPush {
       if (m == topo.node || n == 0) continue;
       out_msg[size_t(m)] = rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C);
       send_buf[size_t(m)] = s.dispatch_net.send(m, out_msg[size_t(m)].bytes);
+      send_rows[size_t(m)].resize(size_t(n) * (lay.scale_bytes ? 2 : 1));
       for (int lr = 0; lr < G; ++lr) {
         for (int c = 0; c < C; ++c) cpm[size_t(lr) * C + c] = channel_start(h, m * G + lr, c);
       }
@@ -167,17 +172,26 @@ struct RmPush {
             uint64_t mask = 0;
             for (int lr = 0; lr < G; ++lr) mask |= uint64_t(in[m * G + lr] != 0) << lr;
             if (mask == 0) continue;
-            pack_message_row(out_msg[size_t(m)], send_buf[size_t(m)].data(),
+            pack_message_row(out_msg[size_t(m)], send_buf[size_t(m)].data(), send_rows[size_t(m)],
                              size_t(pos[size_t(m)]++), t, mask);
           }
         }
       }
     });
+    std::vector<World::Piece> pieces;
     for (int m = 0; m < N; ++m) {
       if (send_buf[size_t(m)].empty()) continue;
-      MOED_ASSIGN_OR_RETURN(Request r, w.isend(topo.forwarder_on(m), tags::kRankMajorDispatch,
-                                               send_buf[size_t(m)].data(),
-                                               send_buf[size_t(m)].size()));
+      const flex::MessageLayout& ml = out_msg[size_t(m)];
+      const char* buf = send_buf[size_t(m)].data();
+      const size_t n = size_t(send.node_tokens[size_t(C) * N + m]);
+      pieces.clear();
+      flex::add_piece(pieces, buf, ml.payload_off);
+      for (size_t i = 0; i < send_rows[size_t(m)].size(); ++i) {
+        flex::add_piece(pieces, send_rows[size_t(m)][i], i < n ? ml.row_bytes : ml.scale_bytes);
+      }
+      flex::add_piece(pieces, buf + ml.tail_off, ml.bytes - ml.tail_off);
+      MOED_ASSIGN_OR_RETURN(Request r,
+                            w.isend_gather(topo.forwarder_on(m), tags::kRankMajorDispatch, pieces));
       w.add_network_bytes(0, uint64_t(send.node_tokens[size_t(C) * N + m]));
       sends.push_back(std::move(r));
     }
@@ -185,13 +199,16 @@ struct RmPush {
   }
 
   // Entry i of a node message: token t for the node's ranks in `mask`, with its K top-k
-  // entries (slot k).
-  void pack_message_row(const flex::MessageLayout& ml, char* msg, size_t i, int64_t t,
-                        uint64_t mask) const {
+  // entries (slot k); its row and scales where they lie into `rows`.
+  void pack_message_row(const flex::MessageLayout& ml, char* msg, std::vector<const char*>& rows,
+                        size_t i, int64_t t, uint64_t mask) const {
     const int K = lay.num_topk;
     const flex::Message<char> m(msg, ml);
     m.put_header(i, {int32_t(t), K, mask, {}});
-    m.put_row(i, x.x.row_ptr(t), lay.scale_bytes ? x.scales.row_ptr(t) : nullptr);
+    rows[i] = static_cast<const char*>(x.x.row_ptr(t));
+    if (lay.scale_bytes) {
+      rows[rows.size() / 2 + i] = static_cast<const char*>(x.scales.row_ptr(t));
+    }
     for (int k = 0; k < K; ++k) {
       m.put_entry(i * K + size_t(k), {int32_t(topk.at(t, k)), topk.weight(t, k), k});
     }
