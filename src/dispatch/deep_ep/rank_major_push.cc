@@ -181,15 +181,8 @@ struct RmPush {
     std::vector<World::Piece> pieces;
     for (int m = 0; m < N; ++m) {
       if (send_buf[size_t(m)].empty()) continue;
-      const flex::MessageLayout& ml = out_msg[size_t(m)];
-      const char* buf = send_buf[size_t(m)].data();
-      const size_t n = size_t(send.node_tokens[size_t(C) * N + m]);
-      pieces.clear();
-      flex::add_piece(pieces, buf, ml.payload_off);
-      for (size_t i = 0; i < send_rows[size_t(m)].size(); ++i) {
-        flex::add_piece(pieces, send_rows[size_t(m)][i], i < n ? ml.row_bytes : ml.scale_bytes);
-      }
-      flex::add_piece(pieces, buf + ml.tail_off, ml.bytes - ml.tail_off);
+      flex::message_pieces(out_msg[size_t(m)], send_buf[size_t(m)].data(), send_rows[size_t(m)],
+                           size_t(send.node_tokens[size_t(C) * N + m]), pieces);
       MOED_ASSIGN_OR_RETURN(Request r,
                             w.isend_gather(topo.forwarder_on(m), tags::kRankMajorDispatch, pieces));
       w.add_network_bytes(0, uint64_t(send.node_tokens[size_t(C) * N + m]));

@@ -8,9 +8,11 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <span>
 #include <type_traits>
 #include <vector>
 
+#include "dispatch/flex/message.h"
 #include "dispatch/flex/topology.h"
 #include "dispatch/scratch.h"
 #include "moed/world.h"
@@ -155,6 +157,19 @@ inline void add_piece(std::vector<World::Piece>& pieces, const void* data, size_
   } else {
     pieces.push_back({data, bytes});
   }
+}
+
+// The gather list of a message of layout `l` whose headers and entries (and tail) were written
+// at `written` and whose n rows lie elsewhere: rows[i] is token i's payload, rows[n + i] its
+// scales when the layout has them.
+inline void message_pieces(const MessageLayout& l, const char* written,
+                           std::span<const char* const> rows, size_t n,
+                           std::vector<World::Piece>& pieces) {
+  pieces.clear();
+  add_piece(pieces, written, l.payload_off);
+  for (size_t i = 0; i < rows.size(); ++i)
+    add_piece(pieces, rows[i], i < n ? l.row_bytes : l.scale_bytes);
+  if (l.bytes > l.tail_off) add_piece(pieces, written + l.tail_off, l.bytes - l.tail_off);
 }
 
 // The network messages of one kind of step, kept between calls: per remote node one send and

@@ -159,12 +159,8 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
   for (int m = 0; m < N; ++m) {
     const int64_t n = plan.node_tokens[size_t(C) * N + m];
     if (m == topo.node || n == 0) continue;
-    pieces.clear();
-    add_piece(pieces, ops.send_buffers[size_t(m)].data(), ops.send_buffers[size_t(m)].size());
-    for (size_t i = 0; i < rows[size_t(m)].size(); ++i) {
-      const size_t bytes = i < size_t(n) ? l.row_bytes : l.scale_bytes;
-      add_piece(pieces, rows[size_t(m)][i], bytes);
-    }
+    message_pieces(layouts[size_t(m)], ops.send_buffers[size_t(m)].data(), rows[size_t(m)],
+                   size_t(n), pieces);
     MOED_ASSIGN_OR_RETURN(Request r, ctx.world->isend_gather(topo.forwarder_on(m), tag, pieces));
     ctx.world->add_network_bytes(0, uint64_t(plan.node_tokens[size_t(C) * N + m]));
     ops.sends.push_back(std::move(r));
