@@ -11,8 +11,8 @@ namespace moed {
 
 // Bytes kept between steps and calls: they grow and are never freed in between, so the big
 // per-step buffers are allocated (and page-faulted) once, not once per dispatch.
-// NOTE: first-touch page faults of fresh multi-hundred-MB buffers cost more than the copies
-// themselves; reusing them is what brings a dispatch near the memory-copy bound.
+// First-touch page faults of fresh multi-hundred-MB buffers cost more than the copies
+// themselves; reusing them is what brings a dispatch near its limit (docs/benchmarks.md).
 class ScratchBuffer {
  public:
   // A packed [rows, cols] view of `dtype` over this buffer; contents unspecified. Valid until

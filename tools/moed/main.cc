@@ -11,7 +11,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "moed 0.1.0");
   // Options of the top level (e.g. --timeout) may also follow a command: `moed run --timeout 10`.
   app.fallthrough();
-  CLI::App* bench = app.add_subcommand("bench", "benchmarks, each beside the memory-copy bound");
+  CLI::App* bench = app.add_subcommand("bench", "benchmarks, each figure a fraction of the limit measured in the same run");
   bench->require_subcommand(1);  // the full sweep may relax this when it registers
   // Parents first: top-level commands, then those under `bench`.
   for (const auto& r : moed::cli::registrations()) {
