@@ -192,8 +192,9 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
     DispatchOutput out;
     TokenRows expert_output;
     CombineOutput comb;
-    // NOTE: the previous output is dropped first, so its memory is reused (moed/dispatcher.h's
-    // lifetime rule: a held output would make the dispatcher write elsewhere).
+    // NOTE: the previous output is dropped first (dispatch and combine), so its memory is
+    // reused (moed/dispatcher.h's lifetime rule: a held output would make the dispatcher write
+    // elsewhere, into fresh pages the first timed call would fault in).
     auto dispatch = [&]() -> Status {
       out = DispatchOutput{};
       MOED_ASSIGN_OR_RETURN(out, d->dispatch(in));
@@ -212,6 +213,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
       return ok_status();
     };
     auto combine = [&]() -> Status {
+      comb = CombineOutput{};
       MOED_ASSIGN_OR_RETURN(comb, d->combine(CombineInput{expert_output, out.handle}));
       return ok_status();
     };
