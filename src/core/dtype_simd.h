@@ -295,7 +295,7 @@ struct Simd {
 
   template <DType S, DType D, bool kWeighted>
   static void fold_rows_typed(const void* const* rows, const float* w, int count, void* dst,
-                              size_t n, bool stream) {
+                              size_t n, bool stream, const float* init) {
     constexpr size_t kOut = dtype_size(D);
     constexpr size_t kAhead = kFoldAheadBytes / dtype_size(S);    // elements
     constexpr size_t kStepBytes = 4 * V::kWidth * dtype_size(S);  // read per row per step
@@ -323,6 +323,12 @@ struct Simd {
       // Four vectors per row visit (one 64-byte line of bf16 at AVX2), four independent sums.
       for (; i + 4 * V::kWidth <= e; i += 4 * V::kWidth) {
         F a0 = zero, a1 = zero, a2 = zero, a3 = zero;
+        if (init) {
+          a0 = load<DType::kF32>(init, i);
+          a1 = load<DType::kF32>(init, i + V::kWidth);
+          a2 = load<DType::kF32>(init, i + 2 * V::kWidth);
+          a3 = load<DType::kF32>(init, i + 3 * V::kWidth);
+        }
         for (int q = 0; q < count; ++q) {
           const void* x = rows[q];
           if (i + kAhead < n) {
@@ -346,7 +352,7 @@ struct Simd {
         store2<D>(out, i - b + 2 * V::kWidth, a2, a3);
       }
       for (; i < e; i += V::kWidth) {
-        F a = zero;
+        F a = init ? load<DType::kF32>(init, i) : zero;
         for (int q = 0; q < count; ++q) {
           a = term(a, rows[q], kWeighted ? V::set1f(w[q]) : zero, i);
         }
@@ -354,29 +360,29 @@ struct Simd {
       }
       if (bounce) stream_copy(static_cast<unsigned char*>(dst) + b * kOut, buf, (e - b) * kOut);
     }
-    fold_rows_range(rows, S, w, count, dst, D, end, n);
+    fold_rows_range(rows, S, w, count, dst, D, end, n, init);
   }
 
   template <DType S>
   struct FoldRowsFrom {
     template <DType D>
     static void run(const void* const* rows, const float* w, int count, void* dst, size_t n,
-                    bool stream) {
-      if (w) return fold_rows_typed<S, D, true>(rows, w, count, dst, n, stream);
-      fold_rows_typed<S, D, false>(rows, w, count, dst, n, stream);
+                    bool stream, const float* init) {
+      if (w) return fold_rows_typed<S, D, true>(rows, w, count, dst, n, stream, init);
+      fold_rows_typed<S, D, false>(rows, w, count, dst, n, stream, init);
     }
   };
   struct FoldRows {
     template <DType S>
     static void run(const void* const* rows, const float* w, int count, void* dst, DType dt,
-                    size_t n, bool stream) {
-      on_dtype<FoldRowsFrom<S>>(dt, rows, w, count, dst, n, stream);
+                    size_t n, bool stream, const float* init) {
+      on_dtype<FoldRowsFrom<S>>(dt, rows, w, count, dst, n, stream, init);
     }
   };
 
   static void fold_rows(const void* const* rows, DType t, const float* w, int count, void* dst,
-                        DType dt, size_t n, bool stream) {
-    on_dtype<FoldRows>(t, rows, w, count, dst, dt, n, stream);
+                        DType dt, size_t n, bool stream, const float* init) {
+    on_dtype<FoldRows>(t, rows, w, count, dst, dt, n, stream, init);
   }
 
   struct Scale {

@@ -111,8 +111,8 @@ void store_row_scalar(const float* acc, void* dst, DType t, size_t n) {
 }
 
 void fold_rows_scalar(const void* const* rows, DType t, const float* w, int count, void* dst,
-                      DType dt, size_t n, bool) {
-  fold_rows_range(rows, t, w, count, dst, dt, 0, n);
+                      DType dt, size_t n, bool, const float* init) {
+  fold_rows_range(rows, t, w, count, dst, dt, 0, n, init);
 }
 
 void quantize_fp8_scalar(const void* x, DType t, bool round_scale, fp8_e4m3* out, float* scales_inv,
@@ -216,7 +216,7 @@ void dot_chains(const void* const* a, DType at, const void* const* b, DType bt, 
 }
 
 void fold_rows_range(const void* const* rows, DType t, const float* w, int count, void* dst,
-                     DType dt, size_t begin, size_t end) {
+                     DType dt, size_t begin, size_t end, const float* init) {
   // In chunks, each term a pass over the chunk's fp32 sums: per element the chain is unchanged.
   constexpr size_t kChunk = 256;
   float acc[kChunk];
@@ -224,7 +224,11 @@ void fold_rows_range(const void* const* rows, DType t, const float* w, int count
     with_store(dt, [&](auto store) {
       for (size_t c = begin; c < end; c += kChunk) {
         const size_t m = std::min(kChunk, end - c);
-        std::fill(acc, acc + m, 0.0f);
+        if (init) {
+          std::copy(init + c, init + c + m, acc);
+        } else {
+          std::fill(acc, acc + m, 0.0f);
+        }
         for (int q = 0; q < count; ++q) {
           const void* x = rows[q];
           if (w) {
@@ -269,7 +273,7 @@ void FoldAhead::push(void* dst) {
 void FoldAhead::flush() {
   if (dst_ == nullptr) return;
   row_kernels().fold_rows(rows_.data(), t_, weighted_ ? w_.data() : nullptr, int(rows_.size()),
-                          dst_, dt_, n_, stream_);
+                          dst_, dt_, n_, stream_, nullptr);
   dst_ = nullptr;
 }
 

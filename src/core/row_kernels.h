@@ -49,13 +49,14 @@ struct RowKernels {
   // dst[i] = round_t(acc[i])          (once)
   void (*store)(const float* acc, void* dst, DType t, size_t n);
   // A whole fold in one pass (the combine of one token): for each i,
-  //   a = 0; a = a + w[q] * (0 + rows[q][i]) for q < count; dst[i] = round_dt(a)
-  // (w == nullptr: a = a + (0 + rows[q][i])): the chain of add_term / add_term_weighted on a
-  // zeroed acc, then store, without the fp32 row in memory (the sum stays in registers while
-  // the rows stream past). stream: dst is written with non-temporal
-  // stores (call stream_fence() before another thread reads it); the scalar table ignores it.
+  //   a = init ? init[i] : 0; a = a + w[q] * (0 + rows[q][i]) for q < count; dst[i] = round_dt(a)
+  // (w == nullptr: a = a + (0 + rows[q][i])): the chain of add_term / add_term_weighted on an
+  // acc zeroed (or holding init, a sum carried on from elsewhere: no -0 in it, as a sum started
+  // at +0 never is), then store, without the fp32 row in memory (the sum stays in registers while
+  // the rows stream past). stream: dst is written with non-temporal stores (call stream_fence()
+  // before another thread reads it); the scalar table ignores it.
   void (*fold_rows)(const void* const* rows, DType t, const float* w, int count, void* dst,
-                    DType dt, size_t n, bool stream);
+                    DType dt, size_t n, bool stream, const float* init);
   // out[q] = ((0 + a_q[0] * b_q[0]) + a_q[1] * b_q[1]) + ... for q < count: one sequential
   // chain per pair of rows (the same code in every table: a vector sum would change the
   // order); the chains run interleaved, so several in one call overlap their latencies.
@@ -80,7 +81,7 @@ void dot_chains(const void* const* a, DType at, const void* const* b, DType bt, 
                 float* out);
 // fold_rows over elements [begin, end) only (the scalar definition; the vector tables' tail).
 void fold_rows_range(const void* const* rows, DType t, const float* w, int count, void* dst,
-                     DType dt, size_t begin, size_t end);
+                     DType dt, size_t begin, size_t end, const float* init);
 
 // Per block: scale_inv as stored, and the factor the values are multiplied by (design.md §6.2).
 // Shared by every table so the scale arithmetic is written once.

@@ -1,6 +1,7 @@
 // The one-pass fold Flex's combine calls per token (RowKernels::fold_rows, core/row_kernels.h)
-// equals the chain it replaces, bit for bit, in every table this CPU runs: a zeroed fp32 row,
-// add_term / add_term_weighted per row in order, then store, all from the scalar table. Over
+// equals the chain it replaces, bit for bit, in every table this CPU runs: a zeroed fp32 row
+// (or one holding a carried sum, `init`), add_term / add_term_weighted per row in order, then
+// store, all from the scalar table. Over
 // source and output types, lengths with vector tails and past the prefetch blocks (512), 0 to
 // 9 rows, weighted and not, streamed and not (to 64-byte aligned and unaligned outputs), with
 // raw bit patterns (NaN, infinity, -0, subnormals) among the values. NaNs only in the first
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <iterator>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/row_kernels.h"
@@ -92,8 +94,14 @@ TEST(FlexFoldRows, EqualsTheTermByTermChain) {
               // Never 0: 0 * inf would make a NaN where a later row's NaN may meet it.
               w.push_back(std::uniform_real_distribution<float>(0.01f, 1.0f)(rng));
             }
-            for (bool weighted : {false, true}) {
-              std::vector<float> acc(n, 0.0f);
+            // A carried sum (a chain's fp32 partial): never -0, as a sum started at +0 is
+            // not; no NaN, which row 0 may hold.
+            std::vector<float> carried(n);
+            std::memcpy(carried.data(), random_row(DType::kF32, n, false, rng).data(), n * 4);
+            for (float& c : carried) c = c == 0.0f ? 0.0f : c;
+            for (auto [weighted, init] : {std::pair{false, false}, std::pair{true, false},
+                                          std::pair{false, true}, std::pair{true, true}}) {
+              std::vector<float> acc = init ? carried : std::vector<float>(n, 0.0f);
               for (int q = 0; q < count; ++q) {
                 if (weighted) {
                   scalar.add_term_weighted(acc.data(), ptrs[size_t(q)], t, w[size_t(q)], n);
@@ -111,14 +119,15 @@ TEST(FlexFoldRows, EqualsTheTermByTermChain) {
                   unsigned char* got = space.data() + (64 - uintptr_t(space.data()) % 64) + skew;
                   got[want.size() - 1] = 0;  // past the row: must stay untouched
                   k->fold_rows(ptrs.data(), t, weighted ? w.data() : nullptr, count, got, dt, n,
-                               stream);
+                               stream, init ? carried.data() : nullptr);
                   internal::stream_fence();
                   const size_t at =
                       size_t(std::mismatch(got, got + want.size(), want.begin()).first - got);
                   ASSERT_EQ(std::vector<unsigned char>(got, got + want.size()), want)
                       << "first byte " << at << ": " << k->isa << " " << dtype_name(t) << " -> "
                       << dtype_name(dt) << " n=" << n << " rows=" << count
-                      << " weighted=" << weighted << " stream=" << stream << " skew=" << skew;
+                      << " weighted=" << weighted << " init=" << init << " stream=" << stream
+                      << " skew=" << skew;
                 }
               }
             }
@@ -154,7 +163,7 @@ TEST(FlexFoldRows, FoldAheadEqualsOneFoldPerToken) {
     std::vector<uint16_t> want(size_t(kTokens) * n), got(want.size(), 0xa5a5);
     for (int t = 0; t < kTokens; ++t) {
       k.fold_rows(ptrs[size_t(t)].data(), DType::kBF16, w[size_t(t)].data(), kCount[t],
-                  want.data() + size_t(t) * n, DType::kBF16, n, false);
+                  want.data() + size_t(t) * n, DType::kBF16, n, false, nullptr);
     }
     internal::FoldAhead fold(DType::kBF16, DType::kBF16, n, /*weighted=*/true, stream);
     for (int t = 0; t < kTokens; ++t) {

@@ -6,9 +6,10 @@
 // rank r on node r / G), so the node holding the lowest experts starts acc from 0 and adds its
 // terms, the next node continues the same acc with its own (the row crosses the network as fp32,
 // unrounded), and so on: every element sees the same additions in the same order as the home's fold
-// would, with the same row kernels (add_term_raw, or the fp32 term of P partials). The last node
-// rounds once (store_row, as the home would) and sends the rounded row home, so the last hop is an
-// output row, not an fp32 one. Adding per-node partials at home instead would re-associate the sum.
+// would, with the same row kernels (fold_rows onto the received sum, or the fp32 term of P
+// partials). The last node rounds once (store_row, as the home would) and sends the rounded row
+// home, so the last hop is an output row, not an fp32 one. Adding per-node partials at home instead
+// would re-associate the sum.
 //
 // NOTE (who does what): all of a token's chain traffic runs on one rail, the ranks with its
 // home's local index (the forwarders of its dispatch, Topology::forwarder_on), so a rank's
@@ -189,11 +190,18 @@ struct ChainTurns {
            size_t(it.out_pos) * row_bytes;
   }
 
-  // A turn that starts the sum (P = 1) folds its rows in one pass (fold_rows, as pull's home
-  // fold does): into the fp32 partial it sends on (an f32 store is exact), or rounded into the
-  // row it sends home or into the output. Returns the rows read.
-  uint64_t start(const ChainItem& it, std::vector<const void*>& rows,
-                 std::vector<float>& probs) const {
+  // The fp32 sum received from the previous node, or null where the chain starts here.
+  const float* received(const ChainItem& it) const {
+    if (it.prev < 0) return nullptr;
+    return reinterpret_cast<const float*>(ops.recv_buffers[size_t(it.prev)].data() +
+                                          size_t(it.in_pos) * f32_bytes);
+  }
+
+  // A turn with P = 1 folds its rows in one pass (fold_rows, as pull's home fold does), onto
+  // the received sum where it has one: into the fp32 partial it sends on (an f32 store is
+  // exact), or rounded into the row it sends home or into the output. Returns the rows read.
+  uint64_t fold(const ChainItem& it, std::vector<const void*>& rows,
+                std::vector<float>& probs) const {
     rows.clear();
     probs.clear();
     for_each_term(it, [&](int ex, int64_t row, float prob) {
@@ -210,22 +218,21 @@ struct ChainTurns {
       dst = rounded_dst(it);
     }
     internal::row_kernels().fold_rows(rows.data(), spec.dtype,
-                                      spec.weighted ? probs.data() : nullptr, int(rows.size()),
-                                      dst, dt, size_t(H), /*stream=*/false);
+                                      spec.weighted ? probs.data() : nullptr, int(rows.size()), dst,
+                                      dt, size_t(H), /*stream=*/false, received(it));
     return uint64_t(rows.size());
   }
 
-  // Any other turn: continues the received fp32 sum (or starts it from 0) with this node's
-  // terms, each the raw row (P = 1) or the fp32 term of P partials. Returns the rows read.
+  // A turn with P > 1: continues the received fp32 sum (or starts it from 0) with this node's
+  // terms, each the fp32 term of P partials. Returns the rows read.
   uint64_t run(const ChainItem& it, std::vector<float>& local, std::vector<float>& term) const {
     // A partial that goes on is summed in place in its outgoing message.
     float* acc = it.next >= 0 && !it.last
                      ? reinterpret_cast<float*>(ops.send_buffers[size_t(it.next)].data() +
                                                 size_t(it.out_pos) * f32_bytes)
                      : local.data();
-    if (it.prev >= 0) {
-      std::memcpy(acc, ops.recv_buffers[size_t(it.prev)].data() + size_t(it.in_pos) * f32_bytes,
-                  f32_bytes);
+    if (const float* sum = received(it)) {
+      std::memcpy(acc, sum, f32_bytes);
     } else {
       std::fill(acc, acc + H, 0.0f);
     }
@@ -233,12 +240,6 @@ struct ChainTurns {
     for_each_term(it, [&](int ex, int64_t row, float prob) {
       const int first = topo.first_rank_of_expert(ex);
       ++read;
-      if (P == 1) {
-        const PullSource& src = spec.sources[size_t(first % G)];
-        add_term_raw(acc, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype,
-                     spec.weighted, prob, H);
-        return;
-      }
       std::fill(term.begin(), term.end(), 0.0f);
       for (int p = 0; p < P; ++p) {
         const PullSource& src = spec.sources[size_t((first + p) % G)];
@@ -275,10 +276,9 @@ StatusOr<ChainOps> chain_start(const DispatchContext& ctx, const PullSpec& spec,
         for (int64_t i = b; i < e; ++i) {
           const ChainItem& it = ops.items[size_t(i)];
           if (!it.turn) continue;
-          // The chain starts here with P = 1: the one-pass fold (same bits).
-          terms_read[size_t(i)] = topo.etp_size == 1 && it.prev < 0
-                                      ? turns.start(it, fold_rows, fold_probs)
-                                      : turns.run(it, local, term);
+          // P = 1: the one-pass fold (same bits).
+          terms_read[size_t(i)] = topo.etp_size == 1 ? turns.fold(it, fold_rows, fold_probs)
+                                                     : turns.run(it, local, term);
         }
       },
       4);
