@@ -243,12 +243,13 @@ struct ChainTurns {
       std::fill(term.begin(), term.end(), 0.0f);
       for (int p = 0; p < P; ++p) {
         const PullSource& src = spec.sources[size_t((first + p) % G)];
-        accumulate_raw(term.data(), src.rows + size_t(row) * src.row_stride_bytes, spec.dtype, H);
+        internal::row_kernels().accumulate(
+            term.data(), src.rows + size_t(row) * src.row_stride_bytes, spec.dtype, size_t(H));
       }
       add_term_f32(acc, term.data(), spec.weighted, prob, H);
     });
     // The one rounding: here when this rank is the home, else into the row sent home.
-    if (it.next < 0 || it.last) store_row(rounded_dst(it), acc, spec.out.dtype, H);
+    if (it.next < 0 || it.last) store_row(acc, rounded_dst(it), spec.out.dtype, size_t(H));
     return read * uint64_t(P);
   }
 };

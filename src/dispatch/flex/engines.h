@@ -19,7 +19,7 @@
 
 namespace moed::flex {
 
-// ---- row kernels: thin names over core's one table (core/row_kernels.h) ----
+// ---- the weighted choice over core's row kernels (core/row_kernels.h) ----
 // acc[i] = acc[i] + (0 + float(src[i]))     (weighted: acc[i] + w * (0 + float(src[i])))
 inline void add_term_raw(float* acc, const void* src, DType dt, bool weighted, float w, int64_t n) {
   const internal::RowKernels& k = internal::row_kernels();
@@ -29,10 +29,6 @@ inline void add_term_raw(float* acc, const void* src, DType dt, bool weighted, f
     k.add_term(acc, src, dt, size_t(n));
   }
 }
-// term[i] = term[i] + float(src[i])
-inline void accumulate_raw(float* term, const void* src, DType dt, int64_t n) {
-  internal::row_kernels().accumulate(term, src, dt, size_t(n));
-}
 // acc[i] = acc[i] + term[i]   (weighted: acc[i] + w * term[i])
 inline void add_term_f32(float* acc, const float* term, bool weighted, float w, int64_t n) {
   const internal::RowKernels& k = internal::row_kernels();
@@ -41,21 +37,6 @@ inline void add_term_f32(float* acc, const float* term, bool weighted, float w, 
   } else {
     k.accumulate(acc, term, DType::kF32, size_t(n));
   }
-}
-// dst = round(w * float(src)) in dt
-inline void scale_row(void* dst, const void* src, DType dt, float w, int64_t n) {
-  internal::row_kernels().scale(dst, src, dt, w, size_t(n));
-}
-// f32 acc -> dt (bf16: round to nearest even)
-inline void store_row(void* dst, const float* acc, DType dt, int64_t n) {
-  internal::row_kernels().store(acc, dst, dt, size_t(n));
-}
-// d = 0; for h ascending: d += float(g[h]) * term[h]
-inline float dot_row(const void* g, DType dt, const float* term, int64_t n) {
-  const void* t = term;
-  float d;
-  internal::row_kernels().dot(&g, dt, &t, DType::kF32, 1, size_t(n), &d);
-  return d;
 }
 
 // ---- engines ----

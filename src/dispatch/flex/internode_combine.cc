@@ -81,8 +81,8 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
                 for (int p = 0; p < P; ++p) {
                   const PullSource& src = spec.sources[size_t((topo.first_rank_of_expert(ex) + p) %
                                                               topo.ranks_per_node)];
-                  accumulate_raw(term, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype,
-                                 H);
+                  internal::row_kernels().accumulate(
+                      term, src.rows + size_t(row) * src.row_stride_bytes, spec.dtype, size_t(H));
                   if (spec.with_scalars) s = s + src.scalars[row];
                 }
               }

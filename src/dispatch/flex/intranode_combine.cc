@@ -77,8 +77,8 @@ struct PullPass {
         std::fill(w.term.begin(), w.term.end(), 0.0f);
         for (int p = 0; p < P; ++p) {
           const PullSource& src = spec.sources[size_t((first + p) % topo.ranks_per_node)];
-          accumulate_raw(w.term.data(), src.rows + size_t(row) * src.row_stride_bytes,
-                         spec.dtype, H);
+          internal::row_kernels().accumulate(
+              w.term.data(), src.rows + size_t(row) * src.row_stride_bytes, spec.dtype, size_t(H));
           if (spec.with_scalars) t.scalar = t.scalar + src.scalars[row];
         }
         t.f32 = w.term.data();
@@ -116,11 +116,14 @@ struct PullPass {
       case PullMode::kProbGrad:
         if (t.raw) {
           std::fill(w.term.begin(), w.term.end(), 0.0f);
-          accumulate_raw(w.term.data(), t.raw, spec.dtype, H);
+          internal::row_kernels().accumulate(w.term.data(), t.raw, spec.dtype, size_t(H));
           t.f32 = w.term.data();
         }
-        spec.out_probs[size_t(tok) * E + e] =
-            dot_row(spec.grad_out.row_ptr(tok), spec.grad_out.dtype, t.f32, H);
+        // d = 0; d += float(g[h]) * term[h] for h ascending
+        const void* g = spec.grad_out.row_ptr(tok);
+        const void* term = t.f32;
+        internal::row_kernels().dot(&g, spec.grad_out.dtype, &term, DType::kF32, 1, size_t(H),
+                                    &spec.out_probs[size_t(tok) * E + e]);
         break;
     }
   }
@@ -163,7 +166,7 @@ struct PullPass {
     if (fused) {
       w.fold.push(spec.out.row_ptr(tok));
     } else if (spec.mode != PullMode::kProbGrad) {
-      store_row(spec.out.row_ptr(tok), w.acc.data(), spec.out.dtype, H);
+      store_row(w.acc.data(), spec.out.row_ptr(tok), spec.out.dtype, size_t(H));
     }
   }
 

@@ -14,7 +14,8 @@ void RowWriter::write(char* segment, int64_t row, const void* payload, const voi
   const PushLayout& l = spec_.layout;
   char* dst = segment + size_t(row) * l.row_bytes;
   if (spec_.scale_by_prob) {
-    scale_row(dst, payload, spec_.rows.x.dtype, prob, spec_.rows.x.cols);
+    internal::row_kernels().scale(dst, payload, spec_.rows.x.dtype, prob,
+                                  size_t(spec_.rows.x.cols));
   } else if (l.stream) {
     batch_.add(dst, payload);
   } else {
