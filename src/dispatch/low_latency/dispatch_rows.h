@@ -99,7 +99,7 @@ struct NetPlan {
 
 // Where the send phase writes the rows for its own node.
 enum class InNode {
-  kInPlace,    // nowhere: the receiver reads them in place (st.reads_in_place)
+  kInPlace,    // nowhere: the receiver reads them in place (in-place mode, state.h)
   kOwnSegment  // into this rank's slot (e, i), read once its sequence word says so
 };
 

@@ -276,8 +276,6 @@ struct LowLatencyBuffer::State {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.counts[half]);
   }
   int local_of(int rank) const { return rank % world->ranks_per_node(); }
-  // In-node peer `rank` can read this rank's memory directly (the threads world).
-  bool reads_in_place(int rank) const { return in_place && world->same_node(rank, world->rank()); }
   // Word `index` of local rank `local_rank`'s words (segment_peers.h).
   std::atomic<uint64_t>* segment_word(int local_rank, size_t index) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.words) + index;
