@@ -147,31 +147,6 @@ struct Bytes {
   size_t size() const { return bytes; }
   bool empty() const { return bytes == 0; }
 };
-// Appends a piece to a gather list (World::isend_gather), or grows the last one when it ends
-// where this one starts (consecutive rows of a dense tensor), so the transport copies runs of
-// rows at a time.
-inline void add_piece(std::vector<World::Piece>& pieces, const void* data, size_t bytes) {
-  if (!pieces.empty() && static_cast<const char*>(pieces.back().data) + pieces.back().bytes ==
-                             static_cast<const char*>(data)) {
-    pieces.back().bytes += bytes;
-  } else {
-    pieces.push_back({data, bytes});
-  }
-}
-
-// The gather list of a message of layout `l` whose headers and entries (and tail) were written
-// at `written` and whose n rows lie elsewhere: rows[i] is token i's payload, rows[n + i] its
-// scales when the layout has them.
-inline void message_pieces(const MessageLayout& l, const char* written,
-                           std::span<const char* const> rows, size_t n,
-                           std::vector<World::Piece>& pieces) {
-  pieces.clear();
-  add_piece(pieces, written, l.payload_off);
-  for (size_t i = 0; i < rows.size(); ++i)
-    add_piece(pieces, rows[i], i < n ? l.row_bytes : l.scale_bytes);
-  if (l.bytes > l.tail_off) add_piece(pieces, written + l.tail_off, l.bytes - l.tail_off);
-}
-
 // The network messages of one kind of step, kept between calls: per remote node one send and
 // one receive buffer that only grow (contents unspecified), so a step allocates (and
 // page-faults) its messages once, not on every call. Each step kind has its own, so steps in

@@ -2,16 +2,20 @@
 // messages, the rank-major push's (deep_ep/rank_major.h) and low-latency mode's messages to
 // another node's rank (low_latency/dispatch_rows.h). Headers, then the expert entries, then
 // the payload rows, then the fp8 scales, then a tail of tail_bytes (the rank-major push's
-// channel prefix rows), packed; Message reads and writes one.
+// channel prefix rows), packed; Message reads and writes one, message_pieces lists one whose rows
+// lie elsewhere for World::isend_gather.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
+#include <vector>
 
 #include "dispatch/flex/topology.h"
 #include "dispatch/sections.h"
 #include "moed/dispatch_layout.h"
+#include "moed/world.h"
 
 namespace moed::flex {
 
@@ -89,5 +93,30 @@ class Message {
   Byte* base_;
   MessageLayout l_;
 };
+
+// Appends a piece to a gather list (World::isend_gather), or grows the last one when it ends
+// where this one starts (consecutive rows of a dense tensor), so the transport copies runs of
+// rows at a time.
+inline void add_piece(std::vector<World::Piece>& pieces, const void* data, size_t bytes) {
+  if (!pieces.empty() && static_cast<const char*>(pieces.back().data) + pieces.back().bytes ==
+                             static_cast<const char*>(data)) {
+    pieces.back().bytes += bytes;
+  } else {
+    pieces.push_back({data, bytes});
+  }
+}
+
+// The gather list of a message of layout `l` whose headers and entries (and tail) were written
+// at `written` and whose n rows lie elsewhere: rows[i] is token i's payload, rows[n + i] its
+// scales when the layout has them.
+inline void message_pieces(const MessageLayout& l, const char* written,
+                           std::span<const char* const> rows, size_t n,
+                           std::vector<World::Piece>& pieces) {
+  pieces.clear();
+  add_piece(pieces, written, l.payload_off);
+  for (size_t i = 0; i < rows.size(); ++i)
+    add_piece(pieces, rows[i], i < n ? l.row_bytes : l.scale_bytes);
+  if (l.bytes > l.tail_off) add_piece(pieces, written + l.tail_off, l.bytes - l.tail_off);
+}
 
 }  // namespace moed::flex

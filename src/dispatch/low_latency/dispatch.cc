@@ -185,7 +185,12 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
 
   Received rv{st, dh, half, seq, low_latency::RowFormat::of(lay, fp8)};
   low_latency::segment::Peers peers(st, "low_latency_dispatch");
-  MOED_RETURN_IF_ERROR(receive_counts(rv));
+  if (Status counted = receive_counts(rv); !counted.ok()) {
+    dh.send_requests.clear();  // dropped: an unmatched send (a gather list) no longer reads x
+    dh.send_peers.clear();
+    return counted;
+  }
+  // Also waits for this call's sends (the gather lists read x).
   MOED_RETURN_IF_ERROR(low_latency::segment::receive_dispatch_messages(peers, rv));
 
   const int64_t received = rv.set_layout(rb);
@@ -265,7 +270,9 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   std::shared_ptr<LowLatencyHandle> handle = low_latency::new_dispatch_handle(st, in.topk, T);
   const low_latency::RowFormat f = low_latency::RowFormat::of(st.layout, fp8);
   if (fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
-  const NetPlan plan(st, in.topk, T, {}, f, dh);
+  // The messages to other nodes are gather lists, their rows read from x (or this half's FP8
+  // rows) by the transport: this call waits for its sends, or drops them, before it returns.
+  const NetPlan plan(st, in.topk, T, {}, f, dh, /*gather_rows=*/true);
 
   // Receivers read this half's own rows (no acks to wait for): the FP8 rows always, a few
   // bf16 rows once copied here; else the caller's x.
@@ -296,9 +303,11 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
 
   low_latency::segment::Peers peers(st, "low_latency_dispatch");
   Status status =
-      low_latency::segment::post_dispatch_messages(peers, *handle, half, seq, f, plan, local, fp8);
+      low_latency::segment::post_dispatch_messages(peers, *handle, half, seq, f, plan, local, in);
   if (!status.ok()) {
     dh.pending = false;
+    dh.send_requests.clear();  // dropped: an unmatched send (a gather list) no longer reads x
+    dh.send_peers.clear();
     low_latency::release_in_place(st, half, low_latency::CallKind::kDispatch, seq, dh.sources)
         .ignore();
     return status;

@@ -17,23 +17,35 @@
 
 namespace moed::low_latency {
 
+// The row a send reads for token t: its payload, then its FP8 scales (this half's cast of x),
+// or x's bf16 row.
+inline const std::byte* token_row(const DispatchHalf& dh, const LowLatencyDispatchInput& in,
+                                  const RowFormat& f, int64_t t) {
+  return in.use_fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
+                    : static_cast<const std::byte*>(in.x.row_ptr(t));
+}
+
 // One message per rank d on another node at block[d] of the half's net_send, in the one wire
 // layout (flex/message.h, design.md §6.5): per token bound for d, in token order, a header and
 // an entry (global expert, prob, top-k column) per expert of d it goes to, then its row once.
-// The plan writes the headers and entries; send_rows copies the rows. Ranks whose `live` entry
-// is 0 (shrink mode's masked ranks; empty: all live) get none.
+// The plan writes the headers and entries; send_rows copies the rows in, or, with `gather`,
+// the message goes as a gather list (pieces) whose rows are read where they lie: only where
+// the call waits for its sends before it returns, as a call without a receive hook does. Ranks
+// whose `live` entry is 0 (shrink mode's masked ranks; empty: all live) get none.
 struct NetPlan {
   std::vector<size_t> block;                // [R]
   std::vector<int32_t> tokens;              // [R] tokens in the message to d
   std::vector<flex::MessageLayout> layout;  // [R]
   std::vector<int32_t> row;                 // [T * K] see row_of
+  bool gather = false;
 
   NetPlan(const LowLatencyBuffer::State& st, const TopkView& routing, int64_t num_tokens,
-          std::span<const uint8_t> live, const RowFormat& f, DispatchHalf& dh)
+          std::span<const uint8_t> live, const RowFormat& f, DispatchHalf& dh, bool gather_rows)
       : block(size_t(st.layout.num_ranks), 0),
         tokens(size_t(st.layout.num_ranks), 0),
         layout(size_t(st.layout.num_ranks)),
-        row(size_t(num_tokens) * size_t(routing.num_topk), -1) {
+        row(size_t(num_tokens) * size_t(routing.num_topk), -1),
+        gather(gather_rows) {
     const int R = st.layout.num_ranks, K = routing.num_topk, me = st.world->rank();
     auto remote = [&](int64_t t, int k) {  // d of (t, k) when its rank is on another node
       const int e = int(routing.at(t, k));
@@ -95,6 +107,20 @@ struct NetPlan {
   std::span<const std::byte> bytes(const DispatchHalf& dh, int d) const {
     return {dh.net_send.data() + block[size_t(d)], tokens[size_t(d)] ? layout[size_t(d)].bytes : 0};
   }
+  // With `gather`: the message to d as a gather list, its rows where the send reads them.
+  void pieces(DispatchHalf& dh, int d, const LowLatencyDispatchInput& in, const RowFormat& f,
+              std::vector<World::Piece>& out) const {
+    const flex::Message<std::byte> m = message(dh, d);
+    const size_t n = size_t(tokens[size_t(d)]);
+    std::vector<const char*> rows(f.scale_bytes ? 2 * n : n);
+    for (size_t i = 0; i < n; ++i) {
+      const auto* r = reinterpret_cast<const char*>(token_row(dh, in, f, m.header(i).src_token));
+      rows[i] = r;
+      if (f.scale_bytes) rows[n + i] = r + f.payload;
+    }
+    flex::message_pieces(layout[size_t(d)], reinterpret_cast<const char*>(bytes(dh, d).data()),
+                         rows, n, out);
+  }
 };
 
 // Where the send phase writes the rows for its own node.
@@ -123,8 +149,7 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
     internal::StreamBatch batch(f.payload);
     for (int64_t t = t0; t < t1; ++t) {
-      const std::byte* row = in.use_fp8 ? dh.fp8_rows.data() + size_t(t) * f.row_bytes()
-                                        : static_cast<const std::byte*>(in.x.row_ptr(t));
+      const std::byte* row = token_row(dh, in, f, t);
       for (int k = 0; k < K; ++k) {
         const int32_t e = int32_t(routing.at(t, k));
         if (e < 0 || (!live.empty() && live[size_t(e / L)] == 0)) continue;
@@ -133,9 +158,7 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
         const float p = routing.weight(t, k);
         if (!w.same_node(d, me)) {
           const int32_t r = plan.row_of(t, k, K);
-          if (r >= 0) {
-            plan.message(dh, d).put_row(size_t(r), row, row + f.payload);
-          }
+          if (r >= 0 && !plan.gather) plan.message(dh, d).put_row(size_t(r), row, row + f.payload);
           continue;
         }
         // NOTE: a in_place row is counted here, by the rank whose row crosses the node (as when

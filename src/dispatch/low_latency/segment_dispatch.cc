@@ -23,7 +23,8 @@ using segment::State;
 
 Status segment::post_dispatch_messages(Peers& peers, const LowLatencyHandle& handle, int half,
                                        uint64_t seq, const RowFormat& f, const NetPlan& plan,
-                                       const Status& local, bool fp8) {
+                                       const Status& local, const LowLatencyDispatchInput& in) {
+  const bool fp8 = in.use_fp8;
   State& st = peers.state();
   World& w = *st.world;
   DispatchHalf& dh = st.dispatch_half[half];
@@ -34,6 +35,7 @@ Status segment::post_dispatch_messages(Peers& peers, const LowLatencyHandle& han
   dh.send_requests.clear();
   dh.send_peers.clear();
   Status posted;
+  std::vector<World::Piece> pieces;
   for (int d = 0; d < R && posted.ok(); ++d) {
     if (peers.in_node(d) || peers.masked(d)) continue;
     int32_t* header = dh.send_header.data() + size_t(d) * header_ints(L);
@@ -49,7 +51,14 @@ Status segment::post_dispatch_messages(Peers& peers, const LowLatencyHandle& han
     };
     send(header, header_ints(L) * sizeof(int32_t), tags::LowLatencyKind::kDispatchHeader);
     const std::span<const std::byte> m = plan.bytes(dh, d);
-    if (!m.empty()) send(m.data(), m.size(), tags::LowLatencyKind::kDispatchData);
+    if (!m.empty() && plan.gather && posted.ok()) {
+      plan.pieces(dh, d, in, f, pieces);
+      posted = peers.post_send(
+          d, w.isend_gather(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchData), pieces),
+          dh.send_requests, dh.send_peers);
+    } else if (!m.empty()) {
+      send(m.data(), m.size(), tags::LowLatencyKind::kDispatchData);
+    }
     if (!posted.ok()) break;
     posted = peers.post(d,
                         w.irecv(d, tags::low_latency(seq, tags::LowLatencyKind::kDispatchHeader),
@@ -187,11 +196,12 @@ StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>
       counts[e].store(uint64_t(count[size_t(e)]), std::memory_order_relaxed);
     }
   }
-  const NetPlan plan(st, ok ? in.topk : none, T, live, f, dh);
+  // Packed: with a hook, the sends may complete after the call returns, x then the caller's.
+  const NetPlan plan(st, ok ? in.topk : none, T, live, f, dh, /*gather_rows=*/false);
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
   publish(st, CallKind::kDispatch, half, n, local, fp8);
-  Status posted = post_dispatch_messages(peers, *handle, half, seq, f, plan, local, fp8);
+  Status posted = post_dispatch_messages(peers, *handle, half, seq, f, plan, local, in);
   if (!posted.ok()) {
     dh.pending = false;
     return posted;

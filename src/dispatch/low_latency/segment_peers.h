@@ -307,11 +307,12 @@ inline void publish(State& st, CallKind kind, int half, uint64_t n, const Status
 
 // A dispatch's messages to the unmasked ranks on other nodes (segment_dispatch.cc): to each, a
 // header [verdict, L counts, tokens] (the int32 verdict: this rank's StatusCode, plus
-// kHeaderFp8Flag), the rows for it in one message (NetPlan), and the receive of its header;
+// kHeaderFp8Flag), the rows for it in one message (NetPlan: packed, or gathered from `in`'s
+// rows), and the receive of its header;
 // outside shrink mode the first message that could not be posted is the error.
 Status post_dispatch_messages(Peers& peers, const LowLatencyHandle& handle, int half, uint64_t seq,
                               const RowFormat& f, const NetPlan& plan, const Status& local,
-                              bool fp8);
+                              const LowLatencyDispatchInput& in);
 // Once rv.count holds every source's counts: the other nodes' rows into dh.net_recv, then this
 // call's own sends. A source lost meanwhile (shrink mode) adds no rows.
 Status receive_dispatch_messages(Peers& peers, Received& rv);

@@ -200,7 +200,8 @@ struct DispatchHalf {
   uint64_t own_rows_seq = 0;
   std::shared_ptr<ReceiveBlock> received;  // this half's last receive (take_receive_block)
   // Network: headers from every source (counts per local expert), the rows received from
-  // other nodes, and what this rank sends to other nodes (kept until the receive completes).
+  // other nodes, and what this rank sends to other nodes (kept until the receive completes;
+  // in-place mode writes only the headers and entries there, its sends gather the rows).
   std::vector<int32_t> recv_header;  // [R][verdict, L counts, tokens]
   std::vector<std::byte> net_recv;
   std::vector<int32_t> send_header;  // [R][verdict, L counts, tokens]
