@@ -5,6 +5,7 @@
 
 #include "comm/threads/threads_world.h"
 #include "comm/wait.h"
+#include "core/row_kernels.h"
 
 namespace moed::threads {
 namespace {
@@ -14,14 +15,28 @@ void complete(P2pOp& send, P2pOp& recv) {
   if (send.bytes != recv.bytes) {
     error = invalid_argument("rank ", recv.dst, " receives ", recv.bytes, " bytes from rank ",
                              send.src, " with tag ", send.tag, ", which sends ", send.bytes);
-  } else if (!send.pieces.empty()) {
-    char* at = static_cast<char*>(recv.recv);
-    for (const World::Piece& p : send.pieces) {
-      if (p.bytes) std::memcpy(at, p.data, p.bytes);
-      at += p.bytes;
+  } else {
+    // A message past the caches is written with non-temporal stores (no read of the
+    // destination lines first), fenced before the receiver is told.
+    const bool stream = send.bytes >= internal::kStreamThresholdBytes;
+    auto copy = [stream](void* dst, const void* src, size_t bytes) {
+      if (bytes == 0) return;
+      if (stream) {
+        internal::stream_copy(dst, src, bytes);
+      } else {
+        std::memcpy(dst, src, bytes);
+      }
+    };
+    if (!send.pieces.empty()) {
+      char* at = static_cast<char*>(recv.recv);
+      for (const World::Piece& p : send.pieces) {
+        copy(at, p.data, p.bytes);
+        at += p.bytes;
+      }
+    } else {
+      copy(recv.recv, send.send, send.bytes);
     }
-  } else if (send.bytes > 0) {
-    std::memcpy(recv.recv, send.send, send.bytes);
+    if (stream) internal::stream_fence();
   }
   send.error = error;
   recv.error = error;
