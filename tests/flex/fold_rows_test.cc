@@ -96,9 +96,12 @@ TEST(FlexFoldRows, EqualsTheTermByTermChain) {
             }
             // A carried sum (a chain's fp32 partial): never -0, as a sum started at +0 is
             // not; no NaN, which row 0 may hold.
+            const std::vector<unsigned char> bits = random_row(DType::kF32, n, false, rng);
             std::vector<float> carried(n);
-            std::memcpy(carried.data(), random_row(DType::kF32, n, false, rng).data(), n * 4);
-            for (float& c : carried) c = c == 0.0f ? 0.0f : c;
+            for (size_t i = 0; i < n; ++i) {
+              std::memcpy(&carried[i], bits.data() + 4 * i, 4);
+              if (carried[i] == 0.0f) carried[i] = 0.0f;
+            }
             for (auto [weighted, init] : {std::pair{false, false}, std::pair{true, false},
                                           std::pair{false, true}, std::pair{true, true}}) {
               std::vector<float> acc = init ? carried : std::vector<float>(n, 0.0f);
