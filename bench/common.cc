@@ -117,6 +117,7 @@ StatusOr<Paired> paired_seconds(const std::function<void()>& fn, Stream& stream,
     const double k = seconds_of(fn);
     if (i >= 0) p.add(k, s);
   }
+  MOED_RETURN_IF_ERROR(close_figures(stream, {&p}));
   return p;
 }
 
@@ -130,6 +131,7 @@ StatusOr<Paired> paired_time_max(World& w, int iters, Stream& stream,
     MOED_ASSIGN_OR_RETURN(const double k, time_max(w, fn));
     if (i >= 0) p.add(k, s);
   }
+  MOED_RETURN_IF_ERROR(close_figures(stream, {&p}));
   return p;
 }
 

@@ -243,6 +243,7 @@ Status run_rank(World& w, const Shape& s, const std::vector<DispatcherKind>& kin
       dt.add(a, s1);
       ct.add(b, s2);
     }
+    MOED_RETURN_IF_ERROR(close_figures(stream, {&dt, &ct}));
     if (me == 0) {
       figures->push_back({name, "dispatch", rows, dt, dispatch_traffic, verified, mpi_seconds,
                           dispatcher_rss});

@@ -344,9 +344,19 @@ TrafficModel combine_model(const std::vector<TopkRouting>& topk, int num_experts
   return m;
 }
 
+Status close_figures(Stream& stream, std::initializer_list<Paired*> figures) {
+  for (int i = 0; i < 3; ++i) {  // next() rotates read, write, copy: one of each
+    MOED_ASSIGN_OR_RETURN(const StreamSample s, stream.next());
+    for (Paired* p : figures) p->closing.push_back(s);
+  }
+  return ok_status();
+}
+
 StreamRates rates_of(const Paired& p) {
   StreamRates r = p.calibration;
-  for (const StreamSample& s : p.stream) r.gbps(s.op) = std::max(r.gbps(s.op), s.gbps);
+  for (const auto* samples : {&p.stream, &p.closing}) {
+    for (const StreamSample& s : *samples) r.gbps(s.op) = std::max(r.gbps(s.op), s.gbps);
+  }
   return r;
 }
 

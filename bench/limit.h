@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -110,14 +111,20 @@ TrafficModel combine_model(const std::vector<TopkRouting>& topk, int num_experts
 // ---- a figure: kernel times paired with STREAM samples ----
 struct Paired {
   std::vector<double> kernel;
-  std::vector<StreamSample> stream;  // stream[i] measured just before kernel[i]
-  StreamRates calibration;           // the run's calibration, counted with the samples
+  std::vector<StreamSample> stream;   // stream[i] measured just before kernel[i]
+  std::vector<StreamSample> closing;  // one of each operation after the last iteration
+  StreamRates calibration;            // the run's calibration, counted with the samples
   void add(double kernel_seconds, const StreamSample& s) {
     kernel.push_back(kernel_seconds);
     stream.push_back(s);
   }
 };
-// The figure's bandwidths: of each operation, the best of its samples and the calibration's.
+// One sample of each STREAM operation after the figures' last iterations (Paired::closing).
+// NOTE: the machine's bandwidth moves between seconds on a shared VM; a kernel whose
+// iterations fell in a fast moment that none of the samples before them saw read above 1.
+Status close_figures(Stream& stream, std::initializer_list<Paired*> figures);
+// The figure's bandwidths: of each operation, the best of its samples (closing ones too) and
+// the calibration's.
 // NOTE: the best, not the median: the limit is what the machine showed it can do in this run;
 // a median of a few samples taken while another job held the cores would put the limit above
 // what the kernel, timed in a quieter moment, did.

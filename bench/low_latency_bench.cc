@@ -142,6 +142,7 @@ StatusOr<HalfTimes> time_halves(World& w, int iters, Stream& stream,
     t.send.add(send, c2);
     t.recv.add(recv, c2);
   }
+  MOED_RETURN_IF_ERROR(close_figures(stream, {&t.one, &t.send, &t.recv, &t.beside}));
   for (int i = 0; i < iters; ++i) {
     MOED_ASSIGN_OR_RETURN(const double one, time_max(w, [&] { return call(false); }));
     t.warm.push_back(one);
