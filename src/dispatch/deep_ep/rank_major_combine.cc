@@ -85,7 +85,7 @@ struct RmCombine {
   const DType dt;
   const int K, C;
   const int64_t H;
-  const size_t row_bytes, wbytes, piece;  // piece: a row and its weights, as sent
+  const size_t row_bytes, wbytes, piece;  // piece: a row and its weights, as they travel
   std::vector<Source> src;                // [G] every local rank's rows
   std::vector<flex::Bytes> recv_buf, send_buf;  // [N] per remote node, in s.combine_net
   std::vector<Request> recvs, sends;
@@ -141,8 +141,10 @@ struct RmCombine {
   }
 
   // Across nodes: the home role's receives (one per remote node), then the forwarder role's
-  // pieces for each remote home, in (token, rank ascending) order, the order the home reads
-  // them; waits for the receives.
+  // message to each remote home: q weight rows (K floats each; first, so they stay aligned),
+  // then the q rows, both in (token, rank ascending) order, the order the home reads them. The
+  // rows go from where they lie (a gather list, World::isend_gather; the round keeps them until
+  // the sends are done), the weights from this rank's buffer. Waits for the receives.
   Status exchange() {
     World& w = *s.world;
     const flex::Topology& topo = s.topo;
@@ -156,6 +158,7 @@ struct RmCombine {
                                                recv_buf[size_t(m)].size()));
       recvs.push_back(std::move(r));
     }
+    std::vector<World::Piece> pieces;
     for (int m = 0; m < N; ++m) {
       const int64_t n = h.forward_tokens[size_t(m)];
       if (m == topo.node || n == 0) continue;
@@ -163,23 +166,25 @@ struct RmCombine {
       const std::vector<uint64_t>& mask = h.forward_mask[size_t(m)];
       int64_t q = 0;
       for (uint64_t mk : mask) q += popcount64(mk);
-      const flex::Bytes buf = send_buf[size_t(m)] = s.combine_net.send(m, size_t(q) * piece);
+      const flex::Bytes weights = send_buf[size_t(m)] = s.combine_net.send(m, size_t(q) * wbytes);
       std::vector<int64_t> row(static_cast<size_t>(G));
       for (int lr = 0; lr < G; ++lr) row[size_t(lr)] = h.rank_begin(home, topo.node * G + lr);
+      pieces.clear();
+      if (K > 0) flex::add_piece(pieces, weights.data(), weights.size());
       int64_t k = 0;
       for (size_t i = 0; i < mask.size(); ++i) {
         for (int lr = 0; lr < G; ++lr) {
           if (!((mask[i] >> lr) & 1)) continue;
           const Source& sr = src[size_t(lr)];
           const int64_t rw = row[size_t(lr)]++;
-          char* p = buf.data() + size_t(k++) * piece;
-          std::memcpy(p, sr.rows + size_t(rw) * sr.row_stride_bytes, row_bytes);
-          if (K > 0) std::memcpy(p + row_bytes, sr.weights + size_t(rw) * K, wbytes);
+          flex::add_piece(pieces, sr.rows + size_t(rw) * sr.row_stride_bytes, row_bytes);
+          if (K > 0)
+            std::memcpy(weights.data() + size_t(k) * wbytes, sr.weights + size_t(rw) * K, wbytes);
+          ++k;
         }
       }
-      w.add_shared_bytes(uint64_t(q) * row_bytes, uint64_t(q));
-      MOED_ASSIGN_OR_RETURN(Request r,
-                            w.isend(home, tags::kRankMajorCombine, buf.data(), buf.size()));
+      w.add_shared_bytes(uint64_t(q) * row_bytes, uint64_t(q));  // read from the node's ranks
+      MOED_ASSIGN_OR_RETURN(Request r, w.isend_gather(home, tags::kRankMajorCombine, pieces));
       w.add_network_bytes(0, uint64_t(q));
       sends.push_back(std::move(r));
     }
@@ -227,9 +232,11 @@ struct RmCombine {
                 (c == 0 ? 0 : h.channel_prefix_matrix[size_t(r) * C + size_t(c - 1)]) + head;
             row = sr.rows + size_t(rw) * sr.row_stride_bytes;
             if (K > 0) wr = sr.weights + size_t(rw) * K;
-          } else {
-            row = recv_buf[size_t(m)].data() + size_t(cursor[size_t(m)]++) * piece;
-            if (K > 0) wr = reinterpret_cast<const float*>(row + row_bytes);
+          } else {  // the message: q weight rows, then q rows (exchange)
+            const flex::Bytes& msg = recv_buf[size_t(m)];
+            const size_t i = size_t(cursor[size_t(m)]++), q = msg.size() / piece;
+            row = msg.data() + q * wbytes + i * row_bytes;
+            if (K > 0) wr = reinterpret_cast<const float*>(msg.data() + i * wbytes);
           }
           ++n;
           if (in.order_topk) {
@@ -297,8 +304,10 @@ StatusOr<NormalCombineOutput> rm_combine(NormalBuffer::State& s, const NormalCom
   uint64_t rows = 0;
   for (uint64_t n : reads) rows += n;
   w.add_shared_bytes(rows * call.row_bytes, rows);
-  // NOTE: the rows stay untouched until every local rank has read them (PublishRound).
+  // NOTE: the rows stay untouched until every local rank has read them (PublishRound) and
+  // the sends that gather them are done or dropped.
   const Status sent = wait_all(call.sends);
+  call.sends.clear();  // dropped: a failed send reads no row after the round closes
   MOED_RETURN_IF_ERROR(round.close(net.ok() ? sent : net));
   return out;
 }
