@@ -36,7 +36,8 @@ struct RecvLayout {
 flex::MessageLayout rm_message(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
                                int ranks_per_node, int num_channels);
 
-// The home side's channel split, derived from is_token_in_rank (and cached in the handle).
+// The home side's channel split, derived from is_token_in_rank by each call that needs it
+// (O(T x R), small beside the rows).
 struct RmSendPlan {
   int num_channels = 0;
   std::vector<int64_t> channel_begin;  // [C + 1]

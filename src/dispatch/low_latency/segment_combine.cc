@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/row_kernels.h"
+#include "dispatch/flex/message.h"
 #include "dispatch/low_latency/segment.h"
 #include "dispatch/low_latency/segment_peers.h"
 #include "dispatch/sections.h"
@@ -42,15 +43,16 @@ Status segment::post_combine_messages(Peers& peers, const LowLatencyHandle* hand
   if (handle == nullptr) return ok_status();
   auto remote = [&](int r) { return !peers.in_node(r) && !peers.masked(r); };
   const int tag = tags::low_latency(seq, tags::LowLatencyKind::kCombineData);
-  // Home side: from each expert rank of another node its verdict, then its chunks, expert by
-  // expert (sizes from this rank's dispatch), each straight to its place in its block.
+  // Home side: from each expert rank of another node its verdict, then one message of its
+  // chunks, expert by expert (sizes from this rank's dispatch), into its block.
   ch.net_block.assign(size_t(R), 0);
+  std::vector<size_t> rows_bytes(size_t(R), 0);
   Sections blocks(64);
   for (int d = 0; d < R; ++d) {
     if (!remote(d)) continue;
-    int64_t rows = 0;
-    for (int j = 0; j < L; ++j) rows += handle->send_count[size_t(d) * L + j];
-    ch.net_block[size_t(d)] = blocks.add(64 + size_t(rows) * row_bytes);
+    for (int j = 0; j < L; ++j)
+      rows_bytes[size_t(d)] += size_t(handle->send_count[size_t(d) * L + j]) * row_bytes;
+    ch.net_block[size_t(d)] = blocks.add(64 + rows_bytes[size_t(d)]);
   }
   ch.net_recv.resize(blocks.aligned_end());
   Status posted;
@@ -58,16 +60,13 @@ Status segment::post_combine_messages(Peers& peers, const LowLatencyHandle* hand
     if (!remote(d)) continue;
     std::byte* b = ch.net_recv.data() + ch.net_block[size_t(d)];
     posted = peers.post(d, w.irecv(d, tag, b, sizeof(uint64_t)), ch.recvs[size_t(d)]);
-    b += 64;
-    for (int j = 0; j < L && posted.ok(); ++j) {
-      const size_t bytes = size_t(handle->send_count[size_t(d) * L + j]) * row_bytes;
-      if (bytes == 0) continue;
-      posted = peers.post_send(d, w.irecv(d, tag, b, bytes), ch.row_recvs, ch.row_peers);
-      b += bytes;
-    }
+    if (rows_bytes[size_t(d)] == 0 || !posted.ok()) continue;
+    posted = peers.post_send(d, w.irecv(d, tag, b + 64, rows_bytes[size_t(d)]), ch.row_recvs,
+                             ch.row_peers);
   }
-  // Expert side: to each home of another node the same, the rows straight from x (staged
-  // where x is strided, or holds no rows because the input was bad).
+  // Expert side: to each home of another node the same, the rows gathered straight from x
+  // (World::isend_gather; staged where x is strided, or holds no rows because the input was
+  // bad).
   const bool stage = !local.ok() || !x.contiguous();
   size_t staged = 0;
   for (int s = 0; s < R && stage; ++s) {
@@ -78,11 +77,13 @@ Status segment::post_combine_messages(Peers& peers, const LowLatencyHandle* hand
   ch.verdicts.assign(size_t(R), uint64_t(uint32_t(local.code())));
   ch.net_send.resize(staged);
   std::byte* m = ch.net_send.data();
+  std::vector<World::Piece> pieces;
   for (int s = 0; s < R && posted.ok(); ++s) {
     if (!remote(s)) continue;
     posted = peers.post_send(s, w.isend(s, tag, &ch.verdicts[size_t(s)], sizeof(uint64_t)),
                              ch.requests, ch.send_peers);
-    for (int j = 0; j < L && posted.ok(); ++j) {
+    pieces.clear();
+    for (int j = 0; j < L; ++j) {
       const LowLatencyRange r = handle->layout_range[size_t(j) * R + s];
       if (r.count == 0) continue;
       const int64_t from = int64_t(j) * lay.rows_per_expert() + r.begin;
@@ -91,9 +92,10 @@ Status segment::post_combine_messages(Peers& peers, const LowLatencyHandle* hand
         internal::copy_rows(TensorView(m, DType::kBF16, r.count, H), 0, x, from, r.count);
       }
       if (stage) m += size_t(r.count) * row_bytes;
-      posted = peers.post_send(s, w.isend(s, tag, rows, size_t(r.count) * row_bytes), ch.requests,
-                               ch.send_peers);
+      flex::add_piece(pieces, rows, size_t(r.count) * row_bytes);
     }
+    if (pieces.empty() || !posted.ok()) continue;
+    posted = peers.post_send(s, w.isend_gather(s, tag, pieces), ch.requests, ch.send_peers);
   }
   return posted;
 }
