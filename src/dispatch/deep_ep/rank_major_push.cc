@@ -3,8 +3,10 @@
 // sends one message per remote node to the forwarder there, which places them on its node.
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "comm/tags.h"
+#include "core/row_kernels.h"
 #include "dispatch/deep_ep/rank_major.h"
 
 namespace moed::deep_ep {
@@ -32,12 +34,30 @@ struct RowWriter {
   int64_t hidden;
   int L;
   bool plan;  // the source index travels too (uncached mode); the top-k when num_topk > 0
+  // Blocks of kStreamThresholdBytes and up take their rows with non-temporal stores (no read
+  // of the destination first), a few side by side: each worker then passes its `batch`,
+  // flushed and fenced (finish) before the receivers are told.
+  bool stream;
+  std::optional<internal::StreamBatch> batch() const {
+    if (!stream) return std::nullopt;
+    return internal::StreamBatch(lay->row_bytes);
+  }
+  static void finish(std::optional<internal::StreamBatch>& batch) {
+    if (!batch) return;
+    batch->flush();
+    internal::stream_fence();
+  }
   // The top-k row comes from `topk` (token t), or from a message's entries from q.
-  void write(const RecvTarget& to, int64_t row, int r, const void* payload, const void* scales,
-             const int32_t src_token, const TopkView* topk, int64_t t,
-             const flex::Message<const char>* msg, size_t q) const {
+  void write(std::optional<internal::StreamBatch>& batch, const RecvTarget& to, int64_t row, int r,
+             const void* payload, const void* scales, const int32_t src_token, const TopkView* topk,
+             int64_t t, const flex::Message<const char>* msg, size_t q) const {
     char* block = to.block;
-    std::memcpy(to.rows + size_t(row) * to.rows_stride, payload, lay->row_bytes);
+    char* dst = to.rows + size_t(row) * to.rows_stride;
+    if (batch) {
+      batch->add(dst, payload);
+    } else {
+      std::memcpy(dst, payload, lay->row_bytes);
+    }
     if (lay->scale_bytes) {
       std::memcpy(block + lay->scales_off + size_t(row) * lay->scale_bytes, scales,
                   lay->scale_bytes);
@@ -95,7 +115,8 @@ struct RmPush {
                            flex::dtype_row_bytes(rows.x.dtype, rows.x.cols),
                            flex::scale_row_bytes(rows.x.dtype, rows.x.cols), routing.num_topk,
                            st.topo.num_ranks, with_plan ? handle.num_channels : 0)),
-        writer{&lay, rows.x.cols, st.num_experts / st.topo.num_ranks, with_plan},
+        writer{&lay, rows.x.cols, st.num_experts / st.topo.num_ranks, with_plan,
+               size_t(lay.cap_rows) * lay.row_bytes >= internal::kStreamThresholdBytes},
         target(size_t(st.topo.ranks_per_node)),
         recv_buf(size_t(st.topo.num_nodes)),
         send_buf(size_t(st.topo.num_nodes)),
@@ -216,6 +237,7 @@ struct RmPush {
     std::vector<uint64_t> written(size_t(C), 0);
     w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
       std::vector<int64_t> row(static_cast<size_t>(G));
+      std::optional<internal::StreamBatch> batch = writer.batch();
       for (int64_t c = cb; c < ce; ++c) {
         for (int lr = 0; lr < G; ++lr) {
           const int r = topo.node * G + lr;
@@ -228,13 +250,14 @@ struct RmPush {
           const void* sc = lay.scale_bytes ? x.scales.row_ptr(t) : nullptr;
           for (int lr = 0; lr < G; ++lr) {
             if (!in[lr]) continue;
-            writer.write(target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr, x.x.row_ptr(t),
-                         sc, int32_t(t), &topk, t, nullptr, 0);
+            writer.write(batch, target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr,
+                         x.x.row_ptr(t), sc, int32_t(t), &topk, t, nullptr, 0);
             ++n;
           }
         }
         written[size_t(c)] = n;
       }
+      RowWriter::finish(batch);
     });
     uint64_t rows = 0;
     for (uint64_t n : written) rows += n;
@@ -285,12 +308,13 @@ struct RmPush {
         mask[size_t(i)] = hd.rank_mask;
       }
       w.pool().parallel_for(G, [&](int64_t b, int64_t e, int) {
+        std::optional<internal::StreamBatch> batch = writer.batch();
         for (int64_t lr = b; lr < e; ++lr) {
           const int r = topo.node * G + int(lr);
           int64_t row = h.rank_begin(src, r);
           for (int64_t i = 0; i < n; ++i) {
             if (!((mask[size_t(i)] >> lr) & 1)) continue;
-            writer.write(target[size_t(lr)], row++, r, msg.payload(size_t(i)),
+            writer.write(batch, target[size_t(lr)], row++, r, msg.payload(size_t(i)),
                          msg.scales(size_t(i)), src_token[size_t(i)], nullptr, 0, &msg,
                          size_t(i) * K);
           }
@@ -302,6 +326,7 @@ struct RmPush {
             std::memcpy(rcpm, msg.tail() + size_t(lr) * C * 4, size_t(C) * 4);
           }
         }
+        RowWriter::finish(batch);
       });
       for (uint64_t mk : mask) rows += uint64_t(popcount64(mk));
       if (plan) {
@@ -322,7 +347,8 @@ struct RmPush {
     const size_t lo = size_t(h.num_recv_tokens), n = size_t(h.num_rows) - lo;
     for (size_t i = lo; i < lo + n; ++i)
       std::memset(own_rows.rows + i * own_rows.rows_stride, 0, lay.row_bytes);
-    if (lay.scale_bytes) std::memset(o + lay.scales_off + lo * lay.scale_bytes, 0, n * lay.scale_bytes);
+    if (lay.scale_bytes)
+      std::memset(o + lay.scales_off + lo * lay.scale_bytes, 0, n * lay.scale_bytes);
     if (plan) std::memset(o + lay.src_idx_off + lo * 4, 0xff, n * 4);
     std::memset(o + lay.topk_idx_off + lo * size_t(K) * 8, 0xff, n * size_t(K) * 8);
     std::memset(o + lay.weights_off + lo * size_t(K) * 4, 0, n * size_t(K) * 4);
@@ -355,8 +381,7 @@ struct RmPush {
     }
     if (K > 0) {
       out.recv_topk_idx = {reinterpret_cast<const int64_t*>(o + lay.topk_idx_off), size_t(nr) * K};
-      out.recv_topk_weights = {reinterpret_cast<const float*>(o + lay.weights_off),
-                               size_t(nr) * K};
+      out.recv_topk_weights = {reinterpret_cast<const float*>(o + lay.weights_off), size_t(nr) * K};
     }
     out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
     return out;
