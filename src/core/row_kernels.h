@@ -17,6 +17,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstring>
 #include <vector>
 
 #include "moed/dtype.h"
@@ -106,23 +107,35 @@ struct RowCopy {
   const void* src;
 };
 void stream_copy_rows(const RowCopy* rows, size_t count, size_t bytes);
-// Rows of one size gathered for stream_copy_rows; flush() before stream_fence().
-class StreamBatch {
+// Rows of one size copied one by one to scattered places. With `stream` (outputs of
+// kStreamThresholdBytes and up), non-temporal stores, a few rows side by side, so no
+// destination line is read first; finish() (flush, fence) before another thread reads them.
+class RowCopier {
  public:
-  explicit StreamBatch(size_t row_bytes) : row_bytes_(row_bytes) {}
-  void add(void* dst, const void* src) {
+  RowCopier(size_t row_bytes, bool stream) : row_bytes_(row_bytes), stream_(stream) {}
+  void copy(void* dst, const void* src) {
+    if (!stream_) {
+      std::memcpy(dst, src, row_bytes_);
+      return;
+    }
     rows_[count_++] = {dst, src};
     if (count_ == rows_.size()) flush();
   }
+  void finish() {
+    if (!stream_) return;
+    flush();
+    stream_fence();
+  }
+
+ private:
   void flush() {
     if (count_ > 0) stream_copy_rows(rows_.data(), count_, row_bytes_);
     count_ = 0;
   }
-
- private:
   std::array<RowCopy, 8> rows_;  // 4 tokens' rows at top-2; 4 or 16 were slower
   size_t count_ = 0;
   size_t row_bytes_;
+  bool stream_;
 };
 // Asks for a row about to be read (rows land at random places, so the hardware prefetchers,
 // which stop at page boundaries, find them late).

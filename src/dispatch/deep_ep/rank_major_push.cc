@@ -34,30 +34,17 @@ struct RowWriter {
   int64_t hidden;
   int L;
   bool plan;  // the source index travels too (uncached mode); the top-k when num_topk > 0
-  // Blocks of kStreamThresholdBytes and up take their rows with non-temporal stores (no read
-  // of the destination first), a few side by side: each worker then passes its `batch`,
-  // flushed and fenced (finish) before the receivers are told.
+  // Blocks of kStreamThresholdBytes and up take their rows with non-temporal stores: each
+  // worker writes through its own copier(), finished before the receivers are told.
   bool stream;
-  std::optional<internal::StreamBatch> batch() const {
-    if (!stream) return std::nullopt;
-    return internal::StreamBatch(lay->row_bytes);
-  }
-  static void finish(std::optional<internal::StreamBatch>& batch) {
-    if (!batch) return;
-    batch->flush();
-    internal::stream_fence();
-  }
+  internal::RowCopier copier() const { return {lay->row_bytes, stream}; }
   // The top-k row comes from `topk` (token t), or from a message's entries from q.
-  void write(std::optional<internal::StreamBatch>& batch, const RecvTarget& to, int64_t row, int r,
+  void write(internal::RowCopier& copier, const RecvTarget& to, int64_t row, int r,
              const void* payload, const void* scales, const int32_t src_token, const TopkView* topk,
              int64_t t, const flex::Message<const char>* msg, size_t q) const {
     char* block = to.block;
     char* dst = to.rows + size_t(row) * to.rows_stride;
-    if (batch) {
-      batch->add(dst, payload);
-    } else {
-      std::memcpy(dst, payload, lay->row_bytes);
-    }
+    copier.copy(dst, payload);
     if (lay->scale_bytes) {
       std::memcpy(block + lay->scales_off + size_t(row) * lay->scale_bytes, scales,
                   lay->scale_bytes);
@@ -237,7 +224,7 @@ struct RmPush {
     std::vector<uint64_t> written(size_t(C), 0);
     w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
       std::vector<int64_t> row(static_cast<size_t>(G));
-      std::optional<internal::StreamBatch> batch = writer.batch();
+      internal::RowCopier copier = writer.copier();
       for (int64_t c = cb; c < ce; ++c) {
         for (int lr = 0; lr < G; ++lr) {
           const int r = topo.node * G + lr;
@@ -250,14 +237,14 @@ struct RmPush {
           const void* sc = lay.scale_bytes ? x.scales.row_ptr(t) : nullptr;
           for (int lr = 0; lr < G; ++lr) {
             if (!in[lr]) continue;
-            writer.write(batch, target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr,
+            writer.write(copier, target[size_t(lr)], row[size_t(lr)]++, topo.node * G + lr,
                          x.x.row_ptr(t), sc, int32_t(t), &topk, t, nullptr, 0);
             ++n;
           }
         }
         written[size_t(c)] = n;
       }
-      RowWriter::finish(batch);
+      copier.finish();
     });
     uint64_t rows = 0;
     for (uint64_t n : written) rows += n;
@@ -308,13 +295,13 @@ struct RmPush {
         mask[size_t(i)] = hd.rank_mask;
       }
       w.pool().parallel_for(G, [&](int64_t b, int64_t e, int) {
-        std::optional<internal::StreamBatch> batch = writer.batch();
+        internal::RowCopier copier = writer.copier();
         for (int64_t lr = b; lr < e; ++lr) {
           const int r = topo.node * G + int(lr);
           int64_t row = h.rank_begin(src, r);
           for (int64_t i = 0; i < n; ++i) {
             if (!((mask[size_t(i)] >> lr) & 1)) continue;
-            writer.write(batch, target[size_t(lr)], row++, r, msg.payload(size_t(i)),
+            writer.write(copier, target[size_t(lr)], row++, r, msg.payload(size_t(i)),
                          msg.scales(size_t(i)), src_token[size_t(i)], nullptr, 0, &msg,
                          size_t(i) * K);
           }
@@ -326,7 +313,7 @@ struct RmPush {
             std::memcpy(rcpm, msg.tail() + size_t(lr) * C * 4, size_t(C) * 4);
           }
         }
-        RowWriter::finish(batch);
+        copier.finish();
       });
       for (uint64_t mk : mask) rows += uint64_t(popcount64(mk));
       if (plan) {

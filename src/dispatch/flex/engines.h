@@ -61,18 +61,18 @@ void push_local(const DispatchContext& ctx, const PushSpec& spec);
 void zero_padding_rows(const DispatchContext& ctx, const PushSpec& spec);
 // Writes output rows into a segment of the push target, for the local path and the
 // forwarders alike: payload (copied, or scaled by the prob for the combine backward), scales,
-// and in the forward dispatch the prob and source. Streamed payloads go out a few at a time
-// side by side (internal::StreamBatch); finish() before the owners are signalled.
+// and in the forward dispatch the prob and source. finish() before the owners are signalled.
 class RowWriter {
  public:
-  explicit RowWriter(const PushSpec& spec) : spec_(spec), batch_(spec.layout.row_bytes) {}
+  explicit RowWriter(const PushSpec& spec)
+      : spec_(spec), copier_(spec.layout.row_bytes, spec.layout.stream) {}
   void write(char* segment, int64_t row, const void* payload, const void* scales, float prob,
              int32_t src_rank, int32_t src_token, int32_t src_slot);
-  void finish();
+  void finish() { copier_.finish(); }
 
  private:
   const PushSpec& spec_;
-  internal::StreamBatch batch_;
+  internal::RowCopier copier_;
 };
 // Remote nodes, in two halves so the local copies overlap the network: start posts the
 // receives of the forwarder role and packs and sends this rank's tokens (one message per

@@ -16,10 +16,8 @@ void RowWriter::write(char* segment, int64_t row, const void* payload, const voi
   if (spec_.scale_by_prob) {
     internal::row_kernels().scale(dst, payload, spec_.rows.x.dtype, prob,
                                   size_t(spec_.rows.x.cols));
-  } else if (l.stream) {
-    batch_.add(dst, payload);
   } else {
-    std::memcpy(dst, payload, l.row_bytes);
+    copier_.copy(dst, payload);
   }
   if (l.scale_bytes) {
     std::memcpy(segment + l.scales_off + size_t(row) * l.scale_bytes, scales, l.scale_bytes);
@@ -30,11 +28,6 @@ void RowWriter::write(char* segment, int64_t row, const void* payload, const voi
     reinterpret_cast<int32_t*>(segment + l.src_token_off)[row] = src_token;
     reinterpret_cast<int32_t*>(segment + l.src_slot_off)[row] = src_slot;
   }
-}
-
-void RowWriter::finish() {
-  batch_.flush();
-  if (spec_.layout.stream) internal::stream_fence();
 }
 
 void push_local(const DispatchContext& ctx, const PushSpec& spec) {

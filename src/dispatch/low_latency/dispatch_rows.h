@@ -147,7 +147,7 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
   const bool stream =
       in_node == InNode::kOwnSegment && stream_node_copy(w, size_t(T) * size_t(K) * f.payload);
   w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
-    internal::StreamBatch batch(f.payload);
+    internal::RowCopier copier(f.payload, stream);
     for (int64_t t = t0; t < t1; ++t) {
       const std::byte* row = token_row(dh, in, f, t);
       for (int k = 0; k < K; ++k) {
@@ -169,14 +169,11 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
           dh.in_place_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
         } else {
           put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, int32_t(t), p,
-                   stream ? &batch : nullptr);
+                   copier);
         }
       }
     }
-    if (stream) {
-      batch.flush();
-      internal::stream_fence();
-    }
+    copier.finish();
   });
 }
 
@@ -197,23 +194,17 @@ inline void copy_places(ThreadPool& pool, ReceiveBlock& rb, const RowFormat& f,
   auto* xs = static_cast<std::byte*>(rb.x.data());
   auto* scales = static_cast<std::byte*>(rb.scales.data());
   auto copy = [&](int64_t p0, int64_t p1, int) {
-    internal::StreamBatch batch(f.payload);
+    internal::RowCopier copier(f.payload, stream);
     for (int64_t p = p0; p < p1; ++p) {
       const RowPlace& pl = places[size_t(p)];
-      std::byte* to = xs + size_t(pl.to) * f.payload;
-      if (stream) {
-        batch.add(to, pl.row);
-      } else {
-        std::memcpy(to, pl.row, f.payload);
-      }
+      copier.copy(xs + size_t(pl.to) * f.payload, pl.row);
       if (f.scale_bytes != 0) {
         std::memcpy(scales + size_t(pl.to) * f.scale_bytes, pl.scales, f.scale_bytes);
       }
       rb.src[size_t(pl.to)] = pl.token;
       rb.prob[size_t(pl.to)] = pl.prob;
     }
-    batch.flush();
-    if (stream) internal::stream_fence();
+    copier.finish();
   };
   pool.parallel_for(int64_t(places.size()), copy, min_chunk);
 }

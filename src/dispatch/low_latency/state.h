@@ -98,17 +98,12 @@ inline bool stream_node_copy(const World& w, size_t bytes_per_rank) {
 }
 
 // Row r of a half's dispatch slots in a sender's segment (design.md §6.1): its payload,
-// scales, source token and prob, each in its own region. With `stream`, the payload goes
-// through it (flush and fence before the slots are published).
+// scales, source token and prob, each in its own region; the payload through `copier`
+// (finished before the slots are published).
 inline void put_slot(std::byte* seg, const SegmentLayout& lay, int half, int64_t r,
                      const RowFormat& f, const std::byte* row, int32_t token, float prob,
-                     internal::StreamBatch* stream) {
-  std::byte* x = seg + lay.dispatch_x[half] + size_t(r) * f.payload;
-  if (stream) {
-    stream->add(x, row);
-  } else {
-    std::memcpy(x, row, f.payload);
-  }
+                     internal::RowCopier& copier) {
+  copier.copy(seg + lay.dispatch_x[half] + size_t(r) * f.payload, row);
   std::memcpy(seg + lay.dispatch_scales[half] + size_t(r) * f.scale_bytes, row + f.payload,
               f.scale_bytes);
   std::memcpy(seg + lay.dispatch_src[half] + size_t(r) * sizeof(int32_t), &token, sizeof(token));
