@@ -103,7 +103,6 @@ struct RmCombine {
         wbytes(size_t(K) * 4),
         piece(row_bytes + wbytes),
         src(size_t(st.topo.ranks_per_node)),
-        recv_buf(size_t(st.topo.num_nodes)),
         send_buf(size_t(st.topo.num_nodes)) {}
 
   // Publishes this rank's rows to its node (in place in the threads world, else copied into a
@@ -149,15 +148,10 @@ struct RmCombine {
     World& w = *s.world;
     const flex::Topology& topo = s.topo;
     const int G = topo.ranks_per_node, N = topo.num_nodes;
-    for (int m = 0; m < N; ++m) {
-      const int64_t q = plan.node_pairs[size_t(C) * N + m];
-      if (m == topo.node || q == 0) continue;
-      recv_buf[size_t(m)] = s.combine_net.recv(m, size_t(q) * piece);
-      MOED_ASSIGN_OR_RETURN(Request r, w.irecv(topo.forwarder_on(m), tags::kRankMajorCombine,
-                                               recv_buf[size_t(m)].data(),
-                                               recv_buf[size_t(m)].size()));
-      recvs.push_back(std::move(r));
-    }
+    MOED_RETURN_IF_ERROR(flex::post_node_recvs(
+        w, topo, s.combine_net, tags::kRankMajorCombine,
+        [&](int m) { return size_t(plan.node_pairs[size_t(C) * N + m]) * piece; }, recv_buf,
+        recvs));
     std::vector<World::Piece> pieces;
     for (int m = 0; m < N; ++m) {
       const int64_t n = h.forward_tokens[size_t(m)];
@@ -184,9 +178,8 @@ struct RmCombine {
         }
       }
       w.add_shared_bytes(uint64_t(q) * row_bytes, uint64_t(q));  // read from the node's ranks
-      MOED_ASSIGN_OR_RETURN(Request r, w.isend_gather(home, tags::kRankMajorCombine, pieces));
-      w.add_network_bytes(0, uint64_t(q));
-      sends.push_back(std::move(r));
+      MOED_RETURN_IF_ERROR(
+          flex::send_node_message(w, home, tags::kRankMajorCombine, pieces, uint64_t(q), sends));
     }
     return wait_all(recvs);
   }

@@ -105,7 +105,6 @@ struct RmPush {
         writer{&lay, rows.x.cols, st.num_experts / st.topo.num_ranks, with_plan,
                size_t(lay.cap_rows) * lay.row_bytes >= internal::kStreamThresholdBytes},
         target(size_t(st.topo.ranks_per_node)),
-        recv_buf(size_t(st.topo.num_nodes)),
         send_buf(size_t(st.topo.num_nodes)),
         send_rows(size_t(st.topo.num_nodes)) {}
 
@@ -144,16 +143,13 @@ struct RmPush {
     const flex::Topology& topo = s.topo;
     const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
     const int C = h.num_channels, K = lay.num_topk;
-    for (int m = 0; m < N; ++m) {
-      const int64_t n = h.forward_tokens[size_t(m)];
-      if (m == topo.node || n == 0) continue;
-      recv_buf[size_t(m)] =
-          s.dispatch_net.recv(m, rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes);
-      MOED_ASSIGN_OR_RETURN(Request r, w.irecv(topo.forwarder_on(m), tags::kRankMajorDispatch,
-                                               recv_buf[size_t(m)].data(),
-                                               recv_buf[size_t(m)].size()));
-      recvs.push_back(std::move(r));
-    }
+    MOED_RETURN_IF_ERROR(flex::post_node_recvs(
+        w, topo, s.dispatch_net, tags::kRankMajorDispatch,
+        [&](int m) {
+          const int64_t n = h.forward_tokens[size_t(m)];
+          return n == 0 ? 0 : rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes;
+        },
+        recv_buf, recvs));
     std::vector<flex::MessageLayout> out_msg(static_cast<size_t>(N));
     std::vector<int32_t> cpm(size_t(G) * C);
     for (int m = 0; m < N; ++m) {
@@ -191,10 +187,9 @@ struct RmPush {
       if (send_buf[size_t(m)].empty()) continue;
       flex::message_pieces(out_msg[size_t(m)], send_buf[size_t(m)].data(), send_rows[size_t(m)],
                            size_t(send.node_tokens[size_t(C) * N + m]), pieces);
-      MOED_ASSIGN_OR_RETURN(Request r,
-                            w.isend_gather(topo.forwarder_on(m), tags::kRankMajorDispatch, pieces));
-      w.add_network_bytes(0, uint64_t(send.node_tokens[size_t(C) * N + m]));
-      sends.push_back(std::move(r));
+      MOED_RETURN_IF_ERROR(
+          flex::send_node_message(w, topo.forwarder_on(m), tags::kRankMajorDispatch, pieces,
+                                  uint64_t(send.node_tokens[size_t(C) * N + m]), sends));
     }
     return ok_status();
   }

@@ -164,4 +164,30 @@ class NetScratch {
   std::vector<ScratchBuffer> send_, recv_, chain_send_, chain_recv_;
 };
 
+// The network leg of a two-hop step: one message per remote node, to or from the rank there
+// with this rank's local index (Topology::forwarder_on). post_node_recvs posts, for each remote
+// node m of bytes_of(m) > 0, a receive into net's buffer for m (bufs[m]; the others empty).
+template <class BytesOf>
+Status post_node_recvs(World& w, const Topology& topo, NetScratch& net, int tag, BytesOf bytes_of,
+                       std::vector<Bytes>& bufs, std::vector<Request>& recvs) {
+  bufs.assign(size_t(topo.num_nodes), Bytes{});
+  for (int m = 0; m < topo.num_nodes; ++m) {
+    const size_t bytes = m == topo.node ? 0 : size_t(bytes_of(m));
+    if (bytes == 0) continue;
+    bufs[size_t(m)] = net.recv(m, bytes);
+    MOED_ASSIGN_OR_RETURN(Request r,
+                          w.irecv(topo.forwarder_on(m), tag, bufs[size_t(m)].data(), bytes));
+    recvs.push_back(std::move(r));
+  }
+  return ok_status();
+}
+// Sends one message of `rows` rows as a gather list (World::isend_gather), counted.
+inline Status send_node_message(World& w, int to, int tag, std::span<const World::Piece> pieces,
+                                uint64_t rows, std::vector<Request>& sends) {
+  MOED_ASSIGN_OR_RETURN(Request r, w.isend_gather(to, tag, pieces));
+  w.add_network_bytes(0, rows);
+  sends.push_back(std::move(r));
+  return ok_status();
+}
+
 }  // namespace moed::flex

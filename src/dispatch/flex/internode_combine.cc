@@ -28,18 +28,11 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
   const uint32_t chain_bit = chain_enabled(topo, spec) ? 1u << chain_class(spec.dtype, P) : 0;
   const std::vector<int64_t>& terms =
       chain_bit ? h.send.term_entries[chain_class(spec.dtype, P)] : h.send.node_entries;
-  r.recv_buffers.resize(size_t(N));
   r.send_buffers.resize(size_t(N));
-  for (int m = 0; m < N; ++m) {
-    if (m == topo.node) continue;
-    const int64_t q = terms[size_t(C) * N + m];
-    if (q == 0) continue;
-    r.recv_buffers[size_t(m)] = ctx.net->recv(m, size_t(q) * (r.piece_bytes + scalar_bytes));
-    MOED_ASSIGN_OR_RETURN(
-        Request req, ctx.world->irecv(topo.forwarder_on(m), tag, r.recv_buffers[size_t(m)].data(),
-                                      r.recv_buffers[size_t(m)].size()));
-    r.recvs.push_back(std::move(req));
-  }
+  MOED_RETURN_IF_ERROR(post_node_recvs(
+      *ctx.world, topo, *ctx.net, tag,
+      [&](int m) { return size_t(terms[size_t(C) * N + m]) * (r.piece_bytes + scalar_bytes); },
+      r.recv_buffers, r.recvs));
   uint64_t rows_read = 0;
   for (const ForwardPlan& f : h.forward) {
     // Piece index of each token's first term: its entries, less those of chained tokens.
@@ -96,9 +89,7 @@ StatusOr<PullRemote> pull_remote_start(const DispatchContext& ctx, const PullSpe
     std::vector<World::Piece> pieces;
     for (const char* row : raw) add_piece(pieces, row, r.piece_bytes);
     add_piece(pieces, buf.data(), buf.size());
-    MOED_ASSIGN_OR_RETURN(Request req, ctx.world->isend_gather(f.src, tag, pieces));
-    ctx.world->add_network_bytes(0, uint64_t(q));
-    r.sends.push_back(std::move(req));
+    MOED_RETURN_IF_ERROR(send_node_message(*ctx.world, f.src, tag, pieces, uint64_t(q), r.sends));
   }
   ctx.world->add_shared_bytes(rows_read * dtype_row_bytes(spec.dtype, H), rows_read);
   return r;

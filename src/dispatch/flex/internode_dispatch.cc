@@ -82,20 +82,17 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
   const PushLayout& l = spec.layout;
   RemoteOps ops;
   ops.send_buffers.resize(size_t(N));
-  ops.recv_buffers.resize(size_t(N));
   // Receives of the forwarder role first, so no sender waits on an unposted receive.
-  for (int m = 0; m < N; ++m) {
-    if (m == topo.node) continue;
-    const int src = topo.forwarder_on(m);
-    const int64_t n = h.notified.forward_tokens[size_t(m)];
-    if (n == 0) continue;
-    const int64_t q = h.notified.forward_entries[size_t(m)];
-    ops.recv_buffers[size_t(m)] =
-        ctx.net->recv(m, MessageLayout::of(n, q, l.row_bytes, l.scale_bytes).bytes);
-    MOED_ASSIGN_OR_RETURN(Request r, ctx.world->irecv(src, tag, ops.recv_buffers[size_t(m)].data(),
-                                                      ops.recv_buffers[size_t(m)].size()));
-    ops.recvs.push_back(std::move(r));
-  }
+  MOED_RETURN_IF_ERROR(post_node_recvs(
+      *ctx.world, topo, *ctx.net, tag,
+      [&](int m) {
+        const int64_t n = h.notified.forward_tokens[size_t(m)];
+        return n == 0 ? 0
+                      : MessageLayout::of(n, h.notified.forward_entries[size_t(m)], l.row_bytes,
+                                          l.scale_bytes)
+                            .bytes;
+      },
+      ops.recv_buffers, ops.recvs));
   // Each message is gathered from its headers and entries, written here, and the token rows
   // (payloads, then scales) where they lie: no copy of a row before the network's.
   std::vector<MessageLayout> layouts(static_cast<size_t>(N));
@@ -161,9 +158,8 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
     if (m == topo.node || n == 0) continue;
     message_pieces(layouts[size_t(m)], ops.send_buffers[size_t(m)].data(), rows[size_t(m)],
                    size_t(n), pieces);
-    MOED_ASSIGN_OR_RETURN(Request r, ctx.world->isend_gather(topo.forwarder_on(m), tag, pieces));
-    ctx.world->add_network_bytes(0, uint64_t(plan.node_tokens[size_t(C) * N + m]));
-    ops.sends.push_back(std::move(r));
+    MOED_RETURN_IF_ERROR(
+        send_node_message(*ctx.world, topo.forwarder_on(m), tag, pieces, uint64_t(n), ops.sends));
   }
   return ops;
 }
