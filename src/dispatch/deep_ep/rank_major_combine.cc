@@ -103,6 +103,7 @@ struct RmCombine {
         wbytes(size_t(K) * 4),
         piece(row_bytes + wbytes),
         src(size_t(st.topo.ranks_per_node)),
+        recv_buf(size_t(st.topo.num_nodes)),
         send_buf(size_t(st.topo.num_nodes)) {}
 
   // Publishes this rank's rows to its node (in place in the threads world, else copied into a
@@ -198,6 +199,12 @@ struct RmCombine {
     std::vector<int> last_slot(static_cast<size_t>(R));
     std::vector<OrderedTerm> terms;
     OrderedFold fold(dt, H);
+    // Node m's message (exchange): q weight rows, then its q rows from here.
+    std::vector<const char*> msg_rows(static_cast<size_t>(N));
+    for (int m = 0; m < N; ++m) {
+      const flex::Bytes& msg = recv_buf[size_t(m)];
+      if (!msg.empty()) msg_rows[size_t(m)] = msg.data() + msg.size() / piece * wbytes;
+    }
     uint64_t n = 0;
     for (int64_t c = cb; c < ce; ++c) {
       for (int m = 0; m < N; ++m) cursor[size_t(m)] = plan.node_pairs[size_t(c) * N + m];
@@ -225,11 +232,10 @@ struct RmCombine {
                 (c == 0 ? 0 : h.channel_prefix_matrix[size_t(r) * C + size_t(c - 1)]) + head;
             row = sr.rows + size_t(rw) * sr.row_stride_bytes;
             if (K > 0) wr = sr.weights + size_t(rw) * K;
-          } else {  // the message: q weight rows, then q rows (exchange)
-            const flex::Bytes& msg = recv_buf[size_t(m)];
-            const size_t i = size_t(cursor[size_t(m)]++), q = msg.size() / piece;
-            row = msg.data() + q * wbytes + i * row_bytes;
-            if (K > 0) wr = reinterpret_cast<const float*>(msg.data() + i * wbytes);
+          } else {
+            const size_t i = size_t(cursor[size_t(m)]++);
+            row = msg_rows[size_t(m)] + i * row_bytes;
+            if (K > 0) wr = reinterpret_cast<const float*>(recv_buf[size_t(m)].data() + i * wbytes);
           }
           ++n;
           if (in.order_topk) {
