@@ -53,8 +53,8 @@ struct NormalBuffer::State {
   flex::Topology topo;
   bool in_place = false;  // threads world: every rank's memory is node-shared
   flex::Signals signals;
-  // Worlds without one address space (MPI, gloo): the receive blocks, as a ring of regions
-  // (recv_slot: this dispatch's), and the combine's pull region.
+  // The receive blocks, a ring of regions kept across calls (recv_slot: this dispatch's); in
+  // worlds without one address space (MPI, gloo) the combine's pull region too.
   flex::OutputRing recv_ring;
   int recv_slot = 0;
   flex::Region pull_region;

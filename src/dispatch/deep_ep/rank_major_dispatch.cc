@@ -247,20 +247,17 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
   const bool ok = local.ok(), fresh = ok && !cached;
   using F = AgreedField;
   // Cached mode agrees on the first four only (the others are 0 on every rank then).
-  const AgreedField fields[] = {
-      {"cached mode (handle given)", cached, F::kAgree},
-      {"hidden", ok ? in.x.x.cols : 0, F::kAgree},
-      {"x dtype", ok ? int64_t(in.x.x.dtype) : 0, F::kAgreeDType},
-      {"num_topk", ok ? in.topk.num_topk : 0, F::kAgree},
-      {"expert_alignment", fresh ? in.expert_alignment : 0, F::kAgree},
-      {"num_worst_tokens", fresh ? in.num_worst_tokens : 0, F::kAgree},
-      {"num_experts", fresh ? E : 0, F::kAgree},
-      {"held receive slots", s.in_place ? 0 : int64_t(s.recv_ring.held_mask()), F::kFree}};
+  const AgreedField fields[] = {{"cached mode (handle given)", cached, F::kAgree},
+                                {"hidden", ok ? in.x.x.cols : 0, F::kAgree},
+                                {"x dtype", ok ? int64_t(in.x.x.dtype) : 0, F::kAgreeDType},
+                                {"num_topk", ok ? in.topk.num_topk : 0, F::kAgree},
+                                {"expert_alignment", fresh ? in.expert_alignment : 0, F::kAgree},
+                                {"num_worst_tokens", fresh ? in.num_worst_tokens : 0, F::kAgree},
+                                {"num_experts", fresh ? E : 0, F::kAgree},
+                                {"held receive slots", int64_t(s.recv_ring.held_mask()), F::kFree}};
   MOED_ASSIGN_OR_RETURN(AgreedTable head, agree_in_one(w, local, fields));
-  if (!s.in_place) {
-    const auto held_of = [&](int r) { return uint64_t(head.field(r, std::size(fields) - 1)); };
-    MOED_ASSIGN_OR_RETURN(s.recv_slot, s.recv_ring.pick(s.topo, held_of, "rank-major dispatch"));
-  }
+  const auto held_of = [&](int r) { return uint64_t(head.field(r, std::size(fields) - 1)); };
+  MOED_ASSIGN_OR_RETURN(s.recv_slot, s.recv_ring.pick(s.topo, held_of, "rank-major dispatch"));
   if (cached) {
     // NOTE: the handle is shared with earlier outputs; the cached push writes no plan into
     // it (plan = false), it only reads it.

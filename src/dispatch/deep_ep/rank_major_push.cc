@@ -83,7 +83,6 @@ struct RmPush {
   const RecvLayout lay;
   const RowWriter writer;
   std::vector<RecvTarget> target;  // [G] this node's receive blocks
-  std::shared_ptr<Tensor> block;   // in place: this rank's block
   std::vector<flex::Bytes> recv_buf, send_buf;  // [N] per remote node, in s.dispatch_net
   // [N] the rows of each node's message where they lie (payloads, then scales): the message
   // goes as a gather list (World::isend_gather), its rows read by the network's copy alone.
@@ -110,25 +109,23 @@ struct RmPush {
 
   char* own() const { return target[size_t(s.topo.local_rank)].block; }
 
-  // The receive blocks of this node's ranks. A caller's recv_x buffer takes the rows: in the
-  // threads world the senders write it (its address is published with the block's); in the
-  // MPI world it is filled from the node-shared block at the end.
+  // The receive blocks of this node's ranks: this dispatch's slot of the ring, kept across
+  // calls. A caller's recv_x buffer takes the rows: in the threads world the senders write it
+  // (its address is published on the board with the block's); elsewhere it is filled from the
+  // node-shared block at the end.
   Status open_targets(flex::PublishRound& round, const std::optional<TensorView>& out_rows) {
-    World& w = *s.world;
+    flex::Region& recv = s.recv_ring.region(s.recv_slot);
+    MOED_RETURN_IF_ERROR(recv.ensure(*s.world, lay.bytes));
+    // No local rank holds an output of this slot, so nothing reads its buffer before growth.
+    recv.release_retired();
     if (s.in_place) {
-      block = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(lay.bytes)));
-      RecvTarget mine{static_cast<char*>(block->data()), static_cast<char*>(block->data()),
-                      lay.row_bytes};
+      RecvTarget mine{recv.local(), recv.local(), lay.row_bytes};
       if (out_rows) {
         mine.rows = static_cast<char*>(out_rows->data);
         mine.rows_stride = size_t(out_rows->row_stride) * dtype_size(x.x.dtype);
       }
       return flex::open_with_board(round, s.signals, s.topo.local_rank, mine, target);
     }
-    flex::Region& recv = s.recv_ring.region(s.recv_slot);
-    MOED_RETURN_IF_ERROR(recv.ensure(w, lay.bytes));
-    // No local rank holds an output of this slot, so nothing reads its buffer before growth.
-    recv.release_retired();
     for (int lr = 0; lr < s.topo.ranks_per_node; ++lr) {
       char* b = recv.peer(lr);
       target[size_t(lr)] = {b, b, lay.row_bytes};
@@ -365,7 +362,7 @@ struct RmPush {
       out.recv_topk_idx = {reinterpret_cast<const int64_t*>(o + lay.topk_idx_off), size_t(nr) * K};
       out.recv_topk_weights = {reinterpret_cast<const float*>(o + lay.weights_off), size_t(nr) * K};
     }
-    out.storage = s.in_place ? std::shared_ptr<void>(block) : s.recv_ring.hold(s.recv_slot);
+    out.storage = s.recv_ring.hold(s.recv_slot);
     return out;
   }
 };
