@@ -48,25 +48,7 @@ Status check_local(const DispatchConfig& config, const DispatchInput& input) {
   if (input.layout_applied && !has_map(input) && input.routing == nullptr) {
     return invalid_argument("layout_applied needs the routing as a map or sparse routing");
   }
-  if (h.x.rows < 0 || h.x.cols <= 0) {
-    return invalid_argument("hidden is [", h.x.rows, ", ", h.x.cols,
-                            "]; the hidden size must be positive (also on ranks with 0 tokens)");
-  }
-  if (h.x.rows > 0 && h.x.data == nullptr) return invalid_argument("hidden.x.data is null");
-  if (h.x.row_stride < h.x.cols) {
-    return invalid_argument("hidden row_stride = ", h.x.row_stride, " < hidden = ", h.x.cols);
-  }
-  if (h.x.dtype == DType::kFP8) {
-    if (h.x.cols % kFp8BlockSize != 0) {
-      return invalid_argument("fp8 hidden = ", h.x.cols, " is not a multiple of ", kFp8BlockSize);
-    }
-    if (h.scales.dtype != DType::kF32 || h.scales.rows != h.x.rows ||
-        h.scales.cols != h.x.cols / kFp8BlockSize || (h.x.rows > 0 && h.scales.data == nullptr)) {
-      return invalid_argument("fp8 scales must be f32 [", h.x.rows, ", ", h.x.cols / kFp8BlockSize,
-                              "]; got ", dtype_name(h.scales.dtype), " [", h.scales.rows, ", ",
-                              h.scales.cols, "]");
-    }
-  }
+  MOED_RETURN_IF_ERROR(internal::check_token_rows("hidden", h));
   if (routing_tokens(input) != h.x.rows) {
     return invalid_argument("routing has ", routing_tokens(input), " tokens but hidden has ",
                             h.x.rows, " rows");

@@ -16,30 +16,8 @@ namespace moed::deep_ep {
 
 namespace {
 
-Status check_x(const TokenRows& x) {
-  if (x.x.rows < 0 || x.x.cols <= 0) {
-    return invalid_argument("x is [", x.x.rows, ", ", x.x.cols, "]; hidden must be positive");
-  }
-  if (x.x.rows > 0 && x.x.data == nullptr) return invalid_argument("x.data is null");
-  if (x.x.row_stride < x.x.cols)
-    return invalid_argument("x row_stride = ", x.x.row_stride, " < hidden = ", x.x.cols);
-  if (x.x.dtype == DType::kFP8) {
-    if (x.x.cols % kFp8BlockSize != 0) {
-      return invalid_argument("fp8 x hidden = ", x.x.cols, " is not a multiple of ", kFp8BlockSize);
-    }
-    if (x.scales.dtype != DType::kF32 || x.scales.rows != x.x.rows ||
-        x.scales.cols != x.x.cols / kFp8BlockSize || (x.x.rows > 0 && x.scales.data == nullptr) ||
-        x.scales.row_stride < x.scales.cols) {
-      return invalid_argument("fp8 x scales must be f32 [", x.x.rows, ", ",
-                              x.x.cols / kFp8BlockSize, "]; got ", dtype_name(x.scales.dtype), " [",
-                              x.scales.rows, ", ", x.scales.cols, "]");
-    }
-  }
-  return ok_status();
-}
-
 Status check_uncached(const NormalBuffer::State& s, const NormalDispatchInput& in) {
-  MOED_RETURN_IF_ERROR(check_x(in.x));
+  MOED_RETURN_IF_ERROR(moed::internal::check_token_rows("x", in.x));
   const int R = s.topo.num_ranks, E = s.num_experts, L = E / R;
   const int64_t T = in.x.x.rows;
   if (in.expert_alignment < 1)
@@ -104,7 +82,7 @@ Status check_uncached(const NormalBuffer::State& s, const NormalDispatchInput& i
 
 Status check_cached(const NormalBuffer::State& s, const NormalDispatchInput& in) {
   MOED_RETURN_IF_ERROR(s.check_handle(in.handle.get()));
-  MOED_RETURN_IF_ERROR(check_x(in.x));
+  MOED_RETURN_IF_ERROR(moed::internal::check_token_rows("x", in.x));
   const NormalHandle& h = *in.handle;
   // The handle is the layout only (as DeepEP's): x's dtype and hidden may differ from the
   // dispatch that made it (they are agreed across ranks in the call), its tokens may not.

@@ -44,6 +44,7 @@
 
 #include "core/row_kernels.h"
 #include "dispatch/flex/steps.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed {
 namespace flex {
@@ -210,15 +211,7 @@ Status Dispatcher::check_cached(const DispatchInput& input) {
                             " rows but the handle's dispatch had ", h->routing.num_tokens(),
                             " tokens");
   }
-  if (x.x.rows > 0 && x.x.data == nullptr) return invalid_argument("hidden.x.data is null");
-  if (x.x.row_stride < x.x.cols)
-    return invalid_argument("hidden row_stride = ", x.x.row_stride, " < ", x.x.cols);
-  if (x.has_scales() &&
-      (x.scales.dtype != DType::kF32 || x.scales.rows != x.x.rows ||
-       x.scales.cols != x.x.cols / kFp8BlockSize || (x.x.rows > 0 && x.scales.data == nullptr))) {
-    return invalid_argument("fp8 scales must be f32 [", x.x.rows, ", ", x.x.cols / kFp8BlockSize,
-                            "]");
-  }
+  MOED_RETURN_IF_ERROR(moed::internal::check_token_rows("hidden", x));
   dispatch_.cached = std::move(h);
   return ok_status();
 }

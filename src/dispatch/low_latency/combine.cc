@@ -35,11 +35,7 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
                             "] (num_local_experts * num_ranks * "
                             "max_tokens_per_rank, hidden)");
   }
-  if (x.row_stride < x.cols) {
-    return invalid_argument("low_latency_combine: x row_stride = ", x.row_stride,
-                            " < hidden = ", x.cols);
-  }
-  if (x.data == nullptr) return invalid_argument("low_latency_combine: x.data is null");
+  MOED_RETURN_IF_ERROR(moed::internal::check_token_rows("low_latency_combine: x", {x, {}}));
   if (!in.handle) return invalid_argument("low_latency_combine: handle is null");
   const LowLatencyHandle& h = *in.handle;
   if (h.buffer_id != st.id) {

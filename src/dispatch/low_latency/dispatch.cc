@@ -11,6 +11,7 @@
 #include "dispatch/low_latency/dispatch_rows.h"
 #include "dispatch/low_latency/segment.h"
 #include "dispatch/low_latency/segment_peers.h"
+#include "dispatch/out_buffer.h"
 
 namespace moed {
 
@@ -37,12 +38,7 @@ Status check_dispatch(const LowLatencyBuffer::State& st, const LowLatencyDispatc
     return invalid_argument("low_latency_dispatch: x has ", x.rows,
                             " rows > max_tokens_per_rank = ", lay.max_tokens);
   }
-  if (x.row_stride < x.cols) {
-    return invalid_argument("low_latency_dispatch: x row_stride = ", x.row_stride,
-                            " < hidden = ", x.cols);
-  }
-  if (x.rows > 0 && x.data == nullptr)
-    return invalid_argument("low_latency_dispatch: x.data is null");
+  MOED_RETURN_IF_ERROR(moed::internal::check_token_rows("low_latency_dispatch: x", {x, {}}));
   if (in.use_fp8 && lay.hidden % kFp8BlockSize != 0) {
     return invalid_argument("low_latency_dispatch: use_fp8 needs hidden to be a multiple of ",
                             kFp8BlockSize, "; hidden = ", lay.hidden);
