@@ -47,10 +47,8 @@ size_t default_limit() {
 }
 
 void* system_allocate(size_t rounded) {
-  const size_t align = rounded >= kMinHuge ? kHugePage : 64;
-  void* p = std::aligned_alloc(align, (rounded + align - 1) / align * align);
+  void* p = internal::allocate_uncached(rounded);
   if (p == nullptr) throw std::bad_alloc();
-  if (rounded >= kMinHuge) madvise(p, rounded, MADV_HUGEPAGE);  // a hint: failure is harmless
   return p;
 }
 
@@ -149,6 +147,13 @@ class BlockCache {
 }  // namespace
 
 namespace internal {
+void* allocate_uncached(size_t bytes) {
+  const size_t rounded = rounded_size(bytes);
+  const size_t align = rounded >= kMinHuge ? kHugePage : 64;
+  void* p = std::aligned_alloc(align, (rounded + align - 1) / align * align);
+  if (p != nullptr && rounded >= kMinHuge) madvise(p, rounded, MADV_HUGEPAGE);  // a hint
+  return p;
+}
 void* allocate_block(size_t bytes) {
   if (bytes == 0) return nullptr;
   return BlockCache::get().allocate(bytes);

@@ -12,9 +12,13 @@ namespace moed::internal {
 void* allocate_block(size_t bytes);
 // `bytes` as passed to allocate_block.
 void release_block(void* p, size_t bytes);
+// Not cached, for memory with a life of its own (node-shared segments): aligned as
+// allocate_block's blocks are, large ones asking for huge pages as theirs do; std::free it.
+// nullptr when out of memory.
+void* allocate_uncached(size_t bytes);
 // A block whose rows are written sparsely (a few rows at the start of each of many slots):
 // small pages from here on, so a touched row costs its own pages, not the 2 MiB page around
-// it that large blocks ask for (allocate_block).
+// it that large blocks ask for (allocate_block, allocate_uncached).
 void advise_sparse(void* p, size_t bytes);
 
 }  // namespace moed::internal

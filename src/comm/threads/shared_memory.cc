@@ -1,11 +1,13 @@
-// Threads backend node-shared memory: every local rank allocates its own 64-byte aligned
-// segment and signal inbox, publishes them under the node's lock, and waits for the other
-// local ranks; then each sees all of them. The last SharedBuffer dropped frees the lot.
+// Threads backend node-shared memory: every local rank allocates its own segment (as a large
+// Tensor's block: huge pages from 4 MiB up, which peers' scattered row writes need) and signal
+// inbox, publishes them under the node's lock, and waits for the other local ranks; then each
+// sees all of them. The last SharedBuffer dropped frees the lot.
 #include <cstdlib>
 #include <new>
 
 #include "comm/threads/threads_world.h"
 #include "comm/wait.h"
+#include "core/block_cache.h"
 
 namespace moed::threads {
 
@@ -24,8 +26,7 @@ StatusOr<std::shared_ptr<SharedBuffer>> ThreadsWorld::alloc_shared(size_t bytes)
   const int g = ranks_per_node_;
   const int lr = local_rank();
   const uint64_t call = ++allocs_;
-  // Round up so that every segment (and the one after it) stays 64-byte aligned.
-  void* segment = std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64));
+  void* segment = internal::allocate_uncached(std::max<size_t>(64, bytes));
   if (segment == nullptr)
     return internal_error("alloc_shared: out of memory for ", bytes, " bytes");
   auto* inbox = new PaddedCounter[size_t(g)];

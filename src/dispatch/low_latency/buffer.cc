@@ -190,6 +190,8 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
     state->shared = options.segment;
   } else {
     MOED_ASSIGN_OR_RETURN(state->shared, world.alloc_shared(state->layout.total));
+    // Its slots take a few rows each at decode: small pages (advise_sparse).
+    internal::advise_sparse(state->shared->local(), state->layout.total);
   }
   // Shrink mode reads and writes no caller memory across ranks (segment_peers.h).
   state->in_place = world.shares_address_space() && !options.enable_shrink;
