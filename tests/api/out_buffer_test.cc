@@ -386,9 +386,7 @@ TEST_P(DeepEpDispatchOut, WorstTokensAndCached) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DeepEpDispatchOut, ::testing::ValuesIn(testing::backends()),
-                         [](const ::testing::TestParamInfo<Backend>& info) {
-                           return std::string(testing::backend_name(info.param));
-                         });
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 }  // namespace
 }  // namespace moed

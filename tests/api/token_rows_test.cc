@@ -175,9 +175,7 @@ TEST_P(DeepEpTokenRows, NormalAndLowLatency) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DeepEpTokenRows, ::testing::ValuesIn(testing::backends()),
-                         [](const ::testing::TestParamInfo<Backend>& info) {
-                           return std::string(testing::backend_name(info.param));
-                         });
+                         testing::backend_param_name<::testing::TestParamInfo<Backend>>);
 
 }  // namespace
 }  // namespace moed
