@@ -28,6 +28,10 @@ constexpr std::chrono::milliseconds kBackstop = std::chrono::seconds(30);
 // cause (a host-mate of a dead rank sends one within a few monitor ticks; on a loaded 2-core
 // machine it once took longer than 2 s, and the closed connection was blamed instead).
 constexpr std::chrono::milliseconds kCauseGrace = std::chrono::seconds(5);
+// How long a rank that sent failure messages keeps its connections open once they have left: a
+// close with unread data resets the connection, which may drop what the peer has not read yet
+// (twice in CI a survivor across hosts blamed the host-mate that had told it, not the dead rank).
+constexpr auto kFaultLinger = std::chrono::milliseconds(500);
 constexpr auto kTick = std::chrono::milliseconds(5);
 constexpr auto kPidCheckEvery = std::chrono::milliseconds(20);
 
@@ -125,6 +129,7 @@ GlooWorld::~GlooWorld() {
     } catch (const std::exception&) {
     }
   }
+  if (!fault_sends_.empty()) std::this_thread::sleep_for(kFaultLinger);
   if (control_ != nullptr) {
     control_->members[host_index_].state.store(kClosed, std::memory_order_release);
     munmap(control_, control_bytes_);
