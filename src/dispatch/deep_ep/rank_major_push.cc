@@ -83,10 +83,7 @@ struct RmPush {
   const RecvLayout lay;
   const RowWriter writer;
   std::vector<RecvTarget> target;  // [G] this node's receive blocks
-  std::vector<flex::Bytes> recv_buf, send_buf;  // [N] per remote node, in s.dispatch_net
-  // [N] the rows of each node's message where they lie (payloads, then scales): the message
-  // goes as a gather list (World::isend_gather), its rows read by the network's copy alone.
-  std::vector<std::vector<const char*>> send_rows;
+  std::vector<flex::Bytes> recv_buf;  // [N] per remote node, in s.dispatch_net
   std::vector<Request> recvs, sends;
 
   RmPush(NormalBuffer::State& st, NormalHandle& handle, const TokenRows& rows,
@@ -103,9 +100,7 @@ struct RmPush {
                            st.topo.num_ranks, with_plan ? handle.num_channels : 0)),
         writer{&lay, rows.x.cols, st.num_experts / st.topo.num_ranks, with_plan,
                size_t(lay.cap_rows) * lay.row_bytes >= internal::kStreamThresholdBytes},
-        target(size_t(st.topo.ranks_per_node)),
-        send_buf(size_t(st.topo.num_nodes)),
-        send_rows(size_t(st.topo.num_nodes)) {}
+        target(size_t(st.topo.ranks_per_node)) {}
 
   char* own() const { return target[size_t(s.topo.local_rank)].block; }
 
@@ -134,32 +129,33 @@ struct RmPush {
   }
 
   // Across nodes: the forwarder role's receives, then one message per remote node with every
-  // token bound there (its header and top-k written by channel, its row and scales gathered).
+  // token bound there (its header and K top-k entries, slot k, written by channel; its row and
+  // scales gathered), and the channel prefix rows of the node's ranks as the tail.
   Status post_node_messages() {
     World& w = *s.world;
     const flex::Topology& topo = s.topo;
     const int R = topo.num_ranks, G = topo.ranks_per_node, N = topo.num_nodes;
     const int C = h.num_channels, K = lay.num_topk;
+    auto layout_of = [&](int64_t n) {
+      return rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C);
+    };
     MOED_RETURN_IF_ERROR(flex::post_node_recvs(
         w, topo, s.dispatch_net, tags::kRankMajorDispatch,
         [&](int m) {
           const int64_t n = h.forward_tokens[size_t(m)];
-          return n == 0 ? 0 : rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C).bytes;
+          return n == 0 ? 0 : layout_of(n).bytes;
         },
         recv_buf, recvs));
-    std::vector<flex::MessageLayout> out_msg(static_cast<size_t>(N));
+    flex::NodeMessages out(topo, s.dispatch_net, {&send.node_tokens[size_t(C) * N], size_t(N)},
+                           [&](int m) { return layout_of(send.node_tokens[size_t(C) * N + m]); });
     std::vector<int32_t> cpm(size_t(G) * C);
     for (int m = 0; m < N; ++m) {
-      const int64_t n = send.node_tokens[size_t(C) * N + m];
-      if (m == topo.node || n == 0) continue;
-      out_msg[size_t(m)] = rm_message(n, lay.row_bytes, lay.scale_bytes, K, G, C);
-      send_buf[size_t(m)] = s.dispatch_net.send(m, out_msg[size_t(m)].bytes);
-      send_rows[size_t(m)].resize(size_t(n) * (lay.scale_bytes ? 2 : 1));
+      if (!out.sends_to(m)) continue;
       for (int lr = 0; lr < G; ++lr) {
         for (int c = 0; c < C; ++c) cpm[size_t(lr) * C + c] = channel_start(h, m * G + lr, c);
       }
-      std::memcpy(flex::Message<char>(send_buf[size_t(m)].data(), out_msg[size_t(m)]).tail(),
-                  cpm.data(), cpm.size() * sizeof(int32_t));
+      // NOTE: the message's sections are packed, so the tail may be unaligned.
+      std::memcpy(out.at(m).tail(), cpm.data(), cpm.size() * sizeof(int32_t));
     }
     w.pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
       std::vector<int64_t> pos(static_cast<size_t>(N));
@@ -173,38 +169,18 @@ struct RmPush {
             uint64_t mask = 0;
             for (int lr = 0; lr < G; ++lr) mask |= uint64_t(in[m * G + lr] != 0) << lr;
             if (mask == 0) continue;
-            pack_message_row(out_msg[size_t(m)], send_buf[size_t(m)].data(), send_rows[size_t(m)],
-                             size_t(pos[size_t(m)]++), t, mask);
+            const size_t i = size_t(pos[size_t(m)]++);
+            const flex::Message<char> msg = out.at(m);
+            msg.put_header(i, {int32_t(t), K, mask, {}});
+            for (int k = 0; k < K; ++k) {
+              msg.put_entry(i * K + size_t(k), {int32_t(topk.at(t, k)), topk.weight(t, k), k});
+            }
+            out.set_row(m, i, x, t);
           }
         }
       }
     });
-    std::vector<World::Piece> pieces;
-    for (int m = 0; m < N; ++m) {
-      if (send_buf[size_t(m)].empty()) continue;
-      flex::message_pieces(out_msg[size_t(m)], send_buf[size_t(m)].data(), send_rows[size_t(m)],
-                           size_t(send.node_tokens[size_t(C) * N + m]), pieces);
-      MOED_RETURN_IF_ERROR(
-          flex::send_node_message(w, topo.forwarder_on(m), tags::kRankMajorDispatch, pieces,
-                                  uint64_t(send.node_tokens[size_t(C) * N + m]), sends));
-    }
-    return ok_status();
-  }
-
-  // Entry i of a node message: token t for the node's ranks in `mask`, with its K top-k
-  // entries (slot k); its row and scales where they lie into `rows`.
-  void pack_message_row(const flex::MessageLayout& ml, char* msg, std::vector<const char*>& rows,
-                        size_t i, int64_t t, uint64_t mask) const {
-    const int K = lay.num_topk;
-    const flex::Message<char> m(msg, ml);
-    m.put_header(i, {int32_t(t), K, mask, {}});
-    rows[i] = static_cast<const char*>(x.x.row_ptr(t));
-    if (lay.scale_bytes) {
-      rows[rows.size() / 2 + i] = static_cast<const char*>(x.scales.row_ptr(t));
-    }
-    for (int k = 0; k < K; ++k) {
-      m.put_entry(i * K + size_t(k), {int32_t(topk.at(t, k)), topk.weight(t, k), k});
-    }
+    return out.send(w, tags::kRankMajorDispatch, sends);
   }
 
   // Inside the node: every channel writes its tokens' rows into the receivers' blocks.

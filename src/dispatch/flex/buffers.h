@@ -190,4 +190,58 @@ inline Status send_node_message(World& w, int to, int tag, std::span<const World
   return ok_status();
 }
 
+
+// A two-hop push's messages from this rank (Flex's and the rank-major one), one to the
+// forwarder on each remote node m with tokens[m] > 0, of layout layout_of(m): the headers,
+// entries and tail written into net's send buffers, each token's payload and scales gathered
+// by send() from where they lie (set_row), so no row is copied before the network's copy.
+class NodeMessages {
+ public:
+  template <class LayoutOf>
+  NodeMessages(const Topology& topo, NetScratch& net, std::span<const int64_t> tokens,
+               LayoutOf layout_of)
+      : topo_(topo), tokens_(tokens.begin(), tokens.end()) {
+    const size_t N = size_t(topo.num_nodes);
+    layout_.resize(N);
+    buf_.resize(N);
+    rows_.resize(N);
+    for (int m = 0; m < topo.num_nodes; ++m) {
+      if (!sends_to(m)) continue;
+      const MessageLayout l = layout_of(m);
+      layout_[size_t(m)] = l;
+      // Only a tail follows the rows in the buffer; the rows are never written there.
+      buf_[size_t(m)] = net.send(m, l.bytes > l.tail_off ? l.bytes : l.payload_off);
+      rows_[size_t(m)].resize(size_t(tokens_[size_t(m)]) * (l.scale_bytes ? 2 : 1));
+    }
+  }
+  bool sends_to(int m) const { return m != topo_.node && tokens_[size_t(m)] > 0; }
+  Message<char> at(int m) const { return {buf_[size_t(m)].data(), layout_[size_t(m)]}; }
+  // Token i of m's message is row t of x (its payload, and its scales when the layout has them).
+  void set_row(int m, size_t i, const TokenRows& x, int64_t t) {
+    std::vector<const char*>& r = rows_[size_t(m)];
+    r[i] = static_cast<const char*>(x.x.row_ptr(t));
+    if (layout_[size_t(m)].scale_bytes) {
+      r[size_t(tokens_[size_t(m)]) + i] = static_cast<const char*>(x.scales.row_ptr(t));
+    }
+  }
+  // Sends every message, counted; the rows stay the caller's until `sends` are done.
+  Status send(World& w, int tag, std::vector<Request>& sends) const {
+    std::vector<World::Piece> pieces;
+    for (int m = 0; m < topo_.num_nodes; ++m) {
+      if (!sends_to(m)) continue;
+      const size_t n = size_t(tokens_[size_t(m)]);
+      message_pieces(layout_[size_t(m)], buf_[size_t(m)].data(), rows_[size_t(m)], n, pieces);
+      MOED_RETURN_IF_ERROR(send_node_message(w, topo_.forwarder_on(m), tag, pieces, n, sends));
+    }
+    return ok_status();
+  }
+
+ private:
+  const Topology& topo_;
+  std::vector<int64_t> tokens_;
+  std::vector<MessageLayout> layout_;
+  std::vector<Bytes> buf_;
+  std::vector<std::vector<const char*>> rows_;
+};
+
 }  // namespace moed::flex

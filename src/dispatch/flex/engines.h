@@ -80,7 +80,6 @@ class RowWriter {
 // ranks' segments (filling ctx.forward_out from the headers in uncached mode) and waits for
 // the sends.
 struct RemoteOps {
-  std::vector<Bytes> send_buffers;    // [N]
   std::vector<Bytes> recv_buffers;    // [N]
   std::vector<Request> sends, recvs;  // recvs[m]: from the source on node m
 };

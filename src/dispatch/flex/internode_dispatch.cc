@@ -81,7 +81,6 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
   const int N = topo.num_nodes, C = plan.num_channels;
   const PushLayout& l = spec.layout;
   RemoteOps ops;
-  ops.send_buffers.resize(size_t(N));
   // Receives of the forwarder role first, so no sender waits on an unposted receive.
   MOED_RETURN_IF_ERROR(post_node_recvs(
       *ctx.world, topo, *ctx.net, tag,
@@ -93,18 +92,10 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
                             .bytes;
       },
       ops.recv_buffers, ops.recvs));
-  // Each message is gathered from its headers and entries, written here, and the token rows
-  // (payloads, then scales) where they lie: no copy of a row before the network's.
-  std::vector<MessageLayout> layouts(static_cast<size_t>(N));
-  std::vector<std::vector<const char*>> rows(static_cast<size_t>(N));
-  for (int m = 0; m < N; ++m) {
-    if (m == topo.node) continue;
-    const int64_t n = plan.node_tokens[size_t(C) * N + m];
-    layouts[size_t(m)] =
-        MessageLayout::of(n, plan.node_entries[size_t(C) * N + m], l.row_bytes, l.scale_bytes);
-    ops.send_buffers[size_t(m)] = ctx.net->send(m, layouts[size_t(m)].payload_off);
-    rows[size_t(m)].resize(size_t(n) * (l.scale_bytes ? 2 : 1));
-  }
+  NodeMessages out(topo, *ctx.net, {&plan.node_tokens[size_t(C) * N], size_t(N)}, [&](int m) {
+    return MessageLayout::of(plan.node_tokens[size_t(C) * N + m],
+                             plan.node_entries[size_t(C) * N + m], l.row_bytes, l.scale_bytes);
+  });
   // Headers and entries: channel c's tokens for node m go at the channel's prefix in m's message.
   ctx.world->pool().parallel_for(C, [&](int64_t cb, int64_t ce, int) {
     std::vector<int64_t> tok(static_cast<size_t>(N)), ent(static_cast<size_t>(N));
@@ -125,8 +116,7 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
           if (m == topo.node) continue;
           const MessageEntry en{e, h.routing.prob[size_t(k)],
                                 h.routing.slot.empty() ? -1 : h.routing.slot[size_t(k)]};
-          Message<char>(ops.send_buffers[size_t(m)].data(), layouts[size_t(m)])
-              .put_entry(size_t(ent[size_t(m)] + count[size_t(m)]), en);
+          out.at(m).put_entry(size_t(ent[size_t(m)] + count[size_t(m)]), en);
           ++count[size_t(m)];
           mask[size_t(m)] = rank_mask_of(topo, e, mask[size_t(m)]);
         }
@@ -136,31 +126,16 @@ StatusOr<RemoteOps> push_remote_start(const DispatchContext& ctx, const PushSpec
                           topo.node, &nodes);
         for (int m = 0; m < N; ++m) {
           if (count[size_t(m)] == 0) continue;
-          const Message<char> msg(ops.send_buffers[size_t(m)].data(), layouts[size_t(m)]);
-          const size_t i = size_t(tok[size_t(m)]);
-          msg.put_header(i, {int32_t(t), count[size_t(m)], mask[size_t(m)],
-                             chain_link(nodes, classes, m, topo.node)});
-          const char** row = rows[size_t(m)].data();
-          row[i] = static_cast<const char*>(spec.rows.x.row_ptr(t));
-          if (l.scale_bytes) {
-            row[size_t(plan.node_tokens[size_t(C) * N + m]) + i] =
-                static_cast<const char*>(spec.rows.scales.row_ptr(t));
-          }
-          ++tok[size_t(m)];
+          const size_t i = size_t(tok[size_t(m)]++);
+          out.at(m).put_header(i, {int32_t(t), count[size_t(m)], mask[size_t(m)],
+                                   chain_link(nodes, classes, m, topo.node)});
+          out.set_row(m, i, spec.rows, t);
           ent[size_t(m)] += count[size_t(m)];
         }
       }
     }
   });
-  std::vector<World::Piece> pieces;
-  for (int m = 0; m < N; ++m) {
-    const int64_t n = plan.node_tokens[size_t(C) * N + m];
-    if (m == topo.node || n == 0) continue;
-    message_pieces(layouts[size_t(m)], ops.send_buffers[size_t(m)].data(), rows[size_t(m)],
-                   size_t(n), pieces);
-    MOED_RETURN_IF_ERROR(
-        send_node_message(*ctx.world, topo.forwarder_on(m), tag, pieces, uint64_t(n), ops.sends));
-  }
+  MOED_RETURN_IF_ERROR(out.send(*ctx.world, tag, ops.sends));
   return ops;
 }
 
