@@ -460,6 +460,44 @@ TEST_P(RankMajor, BadInputIsEveryRanksError) {
     MOED_RETURN_IF_ERROR(
         expect(!cbo.ok() && cbo.status().message().find("rank 0: x is [") != std::string::npos,
                cbo.ok() ? "combine accepted" : cbo.status().to_string()));
+    // A top-k that routes to a rank the layout leaves out (the layout's counts kept consistent):
+    // rank 3's token 0 loses the rank of its first expert.
+    // The expected messages name rank 3's and rank 0's values, so every rank reads those.
+    const int L = p.c.num_experts / p.c.ranks;
+    const std::vector<int64_t>& idx3 = p.topk_idx[3];
+    const int k3 = idx3[0] >= 0 ? 0 : 1;
+    const int64_t e3 = idx3[size_t(k3)];
+    DispatchLayout cut = layout;
+    if (r == 3) {
+      cut.is_token_in_rank[size_t(e3 / L)] = 0;
+      cut.num_tokens_per_rank[size_t(e3 / L)] -= 1;
+    }
+    in.layout = deep_ep::LayoutView::of(cut);
+    d = buf->dispatch(in);
+    const std::string lost = str_cat("rank 3: topk_idx[0][", k3, "] = ", e3, " lives on rank ",
+                                     e3 / L, " but is_token_in_rank[0][", e3 / L, "] is false");
+    MOED_RETURN_IF_ERROR(
+        expect(!d.ok() && d.status().message().find(lost) != std::string::npos,
+               d.ok() ? "accepted a top-k outside the layout" : d.status().to_string()));
+    // A cached dispatch whose top-k routes outside the handle's layout: rank 0's token 0 to the
+    // first expert of a rank it did not go to.
+    in.layout = deep_ep::LayoutView::of(layout);
+    const int k0 = p.topk_idx[0][0] >= 0 ? 0 : 1;
+    int away = 0;
+    while (in_rank(p, 0, 0, away)) ++away;
+    std::vector<int64_t> moved = idx;
+    if (r == 0) moved[size_t(k0)] = int64_t(away) * L;
+    deep_ep::NormalDispatchInput cached;
+    cached.x = in.x;
+    cached.handle = ok.handle;
+    cached.topk = deep_ep::TopkView{moved.data(), true, p.topk_w[size_t(r)].data(), 6, 2};
+    d = buf->dispatch(cached);
+    const std::string outside =
+        str_cat("rank 0: cached dispatch: topk_idx[0][", k0, "] = ", away * L, " lives on rank ",
+                away, " but the handle's is_token_in_rank[0][", away, "] is false");
+    MOED_RETURN_IF_ERROR(
+        expect(!d.ok() && d.status().message().find(outside) != std::string::npos,
+               d.ok() ? "cached accepted a top-k outside the handle" : d.status().to_string()));
     // An expert id outside [-1, E).
     if (r == 1) idx[3] = 8;
     const deep_ep::TopkView bad{idx.data(), true, p.topk_w[size_t(r)].data(), 6, 2};

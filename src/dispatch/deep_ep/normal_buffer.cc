@@ -44,6 +44,32 @@ flex::MessageLayout rm_message(int64_t n, size_t row_bytes, size_t scale_bytes, 
                                  size_t(ranks_per_node) * size_t(num_channels) * sizeof(int32_t));
 }
 
+Status check_topk_in_layout(const TopkView& topk, std::span<const uint8_t> is_token_in_rank,
+                            int num_experts, int num_ranks, bool exact, const char* what,
+                            const char* layout) {
+  MOED_RETURN_IF_ERROR(validate(topk.indices(), num_experts));
+  const int L = num_experts / num_ranks;
+  std::vector<uint8_t> hit(static_cast<size_t>(num_ranks));
+  for (int64_t t = 0; t < topk.num_tokens; ++t) {
+    const uint8_t* in = &is_token_in_rank[size_t(t) * num_ranks];
+    std::fill(hit.begin(), hit.end(), 0);
+    for (int k = 0; k < topk.num_topk; ++k) {
+      const int64_t e = topk.at(t, k);
+      if (e < 0) continue;
+      hit[size_t(e / L)] = 1;
+      if (!in[e / L])
+        return invalid_argument(what, "[", t, "][", k, "] = ", e, " lives on rank ", e / L, " but ",
+                                layout, "[", t, "][", e / L, "] is false");
+    }
+    for (int r = 0; exact && r < num_ranks; ++r) {
+      if (in[r] && !hit[size_t(r)])
+        return invalid_argument(layout, "[", t, "][", r, "] is true but no expert of ", what, "[",
+                                t, "] lives on rank ", r);
+    }
+  }
+  return ok_status();
+}
+
 RmSendPlan make_rm_send_plan(const flex::Topology& topo, const NormalHandle& h, ThreadPool& pool) {
   const int C = h.num_channels, N = topo.num_nodes, G = topo.ranks_per_node, R = topo.num_ranks;
   const int64_t T = h.num_tokens;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "dispatch/flex/buffers.h"
@@ -35,6 +36,13 @@ struct RecvLayout {
 // rows for the G ranks of the node as the tail.
 flex::MessageLayout rm_message(int64_t n, size_t row_bytes, size_t scale_bytes, int num_topk,
                                int ranks_per_node, int num_channels);
+
+// topk's indices (validated against num_experts first) route token t only to ranks that
+// is_token_in_rank [T, R] names for it; `exact`: to every rank it names, too. `what` and
+// `layout` name the two in the error.
+Status check_topk_in_layout(const TopkView& topk, std::span<const uint8_t> is_token_in_rank,
+                            int num_experts, int num_ranks, bool exact, const char* what,
+                            const char* layout);
 
 // The home side's channel split, derived from is_token_in_rank by each call that needs it
 // (O(T x R), small beside the rows).

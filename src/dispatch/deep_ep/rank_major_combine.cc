@@ -29,24 +29,11 @@ struct Source {
 
 // V2's order needs the dispatch's routing: every rank a token went to holds one of its slots.
 Status check_order(const NormalHandle& h, const TopkView& topk) {
-  const int R = h.num_ranks, L = h.num_experts / h.num_ranks;
   if (topk.num_tokens != h.num_tokens)
     return invalid_argument("order_topk has ", topk.num_tokens, " rows; the handle's dispatch had ",
                             h.num_tokens, " tokens");
-  std::vector<uint8_t> hit(static_cast<size_t>(R));
-  for (int64_t t = 0; t < topk.num_tokens; ++t) {
-    std::fill(hit.begin(), hit.end(), 0);
-    for (int k = 0; k < topk.num_topk; ++k) {
-      const int64_t e = topk.at(t, k);
-      if (e >= h.num_experts) return invalid_argument("order_topk[", t, "][", k, "] = ", e);
-      if (e >= 0) hit[size_t(e / L)] = 1;
-    }
-    for (int r = 0; r < R; ++r) {
-      if (hit[size_t(r)] != (h.is_token_in_rank[size_t(t) * R + r] != 0))
-        return invalid_argument("order_topk[", t, "] does not route to the ranks its dispatch did");
-    }
-  }
-  return ok_status();
+  return check_topk_in_layout(topk, h.is_token_in_rank, h.num_experts, h.num_ranks, true,
+                              "order_topk", "the handle's is_token_in_rank");
 }
 
 Status check_combine(const NormalBuffer::State& s, const NormalCombineInput& in,

@@ -18,7 +18,7 @@ namespace {
 
 Status check_uncached(const NormalBuffer::State& s, const NormalDispatchInput& in) {
   MOED_RETURN_IF_ERROR(moed::internal::check_token_rows("x", in.x));
-  const int R = s.topo.num_ranks, E = s.num_experts, L = E / R;
+  const int R = s.topo.num_ranks, E = s.num_experts;
   const int64_t T = in.x.x.rows;
   if (in.expert_alignment < 1)
     return invalid_argument("expert_alignment = ", in.expert_alignment, " must be >= 1");
@@ -57,17 +57,12 @@ Status check_uncached(const NormalBuffer::State& s, const NormalDispatchInput& i
     return invalid_argument("topk_idx has ", k.num_tokens, " rows but x has ", T);
   // The weights travel as they are, as in DeepEP (its tests send randn weights): only the
   // indices are checked.
-  MOED_RETURN_IF_ERROR(validate(k.indices(), E));
+  MOED_RETURN_IF_ERROR(
+      check_topk_in_layout(k, l.is_token_in_rank, E, R, false, "topk_idx", "is_token_in_rank"));
   std::vector<int64_t> per_expert(size_t(E), 0);
   for (int64_t t = 0; t < T; ++t) {
     for (int j = 0; j < k.num_topk; ++j) {
-      const int64_t e = k.at(t, j);
-      if (e < 0) continue;
-      ++per_expert[size_t(e)];
-      if (!l.is_token_in_rank[size_t(t) * R + size_t(e / L)]) {
-        return invalid_argument("topk_idx[", t, "][", j, "] = ", e, " lives on rank ", e / L,
-                                " but is_token_in_rank[", t, "][", e / L, "] is false");
-      }
+      if (const int64_t e = k.at(t, j); e >= 0) ++per_expert[size_t(e)];
     }
   }
   for (int e = 0; e < E; ++e) {
@@ -93,17 +88,9 @@ Status check_cached(const NormalBuffer::State& s, const NormalDispatchInput& in)
   const TopkView& k = in.topk;
   if (k.num_topk > 0 && k.num_tokens != h.num_tokens)
     return invalid_argument("topk_idx has ", k.num_tokens, " rows but x has ", h.num_tokens);
-  if (k.num_topk > 0) MOED_RETURN_IF_ERROR(validate(k.indices(), h.num_experts));
-  for (int64_t t = 0; t < k.num_tokens && k.num_topk > 0; ++t) {
-    for (int j = 0; j < k.num_topk; ++j) {
-      const int64_t e = k.at(t, j);
-      if (e >= 0 && !h.is_token_in_rank[size_t(t) * h.num_ranks + size_t(e / (h.num_experts /
-                                                                             h.num_ranks))])
-        return invalid_argument("cached dispatch: topk_idx[", t, "][", j, "] = ", e,
-                                " is not in the handle's layout");
-    }
-  }
-  return ok_status();
+  if (k.num_topk == 0) return ok_status();
+  return check_topk_in_layout(k, h.is_token_in_rank, h.num_experts, h.num_ranks, false,
+                              "cached dispatch: topk_idx", "the handle's is_token_in_rank");
 }
 
 // Builds the handle from the gathered counts (the same tables on every rank).
