@@ -110,9 +110,8 @@ struct NormalDispatchOutput {
   std::vector<int32_t> num_recv_tokens_per_expert;
   std::shared_ptr<const NormalHandle> handle;
   // Holds the memory above unchanged while any copy is alive, even past the buffer (the
-  // lifetime rule of moed/dispatcher.h): a block of its own in the threads world; in the MPI
-  // and gloo worlds a slot of the buffer's ring of node-shared receive regions, which no later
-  // dispatch writes while it is held.
+  // lifetime rule of moed/dispatcher.h): a slot of the buffer's ring of node-shared receive
+  // regions, which no later dispatch writes while it is held.
   std::shared_ptr<void> storage;
 };
 

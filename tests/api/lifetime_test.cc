@@ -119,6 +119,39 @@ TEST_P(OutputLifetime, OutputOutlivesItsDispatcher) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
+// More outputs held at once than Flex's ring has slots (64; a model's layers kept for the
+// backward): every one stays unchanged, those past the ring in regions of their own, and a
+// dispatch after they are dropped goes back into the ring.
+TEST_P(OutputLifetime, MoreHeldOutputsThanRingSlots) {
+  const auto [backend, kind] = GetParam();
+  constexpr int kHeldOutputs = 64 + 3;
+  const testing::DispatchCase c1 = make_case(4, 2, 1), c2 = make_case(4, 2, 2);
+  const testing::CaseInput in1 = testing::make_case_input(c1), in2 = testing::make_case_input(c2);
+  Status s = testing::run_world(backend, 4, 2, [&](World& w) -> Status {
+    const int r = w.rank();
+    MOED_ASSIGN_OR_RETURN(
+        auto d, TokenDispatcher::create(w, {.kind = kind, .num_experts = c1.num_experts}));
+    auto dispatch = [&](int i) {
+      const testing::CaseInput& in = i % 2 == 0 ? in1 : in2;
+      return d->dispatch(
+          {.hidden = in.hidden[size_t(r)].rows(), .topk = TopkView::of(in.topk[size_t(r)])});
+    };
+    std::vector<DispatchOutput> held;
+    std::vector<Held> copies;
+    for (int i = 0; i < kHeldOutputs; ++i) {
+      MOED_ASSIGN_OR_RETURN(DispatchOutput o, dispatch(i));
+      copies.push_back(copy_of(o));
+      held.push_back(std::move(o));
+    }
+    for (int i = 0; i < kHeldOutputs; ++i)
+      MOED_RETURN_IF_ERROR(same(held[size_t(i)], copies[size_t(i)], str_cat("rank ", r, " #", i)));
+    held.clear();
+    MOED_ASSIGN_OR_RETURN(DispatchOutput again, dispatch(0));
+    return same(again, copies[0], str_cat("rank ", r, " after the outputs were dropped"));
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 // Every token_* returns a non-null request, done after wait() (async or not).
 TEST_P(OutputLifetime, RequestsAreNeverNull) {
   const auto [backend, kind] = GetParam();

@@ -392,6 +392,40 @@ TEST_P(RankMajor, NumWorstTokensPadsWithZerosAndCachedAgrees) {
   }
 }
 
+// More receive blocks held at once than the ring has slots (64), from two problems in turn:
+// each stays what its dispatch received, those past the ring in regions of their own.
+TEST_P(RankMajor, MoreHeldOutputsThanRingSlots) {
+  constexpr int kHeldOutputs = 64 + 3;
+  Case c{.ranks = 4, .per_node = 2, .num_experts = 8, .num_topk = 2, .tokens = {6, 0, 5, 7}};
+  const Problem p1 = make_problem(c);
+  c.seed = 2;
+  const Problem p2 = make_problem(c);
+  Status s = run_world(GetParam(), 4, 2, [&](World& w) -> Status {
+    const int r = w.rank();
+    MOED_ASSIGN_OR_RETURN(auto buf, NormalBuffer::create(w));
+    auto dispatch = [&](const Problem& p) -> StatusOr<deep_ep::NormalDispatchOutput> {
+      const deep_ep::TopkView topk{p.topk_idx[size_t(r)].data(), true, p.topk_w[size_t(r)].data(),
+                                   p.c.tokens[size_t(r)], c.num_topk};
+      MOED_ASSIGN_OR_RETURN(DispatchLayout layout, buf->get_dispatch_layout(topk, c.num_experts));
+      deep_ep::NormalDispatchInput in;
+      in.x = p.x[size_t(r)].rows();
+      in.topk = topk;
+      in.layout = deep_ep::LayoutView::of(layout);
+      return buf->dispatch(in);
+    };
+    std::vector<deep_ep::NormalDispatchOutput> held;
+    for (int i = 0; i < kHeldOutputs; ++i) {
+      MOED_ASSIGN_OR_RETURN(deep_ep::NormalDispatchOutput d, dispatch(i % 2 == 0 ? p1 : p2));
+      held.push_back(std::move(d));
+    }
+    for (int i = 0; i < kHeldOutputs; ++i) {
+      MOED_RETURN_IF_ERROR(check_recv(i % 2 == 0 ? p1 : p2, r, held[size_t(i)], true));
+    }
+    return ok_status();
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
 // Receive blocks of kStreamThresholdBytes and up take their rows with non-temporal stores, in
 // the push inside a node and at the forwarder (rank_major_push.cc): blocks of 12-18 MB here,
 // bf16 inside a node, FP8 with its scales across nodes.

@@ -170,6 +170,26 @@ def case_zero_copy_outlives_buffer(group, runs):
     return True
 
 
+def case_many_held_normal(group, held_outputs):
+    """More normal-mode dispatch results held at once than the Buffer's ring of receive regions
+    has slots (64; a model's layers kept for the backward), from two inputs in turn: each keeps
+    its bits, those past the ring in regions of their own."""
+    E, K, H = 8, 2, 96
+    r = group.rank()
+    buffer = deep_ep.Buffer(group, int(1e9), 0)
+    inputs = [make_inputs(group.size(), E, K, H, seed) for seed in (3, 4)]
+    held, shots = [], []
+    for i in range(held_outputs):
+        xs, idxs, ws = inputs[i % 2]
+        ntpr, _, ntpe, itir, _ = buffer.get_dispatch_layout(idxs[r], E)
+        recv_x, recv_idx, recv_w, _, _, _ = buffer.dispatch(
+            xs[r], num_tokens_per_rank=ntpr, is_token_in_rank=itir, num_tokens_per_expert=ntpe,
+            topk_idx=idxs[r], topk_weights=ws[r])
+        held.append([recv_x, recv_idx, recv_w])
+        shots.append(snapshot(held[-1]))
+    return [unchanged(h, s) for h, s in zip(held, shots)]
+
+
 WORLDS = [(2, 0), (4, 0), (4, 2)]
 IDS = ["R2", "R4", "R4_G2"]
 
@@ -187,6 +207,12 @@ def test_results_outlive_their_buffer(world, destroy):
     runs = RUNS if world == (2, 0) else 5
     for per_rank in run(case_outlive_buffer, world[0], runs, destroy, G=world[1]):
         assert per_rank == [True] * runs
+
+
+@pytest.mark.parametrize("world", [(4, 2)], ids=["R4_G2"])
+def test_more_held_results_than_ring_slots(world):
+    for per_rank in run(case_many_held_normal, world[0], 64 + 3, G=world[1]):
+        assert per_rank == [True] * (64 + 3)
 
 
 def test_results_outlive_the_world():

@@ -222,7 +222,7 @@ StatusOr<NormalDispatchOutput> rm_dispatch(NormalBuffer::State& s, const NormalD
                                 {"held receive slots", int64_t(s.recv_ring.held_mask()), F::kFree}};
   MOED_ASSIGN_OR_RETURN(AgreedTable head, agree_in_one(w, local, fields));
   const auto held_of = [&](int r) { return uint64_t(head.field(r, std::size(fields) - 1)); };
-  MOED_ASSIGN_OR_RETURN(s.recv_slot, s.recv_ring.pick(s.topo, held_of, "rank-major dispatch"));
+  s.recv_slot = s.recv_ring.pick(s.topo, held_of);
   if (cached) {
     // NOTE: the handle is shared with earlier outputs; the cached push writes no plan into
     // it (plan = false), it only reads it.

@@ -24,7 +24,7 @@ Status Region::ensure(World& world, size_t bytes) {
 
 uint64_t OutputRing::held_mask() const {
   uint64_t mask = 0;
-  for (size_t i = 0; i < slots_.size(); ++i) {
+  for (size_t i = 0; i < slots_.size() && i < size_t(kMaxSlots); ++i) {
     // NOTE: the ring's own reference plus one per live OutputHold; a hold being dropped on
     // another thread right now reads as held, which only costs a slot.
     if (slots_[i]->token.use_count() > 1) mask |= uint64_t(1) << i;
@@ -32,26 +32,22 @@ uint64_t OutputRing::held_mask() const {
   return mask;
 }
 
-StatusOr<int> OutputRing::pick(const Topology& topo, const std::function<uint64_t(int)>& held_of,
-                               const char* who) {
-  const int G = topo.ranks_per_node;
-  uint64_t my_node_mask = 0;
-  for (int m = 0; m < topo.num_nodes; ++m) {
-    uint64_t mask = 0;
-    for (int lr = 0; lr < G; ++lr) mask |= held_of(m * G + lr);
-    if (mask == ~uint64_t(0)) {
-      return failed_precondition(who, ": node ", m, " holds ", kMaxSlots,
-                                 " dispatch outputs of this dispatcher at once; drop some "
-                                 "before dispatching again");
-    }
-    if (m == topo.node) my_node_mask = mask;
-  }
-  const int free_slot = std::countr_one(my_node_mask);
-  if (free_slot < size()) return free_slot;
+int OutputRing::pick(const Topology& topo, const std::function<uint64_t(int)>& held_of) {
+  uint64_t mask = 0;
+  for (int lr = 0; lr < topo.ranks_per_node; ++lr)
+    mask |= held_of(topo.node * topo.ranks_per_node + lr);
+  const int free_slot = std::countr_one(mask);
+  if (free_slot < std::min(size(), kMaxSlots)) return free_slot;
   // Every slot is held somewhere on the node: the same conclusion on every local rank, so
   // they all add the slot (its region is allocated, collectively, by the dispatch).
-  slots_.push_back(std::make_unique<Slot>());
-  return size() - 1;
+  if (size() < kMaxSlots) {
+    slots_.push_back(std::make_unique<Slot>());
+    return size() - 1;
+  }
+  // The overflow slot, afresh: the outputs of the one before keep its memory and token.
+  if (size() == kMaxSlots) slots_.emplace_back();
+  slots_[size_t(kOverflow)] = std::make_unique<Slot>();
+  return kOverflow;
 }
 
 namespace {

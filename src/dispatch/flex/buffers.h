@@ -39,22 +39,23 @@ class Region {
 };
 
 // Dispatch outputs live in a ring of node-shared regions (Flex's expert-major output and the
-// rank-major receive in worlds without one address space). A slot is held while any copy of
-// an output's storage made from it is alive on any local rank; the next dispatch writes into
-// the lowest slot no local rank holds (every rank's held mask travels in the dispatch's first
-// collective), adding a slot when all are held. So an output never changes while its caller
-// holds it.
+// rank-major receive). A slot is held while any copy of an output's storage made from it is
+// alive on any local rank; the next dispatch writes into the lowest slot no local rank holds
+// (every rank's held mask travels in the dispatch's first collective), adding a slot when all
+// are held. So an output never changes while its caller holds it. A caller holding kMaxSlots
+// outputs at once (a model's many layers kept for the backward) gets each further output in a
+// region of its own, allocated for it and never written again (the overflow slot).
 class OutputRing {
  public:
   static constexpr int kMaxSlots = 64;  // one bit each in the agreement's held mask
+  static constexpr int kOverflow = kMaxSlots;
 
-  // Slots whose output this rank's caller still holds (bit i = slot i).
+  // Ring slots whose output this rank's caller still holds (bit i = slot i).
   uint64_t held_mask() const;
   // From every rank's held mask (held_of(r), r < R): the lowest slot free on this node, a new
-  // one when every slot is held; the same answer on every local rank. A node whose ring is
-  // full is every rank's error (`who` names the dispatcher).
-  StatusOr<int> pick(const Topology& topo, const std::function<uint64_t(int)>& held_of,
-                     const char* who);
+  // one when every slot is held, a fresh overflow slot when kMaxSlots are; the same answer on
+  // every local rank.
+  int pick(const Topology& topo, const std::function<uint64_t(int)>& held_of);
   Region& region(int slot) { return slots_[size_t(slot)]->region; }
   // What an output's storage holds: the slot's token (so the slot counts as held) and the
   // buffer itself (freed locally with its last owner), so an output may outlive the dispatcher.

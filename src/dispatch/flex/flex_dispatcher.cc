@@ -18,8 +18,8 @@
 // message is fetched in further collectives, on the error path only), and every rank has left
 // the previous step before its memory is written again; inside the step only per-pair signals
 // order the shared-memory traffic. A collective that allocates node-shared memory
-// (alloc_shared, counted in TrafficCounters::collectives too) happens only when a region grows
-// or the ring gains a slot, never in the steady state of equal shapes.
+// (alloc_shared, counted in TrafficCounters::collectives too) happens only when a region grows,
+// the ring gains a slot or every slot is held, never in the steady state of equal shapes.
 //
 // NOTE (buffers, lifetime rule of moed/dispatcher.h): the dispatch output lives in node-shared
 // memory (DeepEP's NVL buffer), so that peers write their rows straight into it. The regions
@@ -27,10 +27,11 @@
 // into the lowest slot that no local rank's caller still holds (each rank's held mask travels
 // in the agreement; allocating node-shared memory is collective over the node, so every
 // local rank must pick the same slot). A caller that drops each output before the next
-// dispatch uses one slot; one that keeps k outputs uses k + 1. The storage also keeps the
-// memory itself (node-shared memory is freed locally with its last owner: heap in the threads
-// world, a munmap of unlinked POSIX segments in the MPI and gloo worlds), so an output may
-// outlive the dispatcher in every world.
+// dispatch uses one slot; one that keeps k outputs uses k + 1, up to OutputRing::kMaxSlots,
+// beyond which each output gets a region of its own. The storage also keeps the memory
+// itself (node-shared memory is freed locally with its last owner: heap in the threads world,
+// a munmap of unlinked POSIX segments in the MPI and gloo worlds), so an output may outlive
+// the dispatcher in every world.
 // token_*(async = true) runs the step on its own thread where the world allows calls from any
 // thread (threads; MPI initialised with MPI_THREAD_MULTIPLE); elsewhere the step runs eagerly
 // and returns a completed request.
@@ -140,9 +141,7 @@ Status Dispatcher::dispatch_body() {
   MOED_ASSIGN_OR_RETURN(AgreedTable t, agree_in_one(*world_, d.local, fields, counts));
   MOED_CHECK(t.width == dispatch_agreement_width(topo_));
 
-  // Every rank checks every node's ring, so a full ring is every rank's error.
-  const auto held_of = [&](int r) { return uint64_t(t.field(r, kHeld)); };
-  MOED_ASSIGN_OR_RETURN(d.slot, outputs_.pick(topo_, held_of, "Flex"));
+  d.slot = outputs_.pick(topo_, [&](int r) { return uint64_t(t.field(r, kHeld)); });
   if (d.fresh) MOED_RETURN_IF_ERROR(notify_finish(config_, *d.fresh, t.table, t.width, kCounts));
 
   const FlexHandle& h = d.handle();
