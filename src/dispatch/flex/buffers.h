@@ -191,7 +191,6 @@ inline Status send_node_message(World& w, int to, int tag, std::span<const World
   return ok_status();
 }
 
-
 // A two-hop push's messages from this rank (Flex's and the rank-major one), one to the
 // forwarder on each remote node m with tokens[m] > 0, of layout layout_of(m): the headers,
 // entries and tail written into net's send buffers, each token's payload and scales gathered
@@ -210,7 +209,7 @@ class NodeMessages {
       if (!sends_to(m)) continue;
       const MessageLayout l = layout_of(m);
       layout_[size_t(m)] = l;
-      // Only a tail follows the rows in the buffer; the rows are never written there.
+      // Headers and entries, and a tail at its place past the rows' room; no row is copied in.
       buf_[size_t(m)] = net.send(m, l.bytes > l.tail_off ? l.bytes : l.payload_off);
       rows_[size_t(m)].resize(size_t(tokens_[size_t(m)]) * (l.scale_bytes ? 2 : 1));
     }
