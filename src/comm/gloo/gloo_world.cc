@@ -26,12 +26,11 @@ namespace {
 constexpr std::chrono::milliseconds kBackstop = std::chrono::seconds(30);
 // How long a rank that saw a connection close waits for the failure message that names the
 // cause (a host-mate of a dead rank sends one within a few monitor ticks; on a loaded 2-core
-// machine it once took longer than 2 s, and the closed connection was blamed instead).
+// machine it once took longer than 2 s, and the closed connection was blamed instead), and how
+// long a rank that told others of a failure waits for their acknowledgements before it closes.
 constexpr std::chrono::milliseconds kCauseGrace = std::chrono::seconds(5);
-// How long a rank that sent failure messages keeps its connections open once they have left: a
-// close with unread data resets the connection, which may drop what the peer has not read yet
-// (twice in CI a survivor across hosts blamed the host-mate that had told it, not the dead rank).
-constexpr auto kFaultLinger = std::chrono::milliseconds(500);
+// The payload of a failure message's acknowledgement.
+constexpr char kFaultAck = 1;
 constexpr auto kTick = std::chrono::milliseconds(5);
 constexpr auto kPidCheckEvery = std::chrono::milliseconds(20);
 
@@ -117,19 +116,13 @@ GlooWorld::~GlooWorld() {
   stopping_.store(true);
   monitor_cv_.notify_all();
   if (monitor_.joinable()) monitor_.join();
+  // The listener goes on acknowledging the others' failure messages while this rank waits for
+  // the acknowledgements of its own; then whatever it relayed meanwhile is waited for too.
+  const auto until = Clock::now() + kCauseGrace;
+  size_t acked = await_fault_acks(0, until);
   if (fault_recv_) fault_recv_->abortWaitRecv();
   if (listener_.joinable()) listener_.join();
-  // Let the failure messages leave before the connections close (bounded: a dead peer's
-  // never completes).
-  const auto until = Clock::now() + kCauseGrace;
-  for (auto& b : fault_sends_) {
-    try {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
-      if (left.count() > 0) b->waitSend(left);
-    } catch (const std::exception&) {
-    }
-  }
-  if (!fault_sends_.empty()) std::this_thread::sleep_for(kFaultLinger);
+  await_fault_acks(acked, until);
   if (control_ != nullptr) {
     control_->members[host_index_].state.store(kClosed, std::memory_order_release);
     munmap(control_, control_bytes_);
@@ -139,6 +132,7 @@ GlooWorld::~GlooWorld() {
   forget_mailbox(this);
   fault_recv_.reset();
   fault_sends_.clear();
+  fault_acks_.clear();
   ctx_.reset();
   device_.reset();
 }
@@ -224,6 +218,7 @@ void GlooWorld::send_fault(int failed_rank, const Status& reason) {
       Buffer b = ctx_->createUnboundBuffer(fault_out_.back().data(), fault_out_.back().size());
       b->send(r, make_slot(Space::kFault, 0));
       fault_sends_.push_back(std::move(b));
+      fault_told_.push_back(r);
     } catch (const std::exception&) {
       // A closed connection: that rank learns from the closure instead.
     }
@@ -242,16 +237,51 @@ void GlooWorld::listen_for_faults() {
   try {
     for (;;) {
       fault_recv_->recv(peers, make_slot(Space::kFault, 0));
-      if (!fault_recv_->waitRecv(nullptr, std::chrono::hours(24 * 30)) || stopping_.load()) return;
+      int from = -1;
+      if (!fault_recv_->waitRecv(&from, std::chrono::hours(24 * 30))) return;  // aborted
       int32_t head[3];
       std::memcpy(head, fault_in_.data(), sizeof(head));
       const size_t len = std::min(size_t(std::max(head[2], 0)), kMessageBytes);
-      record_failure(
-          head[0], Status(StatusCode(head[1]), std::string(fault_in_.data() + sizeof(head), len)));
+      const Status reason(StatusCode(head[1]), std::string(fault_in_.data() + sizeof(head), len));
+      record_failure(head[0], reason);
+      acknowledge_fault(from);
+      // Passed on: the sender may end before its message reaches every rank.
+      send_fault(head[0], reason);
     }
   } catch (const std::exception&) {
     // The context closed (gloo's backstop timeout): waits see it themselves.
   }
+}
+
+void GlooWorld::acknowledge_fault(int to) {
+  if (to < 0 || to == rank_) return;
+  try {
+    Buffer b = ctx_->createUnboundBuffer(const_cast<char*>(&kFaultAck), 1);
+    b->send(to, make_slot(Space::kFault, 1));
+    fault_acks_.push_back(std::move(b));
+  } catch (const std::exception&) {
+    // A closed connection: the sender stops waiting for this rank.
+  }
+}
+
+size_t GlooWorld::await_fault_acks(size_t first, Clock::time_point until) {
+  std::vector<int> told;
+  {
+    std::lock_guard<std::mutex> lock(fail_mu_);
+    told = fault_told_;
+  }
+  char byte = 0;
+  for (size_t i = first; i < told.size(); ++i) {
+    try {
+      Buffer b = ctx_->createUnboundBuffer(&byte, 1);
+      b->recv(told[i], make_slot(Space::kFault, 1));
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now());
+      if (left.count() > 0) b->waitRecv(left);
+    } catch (const std::exception&) {
+      // Its connection closed (a dead or finished rank) or the grace ran out.
+    }
+  }
+  return told.size();
 }
 
 int GlooWorld::find_dead_host_mate() const {

@@ -202,8 +202,15 @@ class GlooWorld final : public World {
  private:
   // Records `reason` as the world's failure, blamed on `rank`, and wakes the current wait.
   void record_failure(int rank, const Status& reason) const;
+  // Tells every other rank, once per world, that `failed_rank` failed for `reason`.
   void send_fault(int failed_rank, const Status& reason);
+  // Receives the others' failure messages: records, acknowledges and passes each on.
   void listen_for_faults();
+  void acknowledge_fault(int to);
+  // Waits until each rank told of a failure since fault_told_[first] has acknowledged it, its
+  // connection has closed, or `until`: gloo closes a connection by resetting it, which drops
+  // what the peer has not read yet. Returns how many ranks were told.
+  size_t await_fault_acks(size_t first, Clock::time_point until);
   void monitor();
   // Polls `word` of host-mate r until it reaches `value` (bounded; a closed rank is a failure).
   Status await_host(const std::atomic<uint64_t>& word, uint64_t value, int r, const char* op,
@@ -257,6 +264,8 @@ class GlooWorld final : public World {
   Buffer fault_recv_;
   std::vector<std::vector<char>> fault_out_;
   std::vector<Buffer> fault_sends_;
+  std::vector<int> fault_told_;     // the ranks fault_sends_ go to, under fail_mu_
+  std::vector<Buffer> fault_acks_;  // the listener's acknowledgements
   std::thread listener_;
   std::thread monitor_;
   std::atomic<bool> stopping_{false};
