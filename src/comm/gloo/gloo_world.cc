@@ -116,6 +116,7 @@ GlooWorld::~GlooWorld() {
   stopping_.store(true);
   monitor_cv_.notify_all();
   if (monitor_.joinable()) monitor_.join();
+  relay_host_fault();  // in case the monitor had not yet
   // The listener goes on acknowledging the others' failure messages while this rank waits for
   // the acknowledgements of its own; then whatever it relayed meanwhile is waited for too.
   const auto until = Clock::now() + kCauseGrace;
@@ -225,6 +226,20 @@ void GlooWorld::send_fault(int failed_rank, const Status& reason) {
   }
 }
 
+bool GlooWorld::relay_host_fault() {
+  if (control_ == nullptr || control_->fault_ready.load(std::memory_order_acquire) != 1) {
+    return false;
+  }
+  const int who = control_->fault_rank.load(std::memory_order_relaxed) - 1;
+  if (who == rank_) return true;  // about this rank, which failure() does not take either
+  const Status reason(
+      StatusCode(control_->fault_code),
+      std::string(control_->fault_message, strnlen(control_->fault_message, kMessageBytes)));
+  record_failure(who, reason);
+  send_fault(who, reason);
+  return true;
+}
+
 void GlooWorld::abort(const Status& reason) {
   record_failure(rank_, reason);
   send_fault(rank_, reason);
@@ -316,7 +331,7 @@ void GlooWorld::monitor() {
           waiting_->buf->abortWaitSend();
       }
     }
-    if (!failed_.load()) (void)failure();  // the host's fault word
+    if (!host_fault_relayed_) host_fault_relayed_ = relay_host_fault();
     // NOTE: dead host-mates are looked for after the first failure too, so that each is
     // recorded as failed (rank_failed), as the low-latency shrink mode asks.
     if (control_ != nullptr && now >= next_pid_check) {

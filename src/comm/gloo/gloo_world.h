@@ -207,6 +207,9 @@ class GlooWorld final : public World {
   // Receives the others' failure messages: records, acknowledges and passes each on.
   void listen_for_faults();
   void acknowledge_fault(int to);
+  // Records a failure a host-mate wrote into the host's fault word and passes it on (its writer
+  // may end before its own messages arrive); false while there is none.
+  bool relay_host_fault();
   // Waits until each rank told of a failure since fault_told_[first] has acknowledged it, its
   // connection has closed, or `until`: gloo closes a connection by resetting it, which drops
   // what the peer has not read yet. Returns how many ranks were told.
@@ -266,6 +269,7 @@ class GlooWorld final : public World {
   std::vector<Buffer> fault_sends_;
   std::vector<int> fault_told_;     // the ranks fault_sends_ go to, under fail_mu_
   std::vector<Buffer> fault_acks_;  // the listener's acknowledgements
+  bool host_fault_relayed_ = false;  // the monitor's
   std::thread listener_;
   std::thread monitor_;
   std::atomic<bool> stopping_{false};
