@@ -1,6 +1,6 @@
 #include "dispatch/prepare.h"
 
-#include "dispatch/out_buffer.h"
+#include "core/row_checks.h"
 
 namespace moed {
 

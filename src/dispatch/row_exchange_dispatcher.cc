@@ -6,8 +6,8 @@
 #include <optional>
 #include <utility>
 
+#include "core/row_checks.h"
 #include "core/row_kernels.h"
-#include "dispatch/out_buffer.h"
 #include "dispatch/row_exchange.h"
 #include "dispatch/steps.h"
 
@@ -140,22 +140,9 @@ StatusOr<Tensor> reduce_home(const PermuteLayout& home, const TensorView& terms,
   return b;
 }
 
-// Checks rows shaped like the handle's expert side (f32 / bf16).
+// Rows shaped like the handle's expert side (f32 / bf16), as Flex checks them.
 Status check_expert_rows(const char* what, const TensorView& rows, const DispatchHandle& handle) {
-  if (rows.dtype != DType::kF32 && rows.dtype != DType::kBF16) {
-    return invalid_argument(what, " is ", dtype_name(rows.dtype),
-                            "; expert outputs and gradients must be f32 or bf16");
-  }
-  if (rows.rows != handle.num_rows || rows.cols != handle.hidden) {
-    return invalid_argument(what, " is [", rows.rows, ", ", rows.cols,
-                            "] but the dispatch gave this rank [", handle.num_rows, ", ",
-                            handle.hidden, "]");
-  }
-  if (rows.row_stride < rows.cols) {
-    return invalid_argument(what, " row_stride = ", rows.row_stride, " < hidden = ", rows.cols);
-  }
-  if (rows.rows > 0 && rows.data == nullptr) return invalid_argument(what, ".data is null");
-  return ok_status();
+  return internal::check_float_rows(what, rows, handle.num_rows, handle.hidden);
 }
 
 class RowExchangeDispatcher final : public TokenDispatcher {
@@ -460,19 +447,10 @@ Status RowExchangeDispatcher::dispatch_grad_body() {
 Status RowExchangeDispatcher::combine_postprocess_backward(const CombineGradInput& grad) {
   CombineGradStep& g = combine_grad_;
   if (const ExchangeHandle* h = start_step(g, grad.handle, ok_status(), "combine backward")) {
-    const DispatchHandle& d = *h;
-    const TensorView& x = grad.grad_hidden;
-    if (x.dtype != DType::kF32 && x.dtype != DType::kBF16) {
-      g.local = invalid_argument("grad_hidden is ", dtype_name(x.dtype), "; must be f32 or bf16");
-    } else if (x.rows != d.routing.num_tokens() || x.cols != d.hidden) {
-      g.local = invalid_argument("grad_hidden is [", x.rows, ", ", x.cols, "] but this rank has [",
-                                 d.routing.num_tokens(), ", ", d.hidden, "] tokens");
-    } else if (x.row_stride < x.cols || (x.rows > 0 && x.data == nullptr)) {
-      g.local = invalid_argument("grad_hidden has row_stride ", x.row_stride, " < ", x.cols,
-                                 " or null data");
-    } else if (config_.weighted_combine) {
-      g.local = check_expert_rows("expert_output (needed by the weighted combine backward)",
-                                  grad.expert_output.x, d);
+    g.local = internal::check_float_rows("grad_hidden", grad.grad_hidden, h->routing.num_tokens(),
+                                         h->hidden);
+    if (g.local.ok() && config_.weighted_combine) {
+      g.local = check_expert_rows("expert_output", grad.expert_output.x, *h);
     }
   }
   if (!g.local.ok()) return ok_status();  // agreed in token_combine_backward

@@ -5,12 +5,12 @@
 
 #include <cstring>
 
+#include "core/row_checks.h"
 #include "core/row_kernels.h"
-#include "permute/checks.h"
 
 namespace moed {
 
-using permute_internal::check_token_rows;
+using internal::check_token_rows;
 
 Status permute_rows_into(const TokenRows& tokens, const PermuteLayout& layout, const TokenRows& out,
                          ThreadPool& pool) {

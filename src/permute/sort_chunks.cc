@@ -7,13 +7,13 @@
 #include <cstring>
 #include <numeric>
 
+#include "core/row_checks.h"
 #include "core/row_kernels.h"
 #include "moed/permute.h"
-#include "permute/checks.h"
 
 namespace moed {
 
-using permute_internal::check_token_rows;
+using internal::check_token_rows;
 
 namespace {
 

@@ -9,15 +9,15 @@
 #include <cstring>
 #include <vector>
 
+#include "core/row_checks.h"
 #include "core/row_kernels.h"
 #include "moed/permute.h"
-#include "permute/checks.h"
 
 namespace moed {
 
+using internal::check_float_rows;
 using internal::row_kernels;
 using internal::RowKernels;
-using permute_internal::check_float_rows;
 
 namespace {
 
@@ -113,7 +113,7 @@ Status unpermute_into(const TensorView& rows, std::span<const int32_t> sorted_in
     return invalid_argument("probs has ", probs.size(), " entries for ", N,
                             " rows (give none for an unweighted unpermute)");
   }
-  MOED_RETURN_IF_ERROR(permute_internal::check_view("out", out, -1, rows.cols));
+  MOED_RETURN_IF_ERROR(internal::check_view("out", out, -1, rows.cols));
   if (out.dtype != rows.dtype) {
     return invalid_argument("out is ", dtype_name(out.dtype), "; rows are ",
                             dtype_name(rows.dtype));

@@ -8,6 +8,8 @@
 #include <limits>
 #include <numeric>
 
+#include "core/row_checks.h"
+
 namespace moed::reference_internal {
 namespace {
 
@@ -73,25 +75,12 @@ Status check_routing(const RoutingMap& m, int s, int num_experts) {
   return ok_status();
 }
 
-Status check_view(const TensorView& v, const std::string& name) {
-  if (v.row_stride < v.cols) {
-    return invalid_argument(name, ".row_stride = ", v.row_stride, " is below cols = ", v.cols);
-  }
-  if (v.rows < 0 || v.cols < 0) {
-    return invalid_argument(name, " has a negative shape [", v.rows, ", ", v.cols, "]");
-  }
-  if (v.rows > 0 && v.cols > 0 && v.data == nullptr) {
-    return invalid_argument(name, " is [", v.rows, ", ", v.cols, "] but its data is null");
-  }
-  return ok_status();
-}
-
 Status check_hidden(const ReferenceProblem& p) {
   const TensorView& x0 = p.hidden[0].x;
   for (int s = 0; s < int(p.hidden.size()); ++s) {
     const TokenRows& h = p.hidden[size_t(s)];
     const std::string name = str_cat("hidden[", s, "]");
-    MOED_RETURN_IF_ERROR(check_view(h.x, name));
+    MOED_RETURN_IF_ERROR(moed::internal::check_view(name.c_str(), h.x, -1, -1));
     if (h.x.rows != p.routing[size_t(s)].num_tokens) {
       return invalid_argument(name, " has ", h.x.rows, " rows but routing[", s,
                               "] has T = ", p.routing[size_t(s)].num_tokens, " tokens");
@@ -108,7 +97,7 @@ Status check_hidden(const ReferenceProblem& p) {
       return invalid_argument(name, " is fp8 with H = ", h.x.cols, ", not a multiple of ",
                               kFp8BlockSize);
     }
-    MOED_RETURN_IF_ERROR(check_view(h.scales, name + ".scales"));
+    MOED_RETURN_IF_ERROR(moed::internal::check_view((name + ".scales").c_str(), h.scales, -1, -1));
     if (h.scales.dtype != DType::kF32 || h.scales.rows != h.x.rows ||
         h.scales.cols != h.x.cols / kFp8BlockSize) {
       return invalid_argument(name, ".scales is ", dtype_name(h.scales.dtype), " [", h.scales.rows,
@@ -304,7 +293,7 @@ Status check_float_views(const std::string& name, const std::vector<TensorView>&
   for (int r = 0; r < int(views.size()); ++r) {
     const TensorView& v = views[size_t(r)];
     const std::string vname = str_cat(name, "[", r, "]");
-    MOED_RETURN_IF_ERROR(check_view(v, vname));
+    MOED_RETURN_IF_ERROR(moed::internal::check_view(vname.c_str(), v, -1, -1));
     if (v.dtype != DType::kF32 && v.dtype != DType::kBF16) {
       return invalid_argument(vname, " is ", dtype_name(v.dtype), "; only f32 and bf16 allowed");
     }

@@ -1,5 +1,5 @@
 // Token rows (x, with its fp8 scales) are checked by one rule with one message for every entry
-// point that takes them (check_token_rows, src/dispatch/out_buffer.h): the three six-step
+// point that takes them (check_token_rows, src/core/row_checks.h): the three six-step
 // dispatchers, fresh and cached, DeepEP's normal-mode Buffer, fresh and cached, and low-latency
 // mode (bf16 only). A bad x on the last rank is an InvalidArgument on every rank naming that rank
 // and the value, after which the same objects run a good call.
@@ -40,7 +40,7 @@ std::vector<BadRows> bad_rows(bool fp8) {
          b.x.row_stride = kHidden - 1;
          return b;
        },
-       [](int64_t) { return str_cat(" row_stride = ", kHidden - 1, " < hidden = ", kHidden); }},
+       [](int64_t) { return str_cat(" row_stride = ", kHidden - 1, " < cols = ", kHidden); }},
       {"no hidden size",
        [](const TokenRows& g) {
          TokenRows b = g;

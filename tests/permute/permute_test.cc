@@ -337,7 +337,9 @@ TEST(PermuteErrors, NameTheOffendingValue) {
                "routing probs has 39 entries; [10, 4] needs 40");
   TokenTensor fp8 = random_tokens(DType::kFP8, 10, 128, 44);
   TokenRows no_scales{fp8.x.view(), TensorView()};
-  expect_error(permute(no_scales, m).status(), "tokens scales has 0 rows; expected 10");
+  expect_error(
+      permute(no_scales, m).status(),
+      "tokens scales must be f32 [10, 1] with row_stride >= 1; got f32 [0, 0] with row_stride 0");
 
   StatusOr<PermuteLayout> l = make_permute_layout(m);
   ASSERT_TRUE(l.ok());
@@ -354,8 +356,9 @@ TEST(PermuteErrors, NameTheOffendingValue) {
   const std::vector<int32_t> idx3 = {0, 1, 2};
   expect_error(unpermute(y.view(), idx3, 5, probs).status(), "probs has 1 entries for 3 rows");
   expect_error(unpermute(fp8.x.view(), l->sorted_indices, 10).status(),
-               "rows must be f32 or bf16; got fp8");
-  expect_error(permute_backward(y.view(), {}, *l).status(), "grad_rows has 3 rows; expected 10");
+               "rows dtype is fp8; expected f32 or bf16");
+  expect_error(permute_backward(y.view(), {}, *l).status(),
+               "grad_rows is [3, 8]; expected [10, 8]");
   expect_error(unpermute_backward(y.view(), idx3, probs, y.view()).status(),
                "probs has 1 entries for 3 sorted_indices");
 }

@@ -159,7 +159,8 @@ TEST(SortChunksErrors, NameTheOffendingValue) {
   const std::vector<int32_t> idxs = {1, 0};
   expect_error(sort_chunks_by_idxs(in, negative, idxs).status(), "split_sizes[0] = -1 is negative");
   const std::vector<int64_t> too_many = {2, 4};
-  expect_error(sort_chunks_by_idxs(in, too_many, idxs).status(), "input has 5 rows; expected 6");
+  expect_error(sort_chunks_by_idxs(in, too_many, idxs).status(),
+               "input is [5, 8]; expected [6, 8]");
   Tensor out = Tensor::empty(DType::kBF16, 6, 8);
   const std::vector<int64_t> overlap = {0, 2};  // chunk 0 (size 3) ends at 3 > 2
   expect_error(sort_chunks_by_idxs_into(in, sizes, idxs, TokenRows{out.view(), {}}, overlap),

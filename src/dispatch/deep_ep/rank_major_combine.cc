@@ -10,9 +10,9 @@
 
 #include "comm/agreement.h"
 #include "comm/tags.h"
+#include "core/row_checks.h"
 #include "dispatch/deep_ep/rank_major.h"
 #include "dispatch/ordered_fold.h"
-#include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
 

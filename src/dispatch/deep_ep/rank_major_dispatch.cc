@@ -9,8 +9,8 @@
 // exchange and the handle; the data movement is rank_major_push.cc.
 
 #include "comm/agreement.h"
+#include "core/row_checks.h"
 #include "dispatch/deep_ep/rank_major.h"
-#include "dispatch/out_buffer.h"
 
 namespace moed::deep_ep {
 

@@ -5,8 +5,8 @@
 #include <cstring>
 #include <utility>
 
+#include "core/row_checks.h"
 #include "dispatch/flex/steps.h"
-#include "dispatch/out_buffer.h"
 
 namespace moed::flex {
 

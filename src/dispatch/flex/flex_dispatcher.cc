@@ -43,9 +43,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/row_checks.h"
 #include "core/row_kernels.h"
 #include "dispatch/flex/steps.h"
-#include "dispatch/out_buffer.h"
 
 namespace moed {
 namespace flex {

@@ -7,11 +7,11 @@
 #include <cstring>
 
 #include "comm/agreement.h"
+#include "core/row_checks.h"
 #include "core/row_kernels.h"
 #include "dispatch/low_latency/dispatch_rows.h"
 #include "dispatch/low_latency/segment.h"
 #include "dispatch/low_latency/segment_peers.h"
-#include "dispatch/out_buffer.h"
 
 namespace moed {
 
