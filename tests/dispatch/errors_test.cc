@@ -1,5 +1,5 @@
 // Bad input: every rank gets the same clear error (code and message naming the value), and
-// nothing hangs, for both dispatchers on both worlds.
+// nothing hangs, for the three dispatchers alike (one message each) on both worlds.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,6 +8,7 @@
 
 #include "dispatch/allgather/allgather.h"
 #include "dispatch/alltoall/alltoall.h"
+#include "dispatch/flex/flex_dispatcher.h"
 #include "support/world_test.h"
 
 namespace moed {
@@ -23,9 +24,10 @@ struct Kind {
 class DispatchErrors : public ::testing::TestWithParam<std::tuple<Backend, int>> {
  protected:
   Kind kind() const {
-    return std::get<1>(GetParam()) == 0
-               ? Kind{DispatcherKind::kAllGather, make_allgather_dispatcher}
-               : Kind{DispatcherKind::kAlltoAll, make_alltoall_dispatcher};
+    static const Kind kinds[] = {{DispatcherKind::kAllGather, make_allgather_dispatcher},
+                                 {DispatcherKind::kAlltoAll, make_alltoall_dispatcher},
+                                 {DispatcherKind::kFlex, make_flex_dispatcher}};
+    return kinds[std::get<1>(GetParam())];
   }
   Backend backend() const { return std::get<0>(GetParam()); }
   DispatchConfig config(int num_experts) const {
@@ -179,13 +181,14 @@ TEST_P(DispatchErrors, CombineRowsDisagreeWithTheDispatchOnOneRank) {
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::tuple<Backend, int>>& info) {
+  static const char* const names[] = {"_allgather", "_alltoall", "_flex"};
   return std::string(testing::backend_name(std::get<0>(info.param))) +
-         (std::get<1>(info.param) == 0 ? "_allgather" : "_alltoall");
+         names[std::get<1>(info.param)];
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, DispatchErrors,
                          ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values(0, 1)),
+                                            ::testing::Values(0, 1, 2)),
                          param_name);
 
 }  // namespace

@@ -8,8 +8,8 @@ namespace moed {
 
 StatusOr<std::unique_ptr<TokenDispatcher>> TokenDispatcher::create(World& world,
                                                                    const DispatchConfig& config) {
-  // Validation is collective: a bad config on any rank is an error on every rank.
-  MOED_RETURN_IF_ERROR(world.agree(config.validate(world.size())));
+  // Each factory validates the config in its opening agreement: a bad config on any rank is
+  // an error on every rank.
   switch (config.kind) {
     case DispatcherKind::kAllGather: return make_allgather_dispatcher(world, config);
     case DispatcherKind::kAlltoAll: return make_alltoall_dispatcher(world, config);

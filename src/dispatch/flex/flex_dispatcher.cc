@@ -264,24 +264,37 @@ StatusOr<TensorView> Dispatcher::expert_output_buffer(const DispatchHandle& hand
 
 }  // namespace flex
 
-StatusOr<std::unique_ptr<FlexDispatcher>> make_flex(World& world, const DispatchConfig& config) {
-  const int G = world.ranks_per_node(), P = config.etp_size;
-  Status local;
-  if (world.num_nodes() > 1 && G % P != 0) {
-    local = unimplemented("Flex across nodes needs each expert's ", P,
-                          " ETP ranks inside one node; "
-                          "ranks_per_node = ",
-                          G, " is not a multiple of etp_size = ", P);
-  } else if (world.num_nodes() > 1 && G > 64) {
-    local = unimplemented(
-        "Flex across nodes supports up to 64 ranks per node (the header's rank "
-        "mask); ranks_per_node = ",
+namespace {
+
+// What Flex's wire format bounds (flex/message.h): ETP groups inside a node, the header's rank
+// mask and chain links.
+Status check_flex_world(const World& world, int etp_size) {
+  const int G = world.ranks_per_node();
+  if (world.num_nodes() > 1 && G % etp_size != 0) {
+    return unimplemented("Flex across nodes needs each expert's ", etp_size,
+                         " ETP ranks inside one node; ranks_per_node = ", G,
+                         " is not a multiple of etp_size = ", etp_size);
+  }
+  if (world.num_nodes() > 1 && G > 64) {
+    return unimplemented(
+        "Flex across nodes supports up to 64 ranks per node (the header's rank mask); "
+        "ranks_per_node = ",
         G);
-  } else if (world.num_nodes() > 32767) {
-    local = unimplemented(
+  }
+  if (world.num_nodes() > 32767) {
+    return unimplemented(
         "Flex across nodes supports up to 32767 nodes (the header's chain links); num_nodes = ",
         world.num_nodes());
   }
+  return ok_status();
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<FlexDispatcher>> make_flex(World& world, const DispatchConfig& config) {
+  // As every dispatcher's factory: a bad config on any rank is an error on every rank.
+  Status local = config.validate(world.size());
+  if (local.ok()) local = check_flex_world(world, config.etp_size);
   MOED_RETURN_IF_ERROR(world.agree(local));
   auto d = std::make_unique<flex::Dispatcher>(world, config);
   MOED_RETURN_IF_ERROR(d->init());
@@ -290,9 +303,8 @@ StatusOr<std::unique_ptr<FlexDispatcher>> make_flex(World& world, const Dispatch
 
 StatusOr<std::unique_ptr<FlexDispatcher>> FlexDispatcher::make(World& world,
                                                                const DispatchConfig& config) {
-  // As TokenDispatcher::create: a bad config on any rank is an error on every rank.
-  Status local = config.validate(world.size());
-  if (local.ok() && config.kind != DispatcherKind::kFlex) {
+  Status local;
+  if (config.kind != DispatcherKind::kFlex) {
     local = invalid_argument("FlexDispatcher::make: config.kind = '",
                              dispatcher_kind_name(config.kind), "'; expected 'flex'");
   }
