@@ -50,8 +50,7 @@ Status check_float_rows(const char* what, const TensorView& v, int64_t rows, int
 
 Status check_out_buffer(const char* what, const TensorView& out, int64_t rows, int64_t cols,
                         DType dtype, const char* dtype_of) {
-  if (out.rows != rows || out.cols != cols) return check_view(what, out, rows, cols);
-  if (out.dtype != dtype) {
+  if (out.rows == rows && out.cols == cols && out.dtype != dtype) {  // a wrong shape comes first
     return invalid_argument(what, " dtype is ", dtype_name(out.dtype), "; expected ",
                             dtype_name(dtype), " (the dtype of ", dtype_of, ")");
   }
