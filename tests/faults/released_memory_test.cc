@@ -1,7 +1,8 @@
 // A rank that leaves in the middle of a loop of calls, dropping its inputs and its buffer at
 // once, never leaves another rank reading or writing its released memory: in the threads world
-// the peers read each other's rows where they are (low-latency in-place mode, Flex's pull, the
-// rank-major combine) and write each other's receive blocks (the rank-major push). Every
+// the peers read each other's rows where they are (low-latency mode's in-place combine, Flex's
+// pull, the rank-major combine) and write each other's receive blocks (the rank-major and
+// low-latency pushes). Every
 // other rank returns an error naming the rank that left; under AddressSanitizer a read of its
 // memory would be reported. The loop runs many times, since the hazard is a race.
 #include <gtest/gtest.h>
@@ -192,8 +193,7 @@ TEST_P(ReleasedMemory, NoRankTouchesTheMemoryOfARankThatLeft) {
         backend, kRanks, /*ranks_per_node=*/0,
         [&](World& w) -> Status {
           Status s;
-          if (name == "ll_staged") s = low_latency_loop(w, 16, 512, false);
-          if (name == "ll_caller_rows") s = low_latency_loop(w, 64, 1024, false);
+          if (name == "ll_dispatch") s = low_latency_loop(w, 64, 1024, false);
           if (name == "ll_combine") s = low_latency_loop(w, 64, 1024, true);
           if (name == "rank_major_dispatch") s = rank_major_loop(w, false);
           if (name == "rank_major_combine") s = rank_major_loop(w, true);
@@ -220,13 +220,12 @@ std::string param_name(const ::testing::TestParamInfo<ReleasedMemory::ParamType>
          std::get<1>(info.param);
 }
 
-INSTANTIATE_TEST_SUITE_P(Worlds, ReleasedMemory,
-                         ::testing::Combine(::testing::ValuesIn(testing::backends()),
-                                            ::testing::Values("ll_staged", "ll_caller_rows",
-                                                              "ll_combine", "rank_major_dispatch",
-                                                              "rank_major_combine",
-                                                              "flex_combine")),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(
+    Worlds, ReleasedMemory,
+    ::testing::Combine(::testing::ValuesIn(testing::backends()),
+                       ::testing::Values("ll_dispatch", "ll_combine", "rank_major_dispatch",
+                                         "rank_major_combine", "flex_combine")),
+    param_name);
 
 }  // namespace
 }  // namespace moed

@@ -37,47 +37,75 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
   return l;
 }
 
+BlockLayout BlockLayout::of(const SegmentLayout& lay) {
+  const size_t rows = size_t(lay.num_local_experts) * size_t(lay.rows_per_expert());
+  BlockLayout l;
+  Sections s(64);
+  l.x = s.add(rows * size_t(lay.hidden) * sizeof(bf16));
+  l.scales = s.add(rows * size_t(lay.num_scales) * sizeof(float));
+  l.src = s.add(rows * sizeof(int32_t));
+  l.prob = s.add(rows * sizeof(float));
+  l.bytes = s.aligned_end();
+  return l;
+}
+
+namespace {
+
+std::shared_ptr<ReceiveBlock> new_block(const LowLatencyBuffer::State& st, std::byte* base,
+                                        std::shared_ptr<void> memory, bool fp8) {
+  const SegmentLayout& lay = st.layout;
+  auto b = std::make_shared<ReceiveBlock>();
+  b->base = base;
+  b->lay = BlockLayout::of(lay);
+  b->fp8 = fp8;
+  b->recv_count.assign(size_t(lay.num_local_experts), 0);
+  b->layout_range.assign(size_t(lay.num_local_experts) * size_t(lay.num_ranks), LowLatencyRange{});
+  b->memory = std::move(memory);
+  return b;
+}
+
+}  // namespace
+
 std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, int half,
                                                  bool fp8) {
   std::shared_ptr<ReceiveBlock>& b = st.dispatch_half[half].received;
-  const DType type = fp8 ? DType::kFP8 : DType::kBF16;
   // NOTE: use_count() == 1 means no output holds the block and none can take it any more (only
   // this half hands it out); a count read high while an output is being dropped elsewhere only
   // costs a fresh block.
-  if (b && b.use_count() == 1 && b->x.dtype() == type) {
+  if (b && b.use_count() == 1) {
     // The last other holder's reads (on any thread: torch frees where it likes) happen before
     // this receive's writes: its release decrement pairs with this acquire.
     std::atomic_thread_fence(std::memory_order_acquire);
+    b->fp8 = fp8;
     return b;
   }
-  const SegmentLayout& lay = st.layout;
-  const int64_t rows = int64_t(lay.num_local_experts) * lay.rows_per_expert();
-  auto fresh = std::make_shared<ReceiveBlock>();
-  fresh->x = Tensor::empty(type, rows, lay.hidden);
-  if (fp8) fresh->scales = Tensor::empty(DType::kF32, rows, lay.num_scales);
+  const BlockLayout bl = BlockLayout::of(st.layout);
+  auto memory = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(bl.bytes)));
   // Each expert's rows fill the start of its R * M slots: small pages, or every expert's
   // first rows would each touch (and the kernel clear) a 2 MiB page.
-  internal::advise_sparse(fresh->x.data(), fresh->x.bytes());
-  if (fp8) internal::advise_sparse(fresh->scales.data(), fresh->scales.bytes());
-  fresh->src.assign(size_t(rows), 0);
-  fresh->prob.assign(size_t(rows), 0.0f);
-  fresh->recv_count.assign(size_t(lay.num_local_experts), 0);
-  fresh->layout_range.assign(size_t(lay.num_local_experts) * size_t(lay.num_ranks),
-                             LowLatencyRange{});
-  b = std::move(fresh);
+  internal::advise_sparse(memory->data(), bl.bytes);
+  auto* base = static_cast<std::byte*>(memory->data());
+  b = new_block(st, base, std::move(memory), fp8);
   return b;
+}
+
+std::shared_ptr<ReceiveBlock> ring_receive_block(LowLatencyBuffer::State& st, int slot, bool fp8) {
+  const flex::Region& region = st.recv_ring.region(slot);
+  return new_block(st, reinterpret_cast<std::byte*>(region.local()), st.recv_ring.hold(slot), fp8);
 }
 
 void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<ReceiveBlock> block,
                         LowLatencyDispatchOutput& out) {
   const SegmentLayout& lay = st.layout;
+  const int64_t rows = int64_t(lay.num_local_experts) * lay.rows_per_expert();
   out.num_local_experts = lay.num_local_experts;
   out.rows_per_expert = lay.rows_per_expert();
-  out.recv.x = block->x.view();
-  out.recv.scales = block->scales.view();
+  out.recv.x = TensorView(block->x(), block->fp8 ? DType::kFP8 : DType::kBF16, rows, lay.hidden);
+  out.recv.scales =
+      block->fp8 ? TensorView(block->scales(), DType::kF32, rows, lay.num_scales) : TensorView();
   out.recv_count = std::span<const int32_t>(block->recv_count);
-  out.src_info = std::span<const int32_t>(block->src);
-  out.recv_probs = std::span<const float>(block->prob);
+  out.src_info = std::span<const int32_t>(block->src(), size_t(rows));
+  out.recv_probs = std::span<const float>(block->prob(), size_t(rows));
   out.layout_range = std::span<const LowLatencyRange>(block->layout_range);
   out.storage = std::move(block);
 }
@@ -112,18 +140,6 @@ size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int nu
 LowLatencyBuffer::LowLatencyBuffer(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
 LowLatencyBuffer::~LowLatencyBuffer() = default;
-
-LowLatencyBuffer::State::~State() {
-  // NOTE: a peer that read this rank's own copy of the rows in its last dispatch may still be
-  // reading it when this rank leaves (after an error, say); the halves hold that copy.
-  for (int h = 0; h < 2; ++h) {
-    if (dispatch_half[h].own_rows_seq != 0) {
-      low_latency::wait_in_place_acks(*this, h, low_latency::CallKind::kDispatch,
-                                      dispatch_half[h].own_rows_seq)
-          .ignore();
-    }
-  }
-}
 
 StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
     World& world, int64_t max_tokens_per_rank, int hidden, int num_experts,
@@ -195,6 +211,16 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   }
   // Shrink mode reads and writes no caller memory across ranks (segment_peers.h).
   state->in_place = world.shares_address_space() && !options.enable_shrink;
+  state->topo = flex::Topology{.num_ranks = R,
+                               .ranks_per_node = world.ranks_per_node(),
+                               .num_nodes = R / world.ranks_per_node(),
+                               .num_experts = num_experts,
+                               .num_local_experts = num_experts / R,
+                               .rank = world.rank(),
+                               .node = world.node(),
+                               .local_rank = world.local_rank()};
+  // The push's signals; shrink mode makes no collective call after create().
+  if (!options.enable_shrink) MOED_RETURN_IF_ERROR(state->dispatch_signals.init(world));
   state->shrink = options.enable_shrink;
   state->shrink_timeout = options.shrink_timeout;
   const int L = num_experts / R;
@@ -212,10 +238,6 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
         std::atomic<uint64_t>* a = state->acks(world.local_rank(), h, k);
         for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
       }
-    }
-    if (state->in_place) {
-      dh.in_place_tokens.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0);
-      dh.in_place_probs.assign(size_t(num_experts) * size_t(max_tokens_per_rank), 0.0f);
     }
   }
   if (!options.segment) {

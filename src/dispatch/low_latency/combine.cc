@@ -157,7 +157,6 @@ StatusOr<std::vector<low_latency::InPlaceRows>> agree_and_publish(LowLatencyBuff
     const int64_t* row = table.payload(r);
     low_latency::InPlaceRows& ps = sources[size_t(r)];
     ps.in_place = in_place;
-    ps.acked = in_place;
     ps.rows = reinterpret_cast<const std::byte*>(intptr_t(row[0]));
     ps.stride = size_t(row[1]);
     ps.ranges = reinterpret_cast<const LowLatencyRange*>(intptr_t(row[2]));

@@ -1,7 +1,7 @@
-// Where a low-latency dispatch puts its rows and how its receive packs them, for dispatch.cc
-// and segment_dispatch.cc alike: the network messages (NetPlan), the send of
-// every (token, expert) row (send_rows), and the receive's counts, packed layout and copies
-// (Received).
+// Where a low-latency dispatch puts its rows and how its receive places them, for dispatch.cc
+// (the push) and segment_dispatch.cc (shrink mode) alike: the network messages (NetPlan), the
+// send of every (token, expert) row (send_rows), and the receive's counts, packed layout and
+// copies (Received).
 #pragma once
 
 #include <cstddef>
@@ -123,30 +123,22 @@ struct NetPlan {
   }
 };
 
-// Where the send phase writes the rows for its own node.
-enum class InNode {
-  kInPlace,    // nowhere: the receiver reads them in place (in-place mode, state.h)
-  kOwnSegment  // into this rank's slot (e, i), read once its sequence word says so
-};
-
-// Writes every (token, expert) row where its receiver reads it: on this node as `in_node`
-// says (in-place mode records the token and prob beside this rank's rows instead), the message
-// for another node as `plan` says. Rows for a rank whose `live` entry is 0 (shrink mode's
-// masked ranks; empty: all live) are not sent. Counts the rows that cross into another rank's
-// memory per worker.
-inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
-                      const LowLatencyHandle& h, int half, const RowFormat& f,
-                      const NetPlan& plan, InNode in_node, std::span<const uint8_t> live,
-                      std::vector<uint64_t>& shared_rows) {
+// Writes every (token, expert) row where its receiver reads it: on this node through
+// `put(d, e, i, row, t, prob, copier)` (rank d, expert e, the row's slot i in this rank's chunk
+// of e, the token's row, its index and prob), the message for another node as `plan` says.
+// Rows for a rank whose `live` entry is 0 (shrink mode's masked ranks; empty: all live) are
+// not sent. With `stream`, put copies through non-temporal stores, fenced per worker. Counts
+// the rows that cross into another rank's memory per worker.
+template <typename Put>
+void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
+               const LowLatencyHandle& h, int half, const RowFormat& f, const NetPlan& plan,
+               std::span<const uint8_t> live, bool stream, Put&& put,
+               std::vector<uint64_t>& shared_rows) {
   World& w = *st.world;
-  const SegmentLayout& lay = st.layout;
   DispatchHalf& dh = st.dispatch_half[half];
   const TopkView& routing = in.topk;
-  const int L = lay.num_local_experts, K = routing.num_topk, me = w.rank();
-  const int64_t T = in.x.rows;
-  const bool stream =
-      in_node == InNode::kOwnSegment && stream_node_copy(w, size_t(T) * size_t(K) * f.payload);
-  w.pool().parallel_for(T, [&](int64_t t0, int64_t t1, int worker) {
+  const int L = st.layout.num_local_experts, K = routing.num_topk, me = w.rank();
+  w.pool().parallel_for(in.x.rows, [&](int64_t t0, int64_t t1, int worker) {
     internal::RowCopier copier(f.payload, stream);
     for (int64_t t = t0; t < t1; ++t) {
       const std::byte* row = token_row(dh, in, f, t);
@@ -154,27 +146,30 @@ inline void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput
         const int32_t e = int32_t(routing.at(t, k));
         if (e < 0 || (!live.empty() && live[size_t(e / L)] == 0)) continue;
         const int d = e / L;
-        const int64_t i = h.slot[size_t(t) * K + k];
-        const float p = routing.weight(t, k);
         if (!w.same_node(d, me)) {
           const int32_t r = plan.row_of(t, k, K);
           if (r >= 0 && !plan.gather) plan.message(dh, d).put_row(size_t(r), row, row + f.payload);
           continue;
         }
-        // NOTE: a in_place row is counted here, by the rank whose row crosses the node (as when
-        // it writes it itself, and as the planning model counts NVLink bytes), not by the reader.
         ++shared_rows[size_t(worker)];
-        if (in_node == InNode::kInPlace) {
-          dh.in_place_tokens[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = int32_t(t);
-          dh.in_place_probs[size_t(e) * size_t(lay.max_tokens) + size_t(i)] = p;
-        } else {
-          put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, int32_t(t), p,
-                   copier);
-        }
+        put(d, e, int64_t(h.slot[size_t(t) * K + k]), row, int32_t(t), routing.weight(t, k),
+            copier);
       }
     }
     copier.finish();
   });
+}
+
+// Row r of the receive block at `base` gets `row` (payload, then FP8 scales), token and prob.
+inline void put_block_row(std::byte* base, const BlockLayout& lay, int64_t r, const RowFormat& f,
+                          const std::byte* row, int32_t token, float prob,
+                          internal::RowCopier& copier) {
+  copier.copy(base + lay.x + size_t(r) * f.payload, row);
+  if (f.scale_bytes != 0) {
+    std::memcpy(base + lay.scales + size_t(r) * f.scale_bytes, row + f.payload, f.scale_bytes);
+  }
+  std::memcpy(base + lay.src + size_t(r) * sizeof(int32_t), &token, sizeof(token));
+  std::memcpy(base + lay.prob + size_t(r) * sizeof(float), &prob, sizeof(prob));
 }
 
 // A row the receive copies into packed row `to`: its payload, its scales (FP8), its source
@@ -191,18 +186,16 @@ struct RowPlace {
 // stores, fenced by each worker (the caller's threads read the rows next).
 inline void copy_places(ThreadPool& pool, ReceiveBlock& rb, const RowFormat& f,
                         std::span<const RowPlace> places, bool stream, int64_t min_chunk) {
-  auto* xs = static_cast<std::byte*>(rb.x.data());
-  auto* scales = static_cast<std::byte*>(rb.scales.data());
   auto copy = [&](int64_t p0, int64_t p1, int) {
     internal::RowCopier copier(f.payload, stream);
     for (int64_t p = p0; p < p1; ++p) {
       const RowPlace& pl = places[size_t(p)];
-      copier.copy(xs + size_t(pl.to) * f.payload, pl.row);
+      copier.copy(rb.x() + size_t(pl.to) * f.payload, pl.row);
       if (f.scale_bytes != 0) {
-        std::memcpy(scales + size_t(pl.to) * f.scale_bytes, pl.scales, f.scale_bytes);
+        std::memcpy(rb.scales() + size_t(pl.to) * f.scale_bytes, pl.scales, f.scale_bytes);
       }
-      rb.src[size_t(pl.to)] = pl.token;
-      rb.prob[size_t(pl.to)] = pl.prob;
+      rb.src()[size_t(pl.to)] = pl.token;
+      rb.prob()[size_t(pl.to)] = pl.prob;
     }
     copier.finish();
   };

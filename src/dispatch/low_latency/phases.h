@@ -21,10 +21,6 @@ namespace low_latency {
 // Copies below this many bytes run on the calling thread (parallel_for's min_chunk): waking
 // the pool's workers costs more than they save.
 inline constexpr size_t kInlineBytes = size_t(256) << 10;
-// Pull-mode dispatch: a sender whose bf16 rows total at most this many bytes copies them into
-// its half first, so that its call need not wait for every receiver's ack (state.h): copying
-// 64 KiB takes a few microseconds, about what one round of acks costs on a 2-core host.
-inline constexpr size_t kStageBytes = size_t(64) << 10;
 
 // A dispatch's handle with its home side filled: each (t, e) gets the next slot of its
 // (this rank, e) chunk in token order, which is what makes the receiver's rows token-ascending
@@ -120,15 +116,14 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// In-place mode, on every way out of a call whose opening collective published where every rank's
-// rows are, error or not: acks every in-node peer that left rows to be read, then, if this rank
-// left its caller's rows (its InPlaceRows says acked), waits until every in-node peer has acked,
-// through a failed world too (poll_released), since the caller may free its rows once the call
-// returns. A peer that took part in the collective acks on each of its ways out, so the wait is
-// short even when a third rank has failed. Ranks that used the hook copied their rows and wait
-// for nobody; a rank whose peers read its own copy (acked = false) waits for them only when
-// its buffer goes (State::~State). `published`: every rank's InPlaceRows ([R]) as the opening
-// collective gathered it (empty: nothing was published).
+// An in-place combine, on every way out of a call whose opening collective published where
+// every rank's rows are, error or not: acks every in-node peer that left rows to be read, then,
+// if this rank left its caller's rows, waits until every in-node peer has acked, through a
+// failed world too (poll_released), since the caller may free its rows once the call returns.
+// A peer that took part in the collective acks on each of its ways out, so the wait is short
+// even when a third rank has failed. Ranks that used the hook copied their rows and wait for
+// nobody. `published`: every rank's InPlaceRows ([R]) as the opening collective gathered it
+// (empty: nothing was published).
 inline Status release_in_place(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq,
                                std::span<const InPlaceRows> published) {
   World& w = *st.world;
@@ -144,7 +139,7 @@ inline Status release_in_place(LowLatencyBuffer::State& st, int half, CallKind k
       st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
   }
   const InPlaceRows& own = source(me);
-  if (!own.in_place || !own.acked) return ok_status();
+  if (!own.in_place) return ok_status();
   return wait_in_place_acks(st, half, kind, seq);
 }
 

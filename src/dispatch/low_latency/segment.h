@@ -1,7 +1,7 @@
 // A low-latency call through the node-shared segments (segment_dispatch.cc, segment_combine.cc;
-// the protocol in segment_peers.h): every call but an in-place one (state.h). In shrink mode
-// (DeepEP's enable_shrink) with no collective, masking a peer that misses a deadline; else
-// after the call's agreement, a lost peer being every rank's error.
+// the protocol in segment_peers.h): a dispatch in shrink mode, a combine but an in-place one
+// (state.h). In shrink mode (DeepEP's enable_shrink) with no collective, masking a peer that
+// misses a deadline; else after the call's agreement, a lost peer being every rank's error.
 #pragma once
 
 #include <memory>

@@ -199,7 +199,14 @@ StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>
   // Packed: with a hook, the sends may complete after the call returns, x then the caller's.
   const NetPlan plan(st, ok ? in.topk : none, T, live, f, dh, /*gather_rows=*/false);
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
-  if (ok) send_rows(st, in, *handle, half, f, plan, InNode::kOwnSegment, live, shared_rows);
+  if (ok) {
+    const bool stream = stream_node_copy(w, size_t(T) * size_t(in.topk.num_topk) * f.payload);
+    auto put = [&](int, int e, int64_t i, const std::byte* row, int32_t t, float p,
+                   internal::RowCopier& copier) {
+      put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, t, p, copier);
+    };
+    send_rows(st, in, *handle, half, f, plan, live, stream, put, shared_rows);
+  }
   publish(st, CallKind::kDispatch, half, n, local, fp8);
   Status posted = post_dispatch_messages(peers, *handle, half, seq, f, plan, local, in);
   if (!posted.ok()) {

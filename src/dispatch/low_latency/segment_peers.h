@@ -11,8 +11,8 @@
 //                   done with n - 2 (else the agreement says so)
 //   kCleaned        clean() calls entered
 //   kMask + r       1 where this rank masked rank r; rank r reading it learns it was removed
-// Dispatch: counts[h][e] = rows this rank sends to expert e; the rows, their scales, source
-// tokens and probs at (chunk e, slot i) of dispatch_x / _scales / _src / _prob[h]. Combine:
+// Dispatch (shrink mode): counts[h][e] = rows this rank sends to expert e; the rows, their scales,
+// source tokens and probs at (chunk e, slot i) of dispatch_x / _scales / _src / _prob[h]. Combine:
 // combine_y[h] holds the expert outputs for in-node homes in the dispatch's packed layout,
 // ranges[h] that layout [L][R]. Other nodes: per call, to every unmasked remote rank, a
 // header [verdict, L counts] then the rows (dispatch), the verdict then one message per expert

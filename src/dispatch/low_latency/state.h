@@ -1,15 +1,21 @@
 // Internal state of a LowLatencyBuffer, shared by its phase files:
 //   buffer.cc            creation, the segment layout, the size hint
-//   segment_dispatch.cc  a dispatch through the node-shared segments (segment_peers.h: every
-//   segment_combine.cc   call but an in-place one), and its combine
-//   dispatch.cc          low_latency_dispatch: the choice, and in-place mode
-//   combine.cc           low_latency_combine: the same
+//   dispatch.cc          low_latency_dispatch: the push (below), or the segments in shrink mode
+//   segment_dispatch.cc  a dispatch through the node-shared segments (segment_peers.h), and
+//   segment_combine.cc   a combine (every combine but an in-place one)
+//   combine.cc           low_latency_combine: the choice, and in-place mode
+//
+// A dispatch outside shrink mode pushes: its opening agreement gathers every rank's counts per
+// expert (so every sender knows where its rows go in each receiver's packed layout) and which
+// of the node's receive blocks are free; each sender then writes every row once, straight into
+// its in-node receiver's block (a slot of the node-shared OutputRing, held by the output), and
+// signals it; other nodes' rows come as one message per rank, placed by the receiver.
 //
 // Segment of every rank (node-shared, `SegmentLayout`), written only by its rank, per half h:
 //   counts[h][e]     uint64: the rows this rank sends to expert e (in-node receivers read it)
 //   dispatch_x[h]    [E][M] slots (e, i) of H bf16 (or H fp8 bytes): this rank's row i for
-//                    expert e; the receiver packs expert j's rows to row j * R * M + begin(j, s) +
-//                    i of the output's own memory (ReceiveBlock), never into the segment
+//                    expert e, in shrink mode; the receiver packs expert j's rows to row
+//                    j * R * M + begin(j, s) + i of its receive block, never into the segment
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [L * R * M]: this rank's expert outputs for in-node homes, packed as x
@@ -18,19 +24,14 @@
 //                    which that peer has finished reading this rank's memory (in-place mode)
 //   words     the sequence words and the mask (segment_peers.h)
 //
-// In-place mode (the threads world, where every rank's memory is readable by its node; calls
-// without a receive hook): in-node rows are not copied by the sender into its segment (a copy
-// the receiver would then pack again); the call's opening collective gathers where every
-// rank's rows are (InPlaceRows) and, for dispatch, its counts, so no signal round follows, and
-// the receiver copies them once, straight into their packed place (dispatch), or reduces them
-// where they are (combine). Every receive in the threads world then acks its in-node peers, on
-// every way out of the call, error or not, and waits for their acks (even when another rank
-// has failed), so the call returns only once nobody reads its rows any more; a dispatch with
-// few rows (phases.h, kStageBytes) copies them into its half first and waits for no acks,
-// except when its buffer goes (State::~State). With a hook the call goes through the
-// segments, so that its rows are free once the send phase returns (DeepEP's contract),
-// whenever the peers run their hooks. Other nodes' rows come as messages, the same in both
-// (segment_peers.h).
+// In-place combine (the threads world, where every rank's memory is readable by its node;
+// calls without a receive hook): an expert rank's outputs are not copied into its segment; the
+// call's opening collective gathers where every rank's rows are (InPlaceRows) and the home
+// reduces them where they are. Every receive then acks its in-node peers, on every way out of
+// the call, error or not, and waits for their acks (even when another rank has failed), so
+// the call returns only once nobody reads its rows any more. With a hook the combine goes
+// through the segments, so that its rows are free once the send phase returns (DeepEP's
+// contract), whenever the peers run their hooks.
 #pragma once
 
 #include <atomic>
@@ -45,6 +46,7 @@
 
 #include "comm/tags.h"
 #include "core/row_kernels.h"
+#include "dispatch/flex/buffers.h"
 #include "moed/low_latency.h"
 #include "moed/tensor.h"
 #include "moed/world.h"
@@ -126,22 +128,15 @@ struct RowSpan {
   }
 };
 
-// What an in-node peer reads in place from this rank, published in this rank's segment
-// before the counts (dispatch) or the signal (combine) that make it visible.
+// What an in-node home reads in place from an expert rank in an in-place combine, published
+// by the call's opening collective.
 struct InPlaceRows {
-  // The sender left its in-node rows for the receivers to read (a call without a receive
-  // hook); else it copied them into their slots.
+  // The expert rank left its outputs to be read (a call without a receive hook), so the call
+  // returns only after every in-node home has acked; else it copied them into its segment.
   bool in_place = false;
-  // The rows read are the caller's memory, so the call returns only after every receiver has
-  // acked; else they are this half's own copy, which the agreement opening the call two later
-  // (every rank has received this one by then) releases.
-  bool acked = false;
-  const std::byte* rows = nullptr;  // dispatch: token rows (x, its copy, or FP8 rows + scales);
-                                    // combine: the expert outputs
-  size_t stride = 0;                // bytes from one row to the next
-  const int32_t* tokens = nullptr;  // dispatch: [E][M] token of row i of chunk (me, e)
-  const float* probs = nullptr;     // dispatch: [E][M] its prob
-  const LowLatencyRange* ranges = nullptr;  // combine: [L][R] this rank's dispatch layout
+  const std::byte* rows = nullptr;          // the expert outputs
+  size_t stride = 0;                        // bytes from one row to the next
+  const LowLatencyRange* ranges = nullptr;  // [L][R] this rank's dispatch layout
 };
 enum class CallKind : int { kDispatch = 0, kCombine = 1 };
 
@@ -153,33 +148,46 @@ inline size_t word_index(SegmentWord w, CallKind k, int half) {
   return size_t(w) + size_t(k) * 2 + size_t(half);
 }
 
+// Where a receive block keeps its rows: the payloads (bf16, or FP8 at half the stride: the
+// call's RowFormat), then their FP8 scales, source tokens and probs, [L * R * M] each.
+struct BlockLayout {
+  size_t x = 0, scales = 0, src = 0, prob = 0, bytes = 0;
+  static BlockLayout of(const SegmentLayout& lay);
+};
+
 // Memory a dispatch receives into and its output views (LowLatencyDispatchOutput::storage):
-// the caller's while any copy of the output's storage is held. Its half takes it again for the
-// dispatch two later only when nobody else holds it (take_receive_block), else a fresh one.
+// the caller's while any copy of the output's storage is held. A push receives into a slot of
+// the node's OutputRing, which the block holds; a shrink-mode receive into memory of its own,
+// which its half takes again for the dispatch two later only when nobody else holds it
+// (take_receive_block).
 struct ReceiveBlock {
-  Tensor x;                                   // [L * R * M, H] bf16 or fp8
-  Tensor scales;                              // [L * R * M, H / 128] f32 (fp8 only)
-  std::vector<int32_t> src;                   // [L * R * M] source token of each row
-  std::vector<float> prob;                    // [L * R * M] its prob
+  std::byte* base = nullptr;  // BlockLayout
+  BlockLayout lay;
+  bool fp8 = false;
   std::vector<int32_t> recv_count;            // [L]
   std::vector<LowLatencyRange> layout_range;  // [L * R]
+  std::shared_ptr<void> memory;               // what base points into
+
+  std::byte* x() const { return base + lay.x; }
+  std::byte* scales() const { return base + lay.scales; }
+  int32_t* src() const { return reinterpret_cast<int32_t*>(base + lay.src); }
+  float* prob() const { return reinterpret_cast<float*>(base + lay.prob); }
 };
 
 // Copies n rows from `from` to packed rows [to, to + n) of rb.
 inline void pack_rows(ReceiveBlock& rb, int64_t to, size_t n, const RowFormat& f,
                       const RowSpan& from, bool stream) {
-  std::byte* x = static_cast<std::byte*>(rb.x.data()) + size_t(to) * f.payload;
+  std::byte* x = rb.x() + size_t(to) * f.payload;
   if (stream) {
     internal::stream_copy(x, from.x, n * f.payload);  // the caller fences
   } else {
     std::memcpy(x, from.x, n * f.payload);
   }
   if (f.scale_bytes != 0) {
-    std::memcpy(static_cast<std::byte*>(rb.scales.data()) + size_t(to) * f.scale_bytes,
-                from.scales, n * f.scale_bytes);
+    std::memcpy(rb.scales() + size_t(to) * f.scale_bytes, from.scales, n * f.scale_bytes);
   }
-  std::memcpy(rb.src.data() + to, from.token, n * sizeof(int32_t));
-  std::memcpy(rb.prob.data() + to, from.prob, n * sizeof(float));
+  std::memcpy(rb.src() + to, from.token, n * sizeof(int32_t));
+  std::memcpy(rb.prob() + to, from.prob, n * sizeof(float));
 }
 
 // A dispatch's header to a rank on another node (segment_peers.h): [verdict, L counts, tokens],
@@ -190,13 +198,10 @@ inline size_t header_ints(int num_local_experts) { return size_t(num_local_exper
 // What a dispatch half keeps between its send and receive phases.
 struct DispatchHalf {
   bool pending = false;  // send phase done, receive not yet
-  // In-place mode: the dispatch whose in-node receivers read this half's own copy of the rows
-  // (fp8_rows or staged_rows; 0 = none), waited for when the buffer goes.
-  uint64_t own_rows_seq = 0;
-  std::shared_ptr<ReceiveBlock> received;  // this half's last receive (take_receive_block)
+  std::shared_ptr<ReceiveBlock> received;  // shrink mode: this half's last receive
   // Network: headers from every source (counts per local expert), the rows received from
   // other nodes, and what this rank sends to other nodes (kept until the receive completes;
-  // in-place mode writes only the headers and entries there, its sends gather the rows).
+  // a push without a hook writes only the headers and entries there, its sends gather the rows).
   std::vector<int32_t> recv_header;  // [R][verdict, L counts, tokens]
   std::vector<std::byte> net_recv;
   std::vector<int32_t> send_header;  // [R][verdict, L counts, tokens]
@@ -205,13 +210,8 @@ struct DispatchHalf {
   std::vector<Request> send_requests;    // this op's sends
   std::vector<int> send_peers;           // the rank of each send
   std::vector<std::byte> fp8_rows;       // [T] FP8 rows + scales, cast once per token
-  std::vector<std::byte> staged_rows;    // in-place mode, few bf16 rows: [T] copies of x's rows
-  std::vector<int32_t> in_place_tokens;  // in-place mode: [E][M], InPlaceRows::tokens
-  std::vector<float> in_place_probs;     // in-place mode: [E][M], InPlaceRows::probs
-  // In-place mode: every rank's InPlaceRows and counts for this rank's experts ([R][L]), gathered
-  // by the call's opening collective (dispatch.cc, publish_dispatch).
-  std::vector<InPlaceRows> sources;
-  std::vector<int32_t> published_count;
+  // A push: every source's count for this rank's experts ([R][L]), from the opening agreement.
+  std::vector<int32_t> agreed_count;
   Status local_check;  // segment calls: the call's verdict (this rank's input check)
 };
 
@@ -242,9 +242,6 @@ struct LowLatencyBuffer::State {
   State() = default;
   State(const State&) = delete;
   State& operator=(const State&) = delete;
-  // In-place mode: first waits until the in-node peers have read this rank's own copies of rows
-  // (DispatchHalf::own_rows_seq), which the halves hold.
-  ~State();
 
   World* world = nullptr;
   uint64_t id = 0;
@@ -263,6 +260,11 @@ struct LowLatencyBuffer::State {
   uint64_t combines = 0;
   low_latency::DispatchHalf dispatch_half[2];
   low_latency::CombineHalf combine_half[2];
+  // A push (outside shrink mode): the node's receive blocks, and the signal each sender gives
+  // each in-node receiver once its rows of dispatch n are written (epoch n).
+  flex::Topology topo;
+  flex::OutputRing recv_ring;
+  flex::Signals dispatch_signals;
 
   std::byte* segment(int local_rank) const {
     return static_cast<std::byte*>(shared->peer(local_rank));
@@ -284,10 +286,12 @@ struct LowLatencyBuffer::State {
 
 namespace low_latency {
 
-// The block a dispatch of `half` receives into: the half's last one when no output holds it
-// any more and its payload type matches, else a fresh one (Tensor's block cache makes that
-// cheap in a steady loop). Its views are handed out at once; the receive fills them.
+// Shrink mode: the block a dispatch of `half` receives into: the half's last one when no output
+// holds it any more, else a fresh one (Tensor's block cache makes that cheap in a steady loop).
+// Its views are handed out at once; the receive fills them.
 std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, int half, bool fp8);
+// A push: the block in ring slot `slot` of this rank, held by the block.
+std::shared_ptr<ReceiveBlock> ring_receive_block(LowLatencyBuffer::State& st, int slot, bool fp8);
 // The output's views of `block` and the storage that holds them.
 void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<ReceiveBlock> block,
                         LowLatencyDispatchOutput& out);
