@@ -1,7 +1,7 @@
 // Low-latency dispatch and combine for decoding (docs/design.md §6; DeepEP's
-// low_latency_dispatch / low_latency_combine): fixed receive slots per (expert, source rank),
-// no count exchange, each expert's rows packed source rank ascending then token ascending, and
-// two halves, so two dispatches and two combines may be in flight. Every call is collective over
+// low_latency_dispatch / low_latency_combine): fixed receive slots per expert, each row pushed
+// once into its receiver's, packed source rank ascending then token ascending, and two halves,
+// so two dispatches and two combines may be in flight. Every call is collective over
 // the world (all ranks, same order); bad input on any rank is an error on every rank. Shrink mode
 // (LowLatencyOptions::enable_shrink) masks a rank that misses its deadline (design.md §6.6).
 //
@@ -29,10 +29,11 @@
 
 namespace moed {
 
-// Bytes of node-shared memory one rank's LowLatencyBuffer needs (both halves; DeepEP's
-// get_low_latency_rdma_size_hint), in shrink mode too. Per half: dispatch slots [E * M] rows
-// of hidden bf16 (FP8 rows and their scales fit in the same layout), scales, source indices
-// and counts; combine slots [E * M] rows of hidden bf16.
+// Bytes of the node-shared segment one rank's LowLatencyBuffer needs (both halves; DeepEP's
+// get_low_latency_rdma_size_hint), in shrink mode too. Per half: shrink mode's dispatch slots
+// [E * M] rows of hidden bf16 (FP8 rows and their scales fit in the same layout), scales,
+// source indices and counts; combine slots [E * M] rows of hidden bf16. Dispatch outputs
+// live apart, in blocks of their own.
 size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,
                                  int num_experts);
 
@@ -174,7 +175,7 @@ class LowLatencyBuffer {
   int hidden() const;
   int num_experts() const;
   int num_local_experts() const;
-  size_t bytes() const;  // node-shared bytes of this rank
+  size_t bytes() const;  // bytes of this rank's node-shared segment (outputs apart)
 
   struct State;  // internal (src/dispatch/low_latency)
 

@@ -119,5 +119,30 @@ TEST_P(LowLatencyTest, HooksRunInAnyOrderAcrossRanks) {
   ASSERT_TRUE(s.ok()) << s.to_string();
 }
 
+// A dispatch pushes every row during its send phase, so ranks may differ in return_recv_hook:
+// one rank's receive never waits on another's hook.
+TEST_P(LowLatencyTest, ADispatchsHookMayDifferAcrossRanks) {
+  for (const Case& c : {Case{4, 2, 8, 128, 3, 6, 71}, Case{5, 0, 10, 96, 2, 4, 72}}) {
+    const auto p = make_problem(c);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    Status s = run_with_buffer(GetParam(), c, [&](World& w, LowLatencyBuffer& buffer) -> Status {
+      const int me = w.rank();
+      MOED_ASSIGN_OR_RETURN(auto d,
+                            buffer.low_latency_dispatch({.x = p->x[size_t(me)].view(),
+                                                         .topk = TopkView::of(p->topk[size_t(me)]),
+                                                         .return_recv_hook = me % 2 == 0}));
+      MOED_RETURN_IF_ERROR(d.hook->wait());
+      MOED_RETURN_IF_ERROR(check_dispatch(*p, me, d, false, false));
+      Tensor y = expert_output(*p, me, d);
+      MOED_ASSIGN_OR_RETURN(
+          auto out,
+          buffer.low_latency_combine(
+              {.x = y.view(), .topk = TopkView::of(p->topk[size_t(me)]), .handle = d.handle}));
+      return check_combine(*p, me, out.combined_x);
+    });
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+}
+
 }  // namespace
 }  // namespace moed

@@ -13,7 +13,8 @@ namespace moed {
 
 namespace low_latency {
 
-SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts) {
+SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
+                                  bool shrink) {
   SegmentLayout l{.max_tokens = max_tokens,
                   .hidden = hidden,
                   .num_ranks = num_ranks,
@@ -21,15 +22,16 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
                   .num_local_experts = num_experts / num_ranks,
                   .num_scales = hidden % kFp8BlockSize == 0 ? hidden / kFp8BlockSize : 0};
   const size_t rows = size_t(num_experts) * size_t(max_tokens);
+  const size_t slots = shrink ? rows : 0;  // a push needs no dispatch slots
   Sections s(64);
   for (int h = 0; h < 2; ++h) {
     l.counts[h] = s.add(size_t(num_experts) * sizeof(uint64_t));
-    l.dispatch_x[h] = s.add(rows * size_t(hidden) * sizeof(bf16));
-    l.dispatch_scales[h] = s.add(rows * size_t(l.num_scales) * sizeof(float));
-    l.dispatch_src[h] = s.add(rows * sizeof(int32_t));
-    l.dispatch_prob[h] = s.add(rows * sizeof(float));
+    l.dispatch_x[h] = s.add(slots * size_t(hidden) * sizeof(bf16));
+    l.dispatch_scales[h] = s.add(slots * size_t(l.num_scales) * sizeof(float));
+    l.dispatch_src[h] = s.add(slots * sizeof(int32_t));
+    l.dispatch_prob[h] = s.add(slots * sizeof(float));
     l.combine_y[h] = s.add(rows * size_t(hidden) * sizeof(bf16));
-    l.acks[h] = s.add(2 * size_t(num_ranks) * sizeof(uint64_t));  // G <= R
+    l.acks[h] = s.add(size_t(num_ranks) * sizeof(uint64_t));  // G <= R
     l.ranges[h] = s.add(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
   }
   l.words = s.add((kWords + size_t(num_ranks)) * sizeof(uint64_t));
@@ -110,17 +112,16 @@ void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<Recei
   out.storage = std::move(block);
 }
 
-Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq) {
+Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, uint64_t seq) {
   World& w = *st.world;
   const int me = w.local_rank();
-  std::atomic<uint64_t>* acks = st.acks(me, half, kind);
+  std::atomic<uint64_t>* acks = st.acks(me, half);
   for (int p = 0; p < w.ranks_per_node(); ++p) {
     if (p == me) continue;
     MOED_RETURN_IF_ERROR(internal::poll_released(
         w, [&] { return acks[p].load(std::memory_order_acquire) >= seq; },
         [&] {
-          return str_cat("low-latency ", kind == CallKind::kDispatch ? "dispatch" : "combine",
-                         ": waiting for local rank ", p,
+          return str_cat("low-latency combine: waiting for local rank ", p,
                          " to read this rank's rows (every rank must pass the same "
                          "return_recv_hook)");
         }));
@@ -133,7 +134,9 @@ Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, CallKind kind, 
 size_t get_low_latency_size_hint(int64_t max_tokens_per_rank, int hidden, int num_ranks,
                                  int num_experts) {
   if (max_tokens_per_rank <= 0 || hidden <= 0 || num_ranks <= 0 || num_experts <= 0) return 0;
-  return low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, num_ranks, num_experts)
+  // The larger layout, shrink mode's: DeepEP's num_rdma_bytes does not say which mode.
+  return low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, num_ranks, num_experts,
+                                          /*shrink=*/true)
       .total;
 }
 
@@ -164,8 +167,9 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
   if (options.segment) {
     // No collective: this rank's checks are its own (the caller passes the same shape).
     MOED_RETURN_IF_ERROR(local);
-    const size_t need =
-        low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts).total;
+    const size_t need = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R,
+                                                         num_experts, options.enable_shrink)
+                            .total;
     if (options.segment->bytes() < need) {
       return invalid_argument(
           "the segment has ", options.segment->bytes(),
@@ -201,7 +205,8 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   static std::atomic<uint64_t> next_id{1};
   // Ids only tell handles of different buffers apart on one rank; they need not agree.
   state->id = next_id.fetch_add(1, std::memory_order_relaxed);
-  state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts);
+  state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts,
+                                                   options.enable_shrink);
   if (options.segment) {
     state->shared = options.segment;
   } else {
@@ -234,10 +239,8 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
     if (!options.segment) {
       std::atomic<uint64_t>* c = state->counts(world.local_rank(), h);
       for (int e = 0; e < num_experts; ++e) c[e].store(0, std::memory_order_relaxed);
-      for (auto k : {low_latency::CallKind::kDispatch, low_latency::CallKind::kCombine}) {
-        std::atomic<uint64_t>* a = state->acks(world.local_rank(), h, k);
-        for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
-      }
+      std::atomic<uint64_t>* a = state->acks(world.local_rank(), h);
+      for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
     }
   }
   if (!options.segment) {

@@ -94,7 +94,7 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   CombineHalf& ch = st.combine_half[half];
   const int R = lay.num_ranks, me = w.rank(), H = lay.hidden;
   ch.pending = false;
-  low_latency::InPlaceRelease release(st, half, low_latency::CallKind::kCombine, seq, ch.sources);
+  low_latency::InPlaceRelease release(st, half, seq, ch.sources);
   // Other nodes' expert outputs come in one message per expert rank (segment_peers.h).
   low_latency::segment::Peers peers(st, "low_latency_combine");
   std::vector<const std::byte*> first_row(size_t(lay.num_experts), nullptr);
@@ -205,8 +205,7 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
       low_latency::segment::post_combine_messages(peers, in.handle.get(), in.x, half, seq, local);
   if (!status.ok()) {
     ch.pending = false;
-    low_latency::release_in_place(st, half, low_latency::CallKind::kCombine, seq, ch.sources)
-        .ignore();
+    low_latency::release_in_place(st, half, seq, ch.sources).ignore();
     return status;
   }
 

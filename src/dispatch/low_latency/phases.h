@@ -124,7 +124,7 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
 // even when a third rank has failed. Ranks that used the hook copied their rows and wait for
 // nobody. `published`: every rank's InPlaceRows ([R]) as the opening collective gathered it
 // (empty: nothing was published).
-inline Status release_in_place(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq,
+inline Status release_in_place(LowLatencyBuffer::State& st, int half, uint64_t seq,
                                std::span<const InPlaceRows> published) {
   World& w = *st.world;
   if (published.empty()) return ok_status();
@@ -135,21 +135,20 @@ inline Status release_in_place(LowLatencyBuffer::State& st, int half, CallKind k
     return published[size_t(w.node()) * size_t(G) + size_t(p)];
   };
   for (int p = 0; p < G; ++p) {
-    if (p != me && source(p).in_place)
-      st.acks(p, half, kind)[me].store(seq, std::memory_order_release);
+    if (p != me && source(p).in_place) st.acks(p, half)[me].store(seq, std::memory_order_release);
   }
   const InPlaceRows& own = source(me);
   if (!own.in_place) return ok_status();
-  return wait_in_place_acks(st, half, kind, seq);
+  return wait_in_place_acks(st, half, seq);
 }
 
 // Runs release_in_place once: by finish() on the way out of a receive that went well, or when
 // dropped on any other way out.
 class InPlaceRelease {
  public:
-  InPlaceRelease(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq,
+  InPlaceRelease(LowLatencyBuffer::State& st, int half, uint64_t seq,
                  std::span<const InPlaceRows> published)
-      : st_(st), half_(half), kind_(kind), seq_(seq), published_(published) {}
+      : st_(st), half_(half), seq_(seq), published_(published) {}
   InPlaceRelease(const InPlaceRelease&) = delete;
   InPlaceRelease& operator=(const InPlaceRelease&) = delete;
   ~InPlaceRelease() {
@@ -157,13 +156,12 @@ class InPlaceRelease {
   }
   Status finish() {
     armed_ = false;
-    return release_in_place(st_, half_, kind_, seq_, published_);
+    return release_in_place(st_, half_, seq_, published_);
   }
 
  private:
   LowLatencyBuffer::State& st_;
   int half_;
-  CallKind kind_;
   uint64_t seq_;
   std::span<const InPlaceRows> published_;
   bool armed_ = true;

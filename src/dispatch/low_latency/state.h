@@ -13,15 +13,15 @@
 //
 // Segment of every rank (node-shared, `SegmentLayout`), written only by its rank, per half h:
 //   counts[h][e]     uint64: the rows this rank sends to expert e (in-node receivers read it)
-//   dispatch_x[h]    [E][M] slots (e, i) of H bf16 (or H fp8 bytes): this rank's row i for
-//                    expert e, in shrink mode; the receiver packs expert j's rows to row
+//   dispatch_x[h]    shrink mode: [E][M] slots (e, i) of H bf16 (or H fp8 bytes): this rank's
+//                    row i for expert e; the receiver packs expert j's rows to row
 //                    j * R * M + begin(j, s) + i of its receive block, never into the segment
 //   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
 //                    token indices and probs (the token's topk_weights entry for the expert)
 //   combine_y[h]     [L * R * M]: this rank's expert outputs for in-node homes, packed as x
 //   ranges[h] [L][R] this rank's dispatch layout, for the combine's in-node homes
-//   acks[h]          uint64 [2][G] (dispatch, combine) per local rank: the op sequence up to
-//                    which that peer has finished reading this rank's memory (in-place mode)
+//   acks[h]          uint64 [G] per local rank: the op sequence up to which that peer has
+//                    finished reading this rank's expert outputs (in-place combine)
 //   words     the sequence words and the mask (segment_peers.h)
 //
 // In-place combine (the threads world, where every rank's memory is readable by its node;
@@ -76,7 +76,9 @@ struct SegmentLayout {
   size_t ranges[2] = {0, 0};
   size_t total = 0;
 
-  static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts);
+  // Shrink mode's dispatch slots only with `shrink` (a push needs none).
+  static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
+                            bool shrink);
   int64_t slots() const { return int64_t(num_experts) * max_tokens; }  // rows per region
   int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
 };
@@ -278,9 +280,8 @@ struct LowLatencyBuffer::State {
   std::atomic<uint64_t>* segment_word(int local_rank, size_t index) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.words) + index;
   }
-  std::atomic<uint64_t>* acks(int local_rank, int half, low_latency::CallKind k) const {
-    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]) +
-           size_t(k) * size_t(world->ranks_per_node());
+  std::atomic<uint64_t>* acks(int local_rank, int half) const {
+    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]);
   }
 };
 
@@ -299,7 +300,7 @@ void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<Recei
 // In-place mode: waits until every in-node peer has acked operation `seq` of `half` in this rank's
 // segment, that is, read its rows; through a failed world too, bounded by the timeout
 // (comm/wait.h, poll_released).
-Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, CallKind kind, uint64_t seq);
+Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, uint64_t seq);
 
 }  // namespace low_latency
 
