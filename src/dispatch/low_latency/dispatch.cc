@@ -129,13 +129,15 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
   }
   // Also waits for this call's sends (the gather lists read x).
   MOED_RETURN_IF_ERROR(low_latency::segment::receive_dispatch_messages(peers, rv));
-  rv.set_layout(rb);
+  // Non-temporal stores when the node's blocks take many rows this call, counting the in-node
+  // senders' too: they go into the same last-level cache.
+  const bool stream = rv.stream(rv.set_layout(rb));
   std::vector<low_latency::RowPlace> places;
   rv.place_messages(rb, places);
   // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
   const int64_t placed = int64_t(places.size());
   const bool inline_copy = size_t(placed) * rv.f.payload < low_latency::kInlineBytes;
-  low_latency::copy_places(w.pool(), rb, rv.f, places, rv.stream(placed),
+  low_latency::copy_places(w.pool(), rb, rv.f, places, stream,
                            inline_copy ? std::max<int64_t>(1, placed) : 1);
   MOED_RETURN_IF_ERROR(st.dispatch_signals.wait_all(n));
   handle.layout_range = rb.layout_range;
@@ -154,13 +156,13 @@ Status push_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
   const RowFormat f = RowFormat::of(lay, in.use_fp8);
   const BlockLayout bl = BlockLayout::of(lay);
   const flex::Region& region = st.recv_ring.region(slot);
-  if (in.use_fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
   const int64_t T = in.x.rows;
   // The messages to other nodes are gather lists, their rows read from x (or this half's FP8
   // rows) by the transport, when the call waits for its sends before it returns.
   const NetPlan plan(st, in.topk, T, {}, f, dh, /*gather_rows=*/!in.return_recv_hook);
-  const bool stream =
-      low_latency::stream_node_copy(w, size_t(T) * size_t(in.topk.num_topk) * f.payload);
+  // Non-temporal stores when the node's blocks take many rows this call: as many as this rank
+  // sends, on average over the receivers (the receive decides the same for other nodes' rows).
+  const bool stream = low_latency::stream_node_copy(w, handle.slot.size() * f.payload);
   auto put = [&](int d, int e, int64_t i, const std::byte* row, int32_t t, float p,
                  internal::RowCopier& copier) {
     const int64_t to =
@@ -196,6 +198,9 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   DispatchHalf& dh = st.dispatch_half[half];
   std::vector<int32_t> begin;
   int slot = 0;
+  // The cast comes first, so that a rank casts while it would wait for the others in the
+  // agreement (the half's FP8 rows are free: its last dispatch's sends are done).
+  if (local.ok() && in.use_fp8) low_latency::cast_fp8_rows(st, in, dh.fp8_rows);
   // NOTE: the agreement is also the double-buffer handshake: once it returns, every receiver
   // has entered this dispatch, so it has received (hooked) the dispatch two back, and no peer
   // still uses this half's messages.
