@@ -58,7 +58,7 @@ std::shared_ptr<ReceiveBlock> new_block(const LowLatencyBuffer::State& st, std::
   const SegmentLayout& lay = st.layout;
   auto b = std::make_shared<ReceiveBlock>();
   b->base = base;
-  b->lay = BlockLayout::of(lay);
+  b->lay = st.block_layout;
   b->fp8 = fp8;
   b->recv_count.assign(size_t(lay.num_local_experts), 0);
   b->layout_range.assign(size_t(lay.num_local_experts) * size_t(lay.num_ranks), LowLatencyRange{});
@@ -81,7 +81,7 @@ std::shared_ptr<ReceiveBlock> take_receive_block(LowLatencyBuffer::State& st, in
     b->fp8 = fp8;
     return b;
   }
-  const BlockLayout bl = BlockLayout::of(st.layout);
+  const BlockLayout& bl = st.block_layout;
   auto memory = std::make_shared<Tensor>(Tensor::empty(DType::kFP8, 1, int64_t(bl.bytes)));
   // Each expert's rows fill the start of its R * M slots: small pages, or every expert's
   // first rows would each touch (and the kernel clear) a 2 MiB page.
@@ -207,6 +207,7 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   state->id = next_id.fetch_add(1, std::memory_order_relaxed);
   state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts,
                                                    options.enable_shrink);
+  state->block_layout = low_latency::BlockLayout::of(state->layout);
   if (options.segment) {
     state->shared = options.segment;
   } else {

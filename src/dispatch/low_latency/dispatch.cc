@@ -18,7 +18,6 @@ namespace moed {
 
 namespace {
 
-using low_latency::BlockLayout;
 using low_latency::DispatchHalf;
 using low_latency::NetPlan;
 using low_latency::ReceiveBlock;
@@ -154,7 +153,6 @@ Status push_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
   const SegmentLayout& lay = st.layout;
   DispatchHalf& dh = st.dispatch_half[half];
   const RowFormat f = RowFormat::of(lay, in.use_fp8);
-  const BlockLayout bl = BlockLayout::of(lay);
   const flex::Region& region = st.recv_ring.region(slot);
   const int64_t T = in.x.rows;
   // The messages to other nodes are gather lists, their rows read from x (or this half's FP8
@@ -168,7 +166,7 @@ Status push_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
     const int64_t to =
         int64_t(e % lay.num_local_experts) * lay.rows_per_expert() + begin[size_t(e)] + i;
     auto* block = reinterpret_cast<std::byte*>(region.peer(st.local_of(d)));
-    low_latency::put_block_row(block, bl, to, f, row, t, p, copier);
+    low_latency::put_block_row(block, st.block_layout, to, f, row, row + f.payload, t, p, copier);
   };
   std::vector<uint64_t> shared_rows(size_t(w.pool().num_threads()), 0);
   low_latency::send_rows(st, in, handle, half, f, plan, {}, stream, put, shared_rows);
@@ -210,7 +208,7 @@ StatusOr<LowLatencyDispatchOutput> LowLatencyBuffer::low_latency_dispatch(
   flex::Region& region = st.recv_ring.region(slot);
   if (region.buffer() == nullptr) {
     // Every local rank allocates the slot's block together (the same pick everywhere).
-    if (Status made = region.ensure(*st.world, BlockLayout::of(st.layout).bytes); !made.ok()) {
+    if (Status made = region.ensure(*st.world, st.block_layout.bytes); !made.ok()) {
       dh.pending = false;
       return made;
     }

@@ -160,13 +160,13 @@ void send_rows(LowLatencyBuffer::State& st, const LowLatencyDispatchInput& in,
   });
 }
 
-// Row r of the receive block at `base` gets `row` (payload, then FP8 scales), token and prob.
+// Row r of the receive block at `base` gets a payload, its FP8 scales, token and prob.
 inline void put_block_row(std::byte* base, const BlockLayout& lay, int64_t r, const RowFormat& f,
-                          const std::byte* row, int32_t token, float prob,
-                          internal::RowCopier& copier) {
-  copier.copy(base + lay.x + size_t(r) * f.payload, row);
+                          const std::byte* payload, const std::byte* scales, int32_t token,
+                          float prob, internal::RowCopier& copier) {
+  copier.copy(base + lay.x + size_t(r) * f.payload, payload);
   if (f.scale_bytes != 0) {
-    std::memcpy(base + lay.scales + size_t(r) * f.scale_bytes, row + f.payload, f.scale_bytes);
+    std::memcpy(base + lay.scales + size_t(r) * f.scale_bytes, scales, f.scale_bytes);
   }
   std::memcpy(base + lay.src + size_t(r) * sizeof(int32_t), &token, sizeof(token));
   std::memcpy(base + lay.prob + size_t(r) * sizeof(float), &prob, sizeof(prob));
@@ -190,12 +190,7 @@ inline void copy_places(ThreadPool& pool, ReceiveBlock& rb, const RowFormat& f,
     internal::RowCopier copier(f.payload, stream);
     for (int64_t p = p0; p < p1; ++p) {
       const RowPlace& pl = places[size_t(p)];
-      copier.copy(rb.x() + size_t(pl.to) * f.payload, pl.row);
-      if (f.scale_bytes != 0) {
-        std::memcpy(rb.scales() + size_t(pl.to) * f.scale_bytes, pl.scales, f.scale_bytes);
-      }
-      rb.src()[size_t(pl.to)] = pl.token;
-      rb.prob()[size_t(pl.to)] = pl.prob;
+      put_block_row(rb.base, rb.lay, pl.to, f, pl.row, pl.scales, pl.token, pl.prob, copier);
     }
     copier.finish();
   };

@@ -248,6 +248,7 @@ struct LowLatencyBuffer::State {
   World* world = nullptr;
   uint64_t id = 0;
   low_latency::SegmentLayout layout;
+  low_latency::BlockLayout block_layout;  // of every dispatch's receive block
   std::shared_ptr<SharedBuffer> shared;
   bool in_place = false;  // in-node peers read each other's memory (World::shares_address_space)
   // Shrink mode (segment_peers.h): no collectives in the calls; a peer that misses a call's
