@@ -22,14 +22,12 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
                   .num_local_experts = num_experts / num_ranks,
                   .num_scales = hidden % kFp8BlockSize == 0 ? hidden / kFp8BlockSize : 0};
   const size_t rows = size_t(num_experts) * size_t(max_tokens);
-  const size_t slots = shrink ? rows : 0;  // a push needs no dispatch slots
+  // A push needs no dispatch slots.
+  l.slot_block = BlockLayout::of(shrink ? int64_t(rows) : 0, hidden, l.num_scales);
   Sections s(64);
   for (int h = 0; h < 2; ++h) {
     l.counts[h] = s.add(size_t(num_experts) * sizeof(uint64_t));
-    l.dispatch_x[h] = s.add(slots * size_t(hidden) * sizeof(bf16));
-    l.dispatch_scales[h] = s.add(slots * size_t(l.num_scales) * sizeof(float));
-    l.dispatch_src[h] = s.add(slots * sizeof(int32_t));
-    l.dispatch_prob[h] = s.add(slots * sizeof(float));
+    l.slots[h] = s.add(l.slot_block.bytes);
     l.combine_y[h] = s.add(rows * size_t(hidden) * sizeof(bf16));
     l.acks[h] = s.add(size_t(num_ranks) * sizeof(uint64_t));  // G <= R
     l.ranges[h] = s.add(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
@@ -39,14 +37,14 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
   return l;
 }
 
-BlockLayout BlockLayout::of(const SegmentLayout& lay) {
-  const size_t rows = size_t(lay.num_local_experts) * size_t(lay.rows_per_expert());
+BlockLayout BlockLayout::of(int64_t rows, int hidden, int num_scales) {
+  const size_t n = size_t(rows);
   BlockLayout l;
   Sections s(64);
-  l.x = s.add(rows * size_t(lay.hidden) * sizeof(bf16));
-  l.scales = s.add(rows * size_t(lay.num_scales) * sizeof(float));
-  l.src = s.add(rows * sizeof(int32_t));
-  l.prob = s.add(rows * sizeof(float));
+  l.x = s.add(n * size_t(hidden) * sizeof(bf16));
+  l.scales = s.add(n * size_t(num_scales) * sizeof(float));
+  l.src = s.add(n * sizeof(int32_t));
+  l.prob = s.add(n * sizeof(float));
   l.bytes = s.aligned_end();
   return l;
 }
@@ -207,7 +205,9 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
   state->id = next_id.fetch_add(1, std::memory_order_relaxed);
   state->layout = low_latency::SegmentLayout::make(max_tokens_per_rank, hidden, R, num_experts,
                                                    options.enable_shrink);
-  state->block_layout = low_latency::BlockLayout::of(state->layout);
+  const low_latency::SegmentLayout& lay = state->layout;
+  state->block_layout = low_latency::BlockLayout::of(
+      int64_t(lay.num_local_experts) * lay.rows_per_expert(), lay.hidden, lay.num_scales);
   if (options.segment) {
     state->shared = options.segment;
   } else {

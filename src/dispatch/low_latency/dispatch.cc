@@ -116,7 +116,6 @@ Status receive_counts(Received& rv) {
 // messages placed, then the in-node senders' signals.
 Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, int half, uint64_t n,
                         uint64_t seq, ReceiveBlock& rb) {
-  World& w = *st.world;
   DispatchHalf& dh = st.dispatch_half[half];
   dh.pending = false;
   Received rv{st, dh, half, seq, RowFormat::of(st.layout, rb.fp8)};
@@ -126,18 +125,10 @@ Status receive_dispatch(LowLatencyBuffer::State& st, LowLatencyHandle& handle, i
     dh.send_peers.clear();
     return counted;
   }
-  // Also waits for this call's sends (the gather lists read x).
-  MOED_RETURN_IF_ERROR(low_latency::segment::receive_dispatch_messages(peers, rv));
-  // Non-temporal stores when the node's blocks take many rows this call, counting the in-node
-  // senders' too: they go into the same last-level cache.
-  const bool stream = rv.stream(rv.set_layout(rb));
-  std::vector<low_latency::RowPlace> places;
-  rv.place_messages(rb, places);
-  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
-  const int64_t placed = int64_t(places.size());
-  const bool inline_copy = size_t(placed) * rv.f.payload < low_latency::kInlineBytes;
-  low_latency::copy_places(w.pool(), rb, rv.f, places, stream,
-                           inline_copy ? std::max<int64_t>(1, placed) : 1);
+  // Also waits for this call's sends (the gather lists read x); the in-node senders wrote
+  // their rows themselves.
+  MOED_RETURN_IF_ERROR(
+      low_latency::segment::receive_dispatch_rows(peers, rv, rb, [](bool /*stream*/) {}));
   MOED_RETURN_IF_ERROR(st.dispatch_signals.wait_all(n));
   handle.layout_range = rb.layout_range;
   handle.received = true;

@@ -172,6 +172,25 @@ inline void put_block_row(std::byte* base, const BlockLayout& lay, int64_t r, co
   std::memcpy(base + lay.prob + size_t(r) * sizeof(float), &prob, sizeof(prob));
 }
 
+// Rows [from, from + n) of the block at `src` (layout `sl`) to packed rows [to, to + n) of rb;
+// with stream, the payloads through non-temporal stores (the caller fences).
+inline void copy_block_rows(const std::byte* src, const BlockLayout& sl, int64_t from,
+                            ReceiveBlock& rb, int64_t to, size_t n, const RowFormat& f,
+                            bool stream) {
+  auto copy = [&](size_t dst_off, size_t src_off, size_t bytes, bool nt) {
+    if (nt) {
+      internal::stream_copy(rb.base + dst_off, src + src_off, bytes);
+    } else {
+      std::memcpy(rb.base + dst_off, src + src_off, bytes);
+    }
+  };
+  copy(rb.lay.x + size_t(to) * f.payload, sl.x + size_t(from) * f.payload, n * f.payload, stream);
+  copy(rb.lay.scales + size_t(to) * f.scale_bytes, sl.scales + size_t(from) * f.scale_bytes,
+       n * f.scale_bytes, false);
+  copy(rb.lay.src + size_t(to) * 4, sl.src + size_t(from) * 4, n * 4, false);
+  copy(rb.lay.prob + size_t(to) * 4, sl.prob + size_t(from) * 4, n * 4, false);
+}
+
 // A row the receive copies into packed row `to`: its payload, its scales (FP8), its source
 // token and prob.
 struct RowPlace {
@@ -262,14 +281,15 @@ struct Received {
   bool stream(int64_t received) const {
     return stream_node_copy(*st.world, size_t(received) * f.payload);
   }
-  // Packs in-node chunk (j, s) from the sender's slots `slot_row(j, s)` (a RowSpan); other
-  // nodes' rows are place_messages'. stream: the caller fences.
-  template <typename SlotRow>
-  void pack(ReceiveBlock& rb, int j, int s, const SlotRow& slot_row, bool stream) const {
+  // Packs in-node chunk (j, s) from the sender's dispatch slots (`slots`: that half's block in
+  // its segment); other nodes' rows are place_messages'. stream: the caller fences.
+  void pack(ReceiveBlock& rb, int j, int s, const std::byte* slots, bool stream) const {
     const LowLatencyRange range = rb.layout_range[size_t(j) * st.layout.num_ranks + s];
     if (range.count == 0 || !st.world->same_node(s, st.world->rank())) return;
+    const int64_t from =
+        (int64_t(st.world->rank()) * st.layout.num_local_experts + j) * st.layout.max_tokens;
     const int64_t to = int64_t(j) * st.layout.rows_per_expert() + range.begin;
-    pack_rows(rb, to, size_t(range.count), f, slot_row(j, s), stream);
+    copy_block_rows(slots, st.layout.slot_block, from, rb, to, size_t(range.count), f, stream);
   }
   // Where every entry of the other nodes' messages goes, appended to `places`: source s's
   // i-th token for expert j to begin(j, s) + i, the order of the sender's slots (token order).

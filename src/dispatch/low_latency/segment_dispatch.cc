@@ -17,7 +17,7 @@ using segment::open_call;
 using segment::Peers;
 using segment::post_dispatch_messages;
 using segment::publish;
-using segment::receive_dispatch_messages;
+using segment::receive_dispatch_rows;
 using segment::receive_parts;
 using segment::State;
 
@@ -69,7 +69,8 @@ Status segment::post_dispatch_messages(Peers& peers, const LowLatencyHandle& han
   return posted;
 }
 
-Status segment::receive_dispatch_messages(Peers& peers, Received& rv) {
+Status segment::receive_dispatch_rows(Peers& peers, Received& rv, ReceiveBlock& rb,
+                                      const std::function<void(bool)>& in_node) {
   State& st = rv.st;
   World& w = *st.world;
   DispatchHalf& dh = rv.dh;
@@ -99,6 +100,16 @@ Status segment::receive_dispatch_messages(Peers& peers, Received& rv) {
   for (int s = 0; s < R; ++s) {
     if (peers.masked(s)) rv.drop(s);
   }
+  // Non-temporal stores when the node's blocks take many rows this call, counting the in-node
+  // senders' too: they go into the same last-level cache.
+  const bool stream = rv.stream(rv.set_layout(rb));
+  in_node(stream);
+  std::vector<RowPlace> places;
+  rv.place_messages(rb, places);
+  // A few rows (decode at T = 1) are copied on this thread: waking the pool costs more.
+  const int64_t placed = int64_t(places.size());
+  const bool inline_copy = size_t(placed) * rv.f.payload < kInlineBytes;
+  copy_places(w.pool(), rb, rv.f, places, stream, inline_copy ? std::max<int64_t>(1, placed) : 1);
   return ok_status();
 }
 
@@ -142,19 +153,16 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
   MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kDispatch, half, n, fp8,
                                      dh.header_requests, from_segment, bad, read_counts,
                                      [&](int s) { rv.drop(s); }));
-  MOED_RETURN_IF_ERROR(receive_dispatch_messages(peers, rv));
-  const bool stream = rv.stream(rv.set_layout(rb));
-  auto slot_row = [&](int j, int s) {  // the sender's own slots (e, i)
-    const int64_t from = (int64_t(me) * L + j) * lay.max_tokens;
-    return RowSpan::slots(st.segment(st.local_of(s)), lay, half, from, rv.f);
+  auto pack = [&](bool stream) {
+    w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int s = int(c % R);
+        rv.pack(rb, int(c / R), s, st.segment(st.local_of(s)) + lay.slots[half], stream);
+      }
+      if (stream) internal::stream_fence();
+    });
   };
-  w.pool().parallel_for(int64_t(L) * R, [&](int64_t c0, int64_t c1, int) {
-    for (int64_t c = c0; c < c1; ++c) rv.pack(rb, int(c / R), int(c % R), slot_row, stream);
-    if (stream) internal::stream_fence();
-  });
-  std::vector<RowPlace> places;
-  rv.place_messages(rb, places);
-  copy_places(w.pool(), rb, rv.f, places, stream, 1);
+  MOED_RETURN_IF_ERROR(receive_dispatch_rows(peers, rv, rb, pack));
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kDispatch, half, n, from_segment));
   handle.layout_range = rb.layout_range;
   handle.received = true;
@@ -203,7 +211,8 @@ StatusOr<LowLatencyDispatchOutput> segment_dispatch(const std::shared_ptr<State>
     const bool stream = stream_node_copy(w, size_t(T) * size_t(in.topk.num_topk) * f.payload);
     auto put = [&](int, int e, int64_t i, const std::byte* row, int32_t t, float p,
                    internal::RowCopier& copier) {
-      put_slot(st.local(), lay, half, int64_t(e) * lay.max_tokens + i, f, row, t, p, copier);
+      put_block_row(st.local() + lay.slots[half], lay.slot_block, int64_t(e) * lay.max_tokens + i,
+                    f, row, row + f.payload, t, p, copier);
     };
     send_rows(st, in, *handle, half, f, plan, live, stream, put, shared_rows);
   }

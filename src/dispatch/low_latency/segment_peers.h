@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -313,9 +314,12 @@ inline void publish(State& st, CallKind kind, int half, uint64_t n, const Status
 Status post_dispatch_messages(Peers& peers, const LowLatencyHandle& handle, int half, uint64_t seq,
                               const RowFormat& f, const NetPlan& plan, const Status& local,
                               const LowLatencyDispatchInput& in);
-// Once rv.count holds every source's counts: the other nodes' rows into dh.net_recv, then this
-// call's own sends. A source lost meanwhile (shrink mode) adds no rows.
-Status receive_dispatch_messages(Peers& peers, Received& rv);
+// Once rv.count holds every source's counts: the other nodes' rows into dh.net_recv, and this
+// call's own sends waited for (a source lost meanwhile, in shrink mode, adds no rows); then
+// rb's packed layout, the in-node sources' rows by in_node(stream) and the other nodes' rows
+// placed into rb (with stream: non-temporal stores, for a large receive).
+Status receive_dispatch_rows(Peers& peers, Received& rv, ReceiveBlock& rb,
+                             const std::function<void(bool)>& in_node);
 // A combine's messages with the unmasked ranks on other nodes (segment_combine.cc): from each
 // expert rank its verdict, then this rank's rows of each of its experts, received into one
 // block [verdict, 64 bytes][rows, expert by expert] (sizes from the dispatch); the same to each

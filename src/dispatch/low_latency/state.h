@@ -13,11 +13,11 @@
 //
 // Segment of every rank (node-shared, `SegmentLayout`), written only by its rank, per half h:
 //   counts[h][e]     uint64: the rows this rank sends to expert e (in-node receivers read it)
-//   dispatch_x[h]    shrink mode: [E][M] slots (e, i) of H bf16 (or H fp8 bytes): this rank's
-//                    row i for expert e; the receiver packs expert j's rows to row
-//                    j * R * M + begin(j, s) + i of its receive block, never into the segment
-//   dispatch_scales[h], dispatch_src[h], dispatch_prob[h]: the same rows' FP8 scales, source
-//                    token indices and probs (the token's topk_weights entry for the expert)
+//   slots[h]         shrink mode: [E * M] rows (slot_block: payloads, FP8 scales, source
+//                    tokens, probs); slot e * M + i is this rank's row i for expert e. The
+//                    receiver packs expert j's rows to row j * R * M + begin(j, s) + i of its
+//                    receive block. Shrink mode pulls so: a peer it masks may still be writing,
+//                    and a pushed row could then land in a block already handed to the caller.
 //   combine_y[h]     [L * R * M]: this rank's expert outputs for in-node homes, packed as x
 //   ranges[h] [L][R] this rank's dispatch layout, for the combine's in-node homes
 //   acks[h]          uint64 [G] per local rank: the op sequence up to which that peer has
@@ -55,6 +55,14 @@ namespace moed {
 
 namespace low_latency {
 
+// Where a block of rows keeps them (a receive block, shrink mode's dispatch slots): the
+// payloads (bf16, or FP8 at half the stride: the call's RowFormat), then their FP8 scales,
+// source tokens and probs, each a region of its own.
+struct BlockLayout {
+  size_t x = 0, scales = 0, src = 0, prob = 0, bytes = 0;
+  static BlockLayout of(int64_t rows, int hidden, int num_scales);
+};
+
 // Every region starts on 64 bytes (dispatch/sections.h).
 struct SegmentLayout {
   int64_t max_tokens = 0;     // M
@@ -64,10 +72,8 @@ struct SegmentLayout {
   int num_local_experts = 0;  // L
   int num_scales = 0;         // H / 128 (0 when H is not a multiple of 128: no FP8)
   size_t counts[2] = {0, 0};
-  size_t dispatch_x[2] = {0, 0};
-  size_t dispatch_scales[2] = {0, 0};
-  size_t dispatch_src[2] = {0, 0};
-  size_t dispatch_prob[2] = {0, 0};
+  BlockLayout slot_block;  // shrink mode's dispatch slots, [E * M] rows (none outside it)
+  size_t slots[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
   size_t acks[2] = {0, 0};
   // The segment protocol (segment_peers.h): this rank's words (SegmentWord) and its mask [R],
@@ -79,7 +85,6 @@ struct SegmentLayout {
   // Shrink mode's dispatch slots only with `shrink` (a push needs none).
   static SegmentLayout make(int64_t max_tokens, int hidden, int num_ranks, int num_experts,
                             bool shrink);
-  int64_t slots() const { return int64_t(num_experts) * max_tokens; }  // rows per region
   int64_t rows_per_expert() const { return int64_t(num_ranks) * max_tokens; }
 };
 
@@ -101,35 +106,6 @@ inline bool stream_node_copy(const World& w, size_t bytes_per_rank) {
   return bytes_per_rank * size_t(w.ranks_per_node()) >= internal::kStreamThresholdBytes;
 }
 
-// Row r of a half's dispatch slots in a sender's segment (design.md §6.1): its payload,
-// scales, source token and prob, each in its own region; the payload through `copier`
-// (finished before the slots are published).
-inline void put_slot(std::byte* seg, const SegmentLayout& lay, int half, int64_t r,
-                     const RowFormat& f, const std::byte* row, int32_t token, float prob,
-                     internal::RowCopier& copier) {
-  copier.copy(seg + lay.dispatch_x[half] + size_t(r) * f.payload, row);
-  std::memcpy(seg + lay.dispatch_scales[half] + size_t(r) * f.scale_bytes, row + f.payload,
-              f.scale_bytes);
-  std::memcpy(seg + lay.dispatch_src[half] + size_t(r) * sizeof(int32_t), &token, sizeof(token));
-  std::memcpy(seg + lay.dispatch_prob[half] + size_t(r) * sizeof(float), &prob, sizeof(prob));
-}
-
-// Consecutive dispatched rows where they stand in a half's slots, for the receive to pack
-// (pack_rows).
-struct RowSpan {
-  const std::byte* x;
-  const std::byte* scales;
-  const std::byte* token;
-  const std::byte* prob;
-  static RowSpan slots(const std::byte* seg, const SegmentLayout& lay, int half, int64_t row,
-                       const RowFormat& f) {
-    return {seg + lay.dispatch_x[half] + size_t(row) * f.payload,
-            seg + lay.dispatch_scales[half] + size_t(row) * f.scale_bytes,
-            seg + lay.dispatch_src[half] + size_t(row) * sizeof(int32_t),
-            seg + lay.dispatch_prob[half] + size_t(row) * sizeof(float)};
-  }
-};
-
 // What an in-node home reads in place from an expert rank in an in-place combine, published
 // by the call's opening collective.
 struct InPlaceRows {
@@ -150,13 +126,6 @@ inline size_t word_index(SegmentWord w, CallKind k, int half) {
   return size_t(w) + size_t(k) * 2 + size_t(half);
 }
 
-// Where a receive block keeps its rows: the payloads (bf16, or FP8 at half the stride: the
-// call's RowFormat), then their FP8 scales, source tokens and probs, [L * R * M] each.
-struct BlockLayout {
-  size_t x = 0, scales = 0, src = 0, prob = 0, bytes = 0;
-  static BlockLayout of(const SegmentLayout& lay);
-};
-
 // Memory a dispatch receives into and its output views (LowLatencyDispatchOutput::storage):
 // the caller's while any copy of the output's storage is held. A push receives into a slot of
 // the node's OutputRing, which the block holds; a shrink-mode receive into memory of its own,
@@ -175,22 +144,6 @@ struct ReceiveBlock {
   int32_t* src() const { return reinterpret_cast<int32_t*>(base + lay.src); }
   float* prob() const { return reinterpret_cast<float*>(base + lay.prob); }
 };
-
-// Copies n rows from `from` to packed rows [to, to + n) of rb.
-inline void pack_rows(ReceiveBlock& rb, int64_t to, size_t n, const RowFormat& f,
-                      const RowSpan& from, bool stream) {
-  std::byte* x = rb.x() + size_t(to) * f.payload;
-  if (stream) {
-    internal::stream_copy(x, from.x, n * f.payload);  // the caller fences
-  } else {
-    std::memcpy(x, from.x, n * f.payload);
-  }
-  if (f.scale_bytes != 0) {
-    std::memcpy(rb.scales() + size_t(to) * f.scale_bytes, from.scales, n * f.scale_bytes);
-  }
-  std::memcpy(rb.src() + to, from.token, n * sizeof(int32_t));
-  std::memcpy(rb.prob() + to, from.prob, n * sizeof(float));
-}
 
 // A dispatch's header to a rank on another node (segment_peers.h): [verdict, L counts, tokens],
 // int32 each: the rows for each of its local experts and the tokens that carry them
