@@ -66,7 +66,7 @@ Status poll_until(const World& world, Done&& done, What&& what) {
 }
 
 // poll_until for a wait on a peer's signal outside the world's own collectives and messages
-// (moed's shared-memory signals, the low-latency acks): on a timeout the world adds what it
+// (moed's shared-memory signals): on a timeout the world adds what it
 // knows of the silent ranks (World::after_timeout; MPI's census), so a stalled rank is named
 // whichever wait saw it first.
 template <typename Done, typename What>

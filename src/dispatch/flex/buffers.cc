@@ -128,7 +128,7 @@ Status PublishRound::close(const Status& step) {
   SharedBuffer& b = *signals_.buffer_;
   for (int lr = 0; lr < b.local_size(); ++lr) {
     if (lr == b.local_rank()) continue;
-    if (b.signal_value(lr) < published_) continue;  // never opened
+    if (!by_collective_ && b.signal_value(lr) < published_) continue;  // never opened
     MOED_RETURN_IF_ERROR(internal::poll_released(
         world_, [&] { return b.signal_value(lr) >= released_; },
         [&] {

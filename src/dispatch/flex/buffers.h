@@ -112,6 +112,10 @@ class PublishRound {
   PublishRound& operator=(const PublishRound&) = delete;
   ~PublishRound();
   Status open();
+  // Instead of open(), in place: a collective of the step has already told every local rank
+  // where the others' memory is (the low-latency combine's agreement), so close() waits for
+  // every one of them.
+  void opened_by_collective() { by_collective_ = true; }
   // `step`: how the step went; an error fails the world first (in place).
   Status close(const Status& step = Status());
 
@@ -121,6 +125,7 @@ class PublishRound {
   const uint64_t published_, released_;  // the round's two epochs
   const bool in_place_;
   const Role role_;
+  bool by_collective_ = false;
   bool closed_ = false;
 };
 

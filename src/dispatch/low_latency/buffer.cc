@@ -29,7 +29,6 @@ SegmentLayout SegmentLayout::make(int64_t max_tokens, int hidden, int num_ranks,
     l.counts[h] = s.add(size_t(num_experts) * sizeof(uint64_t));
     l.slots[h] = s.add(l.slot_block.bytes);
     l.combine_y[h] = s.add(rows * size_t(hidden) * sizeof(bf16));
-    l.acks[h] = s.add(size_t(num_ranks) * sizeof(uint64_t));  // G <= R
     l.ranges[h] = s.add(size_t(l.num_local_experts) * size_t(num_ranks) * sizeof(LowLatencyRange));
   }
   l.words = s.add((kWords + size_t(num_ranks)) * sizeof(uint64_t));
@@ -108,23 +107,6 @@ void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<Recei
   out.recv_probs = std::span<const float>(block->prob(), size_t(rows));
   out.layout_range = std::span<const LowLatencyRange>(block->layout_range);
   out.storage = std::move(block);
-}
-
-Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, uint64_t seq) {
-  World& w = *st.world;
-  const int me = w.local_rank();
-  std::atomic<uint64_t>* acks = st.acks(me, half);
-  for (int p = 0; p < w.ranks_per_node(); ++p) {
-    if (p == me) continue;
-    MOED_RETURN_IF_ERROR(internal::poll_released(
-        w, [&] { return acks[p].load(std::memory_order_acquire) >= seq; },
-        [&] {
-          return str_cat("low-latency combine: waiting for local rank ", p,
-                         " to read this rank's rows (every rank must pass the same "
-                         "return_recv_hook)");
-        }));
-  }
-  return ok_status();
 }
 
 }  // namespace low_latency
@@ -225,8 +207,10 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
                                .rank = world.rank(),
                                .node = world.node(),
                                .local_rank = world.local_rank()};
-  // The push's signals; shrink mode makes no collective call after create().
+  // The push's and the in-place combine's signals; shrink mode makes no collective call after
+  // create().
   if (!options.enable_shrink) MOED_RETURN_IF_ERROR(state->dispatch_signals.init(world));
+  if (state->in_place) MOED_RETURN_IF_ERROR(state->combine_signals.init(world));
   state->shrink = options.enable_shrink;
   state->shrink_timeout = options.shrink_timeout;
   const int L = num_experts / R;
@@ -240,8 +224,6 @@ StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::make_state(
     if (!options.segment) {
       std::atomic<uint64_t>* c = state->counts(world.local_rank(), h);
       for (int e = 0; e < num_experts; ++e) c[e].store(0, std::memory_order_relaxed);
-      std::atomic<uint64_t>* a = state->acks(world.local_rank(), h);
-      for (int p = 0; p < world.ranks_per_node(); ++p) a[p].store(0, std::memory_order_relaxed);
     }
   }
   if (!options.segment) {

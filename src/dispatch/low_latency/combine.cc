@@ -84,17 +84,17 @@ Status check_combine(const LowLatencyBuffer::State& st, const LowLatencyCombineI
   return ok_status();
 }
 
-// Receive phase of combine `seq` from `half`: out[t] = sum over t's experts e ascending of
-// w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own.
+// Receive phase of an in-place combine from `half`: out[t] = sum over t's experts e ascending
+// of w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own; in-node
+// experts' outputs read where `peer` ([R], the call's collective) says.
 Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& handle,
                        const TopkView& routing, std::span<const int32_t> order, int half,
-                       uint64_t seq, TensorView out) {
+                       std::span<const low_latency::InPlaceRows> peer, TensorView out) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   CombineHalf& ch = st.combine_half[half];
   const int R = lay.num_ranks, me = w.rank(), H = lay.hidden;
   ch.pending = false;
-  low_latency::InPlaceRelease release(st, half, seq, ch.sources);
   // Other nodes' expert outputs come in one message per expert rank (segment_peers.h).
   low_latency::segment::Peers peers(st, "low_latency_combine");
   std::vector<const std::byte*> first_row(size_t(lay.num_experts), nullptr);
@@ -110,10 +110,8 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   MOED_RETURN_IF_ERROR(net);
   MOED_RETURN_IF_ERROR(sent);
 
-  // In-node experts' outputs are where the call's collective said.
   const int L = lay.num_local_experts;
   const size_t row_bytes = size_t(H) * sizeof(bf16);
-  const std::vector<low_latency::InPlaceRows>& peer = ch.sources;
   auto row_of = [&](int32_t e, int32_t slot) -> const bf16* {
     const int d = e / L, j = e % L;
     if (!w.same_node(d, me)) {
@@ -126,7 +124,7 @@ Status receive_combine(LowLatencyBuffer::State& st, const LowLatencyHandle& hand
   };
   low_latency::reduce_tokens(
       w, handle, routing, order, [](int32_t) { return true; }, row_of, out);
-  return release.finish();
+  return ok_status();
 }
 
 // The combine's opening collective: agrees on every rank's inputs (as World::agree, whose
@@ -141,7 +139,6 @@ StatusOr<std::vector<low_latency::InPlaceRows>> agree_and_publish(LowLatencyBuff
     return std::vector<low_latency::InPlaceRows>();
   }
   // NOTE: pointers cross ranks as integers: in-place mode is one address space (state.h).
-  const bool in_place = !in.return_recv_hook;
   std::array<int64_t, 3> mine = {0, 0, 0};  // the payload: rows, stride, ranges
   if (local.ok()) {
     mine[0] = int64_t(reinterpret_cast<intptr_t>(in.x.data));
@@ -156,7 +153,6 @@ StatusOr<std::vector<low_latency::InPlaceRows>> agree_and_publish(LowLatencyBuff
   for (int r = 0; r < R; ++r) {
     const int64_t* row = table.payload(r);
     low_latency::InPlaceRows& ps = sources[size_t(r)];
-    ps.in_place = in_place;
     ps.rows = reinterpret_cast<const std::byte*>(intptr_t(row[0]));
     ps.stride = size_t(row[1]);
     ps.ranges = reinterpret_cast<const LowLatencyRange*>(intptr_t(row[2]));
@@ -194,19 +190,21 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   const int half = int(st.combines++ % 2);
   CombineHalf& ch = st.combine_half[half];
   ch.pending = true;
-  ch.sources = std::move(sources);
 
-  // In-place mode (state.h): the in-node homes read this rank's rows where they are.
-  // NOTE: always read in place, acks and all, even at T = 1: copying the rows into the homes'
-  // slots first (8 rows of 14 KiB a rank at decode) costs more than the round of acks it saves.
+  // In-place mode (state.h): the in-node homes read this rank's rows where they are, until
+  // the round closes.
+  // NOTE: always read in place, round and all, even at T = 1: copying the rows into the homes'
+  // slots first (8 rows of 14 KiB a rank at decode) costs more than the round it saves.
+  flex::PublishRound round(*st.world, st.combine_signals, st.combine_epoch, /*in_place=*/true,
+                           flex::PublishRound::Role::kReads);
+  round.opened_by_collective();
   count_in_node_rows(st, *in.handle);
   low_latency::segment::Peers peers(st, "low_latency_combine");
   Status status =
       low_latency::segment::post_combine_messages(peers, in.handle.get(), in.x, half, seq, local);
   if (!status.ok()) {
     ch.pending = false;
-    low_latency::release_in_place(st, half, seq, ch.sources).ignore();
-    return status;
+    return round.close(status);
   }
 
   LowLatencyCombineOutput out;
@@ -215,7 +213,8 @@ StatusOr<LowLatencyCombineOutput> LowLatencyBuffer::low_latency_combine(
   }
   out.out = in.out;
   auto receive = [&] {
-    return receive_combine(st, *in.handle, in.topk, in.order, half, seq, out.result());
+    return round.close(
+        receive_combine(st, *in.handle, in.topk, in.order, half, sources, out.result()));
   };
   MOED_RETURN_IF_ERROR(low_latency::receive_now_or_hook(false, std::move(receive), out.hook));
   return out;

@@ -116,57 +116,6 @@ inline void add_shared_rows(World& w, std::span<const uint64_t> rows_per_worker,
   w.add_shared_bytes(rows * row_bytes, rows);
 }
 
-// An in-place combine, on every way out of a call whose opening collective published where
-// every rank's rows are, error or not: acks every in-node peer that left rows to be read, then,
-// if this rank left its caller's rows, waits until every in-node peer has acked, through a
-// failed world too (poll_released), since the caller may free its rows once the call returns.
-// A peer that took part in the collective acks on each of its ways out, so the wait is short
-// even when a third rank has failed. Ranks that used the hook copied their rows and wait for
-// nobody. `published`: every rank's InPlaceRows ([R]) as the opening collective gathered it
-// (empty: nothing was published).
-inline Status release_in_place(LowLatencyBuffer::State& st, int half, uint64_t seq,
-                               std::span<const InPlaceRows> published) {
-  World& w = *st.world;
-  if (published.empty()) return ok_status();
-  const int G = w.ranks_per_node(), me = w.local_rank();
-  MOED_CHECK(published.size() == size_t(w.size()), "release_in_place: ", published.size(),
-             " published sources for ", w.size(), " ranks");
-  auto source = [&](int p) -> const InPlaceRows& {
-    return published[size_t(w.node()) * size_t(G) + size_t(p)];
-  };
-  for (int p = 0; p < G; ++p) {
-    if (p != me && source(p).in_place) st.acks(p, half)[me].store(seq, std::memory_order_release);
-  }
-  const InPlaceRows& own = source(me);
-  if (!own.in_place) return ok_status();
-  return wait_in_place_acks(st, half, seq);
-}
-
-// Runs release_in_place once: by finish() on the way out of a receive that went well, or when
-// dropped on any other way out.
-class InPlaceRelease {
- public:
-  InPlaceRelease(LowLatencyBuffer::State& st, int half, uint64_t seq,
-                 std::span<const InPlaceRows> published)
-      : st_(st), half_(half), seq_(seq), published_(published) {}
-  InPlaceRelease(const InPlaceRelease&) = delete;
-  InPlaceRelease& operator=(const InPlaceRelease&) = delete;
-  ~InPlaceRelease() {
-    if (armed_) finish().ignore();
-  }
-  Status finish() {
-    armed_ = false;
-    return release_in_place(st_, half_, seq_, published_);
-  }
-
- private:
-  LowLatencyBuffer::State& st_;
-  int half_;
-  uint64_t seq_;
-  std::span<const InPlaceRows> published_;
-  bool armed_ = true;
-};
-
 // The receive phase: run now (hook = an already-completed request), or handed back as `hook`
 // when the caller asked for one (return_recv_hook); a hook dropped unwaited still receives, so
 // the buffer's halves and the peers' signals stay in step.

@@ -20,16 +20,14 @@
 //                    and a pushed row could then land in a block already handed to the caller.
 //   combine_y[h]     [L * R * M]: this rank's expert outputs for in-node homes, packed as x
 //   ranges[h] [L][R] this rank's dispatch layout, for the combine's in-node homes
-//   acks[h]          uint64 [G] per local rank: the op sequence up to which that peer has
-//                    finished reading this rank's expert outputs (in-place combine)
 //   words     the sequence words and the mask (segment_peers.h)
 //
 // In-place combine (the threads world, where every rank's memory is readable by its node;
 // calls without a receive hook): an expert rank's outputs are not copied into its segment; the
 // call's opening collective gathers where every rank's rows are (InPlaceRows) and the home
-// reduces them where they are. Every receive then acks its in-node peers, on every way out of
-// the call, error or not, and waits for their acks (even when another rank has failed), so
-// the call returns only once nobody reads its rows any more. With a hook the combine goes
+// reduces them where they are. The call then closes a round of Flex's (flex::PublishRound), on
+// every way out, error or not: it returns only once no local rank reads its rows any more,
+// even when another rank has failed. With a hook the combine goes
 // through the segments, so that its rows are free once the send phase returns (DeepEP's
 // contract), whenever the peers run their hooks.
 #pragma once
@@ -75,7 +73,6 @@ struct SegmentLayout {
   BlockLayout slot_block;  // shrink mode's dispatch slots, [E * M] rows (none outside it)
   size_t slots[2] = {0, 0};
   size_t combine_y[2] = {0, 0};
-  size_t acks[2] = {0, 0};
   // The segment protocol (segment_peers.h): this rank's words (SegmentWord) and its mask [R],
   // uint64 each; this rank's dispatch layout [L][R] (LowLatencyRange) for the combine.
   size_t words = 0;
@@ -109,9 +106,6 @@ inline bool stream_node_copy(const World& w, size_t bytes_per_rank) {
 // What an in-node home reads in place from an expert rank in an in-place combine, published
 // by the call's opening collective.
 struct InPlaceRows {
-  // The expert rank left its outputs to be read (a call without a receive hook), so the call
-  // returns only after every in-node home has acked; else it copied them into its segment.
-  bool in_place = false;
   const std::byte* rows = nullptr;          // the expert outputs
   size_t stride = 0;                        // bytes from one row to the next
   const LowLatencyRange* ranges = nullptr;  // [L][R] this rank's dispatch layout
@@ -186,9 +180,6 @@ struct CombineHalf {
   std::vector<std::byte> net_send;
   std::vector<Request> requests;
   std::vector<int> send_peers;
-  // In-place mode: every rank's InPlaceRows, gathered by the call's opening collective
-  // (combine.cc).
-  std::vector<InPlaceRows> sources;  // [R]
 };
 
 }  // namespace low_latency
@@ -221,6 +212,9 @@ struct LowLatencyBuffer::State {
   flex::Topology topo;
   flex::OutputRing recv_ring;
   flex::Signals dispatch_signals;
+  // In-place combines: the rounds that keep each rank's rows until its node has read them.
+  flex::Signals combine_signals;
+  uint64_t combine_epoch = 0;
 
   std::byte* segment(int local_rank) const {
     return static_cast<std::byte*>(shared->peer(local_rank));
@@ -233,9 +227,6 @@ struct LowLatencyBuffer::State {
   // Word `index` of local rank `local_rank`'s words (segment_peers.h).
   std::atomic<uint64_t>* segment_word(int local_rank, size_t index) const {
     return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.words) + index;
-  }
-  std::atomic<uint64_t>* acks(int local_rank, int half) const {
-    return reinterpret_cast<std::atomic<uint64_t>*>(segment(local_rank) + layout.acks[half]);
   }
 };
 
@@ -250,11 +241,6 @@ std::shared_ptr<ReceiveBlock> ring_receive_block(LowLatencyBuffer::State& st, in
 // The output's views of `block` and the storage that holds them.
 void view_receive_block(const LowLatencyBuffer::State& st, std::shared_ptr<ReceiveBlock> block,
                         LowLatencyDispatchOutput& out);
-
-// In-place mode: waits until every in-node peer has acked operation `seq` of `half` in this rank's
-// segment, that is, read its rows; through a failed world too, bounded by the timeout
-// (comm/wait.h, poll_released).
-Status wait_in_place_acks(LowLatencyBuffer::State& st, int half, uint64_t seq);
 
 }  // namespace low_latency
 
