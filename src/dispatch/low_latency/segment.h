@@ -1,10 +1,11 @@
 // A low-latency call through the node-shared segments (segment_dispatch.cc, segment_combine.cc;
-// the protocol in segment_peers.h): a dispatch in shrink mode, a combine but an in-place one
-// (state.h). In shrink mode (DeepEP's enable_shrink) with no collective, masking a peer that
+// the protocol in segment_peers.h): a dispatch in shrink mode, and every combine (in place,
+// state.h, or not). In shrink mode (DeepEP's enable_shrink) with no collective, masking a peer that
 // misses a deadline; else after the call's agreement, a lost peer being every rank's error.
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "dispatch/low_latency/state.h"
 
@@ -16,9 +17,11 @@ namespace moed::low_latency {
 StatusOr<LowLatencyDispatchOutput> segment_dispatch(
     const std::shared_ptr<LowLatencyBuffer::State>& st, const LowLatencyDispatchInput& in,
     const Status& local);
+// `in_place` ([R], from the call's agreement; empty: none): the in-node homes read this rank's
+// rows where they are (state.h, in-place combine) instead of from its segment.
 StatusOr<LowLatencyCombineOutput> segment_combine(
     const std::shared_ptr<LowLatencyBuffer::State>& st, const LowLatencyCombineInput& in,
-    const Status& local);
+    const Status& local, std::vector<InPlaceRows> in_place = {});
 // Shrink mode: a barrier over the unmasked ranks.
 Status segment_clean(LowLatencyBuffer::State& st);
 

@@ -2,6 +2,7 @@
 // segment_peers.h).
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -118,8 +119,24 @@ uint64_t segment::message_rows(const State& st, int half, const LowLatencyHandle
 
 namespace {
 
+// The rows the in-node homes read in place from this rank, counted here, by the rank whose rows
+// cross the node (as when it writes them, and as the planning model counts NVLink bytes).
+void count_in_node_rows(State& st, const LowLatencyHandle& handle) {
+  World& w = *st.world;
+  const int R = st.layout.num_ranks;
+  uint64_t rows = 0;
+  for (size_t c = 0; c < handle.layout_range.size(); ++c) {
+    if (w.same_node(int(c % size_t(R)), w.rank())) rows += uint64_t(handle.layout_range[c].count);
+  }
+  add_shared_rows(w, {&rows, 1}, size_t(st.layout.hidden) * sizeof(bf16));
+}
+
+// Receive phase of combine n from `half`: out[t] = sum over t's experts e ascending of
+// w * float(y[e][slot]), fp32 from 0, each product and sum rounded on its own. In-node experts'
+// outputs are in their ranks' segments, or in place where `in_place` ([R]) says.
 Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkView& routing,
-                       std::span<const int32_t> order, int half, uint64_t n, TensorView out) {
+                       std::span<const int32_t> order, int half, uint64_t n, TensorView out,
+                       std::span<const InPlaceRows> in_place) {
   World& w = *st.world;
   const SegmentLayout& lay = st.layout;
   CombineHalf& ch = st.combine_half[half];
@@ -129,11 +146,20 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkView
   Peers peers(st, "low_latency_combine");
   Status bad;
   // Where each expert's rows for this rank start: in-node experts' ranks publish their layout,
-  // the others' rows come in one message, local experts in order.
+  // the others' rows come in one message, local experts in order. In place, in-node rows are
+  // found per term (in_node_row): at decode a token reads a few of the L experts' ranges.
   std::vector<const std::byte*> first_row(size_t(lay.num_experts), nullptr);
   std::vector<bool> from_segment(size_t(R), false);
+  auto in_node_row = [&](int32_t e, int32_t slot) -> const std::byte* {
+    const InPlaceRows& p = in_place[size_t(e / L)];
+    const int j = e % L;
+    const int64_t row = int64_t(j) * lay.rows_per_expert() + p.ranges[size_t(j) * R + me].begin;
+    return p.rows + size_t(row + slot) * p.stride;
+  };
+  const auto read_in_place = [&](int32_t e) { return !in_place.empty() && peers.in_node(e / L); };
   auto read_rows = [&](int d, std::optional<uint64_t> published) -> StatusOr<uint64_t> {
     uint64_t verdict = 0;
+    if (published && !in_place.empty()) return *published;
     if (published) {
       verdict = *published;
       const std::byte* seg = st.segment(st.local_of(d));
@@ -156,8 +182,9 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkView
     }
     return message_rows(st, half, handle, d, first_row);
   };
-  MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kCombine, half, n, false, ch.recvs,
-                                     from_segment, bad, read_rows, [&](int d) {
+  MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kCombine, half, n, false,
+                                     !in_place.empty(), ch.recvs, from_segment, bad, read_rows,
+                                     [&](int d) {
                                        for (int j = 0; j < L; ++j)
                                          first_row[size_t(d) * L + j] = nullptr;
                                      }));
@@ -171,8 +198,13 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkView
   // out[t] = sum over t's experts e of unmasked ranks, ascending, of w * y (as the normal path).
   reduce_tokens(
       w, handle, routing, order,
-      [&](int32_t e) { return first_row[size_t(e)] != nullptr && !peers.masked(e / L); },
-      [&](int32_t e, int32_t slot) { return first_row[size_t(e)] + size_t(slot) * row_bytes; },
+      [&](int32_t e) {
+        return (read_in_place(e) || first_row[size_t(e)] != nullptr) && !peers.masked(e / L);
+      },
+      [&](int32_t e, int32_t slot) {
+        return read_in_place(e) ? in_node_row(e, slot)
+                                : first_row[size_t(e)] + size_t(slot) * row_bytes;
+      },
       out);
   MOED_RETURN_IF_ERROR(finish_receive(st, peers, CallKind::kCombine, half, n, from_segment));
   MOED_RETURN_IF_ERROR(ch.local_check);
@@ -183,7 +215,8 @@ Status receive_combine(State& st, const LowLatencyHandle& handle, const TopkView
 
 StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& sp,
                                                   const LowLatencyCombineInput& in,
-                                                  const Status& local) {
+                                                  const Status& local,
+                                                  std::vector<InPlaceRows> in_place) {
   State& st = *sp;
   World& w = *st.world;
   Peers peers(st, "low_latency_combine");
@@ -200,10 +233,21 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
   const LowLatencyHandle* handle =
       in.handle && in.handle->buffer_id == st.id && in.handle->received ? in.handle.get() : nullptr;
 
-  // Expert side: the rows of in-node homes into this rank's segment (the packed layout, as x),
-  // with the layout; one message for each other node's home.
+  // In place, the in-node homes read this rank's rows where they are, until the round closes.
+  // NOTE: always read in place, round and all, even at T = 1: copying the rows into the homes'
+  // slots first (8 rows of 14 KiB a rank at decode) costs more than the round it saves.
+  std::optional<flex::PublishRound> round;
+  if (!in_place.empty()) {
+    round.emplace(w, st.combine_signals, st.combine_epoch, /*in_place=*/true,
+                  flex::PublishRound::Role::kReads);
+    round->opened_by_collective();
+    count_in_node_rows(st, *in.handle);
+  }
+  auto close = [&](Status status) { return round ? round->close(status) : status; };
+  // Else the rows of in-node homes into this rank's segment (the packed layout, as x), with the
+  // layout; one message for each other node's home.
   std::byte* seg = st.local();
-  if (ok) {
+  if (ok && in_place.empty()) {
     const TensorView y(seg + lay.combine_y[half], DType::kBF16, int64_t(L) * lay.rows_per_expert(),
                        H);
     std::vector<std::pair<int64_t, int64_t>> chunks;  // (row, rows)
@@ -231,7 +275,7 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
   Status posted = post_combine_messages(peers, handle, in.x, half, seq, local);
   if (!posted.ok()) {
     ch.pending = false;
-    return posted;
+    return close(posted);
   }
 
   LowLatencyCombineOutput out;
@@ -245,20 +289,28 @@ StatusOr<LowLatencyCombineOutput> segment_combine(const std::shared_ptr<State>& 
       const TopkView routing{handle->topk_idx.data(), false, nullptr, handle->num_tokens,
                              handle->num_topk};
       Tensor scratch = Tensor::empty(DType::kBF16, T, H);
-      receive_combine(st, *handle, routing, {}, half, n, scratch.view()).ignore();
+      receive_combine(st, *handle, routing, {}, half, n, scratch.view(), {}).ignore();
     } else {
       ch.pending = false;
       word(st, me, kDone, CallKind::kCombine, half)->store(n, std::memory_order_release);
     }
-    return local;
+    return close(local);
   }
-  // The receive may run in the hook, after the caller's routing is gone: it reads a copy.
+  if (!in.return_recv_hook) {
+    auto receive = [&] {
+      return close(
+          receive_combine(st, *handle, in.topk, in.order, half, n, out.result(), in_place));
+    };
+    MOED_RETURN_IF_ERROR(receive_now_or_hook(false, std::move(receive), out.hook));
+    return out;
+  }
+  // The receive runs in the hook, after the caller's routing is gone: it reads a copy.
   auto receive = [sp, handle = in.handle, routing = to_topk(in.topk),
                   order = std::vector<int32_t>(in.order.begin(), in.order.end()), half, n,
                   view = out.result()] {
-    return receive_combine(*sp, *handle, TopkView::of(routing), order, half, n, view);
+    return receive_combine(*sp, *handle, TopkView::of(routing), order, half, n, view, {});
   };
-  MOED_RETURN_IF_ERROR(receive_now_or_hook(in.return_recv_hook, std::move(receive), out.hook));
+  MOED_RETURN_IF_ERROR(receive_now_or_hook(true, std::move(receive), out.hook));
   return out;
 }
 

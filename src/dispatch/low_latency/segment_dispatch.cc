@@ -150,7 +150,7 @@ Status receive_dispatch(State& st, LowLatencyHandle& handle, int half, uint64_t 
     return uint64_t(uint32_t(header[0] & ~kHeaderFp8Flag)) |
            ((header[0] & kHeaderFp8Flag) != 0 ? kFp8Flag : 0);
   };
-  MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kDispatch, half, n, fp8,
+  MOED_RETURN_IF_ERROR(receive_parts(st, peers, CallKind::kDispatch, half, n, fp8, false,
                                      dh.header_requests, from_segment, bad, read_counts,
                                      [&](int s) { rv.drop(s); }));
   auto pack = [&](bool stream) {

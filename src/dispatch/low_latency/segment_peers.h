@@ -77,6 +77,7 @@ class Peers {
     return st_.removed;
   }
   Status check_removed() {
+    if (!st_.shrink) return ok_status();  // only shrink mode masks
     MOED_RETURN_IF_ERROR(st_.removed);
     for (int r = 0; r < w_.size(); ++r) {
       if (!masked(r)) MOED_RETURN_IF_ERROR(removed_by(r));
@@ -260,15 +261,18 @@ inline Status verdict_error(const char* call, uint64_t n, int source, uint64_t v
 // in-node peer once it has published (from_segment[r] set), each other node's once its first
 // message first[r] is in. read(r, published) takes the source's part and returns its verdict
 // (`published`: the in-node peer's; none for another node's, whose message holds it). A source
-// whose verdict is an error is dropped (drop(r)) and, the first, kept in `bad`.
+// whose verdict is an error is dropped (drop(r)) and, the first, kept in `bad`. `in_place`: the
+// call's agreement has published the in-node peers' parts (verdict 0), read where they are.
 template <typename Read, typename Drop>
 Status receive_parts(State& st, Peers& peers, CallKind kind, int half, uint64_t n, bool fp8,
-                     std::vector<Request>& first, std::vector<bool>& from_segment, Status& bad,
-                     Read&& read, Drop&& drop) {
+                     bool in_place, std::vector<Request>& first, std::vector<bool>& from_segment,
+                     Status& bad, Read&& read, Drop&& drop) {
   for (int r = 0; r < st.world->size(); ++r) {
     if (peers.masked(r)) continue;
     std::optional<uint64_t> published;
-    if (peers.in_node(r)) {
+    if (peers.in_node(r) && in_place) {
+      published = 0;
+    } else if (peers.in_node(r)) {
       MOED_ASSIGN_OR_RETURN(published, wait_published(st, peers, kind, half, n, r));
       if (!published) continue;
       from_segment[size_t(r)] = true;

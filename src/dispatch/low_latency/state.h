@@ -2,8 +2,8 @@
 //   buffer.cc            creation, the segment layout, the size hint
 //   dispatch.cc          low_latency_dispatch: the push (below), or the segments in shrink mode
 //   segment_dispatch.cc  a dispatch through the node-shared segments (segment_peers.h), and
-//   segment_combine.cc   a combine (every combine but an in-place one)
-//   combine.cc           low_latency_combine: the choice, and in-place mode
+//   segment_combine.cc   every combine: in-node rows from the segments, or in place
+//   combine.cc           low_latency_combine: its checks and opening agreement
 //
 // A dispatch outside shrink mode pushes: its opening agreement gathers every rank's counts per
 // expert (so every sender knows where its rows go in each receiver's packed layout) and which
