@@ -1,4 +1,4 @@
-// What the send and receive phases of dispatch.cc and combine.cc do alike: keep the requests
+// What the send and receive phases of the dispatches and combines do alike: keep the requests
 // they post, count their node-shared traffic, and run their receive phase now or as a hook.
 #pragma once
 

@@ -1,5 +1,5 @@
-// A combine through the segments, and shrink mode's clean (segment.h; the protocol in
-// segment_peers.h).
+// Every combine, its in-node rows read through the segments or in place, and shrink mode's
+// clean (segment.h; the protocol in segment_peers.h).
 #include <algorithm>
 #include <cstring>
 #include <optional>

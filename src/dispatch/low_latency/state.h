@@ -27,9 +27,9 @@
 // call's opening collective gathers where every rank's rows are (InPlaceRows) and the home
 // reduces them where they are. The call then closes a round of Flex's (flex::PublishRound), on
 // every way out, error or not: it returns only once no local rank reads its rows any more,
-// even when another rank has failed. With a hook the combine goes
-// through the segments, so that its rows are free once the send phase returns (DeepEP's
-// contract), whenever the peers run their hooks.
+// even when another rank has failed. With a hook the combine goes through the segments, so
+// that its rows are free once the send phase returns (DeepEP's contract), whenever the peers
+// run their hooks.
 #pragma once
 
 #include <atomic>
