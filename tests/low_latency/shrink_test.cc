@@ -195,6 +195,45 @@ TEST_P(ShrinkTest, ARankThatComesBackIsToldItWasRemoved) {
   EXPECT_TRUE(st.ok()) << st.to_string();
 }
 
+// Two nodes of 2; node 1 goes silent. Rank 1 has masked its ranks by hand, rank 0 has not: in
+// the first dispatch rank 0 waits out each of them in turn (2 timeouts) while rank 1 goes on
+// to the combine and waits for rank 0 there. Rank 0 is alive, held up by its own waits: rank 1
+// must not mask it (as when a cut link let one node-mate receive what the other did not).
+TEST_P(ShrinkTest, ARankHeldUpByAnotherNodesLostRanksIsNotLostToItsNodeMate) {
+  const int R = 4, E = 8;
+  std::vector<Step> steps;
+  std::vector<std::vector<Tensor>> want;
+  for (int i = 0; i < 2; ++i) {
+    steps.push_back(make_step(R, E, 11 + uint32_t(i)));
+    StatusOr<std::vector<Tensor>> m = masked_reference(steps.back(), E, {2, 3});
+    ASSERT_TRUE(m.ok()) << m.status().to_string();
+    want.push_back(std::move(m).value());
+  }
+  Status st = run_world(GetParam(), R, 2, [&](World& w) -> Status {
+    const LowLatencyOptions opts{.enable_shrink = true, .shrink_timeout = kShrinkTimeout};
+    MOED_ASSIGN_OR_RETURN(auto buf, LowLatencyBuffer::create(w, kMaxTokens, kHidden, E, opts));
+    const int me = w.rank();
+    if (me >= 2) return ok_status();  // silent from here on
+    if (me == 1) {
+      MOED_RETURN_IF_ERROR(buf->update_mask(2, true));
+      MOED_RETURN_IF_ERROR(buf->update_mask(3, true));
+    }
+    for (int i = 0; i < 2; ++i) {
+      const Step& s = steps[size_t(i)];
+      MOED_ASSIGN_OR_RETURN(
+          LowLatencyRoundTrip o,
+          low_latency_round_trip(*buf, s.x[size_t(me)].view(), s.topk[size_t(me)], i == 1));
+      if (!bitwise_equal(o.combine.result(), want[size_t(i)][size_t(me)].view()))
+        return internal_error("rank ", me, ", step ", i, ": combine differs from the reference");
+      if (buf->query_mask() != std::vector<int32_t>{0, 0, 1, 1})
+        return internal_error("rank ", me, ", step ", i, ": mask ", buf->query_mask()[0], " ",
+                              buf->query_mask()[1]);
+    }
+    return ok_status();
+  });
+  EXPECT_TRUE(st.ok()) << st.to_string();
+}
+
 TEST_P(ShrinkTest, BadInputIsAnErrorOnEveryRankThatReceivesFromIt) {
   const int R = 4, E = 8, bad = 1;
   const Step s = make_step(R, E, 5);

@@ -317,11 +317,13 @@ def _shrink_loop(g, pg, rank, fault, replicas, after=None):
     steps = []
 
     def step(i):
-        # A step whose calls masked a rank is run again on the new mask: every survivor saw
-        # the same calls miss it, so they all run it again, and tokens routed to a lost
-        # replica go to a live one.
+        # With replicas, a step whose calls masked a rank is run again on the new mask, so
+        # tokens routed to a lost replica go to a live one (a killed rank: every survivor saw
+        # the same calls miss it, so they all run it again). Without, the step is right as it
+        # is for the mask it ended with, and running it again could pair one rank's retry with
+        # a node-mate's next step where only one of them saw a message lost (a cut link).
         x, logical, w = shrink_inputs(rank, i, E_log)
-        for attempt in range(R):
+        for attempt in range(R if rmap else 1):
             buffer.low_latency_query_mask_buffer(mask)
             before = mask.clone()
             physical, lost = rmap.route(logical, mask) if rmap else (logical, 0)

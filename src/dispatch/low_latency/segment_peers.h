@@ -10,6 +10,8 @@
 //                   rank writes half h for call n only once every unmasked in-node peer is
 //                   done with n - 2 (else the agreement says so)
 //   kCleaned        clean() calls entered
+//   kWaitUntil      while this rank is in a shrink-mode wait: until when it may wait (steady
+//                   clock, ns; 0 otherwise)
 //   kMask + r       1 where this rank masked rank r; rank r reading it learns it was removed
 // Dispatch (shrink mode): counts[h][e] = rows this rank sends to expert e; the rows, their scales,
 // source tokens and probs at (chunk e, slot i) of dispatch_x / _scales / _src / _prob[h]. Combine:
@@ -20,6 +22,7 @@
 // (clean).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -46,7 +49,11 @@ constexpr int32_t kHeaderFp8Flag = 1 << 16;       // the same in a network heade
 // without it. Otherwise a wait is the world's (bounded by its timeout, ended by a failure) and
 // a lost peer is every waiter's error.
 // NOTE: a deadline per wait, not per call: a live peer may answer only once its own wait for a
-// lost rank has run out (a message it receives after a header, say).
+// lost rank has run out (a message it receives after a header, say). An in-node peer says how
+// long it may wait (kWaitUntil): it is given until then plus the shrink timeout, so a rank held
+// up by another node's lost rank, which its node-mates may not have waited for, is not lost to
+// them. The word carries the longest wait of a chain of waiters (each raises its own to the
+// peer's), without the added timeout: a cycle of waiters stays bounded.
 class Peers {
  public:
   Peers(State& st, const char* call) : st_(st), w_(*st.world), call_(call) {}
@@ -93,7 +100,8 @@ class Peers {
           internal::poll_peer(w_, ready, [&] { return str_cat(call_, ": waiting for rank ", r); }));
       return true;
     }
-    const auto deadline = Clock::now() + st_.shrink_timeout;
+    Waiting waiting(*this, Clock::now() + st_.shrink_timeout);
+    uint64_t theirs = 0;
     for (int i = 0;; ++i) {
       if (masked(r)) return false;
       if (ready()) return true;
@@ -106,8 +114,12 @@ class Peers {
         mask(r, "the world reports it failed");
         return false;
       }
-      if (Clock::now() >= deadline) {
-        mask(r, str_cat("no answer within ", st_.shrink_timeout.count(), " ms"));
+      // The latest seen: r's word is 0 for a moment between two of its waits.
+      theirs = std::max(theirs, word_of(r, kWaitUntil)->load(std::memory_order_relaxed));
+      waiting.raise(theirs);
+      if (Clock::now() >= std::max(waiting.own(), at(theirs) + st_.shrink_timeout)) {
+        mask(r, str_cat("no answer within ", st_.shrink_timeout.count(),
+                        " ms (of this wait's start, or of the end of a wait of its own)"));
         return false;
       }
       internal::backoff(i);
@@ -118,6 +130,8 @@ class Peers {
   // masked (failed, or the deadline passed: the message is then cancelled).
   StatusOr<bool> wait(int r, Request& request) {
     if (masked(r) || !request) return false;
+    std::optional<Waiting> waiting;
+    if (st_.shrink) waiting.emplace(*this, Clock::now() + st_.shrink_timeout);
     Status s = st_.shrink ? request->wait_for(st_.shrink_timeout) : request->wait();
     request.reset();
     if (s.ok()) return true;
@@ -160,8 +174,38 @@ class Peers {
   }
 
  private:
+  // This rank's kWaitUntil for one wait: its own deadline, raised to a waited-for peer's.
+  class Waiting {
+   public:
+    Waiting(Peers& p, Clock::time_point own) : word_(p.word(kWaitUntil)), own_(own) {
+      word_->store(ns(own), std::memory_order_relaxed);
+    }
+    ~Waiting() { word_->store(0, std::memory_order_relaxed); }
+    Waiting(const Waiting&) = delete;
+    Waiting& operator=(const Waiting&) = delete;
+    Clock::time_point own() const { return own_; }
+    void raise(uint64_t theirs) {
+      if (theirs > word_->load(std::memory_order_relaxed))
+        word_->store(theirs, std::memory_order_relaxed);
+    }
+
+   private:
+    std::atomic<uint64_t>* word_;
+    Clock::time_point own_;
+  };
+  static uint64_t ns(Clock::time_point t) {
+    return uint64_t(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count());
+  }
+  static Clock::time_point at(uint64_t ns) {
+    return Clock::time_point(
+        std::chrono::duration_cast<Clock::duration>(std::chrono::nanoseconds(ns)));
+  }
   std::atomic<uint64_t>* word(size_t index) const {
     return st_.segment_word(w_.local_rank(), index);
+  }
+  std::atomic<uint64_t>* word_of(int r, size_t index) const {
+    return st_.segment_word(st_.local_of(r), index);
   }
   State& st_;
   World& w_;

@@ -114,7 +114,14 @@ enum class CallKind : int { kDispatch = 0, kCombine = 1 };
 
 // The words of a rank's words region (segment_peers.h says what each means), per
 // (kind, half) where they have one; the mask [R] follows at kMask.
-enum SegmentWord : size_t { kSent = 0, kVerdict = 4, kDone = 8, kCleaned = 12, kMask = 13 };
+enum SegmentWord : size_t {
+  kSent = 0,
+  kVerdict = 4,
+  kDone = 8,
+  kCleaned = 12,
+  kWaitUntil = 13,
+  kMask = 14
+};
 inline constexpr size_t kWords = kMask;
 inline size_t word_index(SegmentWord w, CallKind k, int half) {
   return size_t(w) + size_t(k) * 2 + size_t(half);
