@@ -95,7 +95,8 @@ struct LowLatencyDispatchOutput {
 struct LowLatencyOptions {
   bool enable_shrink = false;  // shrink mode (above)
   // How long a rank waits for a peer in shrink mode before it masks it (DeepEP's timeout),
-  // rather than the world's timeout.
+  // rather than the world's timeout; a node-mate held up by a wait of its own gets until that
+  // wait's end plus this (design.md §6.6).
   std::chrono::milliseconds shrink_timeout = std::chrono::seconds(10);
   // A node-shared segment made earlier, zeroed on every rank (World::alloc_shared; DeepEP's
   // num_rdma_bytes, get_low_latency_size_hint bytes or more): create() then makes no
