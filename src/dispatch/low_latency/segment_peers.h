@@ -73,10 +73,8 @@ class Peers {
   // In-node peer r has masked this rank: the buffer is lost to it (every later call says so).
   Status removed_by(int r) {
     if (!in_node(r) || r == w_.rank()) return ok_status();
-    if (st_.segment_word(st_.local_of(r), kMask + size_t(w_.rank()))
-            ->load(std::memory_order_acquire) == 0) {
+    if (word_of(r, kMask + size_t(w_.rank()))->load(std::memory_order_acquire) == 0)
       return ok_status();
-    }
     st_.removed = aborted("rank ", w_.rank(), " was removed by rank ", r,
                           " (masked in shrink mode: it missed a call's deadline of ",
                           st_.shrink_timeout.count(), " ms or was seen failed); its ", call_,
