@@ -10,8 +10,8 @@
 //                   rank writes half h for call n only once every unmasked in-node peer is
 //                   done with n - 2 (else the agreement says so)
 //   kCleaned        clean() calls entered
-//   kWaitUntil      while this rank is in a shrink-mode wait: until when it may wait (steady
-//                   clock, ns; 0 otherwise)
+//   kWaitUntil      while this rank is in a shrink-mode wait, until when it may wait; after
+//                   it, when it ended (steady clock, ns)
 //   kMask + r       1 where this rank masked rank r; rank r reading it learns it was removed
 // Dispatch (shrink mode): counts[h][e] = rows this rank sends to expert e; the rows, their scales,
 // source tokens and probs at (chunk e, slot i) of dispatch_x / _scales / _src / _prob[h]. Combine:
@@ -50,10 +50,12 @@ constexpr int32_t kHeaderFp8Flag = 1 << 16;       // the same in a network heade
 // a lost peer is every waiter's error.
 // NOTE: a deadline per wait, not per call: a live peer may answer only once its own wait for a
 // lost rank has run out (a message it receives after a header, say). An in-node peer says how
-// long it may wait (kWaitUntil): it is given until then plus the shrink timeout, so a rank held
-// up by another node's lost rank, which its node-mates may not have waited for, is not lost to
-// them. The word carries the longest wait of a chain of waiters (each raises its own to the
-// peer's), without the added timeout: a cycle of waiters stays bounded.
+// long it may wait, or when its last wait ended (kWaitUntil): it is given until then plus the
+// shrink timeout, so a rank held up by another node's lost rank, which its node-mates may not
+// have waited for, is not lost to them. The word carries the longest wait of a chain of
+// waiters (each raises its own to the peer's), without the added timeout: a cycle of waiters
+// stays bounded. A wait that ended says when, not its deadline: a peer that answered its own
+// wait early and then went silent gets no more than one timeout after that.
 class Peers {
  public:
   Peers(State& st, const char* call) : st_(st), w_(*st.world), call_(call) {}
@@ -99,7 +101,6 @@ class Peers {
       return true;
     }
     Waiting waiting(*this, Clock::now() + st_.shrink_timeout);
-    uint64_t theirs = 0;
     for (int i = 0;; ++i) {
       if (masked(r)) return false;
       if (ready()) return true;
@@ -112,8 +113,7 @@ class Peers {
         mask(r, "the world reports it failed");
         return false;
       }
-      // The latest seen: r's word is 0 for a moment between two of its waits.
-      theirs = std::max(theirs, word_of(r, kWaitUntil)->load(std::memory_order_relaxed));
+      const uint64_t theirs = word_of(r, kWaitUntil)->load(std::memory_order_relaxed);
       waiting.raise(theirs);
       if (Clock::now() >= std::max(waiting.own(), at(theirs) + st_.shrink_timeout)) {
         mask(r, str_cat("no answer within ", st_.shrink_timeout.count(),
@@ -172,13 +172,14 @@ class Peers {
   }
 
  private:
-  // This rank's kWaitUntil for one wait: its own deadline, raised to a waited-for peer's.
+  // This rank's kWaitUntil for one wait: its own deadline, raised to a waited-for peer's; then
+  // the time it ended.
   class Waiting {
    public:
     Waiting(Peers& p, Clock::time_point own) : word_(p.word(kWaitUntil)), own_(own) {
       word_->store(ns(own), std::memory_order_relaxed);
     }
-    ~Waiting() { word_->store(0, std::memory_order_relaxed); }
+    ~Waiting() { word_->store(ns(Clock::now()), std::memory_order_relaxed); }
     Waiting(const Waiting&) = delete;
     Waiting& operator=(const Waiting&) = delete;
     Clock::time_point own() const { return own_; }
