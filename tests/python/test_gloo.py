@@ -134,7 +134,7 @@ def test_matches_threads_world(world):
 @pytest.mark.parametrize("world", [(2, 0), (4, 2)], ids=["P2", "P4_G2"])
 def test_results_are_the_callers(world):
     """test_ownership.py's reproductions (held low-latency results, results read after their
-    Buffer is gone, a zero-copy buffer outliving its Buffer) in gloo processes, test_ownership.RUNS runs each."""
+    Buffer is gone, a zero-copy buffer outliving its Buffer) in gloo processes."""
     R, G = world
     before = segments()
     spawn_ok("ownership", R, G)
