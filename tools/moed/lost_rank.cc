@@ -119,10 +119,9 @@ struct StepReport {
   int live_ranks = 0;
 };
 
-}  // namespace
+[[noreturn]] void fail(const Status& s) { fail_command("moed run", s.to_string()); }
 
-void run_lost_rank(const LostRankArgs& a) {
-  auto fail = [](const Status& s) { fail_command("moed run", s.to_string()); };
+void check_args(const LostRankArgs& a) {
   if (a.experts % a.ranks != 0)
     fail(
         invalid_argument("--experts ", a.experts, " is not a multiple of the ", a.ranks, " ranks"));
@@ -132,7 +131,58 @@ void run_lost_rank(const LostRankArgs& a) {
     fail(invalid_argument("--at-step ", a.at_step, " is not a step of ", a.steps));
   if (a.fail_rank == 0) fail(invalid_argument("--fail-rank 0: rank 0 reports; lose another"));
   if (a.topk > a.experts) fail(invalid_argument("--topk ", a.topk, " > --experts ", a.experts));
+}
 
+// Rank 0's table of the steps; false when a live rank's output differed.
+bool print_report(const LostRankArgs& a, const std::vector<StepReport>& report,
+                  const std::string& lost, double fail_s) {
+  // NOTE: under MPI each process counts its own rank only: rank 0 prints its own verdicts, and
+  // another rank's differing output is run_lost_rank's error.
+  const bool threads = a.world == "threads";
+  std::printf(
+      "moed run: low-latency decode loop in shrink mode, %d ranks, %d experts, top-%d, "
+      "%lld tokens x %d hidden per rank, shrink timeout %.1f s\n",
+      a.ranks, a.experts, a.topk, static_cast<long long>(a.tokens), a.hidden, a.shrink_timeout_s);
+  std::printf("%s (%s)\n\n", lost.c_str(), a.fail_how.c_str());
+  std::printf("%5s  %9s  %9s  %7s  %s\n", "step", "done at s", "step ms", "masked",
+              threads ? "bitwise (live ranks)" : "bitwise (rank 0)");
+  bool pass = true;
+  std::vector<double> before, after;
+  double first_after = -1;
+  for (int i = 0; i < a.steps; ++i) {
+    const StepReport& r = report[size_t(i)];
+    const int want = threads ? (i < a.at_step ? a.ranks : a.ranks - 1) : 1;
+    const bool ok = r.bitwise_ranks == want && r.live_ranks == want;
+    pass = pass && ok;
+    std::printf("%5d  %9.3f  %9.2f  %7s  %d / %d%s\n", i, r.end_s, r.ms, r.masked.c_str(),
+                r.bitwise_ranks, want, ok ? "" : "  DIFFERS");
+    if (i < a.at_step) before.push_back(r.ms);
+    if (i > a.at_step) after.push_back(r.ms);
+    if (i == a.at_step) first_after = r.end_s;
+  }
+  // The moment of the loss: the lost rank's own clock (threads); under MPI, rank 0's end of
+  // the step before.
+  if (!threads || fail_s < 0) fail_s = a.at_step > 0 ? report[size_t(a.at_step - 1)].end_s : 0;
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::nth_element(v.begin(), v.begin() + long(v.size() / 2), v.end());
+    return v[v.size() / 2];
+  };
+  std::printf(
+      "\nfirst step without rank %d done %.3f s after it was lost; median step %.2f ms "
+      "before, %.2f ms after\n",
+      a.fail_rank, first_after - fail_s, median(before), median(after));
+  std::printf("verify: %s\n", pass ? "every live rank's output of every step is bitwise equal "
+                                     "to the reference with the lost rank's experts masked"
+                                   : "FAILED");
+  std::fflush(stdout);
+  return pass;
+}
+
+}  // namespace
+
+void run_lost_rank(const LostRankArgs& a) {
+  check_args(a);
   std::vector<StepInput> steps;
   std::vector<std::vector<Tensor>> full, masked;
   for (int i = 0; i < a.steps; ++i) {
@@ -221,47 +271,7 @@ void run_lost_rank(const LostRankArgs& a) {
   if (!s.ok() && s.message().find(lost) == std::string::npos) fail(s);
   if (my_rank != 0) return;
 
-  // NOTE: under MPI each process counts its own rank only: rank 0 prints its own verdicts, and
-  // another rank's differing output is the error above.
-  const bool threads = a.world == "threads";
-  std::printf(
-      "moed run: low-latency decode loop in shrink mode, %d ranks, %d experts, top-%d, "
-      "%lld tokens x %d hidden per rank, shrink timeout %.1f s\n",
-      a.ranks, a.experts, a.topk, static_cast<long long>(a.tokens), a.hidden, a.shrink_timeout_s);
-  std::printf("%s (%s)\n\n", lost.c_str(), a.fail_how.c_str());
-  std::printf("%5s  %9s  %9s  %7s  %s\n", "step", "done at s", "step ms", "masked",
-              threads ? "bitwise (live ranks)" : "bitwise (rank 0)");
-  bool pass = true;
-  std::vector<double> before, after;
-  double first_after = -1;
-  for (int i = 0; i < a.steps; ++i) {
-    const StepReport& r = report[size_t(i)];
-    const int want = threads ? (i < a.at_step ? a.ranks : a.ranks - 1) : 1;
-    const bool ok = r.bitwise_ranks == want && r.live_ranks == want;
-    pass = pass && ok;
-    std::printf("%5d  %9.3f  %9.2f  %7s  %d / %d%s\n", i, r.end_s, r.ms, r.masked.c_str(),
-                r.bitwise_ranks, want, ok ? "" : "  DIFFERS");
-    if (i < a.at_step) before.push_back(r.ms);
-    if (i > a.at_step) after.push_back(r.ms);
-    if (i == a.at_step) first_after = r.end_s;
-  }
-  // The moment of the loss: the lost rank's own clock (threads); under MPI, rank 0's end of
-  // the step before.
-  if (!threads || fail_s < 0) fail_s = a.at_step > 0 ? report[size_t(a.at_step - 1)].end_s : 0;
-  auto median = [](std::vector<double> v) {
-    if (v.empty()) return 0.0;
-    std::nth_element(v.begin(), v.begin() + long(v.size() / 2), v.end());
-    return v[v.size() / 2];
-  };
-  std::printf(
-      "\nfirst step without rank %d done %.3f s after it was lost; median step %.2f ms "
-      "before, %.2f ms after\n",
-      a.fail_rank, first_after - fail_s, median(before), median(after));
-  std::printf("verify: %s\n", pass ? "every live rank's output of every step is bitwise equal "
-                                     "to the reference with the lost rank's experts masked"
-                                   : "FAILED");
-  std::fflush(stdout);
-  if (!pass) throw CLI::RuntimeError(2);
+  if (!print_report(a, report, lost, fail_s)) throw CLI::RuntimeError(2);
 }
 
 }  // namespace moed::cli
