@@ -209,8 +209,9 @@ struct SourceCounts {
 // whose experts are on `nodes`: per-expert terms from each remote node's forwarder, or, where
 // fewer bytes, the chain over the token's nodes ascending (an fp32 row per hop between them,
 // then the rounded row home), each hop sent by the rank of its node on the home's rail.
-void charge_flex_combine(std::vector<int>& nodes, const int32_t* topk, int K, int L, int G, int s,
-                         int64_t H, int64_t row_c, std::vector<int64_t>& net) {
+void charge_flex_combine(std::vector<int>& nodes, const int32_t* topk, int K,
+                         const std::vector<int32_t>& node_of, int G, int s, int64_t H,
+                         int64_t row_c, std::vector<int64_t>& net) {
   const int ns = s / G, ls = s % G;
   std::sort(nodes.begin(), nodes.end());
   const int64_t remote = std::count_if(nodes.begin(), nodes.end(), [&](int n) { return n != ns; });
@@ -226,7 +227,7 @@ void charge_flex_combine(std::vector<int>& nodes, const int32_t* topk, int K, in
     // the entries of the token on that node: one term each
     for (int k = 0; k < K; ++k) {
       const int32_t e = topk[k];
-      if (e >= 0 && e / L / G == nodes[i]) net[size_t(nodes[i] * G + ls)] += row_c;
+      if (e >= 0 && node_of[size_t(e)] == nodes[i]) net[size_t(nodes[i] * G + ls)] += row_c;
     }
   }
 }
@@ -248,12 +249,15 @@ Status count_source(const PlanOptions& o, int s, const RowBytes& rb, SourceCount
   n.selections = 0;
   std::vector<int64_t> rank_stamp(size_t(R), -1), node_stamp(size_t(N), -1);
   std::vector<int> nodes;
+  // An expert's rank and node looked up: a division per entry was most of this loop's time.
+  std::vector<int32_t> rank_of(static_cast<size_t>(E)), node_of(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) rank_of[size_t(e)] = e / L, node_of[size_t(e)] = e / L / G;
   for (int64_t t = 0; t < T; ++t) {
     nodes.clear();
     for (int k = 0; k < K; ++k) {
       const int32_t e = idx[size_t(t * K + k)];
       if (e < 0) continue;
-      const int d = e / L, nd = d / G;
+      const int d = rank_of[size_t(e)], nd = node_of[size_t(e)];
       ++n.selections;
       ++n.pairs[size_t(d)];
       ++n.ent_node[size_t(nd)];
@@ -262,7 +266,7 @@ Status count_source(const PlanOptions& o, int s, const RowBytes& rb, SourceCount
       nodes.push_back(nd);
     }
     if (N == 1 || nodes.empty()) continue;
-    charge_flex_combine(nodes, &idx[size_t(t * K)], K, L, G, s, o.hidden, rb.c,
+    charge_flex_combine(nodes, &idx[size_t(t * K)], K, node_of, G, s, o.hidden, rb.c,
                         m.flex_combine.network);
   }
   return ok_status();

@@ -120,7 +120,7 @@ StatusOr<std::vector<int32_t>> plan_routing(const PlanOptions& options, int rank
     // experts among them are chosen.
     const int NG = o.num_groups, GK = o.group_topk, per = E / NG;
     std::vector<double> score(static_cast<size_t>(E)), gscore(static_cast<size_t>(NG));
-    std::vector<int> groups(static_cast<size_t>(NG)), cand;
+    std::vector<int> groups(static_cast<size_t>(NG));
     for (int64_t t = 0; t < T; ++t) {
       for (int e = 0; e < E; ++e) score[size_t(e)] = rng.uniform();
       for (int g = 0; g < NG; ++g) {
@@ -130,14 +130,19 @@ StatusOr<std::vector<int32_t>> plan_routing(const PlanOptions& options, int rank
       std::iota(groups.begin(), groups.end(), 0);
       std::partial_sort(groups.begin(), groups.begin() + GK, groups.end(),
                         [&](int a, int b) { return gscore[size_t(a)] > gscore[size_t(b)]; });
-      cand.clear();
+      // The K best of the kept groups' experts, best first, kept sorted as they come: most
+      // experts score below the K-th so far and cost one comparison.
+      int32_t* top = &idx[size_t(t * K)];
+      int n = 0;
       for (int i = 0; i < GK; ++i) {
-        for (int e = groups[size_t(i)] * per; e < (groups[size_t(i)] + 1) * per; ++e)
-          cand.push_back(e);
+        for (int e = groups[size_t(i)] * per; e < (groups[size_t(i)] + 1) * per; ++e) {
+          const double v = score[size_t(e)];
+          if (n == K && v <= score[size_t(top[K - 1])]) continue;
+          int at = n < K ? n++ : K - 1;
+          for (; at > 0 && score[size_t(top[at - 1])] < v; --at) top[at] = top[at - 1];
+          top[at] = e;
+        }
       }
-      std::partial_sort(cand.begin(), cand.begin() + K, cand.end(),
-                        [&](int a, int b) { return score[size_t(a)] > score[size_t(b)]; });
-      for (int k = 0; k < K; ++k) idx[size_t(t * K + k)] = cand[size_t(k)];
     }
   }
   return idx;
