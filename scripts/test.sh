@@ -8,8 +8,8 @@
 # NOTE: each sanitizer build runs beside the tests before it, at the lowest CPU priority
 # (in_background): the tests spend much of their time waiting (on peers, timeouts, processes
 # starting, the test hosts' network, MPI ranks handing the cores to each other), and the build
-# takes only the cores they leave idle. The Release MPI tests (label mpi) took 66 s alone on a
-# 2-core VM and 72 s beside two busy loops started so.
+# takes only the cores they leave idle (the MPI tests, label mpi, too: their ranks hand the
+# cores to each other, and a build at this priority takes only what is left between).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
@@ -35,8 +35,8 @@ timed() {
 # its own, ended with the script), its output in LOG; finish_background waits for it, records
 # NAME's time and fails, with LOG's end, if it did.
 # NOTE: where the kernel groups processes by session (autogroup, Linux's default), a session's
-# share of the CPU is set by its group's nice value, not its processes': nice -n 19 alone left
-# the build an equal share, and the Python suite beside it took 129 s instead of 87.
+# share of the CPU is set by its group's nice value, not its processes': nice -n 19 alone
+# leaves the build an equal share of the cores beside the tests.
 bg_name="" bg_log="" bg_pid=""
 in_background() {
   bg_name=$1 bg_log=$2
