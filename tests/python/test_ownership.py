@@ -79,12 +79,12 @@ def expert_rows(group, E, M, H):
     return torch.stack([torch.full((R * M, H), (r * L + j + 1) / 4) for j in range(L)]).to(torch.bfloat16)
 
 
-def freed(*refs):
-    """Whether the objects behind the weak references are gone: at their last reference, as in a
+def freed(ref):
+    """Whether the object behind the weak reference is gone: at its last reference, as in a
     model, or else (a cycle) at a collection, which takes 0.1-0.3 s with the suites loaded."""
-    if any(r() is not None for r in refs):
+    if ref() is not None:
         gc.collect()
-    return all(r() is None for r in refs)
+    return ref() is None
 
 
 def snapshot(tensors):
