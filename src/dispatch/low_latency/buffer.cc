@@ -124,6 +124,18 @@ LowLatencyBuffer::LowLatencyBuffer(std::shared_ptr<State> state) : state_(std::m
 
 LowLatencyBuffer::~LowLatencyBuffer() = default;
 
+LowLatencyBuffer::State::~State() {
+  for (low_latency::DispatchHalf& h : dispatch_half) {
+    h.header_requests.clear();
+    h.send_requests.clear();
+  }
+  for (low_latency::CombineHalf& h : combine_half) {
+    h.recvs.clear();
+    h.row_recvs.clear();
+    h.requests.clear();
+  }
+}
+
 StatusOr<std::unique_ptr<LowLatencyBuffer>> LowLatencyBuffer::create(
     World& world, int64_t max_tokens_per_rank, int hidden, int num_experts,
     const LowLatencyOptions& options) {

@@ -195,6 +195,9 @@ struct LowLatencyBuffer::State {
   State() = default;
   State(const State&) = delete;
   State& operator=(const State&) = delete;
+  // Drops the halves' requests first: a combine's pending sends gather rows from the receive
+  // ring (its x is often a dispatch's recv_x), and a peer may match them until they are gone.
+  ~State();
 
   World* world = nullptr;
   uint64_t id = 0;
